@@ -1,0 +1,152 @@
+"""Process topology and torch.distributed start-up; the only module that names devices and backends.
+
+Ranks and the rendezvous address come from (in order) torchrun-style variables
+(`RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, also set by our local launcher),
+Slurm variables (`SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_STEP_NODELIST`), or nothing
+(a single process). Slurm's compressed node lists are expanded here in Python
+so that no rank shells out to `scontrol` in start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import re
+import socket
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT_BASE = 29500
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm" or "single"
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm host list: `gpu[01-03,07],cpu1` -> gpu01 gpu02 gpu03 gpu07 cpu1.
+
+    Zero padding of ranges is kept (`n[08-10]` -> n08 n09 n10). Nested brackets are not
+    part of Slurm's syntax for host names and are rejected.
+    """
+    hosts: list[str] = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+        if match is None:
+            if "[" in item or "]" in item:
+                raise ValueError(f"cannot parse Slurm node list {nodelist!r} at {item!r}")
+            hosts.append(item)
+            continue
+        prefix, ranges, suffix = match.groups()
+        if "[" in suffix:
+            raise ValueError(f"cannot parse Slurm node list {nodelist!r}: more than one bracket in {item!r}")
+        for part in ranges.split(","):
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                width = len(lo)
+                for i in range(int(lo), int(hi) + 1):
+                    hosts.append(f"{prefix}{i:0{width}d}{suffix}")
+            else:
+                hosts.append(f"{prefix}{part}{suffix}")
+    return hosts
+
+
+def _slurm_port(environ: Mapping[str, str]) -> int:
+    if "MASTER_PORT" in environ:
+        return int(environ["MASTER_PORT"])
+    # Several jobs may share a node: derive the port from the job id, away from well-known ports.
+    job_id = int(environ.get("SLURM_JOB_ID", "0"))
+    return DEFAULT_PORT_BASE + 1000 + job_id % 20000
+
+
+def dist_env_from(environ: Mapping[str, str] = os.environ) -> DistEnv:
+    """Read this process's rank, world and rendezvous address from the environment."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        world = int(environ["WORLD_SIZE"])
+        return DistEnv(
+            rank=int(environ["RANK"]),
+            world_size=world,
+            local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world)),
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(environ.get("MASTER_PORT", DEFAULT_PORT_BASE)),
+            source="torchrun",
+        )
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
+        hosts = expand_nodelist(nodelist) if nodelist else ["127.0.0.1"]
+        tasks_per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "1")
+        local_world = int(re.match(r"\d+", tasks_per_node).group(0))
+        return DistEnv(
+            rank=int(environ["SLURM_PROCID"]),
+            world_size=int(environ["SLURM_NTASKS"]),
+            local_rank=int(environ.get("SLURM_LOCALID", "0")),
+            local_world_size=local_world,
+            master_addr=environ.get("MASTER_ADDR", hosts[0]),
+            master_port=_slurm_port(environ),
+            source="slurm",
+        )
+    return DistEnv(0, 1, 0, 1, "127.0.0.1", int(environ.get("MASTER_PORT", 0)) or free_port(), "single")
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    """`auto` picks the GPU of this local rank when CUDA is present, else the CPU."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"cluster.device={requested!r} is invalid: use auto, cpu or cuda")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("cluster.device=cuda but no CUDA device is visible: use cluster.device=cpu or auto")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> None:
+    """Join the default process group (gloo on CPU, NCCL on GPU); idempotent."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group(
+        backend=backend_for(device),
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    logger.info("joined process group: rank %d/%d via %s (%s)", env.rank, env.world_size,
+                env.source, backend_for(device))
+
+
+def all_reduce_cpu_scalars(values: list[float], group: Optional[dist.ProcessGroup] = None,
+                           device: Optional[torch.device] = None) -> list[float]:
+    """Sum a few Python floats over a group (metrics); a no-op without torch.distributed."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device or "cpu")
+    dist.all_reduce(t, group=group)
+    return t.tolist()

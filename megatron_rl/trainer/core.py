@@ -1,0 +1,281 @@
+"""The Megatron trainer: model + DDP + optimizer + LR schedule, `forward_logprobs` and
+`train_step(samples, loss_fn)` with a pluggable loss.
+
+Both calls take the *global* batch (the same list on every rank): it is split over data
+parallel ranks by token count, packed into micro-batches under `micro_batch_tokens`, and
+run through Megatron's forward-backward schedule (1F1B when pp > 1).
+
+Loss normalisation: a loss function returns its micro-batch's contribution to the global
+loss, already divided by the global denominator it wants (`LossInputs.num_tokens`,
+`num_samples`, ...). Megatron's schedule divides each micro-batch loss by the number of
+micro-batches and DDP averages gradients over DP ranks, so the trainer multiplies by
+both; the gradient is then that of the sum of contributions, whatever the layout.
+Metrics follow the same rule: per-micro-batch contributions, summed over the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.gpt import build_model
+from megatron_rl.parallel.state import ParallelGroups
+from megatron_rl.trainer.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_rl.trainer.packing import MicroBatch, Sample, pack, split_for_data_parallel
+from megatron_rl.weight_sync.sharding import gather_full_state_dict, load_full_state_dict
+
+logger = logging.getLogger(__name__)
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class LossInputs:
+    """What a loss function sees for one micro-batch (T = its number of targets)."""
+
+    logprobs: Tensor  # [T] log p(target) under the current policy, with grad
+    entropy: Optional[Tensor]  # [T] or None when not requested
+    loss_mask: Tensor  # [T] 1.0 for targets that count
+    sample_ids: Tensor  # [T] index of each target's sample in the global batch
+    sample_num_tokens: Tensor  # [T] loss tokens of that target's sample
+    extras: dict[str, Tensor]  # [T] per-target values supplied with the samples
+    num_tokens: int  # loss tokens in the global batch
+    num_samples: int  # samples in the global batch
+
+
+LossFn = Callable[[LossInputs], tuple[Tensor, dict[str, Tensor]]]
+
+
+def token_mean_nll(inp: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """Negative log-likelihood averaged over all loss tokens of the global batch (SFT)."""
+    loss = -(inp.logprobs * inp.loss_mask).sum() / max(inp.num_tokens, 1)
+    return loss, {"loss": loss.detach()}
+
+
+@dataclasses.dataclass
+class TrainerOptions:
+    micro_batch_tokens: int = 2048
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    deterministic: bool = True
+    total_steps: int = 100
+    pad_token_id: int = 0
+
+
+class Trainer:
+    """Owns this rank's model stage, its DDP wrapper, the Megatron optimizer and LR schedule."""
+
+    def __init__(self, model_cfg: Any, optim_cfg: Any, groups: ParallelGroups, options: TrainerOptions):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        if groups.cp_size > 1:
+            raise ValueError("parallel.cp > 1 is not supported by the trainer yet")
+        self.groups = groups
+        self.options = options
+        self.model_cfg = model_cfg
+        module = build_model(model_cfg, groups, deterministic=options.deterministic)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=options.overlap_grad_reduce,
+            use_distributed_optimizer=options.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(module.config, ddp_config, module)
+        config = module.config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.model.no_sync
+        if options.overlap_grad_reduce:
+            config.grad_sync_func = self.model.start_grad_sync
+        self.optimizer, self.scheduler = _build_optimizer(self.model, optim_cfg, options)
+        self.step = 0
+
+    # -- weights ------------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model.module
+
+    def load_full_state_dict(self, full: dict[str, Tensor]) -> None:
+        """Set weights from a full Megatron-named state dict (each rank takes its shard)."""
+        load_full_state_dict(self.module, full, self.groups)
+        self.optimizer.reload_model_params()
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        return gather_full_state_dict(self.module, self.groups)
+
+    # -- forward ------------------------------------------------------------------------------
+    def _micro_batches(self, samples: Sequence[Sample]) -> tuple[list[int], list[MicroBatch]]:
+        shares = split_for_data_parallel([s.tokens.numel() for s in samples], self.groups.dp_size)
+        mine = shares[self.groups.dp_rank]
+        pad_multiple = self.groups.tp_size if self.groups.sequence_parallel else 1
+        micro = pack([samples[i] for i in mine], self.options.micro_batch_tokens, pad_multiple,
+                     self.options.pad_token_id)
+        for mb in micro:  # map row-local sample indices back to global-batch indices
+            mb.sample_ids = torch.tensor(mine, dtype=torch.long)[mb.sample_ids]
+            mb.sample_indices = [mine[i] for i in mb.sample_indices]
+        return mine, [mb.to(self.groups.device) for mb in micro]
+
+    def _run(self, micro: list[MicroBatch], loss_func_for: Callable[[MicroBatch], Callable],
+             forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+            return output, loss_func_for(mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=[self.model],
+            num_microbatches=len(micro),
+            seq_length=micro[0].seq_len,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _target_stats(self, mb: MicroBatch, logits: Tensor, with_entropy: bool):
+        logits = logits[0]  # [S, V/tp]
+        entropy = None
+        if with_entropy:  # first: Megatron's cross entropy overwrites the logits in place
+            tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
+            entropy = vocab_parallel_entropy(logits[mb.valid], tp_group)
+        logprobs = vocab_parallel_logprobs(logits, mb.targets[0])[mb.valid]
+        return logprobs, entropy
+
+    @torch.no_grad()
+    def forward_logprobs(self, samples: Sequence[Sample], with_entropy: bool = False
+                         ) -> tuple[list[Tensor], Optional[list[Tensor]]]:
+        """Log-probs (and entropies) of every sample's targets, on every rank: lists of [L-1]."""
+        mine, micro = self._micro_batches(samples)
+        local: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
+
+        def loss_func_for(mb: MicroBatch):
+            def loss_func(logits: Tensor):
+                lp, ent = self._target_stats(mb, logits, with_entropy)
+                for i in mb.sample_indices:
+                    sel = mb.sample_ids == i
+                    local[i] = (lp[sel].float().cpu(), None if ent is None else ent[sel].float().cpu())
+                return lp.sum() * 0.0, {}
+            return loss_func
+
+        self.model.eval()
+        self._run(micro, loss_func_for, forward_only=True)
+        self.model.train()
+        width = 2 if with_entropy else 1
+        lengths = [samples[i].num_targets for i in mine]
+        flat = torch.zeros(sum(lengths) * width)
+        if self.groups.is_last_stage:
+            parts = [local[i][0] for i in mine] + ([local[i][1] for i in mine] if with_entropy else [])
+            flat = torch.cat(parts)
+        per_rank = _share_across_ranks(flat, samples, self.groups, width)
+        logprobs: list[Optional[Tensor]] = [None] * len(samples)
+        entropies: list[Optional[Tensor]] = [None] * len(samples)
+        shares = split_for_data_parallel([s.tokens.numel() for s in samples], self.groups.dp_size)
+        for share, values in zip(shares, per_rank):
+            sizes = [samples[i].num_targets for i in share]
+            chunks = values.split(sizes * width)
+            for k, i in enumerate(share):
+                logprobs[i] = chunks[k]
+                if with_entropy:
+                    entropies[i] = chunks[len(share) + k]
+        return logprobs, (entropies if with_entropy else None)  # type: ignore[return-value]
+
+    # -- train --------------------------------------------------------------------------------
+    def train_step(self, samples: Sequence[Sample], loss_fn: LossFn = token_mean_nll,
+                   with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step on the global batch `samples`; returns summed metrics plus
+        `grad_norm`, `lr` and `num_tokens` (the same dict on every rank)."""
+        mine, micro = self._micro_batches(samples)
+        num_tokens = int(sum(float(s.loss_mask.sum()) for s in samples))
+        sample_tokens = torch.tensor([float(s.loss_mask.sum()) for s in samples])
+        scale = len(micro) * self.groups.dp_size
+
+        def loss_func_for(mb: MicroBatch):
+            def loss_func(logits: Tensor):
+                lp, ent = self._target_stats(mb, logits, with_entropy)
+                inputs = LossInputs(
+                    logprobs=lp, entropy=ent, loss_mask=mb.loss_mask, sample_ids=mb.sample_ids,
+                    sample_num_tokens=sample_tokens.to(lp.device)[mb.sample_ids], extras=mb.extras,
+                    num_tokens=num_tokens, num_samples=len(samples))
+                loss, metrics = loss_fn(inputs)
+                return loss * scale, {k: v.detach().float().reshape(()) for k, v in metrics.items()}
+            return loss_func
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stored = self._run(micro, loss_func_for, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError(f"optimizer step {self.step} failed: non-finite gradients")
+        self.scheduler.step(increment=1)
+        self.step += 1
+        metrics = _reduce_metrics(stored, self.groups)
+        metrics.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"],
+                       num_tokens=float(num_tokens))
+        return metrics
+
+
+def _share_across_ranks(flat: Tensor, samples: Sequence[Sample], groups: ParallelGroups,
+                        width: int) -> list[Tensor]:
+    """Last stage's per-DP-rank results -> the results of every DP rank, on every rank."""
+    if groups.pp_size > 1:
+        dist.broadcast(flat, src=groups.pp_last_rank, group=groups.pp_group)
+    if groups.dp_size == 1:
+        return [flat]
+    shares = split_for_data_parallel([s.tokens.numel() for s in samples], groups.dp_size)
+    sizes = [sum(samples[i].num_targets for i in share) * width for share in shares]
+    padded = torch.zeros(max(sizes))
+    padded[: flat.numel()] = flat
+    gathered = [torch.zeros_like(padded) for _ in range(groups.dp_size)]
+    dist.all_gather(gathered, padded, group=groups.dp_group)
+    return [g[:n] for g, n in zip(gathered, sizes)]
+
+
+def _reduce_metrics(stored: list[dict], groups: ParallelGroups) -> dict[str, float]:
+    keys = sorted(stored[0]) if stored else []
+    local = torch.tensor([sum(float(d[k]) for d in stored) for k in keys], dtype=torch.float64)
+    if groups.dp_size > 1 and groups.is_last_stage:
+        dist.all_reduce(local, group=groups.dp_group)
+    payload = [dict(zip(keys, local.tolist()))]
+    if groups.pp_size > 1:
+        dist.broadcast_object_list(payload, src=groups.pp_last_rank, group=groups.pp_group)
+    return payload[0]
+
+
+def _build_optimizer(model: torch.nn.Module, optim_cfg: Any, options: TrainerOptions):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    dtype = model.module.config.params_dtype
+    config = OptimizerConfig(
+        optimizer=optim_cfg.name,
+        lr=optim_cfg.lr,
+        min_lr=optim_cfg.min_lr,
+        weight_decay=optim_cfg.weight_decay,
+        adam_beta1=optim_cfg.adam_beta1,
+        adam_beta2=optim_cfg.adam_beta2,
+        adam_eps=optim_cfg.adam_eps,
+        clip_grad=optim_cfg.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=options.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, [model])
+    decay_steps = optim_cfg.lr_decay_steps or options.total_steps
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim_cfg.lr_warmup_steps > 0 else optim_cfg.lr,
+        max_lr=optim_cfg.lr,
+        min_lr=optim_cfg.min_lr,
+        lr_warmup_steps=optim_cfg.lr_warmup_steps,
+        lr_decay_steps=max(decay_steps, optim_cfg.lr_warmup_steps + 1),
+        lr_decay_style=optim_cfg.lr_decay_style,
+        start_wd=optim_cfg.weight_decay,
+        end_wd=optim_cfg.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

@@ -1,0 +1,174 @@
+"""Sequence packing: variable-length samples -> micro-batches of one packed row under a token budget.
+
+Samples are placed first-fit-decreasing into rows of at most `token_budget` tokens. Each
+row carries restarted position ids and a block-diagonal causal mask (local attention on
+CPU), or `cu_seqlens` for THD-format attention (Transformer Engine on GPU). All rows of
+one call are padded to the same length, a multiple of `pad_multiple` (tensor-parallel
+size for sequence parallelism), so pipeline stages exchange equal shapes.
+
+Alignment: a sample of L tokens predicts L - 1 targets; per-token values that come with
+a sample (loss mask, advantages, old log-probs) have length L - 1, and position j holds
+the value for predicting token j + 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sequence to train on.
+
+    tokens: [L] prompt + response token ids.
+    loss_mask: [L-1] 1.0 where predicting token j+1 counts in the loss (response tokens).
+    extras: per-target tensors [L-1] (e.g. advantages, old_logprobs) or per-sample scalars.
+    """
+
+    tokens: Tensor
+    loss_mask: Tensor
+    extras: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 1 or self.tokens.numel() < 2:
+            raise ValueError(f"a sample needs at least 2 tokens, got shape {tuple(self.tokens.shape)}")
+        if self.loss_mask.shape != (self.tokens.numel() - 1,):
+            raise ValueError(f"loss_mask must have shape [{self.tokens.numel() - 1}] (one per target), "
+                             f"got {tuple(self.loss_mask.shape)}")
+
+    @property
+    def num_targets(self) -> int:
+        return self.tokens.numel() - 1
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One packed row. `valid` indexes the row positions that predict a real target, in
+    sample order; `sample_ids[k]` is the index (into the caller's list) of the sample that
+    target k belongs to."""
+
+    input_ids: Tensor  # [1, S]
+    position_ids: Tensor  # [1, S]
+    targets: Tensor  # [1, S]
+    attention_mask: Tensor  # [1, 1, S, S] bool, True = masked out
+    cu_seqlens: Tensor  # [n+1] int32 (THD attention)
+    valid: Tensor  # [T] long
+    sample_ids: Tensor  # [T] long
+    sample_indices: list[int]
+    loss_mask: Tensor  # [T]
+    extras: dict[str, Tensor]  # each [T]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key, value in moved.items():
+            if isinstance(value, Tensor):
+                moved[key] = value.to(device)
+        moved["extras"] = {k: v.to(device) for k, v in self.extras.items()}
+        return MicroBatch(**moved)
+
+
+def assign_rows(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """First-fit decreasing: indices per row, each row's total length <= token_budget."""
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > token_budget]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(f"sample {i} has {n} tokens, more than micro_batch_tokens={token_budget}: "
+                         f"raise micro_batch_tokens or shorten the sequences")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(token_budget - lengths[i])
+    return [sorted(row) for row in rows]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def pack(samples: Sequence[Sample], token_budget: int, pad_multiple: int = 1,
+         pad_token_id: int = 0, extras_keys: Optional[Sequence[str]] = None) -> list[MicroBatch]:
+    """Pack `samples` into micro-batches (see module docstring)."""
+    if not samples:
+        return []
+    lengths = [s.tokens.numel() for s in samples]
+    rows = assign_rows(lengths, token_budget)
+    seq_len = _round_up(max(sum(lengths[i] for i in row) for row in rows), pad_multiple)
+    keys = list(extras_keys if extras_keys is not None else samples[0].extras.keys())
+    return [_pack_row(samples, row, seq_len, pad_token_id, keys) for row in rows]
+
+
+def _pack_row(samples: Sequence[Sample], row: list[int], seq_len: int, pad_token_id: int,
+              keys: list[str]) -> MicroBatch:
+    input_ids = torch.full((seq_len,), pad_token_id, dtype=torch.long)
+    targets = torch.full((seq_len,), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros(seq_len, dtype=torch.long)
+    segment = torch.full((seq_len,), -1, dtype=torch.long)
+    valid, sample_ids, masks, cu = [], [], [], [0]
+    extras: dict[str, list[Tensor]] = {k: [] for k in keys}
+    offset = 0
+    for seg, i in enumerate(row):
+        s = samples[i]
+        n = s.tokens.numel()
+        input_ids[offset:offset + n] = s.tokens
+        targets[offset:offset + n - 1] = s.tokens[1:]
+        position_ids[offset:offset + n] = torch.arange(n)
+        segment[offset:offset + n] = seg
+        valid.append(torch.arange(offset, offset + n - 1))
+        sample_ids.append(torch.full((n - 1,), i, dtype=torch.long))
+        masks.append(s.loss_mask.float())
+        for k in keys:
+            value = s.extras[k]
+            extras[k].append(value.expand(n - 1) if value.dim() == 0 else value)
+        offset += n
+        cu.append(offset)
+    if offset < seq_len:
+        # Padding forms its own segment so that every row of the mask attends somewhere.
+        segment[offset:] = len(row)
+        position_ids[offset:] = torch.arange(seq_len - offset)
+        cu.append(seq_len)
+    same = segment.unsqueeze(0) == segment.unsqueeze(1)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    return MicroBatch(
+        input_ids=input_ids.unsqueeze(0),
+        position_ids=position_ids.unsqueeze(0),
+        targets=targets.unsqueeze(0),
+        attention_mask=~(same & causal).view(1, 1, seq_len, seq_len),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        valid=torch.cat(valid),
+        sample_ids=torch.cat(sample_ids),
+        sample_indices=list(row),
+        loss_mask=torch.cat(masks),
+        extras={k: torch.cat(v) for k, v in extras.items()},
+    )
+
+
+def split_for_data_parallel(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Sample indices per DP rank, balancing total tokens (longest first to the lightest rank).
+
+    Deterministic; every rank computes the same split from the same global batch.
+    """
+    if len(lengths) < dp_size:
+        raise ValueError(f"{len(lengths)} samples cannot feed {dp_size} data-parallel ranks")
+    shares: list[list[int]] = [[] for _ in range(dp_size)]
+    load = [0] * dp_size
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        r = min(range(dp_size), key=lambda k: (load[k], len(shares[k]), k))
+        shares[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(s) for s in shares]

@@ -1,0 +1,116 @@
+"""Between a full (unsharded) Megatron state dict and this rank's TP/PP shard of it.
+
+Which dimension a parameter is split along comes from Megatron's own parameter
+attributes (`tensor_model_parallel`, `partition_dim`); the exceptions are SwiGLU's fused
+`linear_fc1`, whose gate and up halves are split separately, and layer numbering, which is
+local to a pipeline stage (`decoder.layers.0` on stage 1 is global layer
+`num_layers / pp`). With tied embeddings and PP > 1 the last stage holds its own copy of
+the embedding as `output_layer.weight`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.parallel.state import ParallelGroups
+
+Tensor = torch.Tensor
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def layer_offset(model: torch.nn.Module) -> int:
+    """Global index of this stage's first transformer layer."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    if layers is None or len(layers) == 0:
+        return 0
+    return layers[0].layer_number - 1
+
+
+def _global_name(local: str, offset: int) -> str:
+    match = _LAYER.match(local)
+    if match is None:
+        return local
+    return f"decoder.layers.{int(match.group(1)) + offset}." + local[match.end():]
+
+
+def _is_glu_fc1(name: str, model: torch.nn.Module) -> bool:
+    return name.endswith("mlp.linear_fc1.weight") and model.config.gated_linear_unit
+
+
+def _split(full: Tensor, dim: int, size: int, rank: int, glu: bool) -> Tensor:
+    if glu:
+        gate, up = full.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(size, dim=dim)[rank], up.chunk(size, dim=dim)[rank]], dim=dim)
+    return full.chunk(size, dim=dim)[rank]
+
+
+def _local_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    for name, p in model.named_parameters():
+        yield name, p
+
+
+def _source_name(global_name: str, full: dict[str, Tensor]) -> str:
+    if global_name == "output_layer.weight" and global_name not in full:
+        return "embedding.word_embeddings.weight"  # tied embeddings, last stage's copy
+    return global_name
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, Tensor], groups: ParallelGroups) -> None:
+    """Copy this rank's shard of `full` into `model` (a GPTModel stage, not DDP-wrapped).
+
+    Raises ValueError naming the first missing tensor or shape mismatch.
+    """
+    offset = layer_offset(model)
+    for name, param in _local_params(model):
+        src = _source_name(_global_name(name, offset), full)
+        if src not in full:
+            raise ValueError(f"weights are missing tensor {src!r} needed by parameter {name!r}")
+        tensor = full[src]
+        if getattr(param, "tensor_model_parallel", False) and groups.tp_size > 1:
+            tensor = _split(tensor, param.partition_dim, groups.tp_size, groups.tp_rank,
+                            _is_glu_fc1(name, model))
+        if tensor.shape != param.shape:
+            raise ValueError(f"tensor {src!r} has shape {tuple(full[src].shape)}, which does not fit "
+                             f"parameter {name!r} of shape {tuple(param.shape)} at tp={groups.tp_size}")
+        param.copy_(tensor.to(param.dtype))
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str, Tensor]:
+    """The full state dict on every rank: TP all-gather, then PP exchange of stage tensors.
+
+    Meant for checks and small models: it materialises the whole model on each rank.
+    Bucketed streaming for weight sync lives in the weight-sync path.
+    """
+    offset = layer_offset(model)
+    stage: dict[str, Tensor] = {}
+    for name, param in _local_params(model):
+        tensor = param.detach()
+        if getattr(param, "tensor_model_parallel", False) and groups.tp_size > 1:
+            parts = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=groups.tp_group)
+            dim = param.partition_dim
+            if _is_glu_fc1(name, model):
+                halves = [p.chunk(2, dim=dim) for p in parts]
+                tensor = torch.cat([torch.cat([h[0] for h in halves], dim=dim),
+                                    torch.cat([h[1] for h in halves], dim=dim)], dim=dim)
+            else:
+                tensor = torch.cat(parts, dim=dim)
+        stage[_global_name(name, offset)] = tensor.cpu().clone()
+    if groups.pp_size == 1:
+        return stage
+    stages: list[dict[str, Tensor] | None] = [None] * groups.pp_size
+    dist.all_gather_object(stages, stage, group=groups.pp_group)
+    full: dict[str, Tensor] = {}
+    for part in stages:
+        for key, value in part.items():
+            if key == "output_layer.weight" and model.config.pipeline_model_parallel_size > 1 \
+                    and getattr(model, "share_embeddings_and_output_weights", False):
+                continue  # the last stage's copy of the tied embedding
+            full[key] = value
+    return full

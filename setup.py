@@ -1,0 +1,37 @@
+"""megatron-rl: RL post-training of LLMs on Slurm clusters (Megatron-core + SGLang).
+
+Install with `bash launch/setup_env.sh` (creates .venv, picks CPU or CUDA builds).
+Tested: Python 3.11, torch 2.13.0 (CPU), megatron-core 0.16.1, transformers 5.24, hydra-core 1.3.8.
+On Python >= 3.12 clusters megatron-core 0.19.x installs instead (see docs/install.md).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="Slurm-native RL post-training for LLMs on Megatron-core and SGLang",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    package_data={"megatron_rl": ["assets/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "numpy",
+        "transformers>=4.51",
+        "safetensors",
+        "tokenizers",
+        "tqdm",
+        "psutil",  # without it megatron dist_checkpointing.save hangs (its forked writer dies)
+        "einops",
+        "tensorboard",
+        "matplotlib",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "sglang": ["sglang==0.5.23"],
+        "dev": ["pytest>=8", "pytest-timeout"],
+    },
+)

@@ -1,0 +1,162 @@
+"""Tests for rank-aware logging, the metrics sinks, step summaries and PNG plots."""
+
+import json
+import logging
+
+import pytest
+
+from megatron_rl.observability import (
+    MetricsWriter,
+    format_step_summary,
+    init_logger,
+    plot_metrics,
+    read_metrics,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def restore_root_logger():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(level)
+    logging.captureWarnings(False)
+
+
+# ---------------------------------------------------------------- logging
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_init_logger_console_filtering(rank, tmp_path, capsys, restore_root_logger):
+    log_file = tmp_path / "logs" / f"rank{rank}.log"
+    init_logger(rank, "INFO", log_file=log_file)
+    log = logging.getLogger("megatron_rl.some.module")
+    log.debug("debug-line")
+    log.info("info-line")
+    log.warning("warning-line")
+    err = capsys.readouterr().err
+    assert ("info-line" in err) == (rank == 0)
+    assert "warning-line" in err
+    assert "debug-line" not in err
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    text = log_file.read_text()
+    # every rank writes INFO+ to its own file
+    assert "info-line" in text and "warning-line" in text and "debug-line" not in text
+    line = next(ln for ln in text.splitlines() if "info-line" in ln)
+    assert f"[rank{rank}] INFO megatron_rl.some.module: info-line" in line
+    assert line[:4].isdigit()  # starts with a timestamp
+
+
+def test_init_logger_is_idempotent(tmp_path, restore_root_logger):
+    before = len(logging.getLogger().handlers)
+    init_logger(0, "DEBUG", log_file=tmp_path / "a.log")
+    init_logger(0, "DEBUG", log_file=tmp_path / "a.log")
+    assert len(logging.getLogger().handlers) == before + 2  # console + file, once
+    assert logging.getLogger().level == logging.DEBUG
+
+
+def test_init_logger_rejects_bad_level(restore_root_logger):
+    with pytest.raises(ValueError, match="INFO"):
+        init_logger(0, "LOUD")
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_metrics_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path, enabled_tensorboard=True, rank=0) as writer:
+        writer.log(1, {"loss": 2.5, "lr": 1e-3})
+        writer.log(2, {"loss": 1.25, "reward/mean": 0.5})
+        # the line is on disk before close(): a killed job keeps it
+        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln) for ln in lines] == [
+        {"step": 1, "loss": 2.5, "lr": 0.001},
+        {"step": 2, "loss": 1.25, "reward/mean": 0.5},
+    ]
+    assert read_metrics(tmp_path / "metrics.jsonl") == [json.loads(ln) for ln in lines]
+
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"loss", "lr", "reward/mean"}
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.5), (2, 1.25)]
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(2, 0.5)]
+    assert acc.Scalars("lr")[0].value == pytest.approx(1e-3)
+
+
+def test_metrics_appends_on_resume_and_accepts_tensors(tmp_path):
+    import torch
+
+    with MetricsWriter(tmp_path, enabled_tensorboard=False, rank=0) as writer:
+        writer.log(1, {"loss": torch.tensor(3.0)})
+    with MetricsWriter(tmp_path, enabled_tensorboard=False, rank=0) as writer:
+        writer.log(2, {"loss": 2})
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}]
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_metrics_nonzero_rank_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    writer = MetricsWriter(run_dir, enabled_tensorboard=True, rank=1)
+    writer.log(1, {"loss": 1.0})
+    writer.close()
+    assert not run_dir.exists()
+
+
+def test_metrics_rejects_bad_values(tmp_path):
+    with MetricsWriter(tmp_path, enabled_tensorboard=False, rank=0) as writer:
+        with pytest.raises(ValueError, match="loss"):
+            writer.log(1, {"loss": "high"})
+        with pytest.raises(ValueError, match="reserved"):
+            writer.log(1, {"step": 3.0})
+
+
+def test_read_metrics_tolerates_truncated_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    assert read_metrics(path) == [{"step": 1, "loss": 1.0}]
+    path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match=":1"):
+        read_metrics(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_metrics(tmp_path / "missing.jsonl")
+
+
+def test_format_step_summary():
+    metrics = {"loss": 1.23412, "lr": 1e-3, "tok/s": 5234.0, "step_time_s": 0.534, "x": 7.0}
+    line = format_step_summary(12, metrics, ["loss", "lr", "tok/s", "step_time_s", "absent"])
+    assert line == "step 12 | loss 1.234 | lr 1.0e-03 | tok/s 5.2k | 0.53s"
+    assert format_step_summary(3, metrics, {"tok/s": "tps", "x": "x"}) == "step 3 | tps 5.2k | x 7"
+    assert format_step_summary(3, {"n": 2.5e6, "z": 0.0}, ["n", "z"]) == "step 3 | n 2.5M | z 0"
+
+
+# ---------------------------------------------------------------- plots
+
+
+def test_plot_metrics(tmp_path):
+    import matplotlib.image
+
+    with MetricsWriter(tmp_path, enabled_tensorboard=False, rank=0) as writer:
+        for step in range(5):
+            writer.log(step, {"loss": 1.0 / (step + 1), "reward/mean": step * 0.1})
+    out_dir = tmp_path / "plots"
+    paths = plot_metrics(tmp_path / "metrics.jsonl", out_dir, ["loss", "reward/mean", "absent"])
+    assert [p.name for p in paths] == ["loss.png", "reward_mean.png"]
+    for path in paths:
+        assert path.parent == out_dir
+        assert path.read_bytes()[:8] == PNG_MAGIC
+        image = matplotlib.image.imread(path)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert not (out_dir / "absent.png").exists()
