@@ -1,0 +1,351 @@
+"""Compose, type and validate the run configuration before any process or device is touched.
+
+``load_config(overrides, world_size)`` is the one entry point: it composes ``conf/config.yaml``
+with Hydra's compose API, converts it to a ``TrainConfig`` (running each dataclass's
+``__post_init__`` checks) and applies the cross-group checks of ``validate``. Every failure,
+whether raised by Hydra, OmegaConf or our checks, surfaces as a ``ConfigError`` whose message is
+one line naming the key, the bad value, what is allowed and the fix.
+
+This module imports neither torch nor megatron; composing takes well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigKeyError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from megatron_rl.config.schema import BUILTIN_TOKENIZERS, SCHEMAS, TrainConfig, format_value
+
+CONF_DIR: Path = Path(__file__).resolve().parents[2] / "conf"
+"""The repository's YAML config tree (``conf/config.yaml`` and one folder per group)."""
+
+_MISSING_FIXES: dict[str, str] = {
+    "model.path": "pass model.path=<HF checkpoint directory with config.json> "
+    "(or pick a model built from config with random init, e.g. model=tiny_qwen2)",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot start with; the message is a single line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_one_line(message))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with Hydra overrides (``["parallel.tp=2", "model=tiny_llama"]``).
+
+    Works inside a running ``@hydra.main`` app too: the enclosing Hydra instance is set aside
+    and restored. Raises ConfigError for unknown keys (also ones added with ``+``), values of
+    the wrong type, unknown group options and mandatory values (``???``) left unset.
+    """
+    overrides = list(overrides)
+    enclosing = GlobalHydra.instance().hydra
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="megatron_rl"):
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    except Exception as exc:  # any composition failure is a user config problem: report it on one line
+        raise ConfigError(_compose_error_message(exc, overrides, config_name)) from exc
+    finally:
+        GlobalHydra.instance().hydra = enclosing
+    _check_keys(cfg, TrainConfig, "", overrides)
+    return cfg
+
+
+def to_typed(cfg: DictConfig) -> TrainConfig:
+    """Instantiate the composed config as a ``TrainConfig``, running every ``__post_init__`` check."""
+    if not OmegaConf.has_resolver("now"):
+        from hydra.core.utils import setup_globals
+
+        setup_globals()  # registers ${now:...} when cfg did not come from Hydra
+    _check_keys(cfg, TrainConfig, "", [])  # a @hydra.main cfg may carry keys added with "+"
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_omegaconf_message(exc, [], cfg)) from exc
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if not isinstance(typed, TrainConfig):
+        raise ConfigError(
+            f"config has type {type(typed).__name__}, expected TrainConfig: compose it with "
+            "megatron_rl.config.compose() or give conf/config.yaml's defaults list base_config first"
+        )
+    return typed
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Cross-group checks that need the world size or the file system; raises ConfigError."""
+    if world_size < 1:
+        raise ConfigError(f"world_size={world_size} is invalid: must be >= 1")
+    model, par = cfg.model, cfg.parallel
+    valid_tp = ", ".join(str(t) for t in _valid_tp_values(cfg, world_size)) or "none (fix pp/cp first)"
+    model_desc = (
+        f"num_attention_heads={model.num_attention_heads}, num_query_groups={model.num_query_groups}, "
+        f"vocab_size={model.vocab_size}"
+    )
+    if world_size % par.model_parallel_size != 0:
+        raise ConfigError(
+            f"parallel.tp={par.tp}, parallel.pp={par.pp}, parallel.cp={par.cp} (product {par.model_parallel_size}) "
+            f"do not divide world_size={world_size}: valid parallel.tp values for this world size, "
+            f"pp={par.pp}, cp={par.cp} and model ({model_desc}) are {valid_tp}"
+        )
+    for key, value in (
+        ("num_attention_heads", model.num_attention_heads),
+        ("num_query_groups", model.num_query_groups),
+        ("vocab_size", model.vocab_size),
+    ):
+        if value % par.tp != 0:
+            raise ConfigError(
+                f"model.{key}={value} is not divisible by parallel.tp={par.tp}: valid parallel.tp values "
+                f"for world_size={world_size} and model ({model_desc}) are {valid_tp}"
+            )
+    if model.num_layers % par.pp != 0:
+        raise ConfigError(
+            f"model.num_layers={model.num_layers} is not divisible by parallel.pp={par.pp}: "
+            f"valid parallel.pp values divide {model.num_layers} ({_divisors(model.num_layers)})"
+        )
+    dp = par.dp_size(world_size)
+    if cfg.global_batch_size % dp != 0:
+        raise ConfigError(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by the data-parallel size {dp} "
+            f"(world_size={world_size} / (tp*pp*cp={par.model_parallel_size})): use a multiple of {dp}"
+        )
+    if world_size % cfg.rollout.tp != 0:
+        raise ConfigError(
+            f"rollout.tp={cfg.rollout.tp} does not divide world_size={world_size}: "
+            f"valid rollout.tp values are {_divisors(world_size)}"
+        )
+    if cfg.mode == "rl":
+        _validate_rl(cfg)
+    _validate_paths(cfg)
+
+
+def load_config(overrides: Sequence[str], world_size: int) -> TrainConfig:
+    """Compose, type and validate: the config a run starts with, or a ConfigError."""
+    typed = to_typed(compose(overrides))
+    validate(typed, world_size)
+    return typed
+
+
+def _validate_rl(cfg: TrainConfig) -> None:
+    algo, rollout = cfg.algorithm, cfg.rollout
+    if algo.advantage_estimator in algo.GROUP_ESTIMATORS and rollout.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"rollout.n_samples_per_prompt={rollout.n_samples_per_prompt} is invalid with "
+            f"algorithm.advantage_estimator={algo.advantage_estimator}: group-relative advantages "
+            "need >= 2 samples per prompt (all advantages would be 0)"
+        )
+    if rollout.max_new_tokens >= cfg.model.max_position_embeddings:
+        raise ConfigError(
+            f"rollout.max_new_tokens={rollout.max_new_tokens} is invalid: must be < "
+            f"model.max_position_embeddings={cfg.model.max_position_embeddings} to leave room for the prompt"
+        )
+
+
+def _validate_paths(cfg: TrainConfig) -> None:
+    model = cfg.model
+    if model.path is not None:
+        path = Path(model.path).expanduser()
+        fix = "give an HF checkpoint directory with config.json, or model.path=null to build model.* from config"
+        if not path.exists():
+            raise ConfigError(f"model.path={model.path} does not exist: {fix}")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path={model.path} has no config.json: {fix}")
+    if model.tokenizer not in BUILTIN_TOKENIZERS and not Path(model.tokenizer).expanduser().exists():
+        raise ConfigError(
+            f"model.tokenizer={model.tokenizer} does not exist: give a HF tokenizer directory "
+            f"or one of {', '.join(BUILTIN_TOKENIZERS)}"
+        )
+    task = cfg.task
+    if task.type == "jsonl" and not Path(str(task.path)).expanduser().is_file():
+        raise ConfigError(
+            f"task.path={format_value(task.path)} does not exist: give a JSONL file of prompts for task.type=jsonl"
+        )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _valid_tp_values(cfg: TrainConfig, world_size: int) -> list[int]:
+    model, par = cfg.model, cfg.parallel
+    return [
+        tp
+        for tp in range(1, world_size + 1)
+        if world_size % (tp * par.pp * par.cp) == 0
+        and model.num_attention_heads % tp == 0
+        and model.num_query_groups % tp == 0
+        and model.vocab_size % tp == 0
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hydra / OmegaConf errors -> one-line messages
+
+
+def _schema_at(path: str) -> Optional[type]:
+    """The dataclass describing the node at dotted ``path`` ("" = top level), or None."""
+    if path == "hydra" or path.startswith("hydra."):
+        from hydra.conf import HydraConf
+
+        node: Optional[type] = HydraConf
+        parts = path.split(".")[1:]
+    else:
+        node = TrainConfig
+        parts = path.split(".") if path else []
+    for part in parts:
+        if node is None or not dataclasses.is_dataclass(node):
+            return None
+        hints = typing.get_type_hints(node)
+        node = hints.get(part)
+        node = node if isinstance(node, type) and dataclasses.is_dataclass(node) else None
+    return node
+
+
+def _unknown_key_message(full_key: str, overrides: Sequence[str]) -> str:
+    parent, _, leaf = full_key.rpartition(".")
+    override = _override_for(full_key, overrides)
+    where = f"in override '{override}'" if override else "in a config file"
+    message = f"unknown key {full_key} ({where})"
+    schema = _schema_at(parent)
+    if schema is not None:
+        allowed = [f.name for f in dataclasses.fields(schema)]
+        close = difflib.get_close_matches(leaf, allowed, n=1)
+        hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+        message += f": allowed keys of {parent or 'the top level'} are {', '.join(allowed)}{hint}"
+        if not parent:
+            message += f" (config groups: {', '.join(SCHEMAS)})"
+    return message
+
+
+def _override_for(full_key: str, overrides: Sequence[str]) -> Optional[str]:
+    """The override that sets ``full_key`` or a key below it, if any."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == full_key or key.startswith(full_key + "."):
+            return override
+    return None
+
+
+def _missing_message(key: str) -> str:
+    fix = _MISSING_FIXES.get(key, f"pass {key}=<value>")
+    return f"{key}=??? is required but not set: {fix}"
+
+
+def _omegaconf_message(
+    exc: OmegaConfBaseException, overrides: Sequence[str], cfg: Optional[DictConfig] = None
+) -> str:
+    full_key = str(getattr(exc, "full_key", "") or "")
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, InterpolationResolutionError) and cfg is not None and full_key:
+        raw = _raw_value(cfg, full_key)
+        return f"{full_key}={raw} is invalid: {reason}; set {full_key} explicitly or fix the key it refers to"
+    if isinstance(exc, ConfigKeyError) or ("not in" in reason and "Key '" in reason):
+        return _unknown_key_message(full_key, overrides)
+    if isinstance(exc, MissingMandatoryValue) or "Missing mandatory value" in reason:
+        missing = reason.rsplit("Missing mandatory value:", 1)[-1].strip() or full_key
+        return _missing_message(missing)
+    override = _override_for(full_key, overrides) if full_key else None
+    if isinstance(exc, ValidationError) and override and "=" in override:
+        value = override.split("=", 1)[1]
+        schema = _schema_at(full_key.rpartition(".")[0])
+        expected = ""
+        if schema is not None:
+            field_type = typing.get_type_hints(schema).get(full_key.rpartition(".")[2])
+            expected = f"; {full_key} expects {_type_name(field_type)}" if field_type is not None else ""
+        return f"{full_key}={value} is invalid: {reason}{expected}"
+    return f"{full_key}: {reason}" if full_key else reason
+
+
+def _raw_value(cfg: DictConfig, full_key: str) -> Any:
+    """The value at ``full_key`` without resolving interpolations (``${model.path}``)."""
+    node: Any = OmegaConf.to_container(cfg, resolve=False)
+    for part in full_key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return "?"
+        node = node[part]
+    return node
+
+
+def _type_name(annotation: Any) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if args:  # Optional[X]
+        return f"{_type_name(args[0])} or null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _compose_error_message(exc: BaseException, overrides: Sequence[str], config_name: str) -> str:
+    if isinstance(exc, MissingConfigException):
+        return _missing_option_message(exc, config_name)
+    if isinstance(exc, OverrideParseException):
+        return "; ".join(str(exc).splitlines()[:2]) + " (quote values with spaces or '=': key='a=b')"
+    cause: Optional[BaseException] = exc
+    while cause is not None:
+        if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+            return _omegaconf_message(cause, overrides)
+        cause = cause.__cause__ or cause.__context__
+    return f"cannot compose config '{config_name}' with overrides {overrides}: {_one_line(str(exc))}"
+
+
+def _missing_option_message(exc: MissingConfigException, config_name: str) -> str:
+    missing = str(exc.missing_cfg_file or "")
+    group, _, option = missing.rpartition("/")
+    schema_names = {f"base_{g}" for g in SCHEMAS}
+    options = exc.options or sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    options = [o for o in options if o not in schema_names]
+    if not group:
+        available = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+        return (
+            f"config_name={missing or config_name} not found in {CONF_DIR}: "
+            f"available configs are {', '.join(available)}"
+        )
+    listed = ", ".join(options) if options else "none"
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    if first_line.startswith("In '") and not first_line.startswith(f"In '{config_name}'"):
+        # A defaults list inside a YAML file names the missing option, not the command line.
+        schema_hint = f"; its schema is base_{group}" if group in SCHEMAS else ""
+        return f"{first_line.rstrip('.')}: available {group} options are {listed}{schema_hint}"
+    return (
+        f"{group}={option} is not an available option: {group} options are {listed} "
+        f"(or add conf/{group}/{option}.yaml)"
+    )
+
+
+def _check_keys(node: DictConfig, schema: Optional[type], prefix: str, overrides: Sequence[str]) -> None:
+    """Reject keys a schema does not have (``+`` overrides bypass struct mode) and unset ``???`` values."""
+    is_schema = schema is not None and dataclasses.is_dataclass(schema)
+    fields = {f.name for f in dataclasses.fields(schema)} if is_schema else None
+    hints = typing.get_type_hints(schema) if is_schema else {}
+    for key in node.keys():
+        full_key = f"{prefix}{key}"
+        if fields is not None and key not in fields:
+            raise ConfigError(_unknown_key_message(full_key, overrides))
+        if OmegaConf.is_missing(node, key):
+            raise ConfigError(_missing_message(full_key))
+        if OmegaConf.is_interpolation(node, key):
+            continue
+        child = node[key]
+        if isinstance(child, DictConfig):
+            child_schema = hints.get(str(key))
+            _check_keys(child, child_schema if isinstance(child_schema, type) else None, f"{full_key}.", overrides)

@@ -1,0 +1,514 @@
+"""Typed configuration schema: one dataclass per config group, registered in Hydra's ConfigStore.
+
+Each dataclass checks its own fields in ``__post_init__`` (ranges, allowed values, checks
+between fields of the same group) and raises ``ValueError`` with a one-line message that
+names the full key (``parallel.tp``), the bad value, what is allowed and how to fix it.
+Checks that span groups or need the world size live in ``megatron_rl.config.loader.validate``.
+
+Importing this module registers the schemas (``base_config`` and ``<group>/base_<group>``)
+so that the YAML files in ``conf/`` can name them in their defaults lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Sequence
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+BUILTIN_TOKENIZERS: tuple[str, ...] = ("builtin:char",)
+"""Tokenizers shipped with the package, selectable as ``model.tokenizer=builtin:<name>``."""
+
+
+def format_value(value: Any) -> str:
+    """Render a config value the way a user would type it as a Hydra override."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value)
+
+
+def _invalid(key: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"{key}={format_value(value)} is invalid: {rule}")
+
+
+def _check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise _invalid(key, value, f"allowed values are {', '.join(allowed)}; set {key}=<one of them>")
+
+
+def _check_min(key: str, value: float, low: float, *, strict: bool = False) -> None:
+    if value < low or (strict and value == low):
+        raise _invalid(key, value, f"must be {'>' if strict else '>='} {format_value(low)}")
+
+
+def _check_unit_interval(key: str, value: float, *, low_open: bool, high_open: bool) -> None:
+    low_ok = value > 0 if low_open else value >= 0
+    high_ok = value < 1 if high_open else value <= 1
+    if not (low_ok and high_ok):
+        interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
+        raise _invalid(key, value, f"must lie in {interval}")
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer architecture, or the HF checkpoint to load it from."""
+
+    name: str = "tiny_qwen2"
+    """Display name used in logs and run metadata."""
+    family: str = "qwen2"
+    """Architecture family: llama, qwen2 or qwen3; selects the HF <-> Megatron weight converter."""
+    path: Optional[str] = None
+    """HF checkpoint directory with config.json; null builds the model from the fields below with random init."""
+    tokenizer: str = "builtin:char"
+    """``builtin:char`` (the shipped character tokenizer) or a path to a HF tokenizer directory."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    ffn_hidden_size: int = 352
+    """Inner width of the SwiGLU MLP."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_query_groups: int = 2
+    """Number of key/value heads (grouped-query attention); must divide num_attention_heads."""
+    head_dim: Optional[int] = None
+    """Per-head width; null means hidden_size // num_attention_heads."""
+    vocab_size: int = 128
+    """Rows of the embedding table (before any padding for tensor parallelism)."""
+    max_position_embeddings: int = 512
+    """Longest sequence (prompt + response) the model is built for."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    norm_eps: float = 1e-6
+    """Epsilon of the RMSNorm layers."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and output projection weights."""
+    qkv_bias: Optional[bool] = None
+    """Bias on the Q/K/V projections; null means the family default (qwen2: true, others: false)."""
+    qk_layernorm: Optional[bool] = None
+    """RMSNorm on queries and keys per head; null means the family default (qwen3: true, others: false)."""
+    init_seed: int = 1234
+    """Seed of the random initialisation when model.path is null."""
+    dtype: str = "float32"
+    """Parameter and compute dtype: float32 or bfloat16."""
+
+    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3")
+    DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
+
+    def __post_init__(self) -> None:
+        _check_choice("model.family", self.family, self.FAMILIES)
+        _check_choice("model.dtype", self.dtype, self.DTYPES)
+        if not self.tokenizer:
+            raise _invalid("model.tokenizer", self.tokenizer, "must be builtin:char or a HF tokenizer directory")
+        if self.tokenizer.startswith("builtin:") and self.tokenizer not in BUILTIN_TOKENIZERS:
+            raise _invalid(
+                "model.tokenizer", self.tokenizer,
+                f"the shipped tokenizers are {', '.join(BUILTIN_TOKENIZERS)}; otherwise give a HF tokenizer directory",
+            )
+        for key, value in (
+            ("num_layers", self.num_layers), ("hidden_size", self.hidden_size),
+            ("ffn_hidden_size", self.ffn_hidden_size), ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", self.num_query_groups), ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ):
+            _check_min(f"model.{key}", value, 1)
+        if self.head_dim is not None:
+            _check_min("model.head_dim", self.head_dim, 1)
+        elif self.hidden_size % self.num_attention_heads != 0:
+            raise _invalid(
+                "model.hidden_size", self.hidden_size,
+                f"must be divisible by model.num_attention_heads={self.num_attention_heads} "
+                "when model.head_dim=null; set model.head_dim explicitly or change the head count",
+            )
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise _invalid(
+                "model.num_query_groups", self.num_query_groups,
+                f"must divide model.num_attention_heads={self.num_attention_heads}; "
+                f"valid values are {_divisors_str(self.num_attention_heads)}",
+            )
+        _check_min("model.rope_theta", self.rope_theta, 0, strict=True)
+        _check_min("model.norm_eps", self.norm_eps, 0, strict=True)
+        _check_min("model.init_seed", self.init_seed, 0)
+
+    @property
+    def resolved_qkv_bias(self) -> bool:
+        """qkv_bias with the family default applied."""
+        return self.qkv_bias if self.qkv_bias is not None else self.family == "qwen2"
+
+    @property
+    def resolved_qk_layernorm(self) -> bool:
+        """qk_layernorm with the family default applied."""
+        return self.qk_layernorm if self.qk_layernorm is not None else self.family == "qwen3"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """head_dim, or hidden_size // num_attention_heads when unset."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+
+def _divisors_str(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron model-parallel layout; the data-parallel size is derived from the world size."""
+
+    tp: int = 1
+    """Tensor-parallel size (Megatron's tensor_model_parallel_size)."""
+    pp: int = 1
+    """Pipeline-parallel size (Megatron's pipeline_model_parallel_size)."""
+    cp: int = 1
+    """Context-parallel size (Megatron's context_parallel_size)."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence inside tensor-parallel regions; needs tp > 1."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduce-scatter/all-reduce with the backward pass."""
+
+    def __post_init__(self) -> None:
+        _check_min("parallel.tp", self.tp, 1)
+        _check_min("parallel.pp", self.pp, 1)
+        _check_min("parallel.cp", self.cp, 1)
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(
+                "parallel.sequence_parallel=true is invalid with parallel.tp=1: sequence parallelism "
+                "shards tensor-parallel regions; set parallel.tp>1 or parallel.sequence_parallel=false"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel size ``world_size // (tp * pp * cp)``; ValueError if it does not divide."""
+        if world_size < 1 or world_size % self.model_parallel_size != 0:
+            raise ValueError(
+                f"world_size={world_size} is not divisible by parallel.tp*parallel.pp*parallel.cp="
+                f"{self.tp}*{self.pp}*{self.cp}={self.model_parallel_size}: "
+                f"choose sizes whose product divides {world_size}"
+            )
+        return world_size // self.model_parallel_size
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: str = "adam"
+    """Optimizer: adam (AdamW-style decoupled weight decay) or sgd."""
+    lr: float = 1e-3
+    """Peak learning rate, reached after the warmup."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay; at most lr."""
+    weight_decay: float = 0.0
+    """Decoupled weight-decay coefficient."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam denominator epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr."""
+    lr_decay_style: str = "constant"
+    """Decay after warmup: constant, linear or cosine."""
+    lr_decay_steps: Optional[int] = None
+    """Steps over which lr decays to min_lr; null means until num_steps."""
+
+    NAMES: ClassVar[tuple[str, ...]] = ("adam", "sgd")
+    DECAY_STYLES: ClassVar[tuple[str, ...]] = ("constant", "linear", "cosine")
+
+    def __post_init__(self) -> None:
+        _check_choice("optimizer.name", self.name, self.NAMES)
+        _check_choice("optimizer.lr_decay_style", self.lr_decay_style, self.DECAY_STYLES)
+        _check_min("optimizer.lr", self.lr, 0, strict=True)
+        _check_min("optimizer.min_lr", self.min_lr, 0)
+        if self.min_lr > self.lr:
+            raise _invalid("optimizer.min_lr", self.min_lr, f"must be <= optimizer.lr={format_value(self.lr)}")
+        _check_min("optimizer.weight_decay", self.weight_decay, 0)
+        _check_unit_interval("optimizer.adam_beta1", self.adam_beta1, low_open=False, high_open=True)
+        _check_unit_interval("optimizer.adam_beta2", self.adam_beta2, low_open=False, high_open=True)
+        _check_min("optimizer.adam_eps", self.adam_eps, 0, strict=True)
+        _check_min("optimizer.clip_grad", self.clip_grad, 0)
+        _check_min("optimizer.lr_warmup_steps", self.lr_warmup_steps, 0)
+        if self.lr_decay_steps is not None:
+            _check_min("optimizer.lr_decay_steps", self.lr_decay_steps, 1)
+
+
+@dataclass
+class RolloutConfig:
+    """Generation engine and sampling parameters for RL rollouts."""
+
+    backend: str = "hf"
+    """Engine: hf (transformers generate, in-process) or sglang (server, time-shared with training)."""
+    tp: int = 1
+    """Tensor-parallel size of one rollout engine."""
+    temperature: float = 1.0
+    """Sampling temperature; > 0 (log-probs are computed at this temperature)."""
+    top_p: float = 1.0
+    """Nucleus-sampling mass in (0, 1]; 1 disables it."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    max_new_tokens: int = 32
+    """Longest response generated per sample."""
+    n_samples_per_prompt: int = 8
+    """Responses sampled per prompt (the group size of group-relative advantages)."""
+    mem_fraction_static: float = 0.5
+    """SGLang's share of GPU memory for weights and KV cache, in (0, 1)."""
+
+    BACKENDS: ClassVar[tuple[str, ...]] = ("hf", "sglang")
+
+    def __post_init__(self) -> None:
+        _check_choice("rollout.backend", self.backend, self.BACKENDS)
+        _check_min("rollout.tp", self.tp, 1)
+        if self.temperature <= 0:
+            raise _invalid(
+                "rollout.temperature", self.temperature, "must be > 0; for near-greedy sampling use rollout.top_k=1"
+            )
+        _check_unit_interval("rollout.top_p", self.top_p, low_open=True, high_open=False)
+        if self.top_k != -1 and self.top_k < 1:
+            raise _invalid("rollout.top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        _check_min("rollout.max_new_tokens", self.max_new_tokens, 1)
+        _check_min("rollout.n_samples_per_prompt", self.n_samples_per_prompt, 1)
+        _check_unit_interval("rollout.mem_fraction_static", self.mem_fraction_static, low_open=True, high_open=True)
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimator and policy loss of the RL update."""
+
+    advantage_estimator: str = "grpo"
+    """grpo, dr_grpo, rloo, reinforce_pp or gae."""
+    policy_loss: str = "ppo_clip"
+    """ppo_clip, clip_higher (DAPO), gspo (sequence-level ratio) or cispo (clipped IS weights)."""
+    eps_clip: float = 0.2
+    """Lower clip range of the importance ratio (1 - eps_clip); also the upper one for ppo_clip."""
+    eps_clip_high: float = 0.28
+    """Upper clip range (1 + eps_clip_high) for clip_higher, gspo and cispo."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy; 0 skips the reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3 (Schulman's approximations)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    loss_agg_mode: str = "token_mean"
+    """Loss normalisation: token_mean, seq_mean_token_sum or seq_mean_token_mean."""
+    num_inner_updates: int = 1
+    """Optimizer steps taken on each batch of rollouts."""
+
+    ADVANTAGE_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
+    GROUP_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo")
+    POLICY_LOSSES: ClassVar[tuple[str, ...]] = ("ppo_clip", "clip_higher", "gspo", "cispo")
+    KL_ESTIMATORS: ClassVar[tuple[str, ...]] = ("k1", "k2", "k3")
+    LOSS_AGG_MODES: ClassVar[tuple[str, ...]] = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+
+    def __post_init__(self) -> None:
+        _check_choice("algorithm.advantage_estimator", self.advantage_estimator, self.ADVANTAGE_ESTIMATORS)
+        _check_choice("algorithm.policy_loss", self.policy_loss, self.POLICY_LOSSES)
+        _check_choice("algorithm.kl_estimator", self.kl_estimator, self.KL_ESTIMATORS)
+        _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, self.LOSS_AGG_MODES)
+        _check_min("algorithm.eps_clip", self.eps_clip, 0, strict=True)
+        _check_min("algorithm.eps_clip_high", self.eps_clip_high, 0, strict=True)
+        if self.policy_loss == "clip_higher" and self.eps_clip_high < self.eps_clip:
+            raise _invalid(
+                "algorithm.eps_clip_high", self.eps_clip_high,
+                f"must be >= algorithm.eps_clip={format_value(self.eps_clip)} for policy_loss=clip_higher",
+            )
+        _check_min("algorithm.kl_coef", self.kl_coef, 0)
+        _check_min("algorithm.entropy_coef", self.entropy_coef, 0)
+        _check_min("algorithm.num_inner_updates", self.num_inner_updates, 1)
+
+
+@dataclass
+class TaskConfig:
+    """Prompt source and reward of the training task."""
+
+    name: str = "countdown"
+    """Display name used in logs and metric names."""
+    type: str = "countdown"
+    """countdown (generated puzzles), math (generated arithmetic) or jsonl (a file of prompts)."""
+    path: Optional[str] = None
+    """JSONL file of prompts; required for type=jsonl."""
+    num_train: int = 2000
+    """Training prompts generated or read."""
+    num_eval: int = 200
+    """Held-out evaluation prompts; 0 disables evaluation."""
+    seed: int = 0
+    """Seed of the prompt generator and of the train/eval split."""
+
+    TYPES: ClassVar[tuple[str, ...]] = ("countdown", "math", "jsonl")
+
+    def __post_init__(self) -> None:
+        _check_choice("task.type", self.type, self.TYPES)
+        if self.type == "jsonl" and not self.path:
+            raise ValueError("task.path=null is invalid for task.type=jsonl: set task.path=<file.jsonl>")
+        _check_min("task.num_train", self.num_train, 1)
+        _check_min("task.num_eval", self.num_eval, 0)
+        _check_min("task.seed", self.seed, 0)
+
+
+@dataclass
+class SandboxConfig:
+    """Isolation runtime for executing model-written code during reward computation."""
+
+    runtime: str = "bwrap"
+    """bwrap (bubblewrap namespaces), apptainer (container) or process (NO isolation)."""
+    address: Optional[str] = None
+    """host:port of a remote sandbox service; null runs sandboxes locally."""
+    num_workers: int = 2
+    """Concurrent sandboxed executions."""
+    allow_unisolated: bool = False
+    """Explicit opt-in required for runtime=process, which runs untrusted code unsandboxed."""
+
+    RUNTIMES: ClassVar[tuple[str, ...]] = ("bwrap", "apptainer", "process")
+
+    def __post_init__(self) -> None:
+        _check_choice("sandbox.runtime", self.runtime, self.RUNTIMES)
+        if self.runtime == "process" and not self.allow_unisolated:
+            raise ValueError(
+                "sandbox.runtime=process is invalid without sandbox.allow_unisolated=true: it runs "
+                "model-written code with no isolation; use sandbox=bwrap or sandbox=apptainer, "
+                "or pass sandbox.allow_unisolated=true to accept the risk"
+            )
+        _check_min("sandbox.num_workers", self.num_workers, 1)
+
+
+@dataclass
+class ClusterConfig:
+    """How processes are launched and which device they use."""
+
+    launcher: str = "local"
+    """local (this command spawns the ranks), torchrun or slurm."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+    nproc: int = 1
+    """Processes the local launcher starts."""
+    master_port: Optional[int] = None
+    """Rendezvous port; null picks a free one."""
+
+    LAUNCHERS: ClassVar[tuple[str, ...]] = ("local", "torchrun", "slurm")
+    DEVICES: ClassVar[tuple[str, ...]] = ("auto", "cpu", "cuda")
+
+    def __post_init__(self) -> None:
+        _check_choice("cluster.launcher", self.launcher, self.LAUNCHERS)
+        _check_choice("cluster.device", self.device, self.DEVICES)
+        _check_min("cluster.nproc", self.nproc, 1)
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise _invalid(
+                "cluster.master_port", self.master_port, "must lie in [1, 65535] or be null (pick a free port)"
+            )
+
+
+@dataclass
+class LoggingConfig:
+    """Log verbosity and metric sinks."""
+
+    level: str = "INFO"
+    """Python log level on rank 0: DEBUG, INFO, WARNING or ERROR."""
+    tensorboard: bool = True
+    """Write metrics to TensorBoard under run_dir."""
+    wandb: bool = False
+    """Also send metrics to Weights & Biases."""
+    log_every: int = 1
+    """Optimizer steps between metric logs."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    LEVELS: ClassVar[tuple[str, ...]] = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+    def __post_init__(self) -> None:
+        _check_choice("logging.level", self.level, self.LEVELS)
+        _check_min("logging.log_every", self.log_every, 1)
+
+
+@dataclass
+class TrainConfig:
+    """Top-level configuration of one training run (SFT or RL)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture or checkpoint."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron parallel layout."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and learning-rate schedule."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation engine and sampling (mode=rl)."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator and policy loss (mode=rl)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Prompts and rewards."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Code-execution sandbox for rewards."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Launcher and device."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Logging and metric sinks."""
+    run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+    """Output directory (checkpoints, metrics); created by the trainer after validation, never by Hydra."""
+    seed: int = 1234
+    """Global seed for data order, sampling and dropout."""
+    num_steps: int = 100
+    """Optimizer steps to train."""
+    global_batch_size: int = 64
+    """Sequences per optimizer step, summed over data-parallel ranks."""
+    micro_batch_tokens: int = 2048
+    """Token budget of one packed micro-batch on one rank."""
+    deterministic: bool = True
+    """Use deterministic kernels and fixed reduction order (bitwise reproducible runs)."""
+    mode: str = "sft"
+    """sft (supervised fine-tuning on task references) or rl (rollouts + policy-gradient update)."""
+
+    MODES: ClassVar[tuple[str, ...]] = ("sft", "rl")
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, self.MODES)
+        if not self.run_dir:
+            raise _invalid("run_dir", self.run_dir, "must be a non-empty directory path")
+        _check_min("seed", self.seed, 0)
+        _check_min("num_steps", self.num_steps, 1)
+        _check_min("global_batch_size", self.global_batch_size, 1)
+        _check_min("micro_batch_tokens", self.micro_batch_tokens, 1)
+
+
+SCHEMAS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "rollout": RolloutConfig,
+    "algorithm": AlgorithmConfig,
+    "task": TaskConfig,
+    "sandbox": SandboxConfig,
+    "cluster": ClusterConfig,
+    "logging": LoggingConfig,
+}
+"""Config group -> schema; each is stored as ``<group>/base_<group>``."""
+
+
+def _model_schema_node() -> ModelConfig:
+    # OmegaConf's merge never lets ``???`` replace an existing value, so a checkpoint model's
+    # ``path: ???`` would silently stay ``None`` (random init) if any layer below it had the
+    # Python default. The stored schemas therefore leave model.path missing; every model
+    # option must say ``path: null`` (build from fields) or ``path: ???`` (user must give it).
+    return ModelConfig(path=MISSING)
+
+
+def register_schemas() -> None:
+    """Store ``base_config`` and one ``base_<group>`` per group in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=TrainConfig(model=_model_schema_node()))
+    for group, schema in SCHEMAS.items():
+        node = _model_schema_node() if group == "model" else schema
+        cs.store(group=group, name=f"base_{group}", node=node)
+
+
+register_schemas()

@@ -1,0 +1,317 @@
+"""Config schema, YAML tree and loader: every YAML composes, overrides apply, bad input fails early.
+
+Each invalid case must raise ConfigError whose one-line message names the key and the value.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from megatron_rl.config import (
+    CONF_DIR,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    compose,
+    load_config,
+    to_typed,
+    validate,
+)
+from megatron_rl.config import loader
+from megatron_rl.config.schema import SCHEMAS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ALL_YAMLS = sorted(CONF_DIR.rglob("*.yaml"))
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path: Path) -> Path:
+    """A directory that passes the model.path check (config.json present)."""
+    ckpt = tmp_path / "hf_ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    return ckpt
+
+
+def _selecting(yaml_path: Path) -> tuple[str, list[str], str]:
+    """(config_name, overrides) that select this YAML file, and the key its body is merged at."""
+    rel = yaml_path.relative_to(CONF_DIR)
+    if len(rel.parts) == 1:
+        return rel.stem, [], ""  # a primary config
+    group, name = "/".join(rel.parts[:-1]), rel.stem
+    package = "" if "# @package _global_" in yaml_path.read_text() else group.replace("/", ".")
+    selector = f"{group}={name}" if group in SCHEMAS else f"+{group}={name}"
+    return "config", [selector], package
+
+
+def _leaves(node: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        out: dict[str, object] = {}
+        for key, value in node.items():
+            out.update(_leaves(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+@pytest.mark.parametrize("yaml_path", ALL_YAMLS, ids=lambda p: str(p.relative_to(CONF_DIR)))
+def test_every_yaml_composes_to_a_valid_typed_config(yaml_path: Path, hf_checkpoint: Path) -> None:
+    config_name, overrides, package = _selecting(yaml_path)
+    raw = OmegaConf.to_container(OmegaConf.load(yaml_path), resolve=False)
+    assert isinstance(raw, dict)
+    raw.pop("defaults", None)
+    raw.pop("hydra", None)
+    leaves = {f"{package}.{k}" if package else k: v for k, v in _leaves(raw).items()}
+    # Mandatory values (???) get an existing checkpoint directory, like a user would pass.
+    overrides += [f"{key}={hf_checkpoint}" for key, value in leaves.items() if value == "???"]
+    cfg = to_typed(compose(overrides, config_name=config_name))
+    validate(cfg, world_size=1)
+
+    assert isinstance(cfg, TrainConfig)
+    composed = OmegaConf.structured(cfg)
+    for key, value in leaves.items():
+        if isinstance(value, str) and ("${" in value or value == "???"):
+            continue
+        # Every value the file writes must survive composition (nothing silently dropped).
+        assert OmegaConf.select(composed, key) == value, f"{yaml_path.name}: {key}"
+
+
+@pytest.mark.parametrize("yaml_path", [p for p in ALL_YAMLS if p.parent.name in SCHEMAS], ids=lambda p: p.name)
+def test_every_group_option_names_its_schema(yaml_path: Path) -> None:
+    defaults = OmegaConf.load(yaml_path).get("defaults", [])
+    assert f"base_{yaml_path.parent.name}" in defaults, "list the schema first so typos in the file are caught"
+
+
+def test_schemas_are_registered() -> None:
+    repo = ConfigStore.instance().repo
+    assert "base_config.yaml" in repo
+    for group in SCHEMAS:
+        assert f"base_{group}.yaml" in repo[group]
+
+
+def test_overrides_apply() -> None:
+    cfg = load_config(["parallel.tp=2", "optimizer.lr=1e-6"], world_size=2)
+    assert cfg.parallel.tp == 2
+    assert cfg.optimizer.lr == 1e-6
+    assert cfg.parallel.dp_size(2) == 1
+    assert cfg.model.name == "tiny_qwen2" and cfg.model.path is None
+
+
+def test_defaults_and_run_dir_resolved() -> None:
+    cfg = load_config([], world_size=1)
+    assert cfg == TrainConfig(run_dir=cfg.run_dir)  # YAML defaults agree with the dataclass defaults
+    assert cfg.run_dir.startswith("runs/") and "${" not in cfg.run_dir
+
+
+def test_experiment_selects_and_overrides() -> None:
+    cfg = load_config(["+experiment=demo_countdown"], world_size=1)
+    assert cfg.mode == "rl"
+    assert cfg.task.type == "countdown"
+    assert cfg.optimizer.lr == 1e-4
+
+
+def test_checkpoint_model_takes_user_path(hf_checkpoint: Path) -> None:
+    cfg = load_config(["model=qwen2_5_7b", f"model.path={hf_checkpoint}", "parallel.tp=4"], world_size=8)
+    assert cfg.model.path == str(hf_checkpoint)
+    assert cfg.model.tokenizer == str(hf_checkpoint)
+    assert cfg.model.num_attention_heads == 28 and cfg.model.num_query_groups == 4
+    assert cfg.model.resolved_qkv_bias and cfg.model.resolved_head_dim == 128
+
+
+@pytest.mark.parametrize(
+    ("option", "qkv_bias", "qk_layernorm", "head_dim", "tied"),
+    [
+        ("tiny_qwen2", True, False, 32, True),
+        ("tiny_llama", False, False, 32, False),
+        ("tiny_qwen3", False, True, 32, True),
+    ],
+)
+def test_family_defaults(option: str, qkv_bias: bool, qk_layernorm: bool, head_dim: int, tied: bool) -> None:
+    model = load_config([f"model={option}"], world_size=1).model
+    assert model.resolved_qkv_bias is qkv_bias
+    assert model.resolved_qk_layernorm is qk_layernorm
+    assert model.resolved_head_dim == head_dim
+    assert model.tie_word_embeddings is tied
+
+
+def test_resolved_fields_follow_family_when_unset() -> None:
+    assert ModelConfig(family="qwen2").resolved_qkv_bias is True
+    assert ModelConfig(family="llama").resolved_qkv_bias is False
+    assert ModelConfig(family="qwen3").resolved_qk_layernorm is True
+    assert ModelConfig(family="qwen3", qk_layernorm=False).resolved_qk_layernorm is False
+    assert ModelConfig(hidden_size=128, num_attention_heads=4, head_dim=None).resolved_head_dim == 32
+
+
+def test_dp_size() -> None:
+    assert ParallelConfig(tp=2, pp=2).dp_size(8) == 2
+    with pytest.raises(ValueError, match="world_size=6"):
+        ParallelConfig(tp=4).dp_size(6)
+
+
+INVALID_CASES = [
+    # (overrides, world_size, substrings the message must contain)
+    (["optimizer.lrr=1"], 1, ["optimizer.lrr", "optimizer.lrr=1", "lr"]),
+    (["+optimizer.lrr=1"], 1, ["optimizer.lrr", "+optimizer.lrr=1"]),
+    (["foo=1"], 1, ["foo=1", "global_batch_size"]),
+    (["optimizer.lr=abc"], 1, ["optimizer.lr", "abc", "float"]),
+    (["parallel.tp=3"], 3, ["parallel.tp=3", "model.num_attention_heads=4", "valid parallel.tp values", "are 1"]),
+    (["parallel.tp=3"], 4, ["parallel.tp=3", "world_size=4", "valid parallel.tp values", "are 1, 2"]),
+    (["optimizer.lr=-1"], 1, ["optimizer.lr=-1", "> 0"]),
+    (["optimizer.lr=1e-4", "optimizer.min_lr=1e-3"], 1, ["optimizer.min_lr=0.001", "optimizer.lr=0.0001"]),
+    (["model=qwen2_5_7b"], 1, ["model.path", "???"]),
+    (["model.path=/nonexistent/ckpt"], 1, ["model.path=/nonexistent/ckpt", "does not exist", "config.json"]),
+    (["model.tokenizer=/nonexistent/tok"], 1, ["model.tokenizer=/nonexistent/tok", "does not exist"]),
+    (["rollout.top_p=0"], 1, ["rollout.top_p=0", "(0, 1]"]),
+    (["model=nope"], 1, ["model=nope", "tiny_qwen2", "qwen2_5_7b"]),
+    (["+experiment=nope"], 1, ["experiment=nope", "demo_countdown"]),
+    (["parallel.sequence_parallel=true"], 1, ["parallel.sequence_parallel=true", "parallel.tp=1"]),
+    (["sandbox.runtime=process"], 1, ["sandbox.runtime=process", "sandbox.allow_unisolated=true"]),
+    (["model.family=gpt"], 1, ["model.family=gpt", "llama, qwen2, qwen3"]),
+    (["model.num_query_groups=3"], 1, ["model.num_query_groups=3", "model.num_attention_heads=4"]),
+    (["parallel.pp=3"], 3, ["model.num_layers=4", "parallel.pp=3"]),
+    (["global_batch_size=3"], 2, ["global_batch_size=3", "data-parallel size 2"]),
+    (["rollout.tp=3"], 4, ["rollout.tp=3", "world_size=4"]),
+    (["task.type=jsonl"], 1, ["task.path=null", "task.type=jsonl"]),
+    (["task.type=jsonl", "task.path=/nonexistent.jsonl"], 1, ["task.path=/nonexistent.jsonl", "does not exist"]),
+    (["mode=rl", "rollout.n_samples_per_prompt=1"], 1, ["rollout.n_samples_per_prompt=1", "grpo"]),
+    (["parallel.tp=0"], 1, ["parallel.tp=0", ">= 1"]),
+    (["cluster.master_port=70000"], 1, ["cluster.master_port=70000", "65535"]),
+    (["optimizer.lr=="], 1, ["optimizer.lr=="]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "world_size", "expected"), INVALID_CASES, ids=lambda v: str(v))
+def test_invalid_config_raises_one_line_error(overrides: list[str], world_size: int, expected: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides, world_size=world_size)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_unknown_group_option_lists_options_not_schemas() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(["model=nope"], world_size=1)
+    assert "base_model" not in str(info.value)
+
+
+def test_model_path_without_config_json(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"model.path=.*has no config.json") as info:
+        load_config([f"model.path={tmp_path}"], world_size=1)
+    assert str(tmp_path) in str(info.value)
+
+
+def test_unisolated_sandbox_needs_explicit_opt_in() -> None:
+    cfg = load_config(["sandbox.runtime=process", "sandbox.allow_unisolated=true"], world_size=1)
+    assert cfg.sandbox.runtime == "process"
+
+
+def test_checkpoint_model_with_null_path_is_rejected() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(["model=qwen2_5_7b", "model.path=null"], world_size=1)
+    assert "model.tokenizer=${model.path}" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.fixture
+def conf_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private copy of conf/ that the loader reads instead of the repository's."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    monkeypatch.setattr(loader, "CONF_DIR", conf)
+    return conf
+
+
+def test_typo_in_yaml_file_is_caught(conf_copy: Path) -> None:
+    adam = conf_copy / "optimizer" / "adam.yaml"
+    adam.write_text(adam.read_text() + "lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown key optimizer.lrr \(in a config file\)"):
+        load_config([], world_size=1)
+
+
+def test_bad_default_in_yaml_file_names_the_file(conf_copy: Path) -> None:
+    adam = conf_copy / "optimizer" / "adam.yaml"
+    adam.write_text(adam.read_text().replace("- base_optimizer", "- base_optimzer"))
+    with pytest.raises(ConfigError, match=r"In 'optimizer/adam'.*base_optimzer.*schema is base_optimizer"):
+        load_config([], world_size=1)
+
+
+def test_to_typed_rejects_keys_added_with_plus() -> None:
+    cfg = compose([])
+    OmegaConf.update(cfg, "optimizer.lrr", 1.0, force_add=True)  # what "+optimizer.lrr=1" does in @hydra.main
+    with pytest.raises(ConfigError, match="unknown key optimizer.lrr"):
+        to_typed(cfg)
+
+
+def test_model_option_must_state_path(conf_copy: Path) -> None:
+    # A model file without `path:` must not silently fall back to random init.
+    (conf_copy / "model" / "custom.yaml").write_text("defaults:\n  - base_model\n  - _self_\nname: custom\n")
+    with pytest.raises(ConfigError, match=r"model.path=\?\?\? is required"):
+        load_config(["model=custom"], world_size=1)
+
+
+def test_loader_is_light_and_fast() -> None:
+    code = textwrap.dedent(
+        """
+        import sys, time
+        start = time.perf_counter()
+        from megatron_rl.config import load_config
+        load_config(["parallel.tp=2"], world_size=2)
+        elapsed = time.perf_counter() - start
+        heavy = sorted(m for m in ("torch", "megatron", "transformers") if m in sys.modules)
+        print(elapsed, heavy)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
+    elapsed, heavy = out.stdout.strip().split(" ", 1)
+    assert heavy == "[]"
+    assert float(elapsed) < 2.0
+
+
+def test_hydra_main_app_writes_nothing_and_can_call_load_config(tmp_path: Path) -> None:
+    app_dir, work_dir = tmp_path / "app", tmp_path / "work"
+    app_dir.mkdir()
+    work_dir.mkdir()
+    (app_dir / "app.py").write_text(
+        textwrap.dedent(
+            f"""
+            import os
+            import hydra
+            from hydra.core.hydra_config import HydraConfig
+            from megatron_rl.config import load_config, to_typed
+
+            @hydra.main(config_path={str(CONF_DIR)!r}, config_name="config", version_base="1.3")
+            def main(cfg):
+                typed = to_typed(cfg)
+                nested = load_config(["parallel.tp=2"], world_size=2)
+                print("RESULT", typed.parallel.tp, nested.parallel.tp, os.getcwd() == {str(work_dir)!r},
+                      HydraConfig.get().runtime.output_dir == {str(work_dir)!r})
+
+            main()
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(app_dir / "app.py"), "parallel.tp=1", "logging.level=DEBUG"],
+        cwd=work_dir,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "RESULT 1 2 True True" in out.stdout
+    assert sorted(work_dir.rglob("*")) == []
+    assert sorted(p.name for p in app_dir.iterdir()) == ["app.py"]
