@@ -419,7 +419,7 @@ class LoggingConfig:
     """Write metrics to TensorBoard under run_dir."""
     wandb: bool = False
     """Also send metrics to Weights & Biases."""
-    log_every: int = 1
+    log_every: int = 10
     """Optimizer steps between metric logs."""
     progress: bool = True
     """Show a progress bar on rank 0."""

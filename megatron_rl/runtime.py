@@ -1,0 +1,221 @@
+"""Start-up shared by the entry points: command line -> validated config -> processes ->
+process groups -> run directory, logging and metrics.
+
+The order is the contract: the whole configuration is composed, typed and validated
+(including what an HF checkpoint's config.json says about the architecture) before any
+process group, model or file exists, so a bad setting costs seconds and writes nothing.
+With `cluster.launcher=local` and `cluster.nproc > 1`, the first process becomes a small
+launcher that starts one worker per rank and stops them all when one fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--multirun", "-m",
+               "--resolve", "--package", "-p", "--shell-completion", "-sc", "--config-dir", "-cd",
+               "--config-name", "-cn", "--config-path", "-cp", "--run", "-r")
+
+
+class Runtime:
+    """What an entry point gets after start-up (every rank has one)."""
+
+    def __init__(self, cfg, env, groups, run_dir: Path, writer) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.groups = groups
+        self.run_dir = run_dir
+        self.writer = writer
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def load_validated(overrides: Sequence[str], world_size: int, check: Optional[Callable] = None):
+    """Compose + type the config, fill the architecture from `model.path`, validate, then run
+    the entry point's own `check(cfg)` (which raises ConfigError)."""
+    from megatron_rl.config import ConfigError, compose, to_typed, validate
+
+    cfg = to_typed(compose(overrides))
+    path = cfg.model.path
+    if path and (Path(path) / "config.json").is_file():
+        from megatron_rl.models.gpt import arch_from_hf_config
+
+        try:
+            arch = arch_from_hf_config(path)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"model.path={path}: {exc}") from exc
+        cfg.model = dataclasses.replace(cfg.model, **arch)
+    validate(cfg, world_size)
+    if check is not None:
+        check(cfg)
+    return cfg
+
+
+def _world_size_for(overrides: Sequence[str]) -> int:
+    from megatron_rl.parallel.dist import dist_env_from
+
+    env = dist_env_from()
+    if env.source != "single":
+        return env.world_size
+    from megatron_rl.config import compose
+
+    cluster = compose(overrides).cluster
+    return cluster.nproc if cluster.launcher == "local" else 1
+
+
+def run_hydra_cli(argv: Sequence[str], config_name: str = "config") -> None:
+    """Hand Hydra's own flags (`--cfg job`, `--help`, `-m`) to Hydra unchanged."""
+    import hydra
+
+    import megatron_rl.config  # noqa: F401  (registers the schemas)
+    from megatron_rl.config.loader import CONF_DIR
+
+    @hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")
+    def _app(cfg) -> None:  # only reached with --multirun; not a supported way to train yet
+        raise SystemExit("use one job per sbatch/launch; Hydra multirun is not supported for training")
+
+    sys.argv = [sys.argv[0], *argv]
+    _app()
+
+
+def start(argv: Sequence[str], job_name: str, check: Optional[Callable] = None) -> Optional[Runtime]:
+    """Validate, then become a rank (or the local launcher: returns None when workers are done)."""
+    from megatron_rl.config import ConfigError
+
+    if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
+        run_hydra_cli(argv)
+        return None
+    overrides = list(argv)
+    try:
+        world = _world_size_for(overrides)
+        cfg = load_validated(overrides, world, check)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    from megatron_rl.parallel.dist import dist_env_from
+
+    env = dist_env_from()
+    if env.source == "single" and cfg.cluster.launcher == "local" and cfg.cluster.nproc > 1:
+        _launch_local(cfg, overrides, job_name)
+        return None
+    return _become_rank(cfg, env, job_name)
+
+
+def _resolved_run_dir(cfg) -> str:
+    return str(Path(cfg.run_dir).resolve())
+
+
+def _launch_local(cfg, overrides: list[str], job_name: str) -> None:
+    """Start `cluster.nproc` workers on this machine; the first failure stops all of them."""
+    from megatron_rl.parallel.dist import free_port
+
+    nproc = cfg.cluster.nproc
+    port = cfg.cluster.master_port or free_port()
+    run_dir = _resolved_run_dir(cfg)  # one run dir for all ranks, fixed before they start
+    args = [*[o for o in overrides if not o.startswith("run_dir=")], f"run_dir={run_dir}"]
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        procs.append(subprocess.Popen([sys.executable, "-m", job_name, *args], env=env))
+    failed = _wait_all(procs)
+    if failed is not None:
+        rank, code = failed
+        print(f"rank {rank} exited with code {code}; stopped the other ranks "
+              f"(see {run_dir}/logs/rank{rank}.log)", file=sys.stderr)
+        raise SystemExit(code if code > 0 else 1)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> Optional[tuple[int, int]]:
+    while True:
+        codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                for other in procs:
+                    if other.poll() is None:
+                        other.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                for other in procs:
+                    try:
+                        other.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        other.kill()
+                return rank, code
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.2)
+
+
+# Warnings megatron-core raises on every CPU start (no TE/Apex/CUDA there by design).
+_EXPECTED_CPU_WARNINGS = (
+    r".*(Transformer Engine|Apex)( and Apex)? (is|are) not installed.*",
+    r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+    r".*full scope is deprecated.*",
+)
+
+
+def _become_rank(cfg, env, job_name: str) -> Runtime:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.observability import MetricsWriter, init_logger
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+
+    device = mdist.resolve_device(cfg.cluster.device, env.local_rank)
+    if device.type == "cpu":
+        for pattern in _EXPECTED_CPU_WARNINGS:
+            warnings.filterwarnings("ignore", message=pattern)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    mdist.init_distributed(env, device)
+    run_dir = [_resolved_run_dir(cfg)]
+    if env.world_size > 1:  # `${now:...}` may differ by a second between ranks: rank 0 decides
+        dist.broadcast_object_list(run_dir, src=0)
+    run_path = Path(run_dir[0])
+    cfg.run_dir = str(run_path)
+    (run_path / "logs").mkdir(parents=True, exist_ok=True)
+    init_logger(env.rank, cfg.logging.level, run_path / "logs" / f"rank{env.rank}.log")
+    if env.rank == 0:
+        _save_config(cfg, run_path)
+    groups = state.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp,
+                              sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.seed, device=device)
+    writer = MetricsWriter(run_path, enabled_tensorboard=cfg.logging.tensorboard, rank=env.rank)
+    logger.info("%s: run directory %s", job_name, run_path)
+    return Runtime(cfg, env, groups, run_path, writer)
+
+
+def _save_config(cfg, run_dir: Path) -> None:
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
+
+
+def finish(rt: Runtime) -> None:
+    import torch.distributed as dist
+
+    from megatron_rl.parallel import state
+
+    rt.close()
+    state.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,132 @@
+"""Supervised fine-tuning on the Megatron trainer: prompt + response samples, loss on the
+response tokens only. Warm-starts the small model before RL, and is the main job until the
+RL loop lands.
+
+    python -m megatron_rl.sft num_steps=200 optimizer.lr=1e-3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from megatron_rl import runtime
+from megatron_rl.trainer.packing import Sample
+
+logger = logging.getLogger(__name__)
+
+SFT_TASKS = ("countdown", "jsonl")
+SUMMARY_KEYS = {"loss": "loss", "eval_loss": "eval", "grad_norm": "gnorm", "lr": "lr",
+                "tokens_per_s": "tok/s", "step_time_s": "time"}
+
+
+def check_sft_config(cfg) -> None:
+    from megatron_rl.config import ConfigError
+
+    if cfg.task.type not in SFT_TASKS:
+        raise ConfigError(f"task.type={cfg.task.type} has no SFT data: SFT supports {', '.join(SFT_TASKS)} "
+                          "(jsonl rows need 'prompt' and 'response')")
+
+
+def prompt_response_sample(tokenizer, prompt: str, response: str) -> Sample:
+    """Tokens of prompt + response + eos; the loss covers the response and the eos."""
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    tokens = torch.tensor(p + r, dtype=torch.long)
+    mask = torch.zeros(len(tokens) - 1)
+    mask[len(p) - 1:] = 1.0
+    return Sample(tokens, mask)
+
+
+def load_pairs(task_cfg, split: str) -> list[tuple[str, str]]:
+    if task_cfg.type == "countdown":
+        from megatron_rl.data import countdown
+
+        num = task_cfg.num_train if split == "train" else task_cfg.num_eval
+        problems = countdown.generate_problems(num, seed=task_cfg.seed, split=split)
+        return [(countdown.format_prompt(p), countdown.format_answer(p)) for p in problems]
+    rows = [json.loads(line) for line in Path(task_cfg.path).read_text().splitlines() if line.strip()]
+    if split == "eval":
+        return [(r["prompt"], r["response"]) for r in rows[: task_cfg.num_eval]]
+    return [(r["prompt"], r["response"]) for r in rows[task_cfg.num_eval:]] or \
+        [(r["prompt"], r["response"]) for r in rows]
+
+
+def eval_loss(trainer, samples: Sequence[Sample]) -> float:
+    logprobs, _ = trainer.forward_logprobs(samples)
+    total = sum(float(-(lp * s.loss_mask).sum()) for lp, s in zip(logprobs, samples))
+    return total / max(1.0, sum(float(s.loss_mask.sum()) for s in samples))
+
+
+def run_sft(rt: runtime.Runtime) -> dict[str, float]:
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from megatron_rl.data.sampler import EpochSampler
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.models.hf import initial_state_dict
+    from megatron_rl.observability import format_step_summary
+    from megatron_rl.observability.plots import plot_metrics
+    from megatron_rl.trainer.core import Trainer, TrainerOptions
+
+    cfg = rt.cfg
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    train = [prompt_response_sample(tokenizer, p, r) for p, r in load_pairs(cfg.task, "train")]
+    held_out = [prompt_response_sample(tokenizer, p, r) for p, r in load_pairs(cfg.task, "eval")]
+    trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, TrainerOptions(
+        micro_batch_tokens=cfg.micro_batch_tokens,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        deterministic=cfg.deterministic, total_steps=cfg.num_steps,
+        pad_token_id=tokenizer.pad_token_id))
+    trainer.load_full_state_dict(initial_state_dict(cfg.model, cfg.model.init_seed))
+    sampler = EpochSampler(len(train), cfg.seed)
+    first_eval = eval_loss(trainer, held_out)
+    logger.info("SFT: %d train / %d held-out samples; held-out loss before: %.4f",
+                len(train), len(held_out), first_eval)
+
+    metrics: dict[str, float] = {}
+    show_bar = rt.is_main and cfg.logging.progress
+    bar = tqdm(range(cfg.num_steps), desc="sft", unit="step", disable=not show_bar)
+    # The redirect would drop the console handler's level, so only rank 0's bar uses it.
+    with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():
+        for step in bar:
+            batch = [train[i] for i in sampler.next_batch(cfg.global_batch_size)]
+            start = time.perf_counter()
+            metrics = trainer.train_step(batch)
+            metrics["step_time_s"] = time.perf_counter() - start
+            metrics["tokens_per_s"] = sum(s.tokens.numel() for s in batch) / metrics["step_time_s"]
+            if step == cfg.num_steps - 1:
+                metrics["eval_loss"] = eval_loss(trainer, held_out)
+            rt.writer.log(step, metrics)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+            if step % cfg.logging.log_every == 0 or step == cfg.num_steps - 1:
+                logger.info(format_step_summary(step, metrics, SUMMARY_KEYS))
+    if rt.is_main:
+        plot_metrics(rt.run_dir / "metrics.jsonl", rt.run_dir / "plots", ["loss", "grad_norm", "tokens_per_s"])
+        logger.info("SFT done: train loss %.4f; held-out loss %.4f -> %.4f; run directory %s",
+                    metrics.get("loss", float("nan")), first_eval, metrics.get("eval_loss", float("nan")),
+                    rt.run_dir)
+    return metrics
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    rt = runtime.start(list(sys.argv[1:] if argv is None else argv), "megatron_rl.sft",
+                       check=check_sft_config)
+    if rt is None:
+        return
+    try:
+        run_sft(rt)
+    finally:
+        runtime.finish(rt)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""HF <-> Megatron (full) weight layout for each dense family, and HF config round trips."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_rl.config.schema import ModelConfig
+from megatron_rl.models.gpt import arch_from_hf_config, hf_config_dict
+from megatron_rl.models.hf import build_hf_model
+from megatron_rl.weight_sync.hf_layout import hf_to_megatron, megatron_to_hf
+
+FAMILIES = {
+    "llama": ModelConfig(family="llama", tie_word_embeddings=False, num_layers=2),
+    "qwen2": ModelConfig(family="qwen2", tie_word_embeddings=True, num_layers=2),
+    "qwen3": ModelConfig(family="qwen3", tie_word_embeddings=True, num_layers=2, head_dim=48),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_round_trip_is_bit_exact(family):
+    cfg = FAMILIES[family]
+    hf = build_hf_model(cfg, seed=0).state_dict()
+    back = megatron_to_hf(hf_to_megatron(hf, cfg), cfg)
+    assert sorted(back) == sorted(hf)
+    for key, value in hf.items():
+        assert torch.equal(back[key], value), key
+
+
+def test_qkv_rows_are_grouped_per_kv_head():
+    cfg = ModelConfig(family="qwen2", num_attention_heads=4, num_query_groups=2, hidden_size=8, num_layers=1,
+                      ffn_hidden_size=8, vocab_size=16)
+    hd = cfg.resolved_head_dim  # 2
+    hf = build_hf_model(cfg, seed=0).state_dict()
+    # tag each row with its source: q row i -> 100+i, k row i -> 200+i, v row i -> 300+i
+    for name, base in (("q", 100), ("k", 200), ("v", 300)):
+        w = hf[f"model.layers.0.self_attn.{name}_proj.weight"]
+        w.copy_((base + torch.arange(w.shape[0], dtype=w.dtype))[:, None].expand_as(w))
+    qkv = hf_to_megatron(hf, cfg)["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist()
+    # group 0: q heads 0,1 (rows 0..3), k head 0 (rows 0..1), v head 0; then group 1
+    expected = [100, 101, 102, 103, 200, 201, 300, 301, 104, 105, 106, 107, 202, 203, 302, 303]
+    assert hd == 2 and qkv == expected
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_config_round_trip(tmp_path, family):
+    cfg = FAMILIES[family]
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+    arch = arch_from_hf_config(tmp_path)
+    for key, value in arch.items():
+        if key in ("qkv_bias", "qk_layernorm", "head_dim"):
+            value_expected = {"qkv_bias": cfg.resolved_qkv_bias, "qk_layernorm": cfg.resolved_qk_layernorm,
+                              "head_dim": cfg.resolved_head_dim}[key]
+        else:
+            value_expected = getattr(cfg, key)
+        assert value == value_expected, key
+
+
+def test_unsupported_family_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"config.json: model_type='gpt2' is not supported"):
+        arch_from_hf_config(tmp_path)
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    cfg = hf_config_dict(FAMILIES["llama"])
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_scaling"):
+        arch_from_hf_config(tmp_path)
