@@ -187,7 +187,8 @@ class Trainer:
     def train_step(self, samples: Sequence[Sample], loss_fn: LossFn = token_mean_nll,
                    with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step on the global batch `samples`; returns summed metrics plus
-        `grad_norm`, `lr` and `num_tokens` (the same dict on every rank)."""
+        `grad_norm` (before clipping), `lr` (the one this step used) and `num_tokens` (the
+        same dict on every rank)."""
         mine, micro = self._micro_batches(samples)
         num_tokens = int(sum(float(s.loss_mask.sum()) for s in samples))
         sample_tokens = torch.tensor([float(s.loss_mask.sum()) for s in samples])
@@ -206,6 +207,7 @@ class Trainer:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        lr = self.optimizer.param_groups[0]["lr"]
         stored = self._run(micro, loss_func_for, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
@@ -213,8 +215,7 @@ class Trainer:
         self.scheduler.step(increment=1)
         self.step += 1
         metrics = _reduce_metrics(stored, self.groups)
-        metrics.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"],
-                       num_tokens=float(num_tokens))
+        metrics.update(grad_norm=float(grad_norm), lr=lr, num_tokens=float(num_tokens))
         return metrics
 
 
@@ -278,4 +279,7 @@ def _build_optimizer(model: torch.nn.Module, optim_cfg: Any, options: TrainerOpt
         wd_incr_steps=1,
         wd_incr_style="constant",
     )
+    # Megatron's schedule gives lr(0) = init_lr (0 with warmup): a wasted first step. Step k
+    # (0-based) trains with lr(k + 1) instead, so warmup reaches max_lr at step warmup - 1.
+    scheduler.step(increment=1)
     return optimizer, scheduler
