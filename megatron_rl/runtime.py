@@ -53,12 +53,16 @@ def load_validated(overrides: Sequence[str], world_size: int, check: Optional[Ca
     cfg = to_typed(compose(overrides))
     path = cfg.model.path
     if path and (Path(path) / "config.json").is_file():
-        from megatron_rl.models.gpt import arch_from_hf_config
+        from megatron_rl.checkpoint.hf import arch_from_hf_config
 
         try:
             arch = arch_from_hf_config(path)
-        except (ValueError, KeyError) as exc:
-            raise ConfigError(f"model.path={path}: {exc}") from exc
+        except ValueError as exc:
+            raise ConfigError(f"model.path={path}: {exc}") from None
+        if arch["family"] != cfg.model.family:
+            raise ConfigError(f"model.path={path}: {Path(path) / 'config.json'} is a {arch['family']} model but "
+                              f"model.family={cfg.model.family}; pick the matching model config "
+                              f"(e.g. model=tiny_{arch['family']}) or set model.family={arch['family']}")
         cfg.model = dataclasses.replace(cfg.model, **arch)
     validate(cfg, world_size)
     if check is not None:

@@ -71,7 +71,6 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
 
     from megatron_rl.data.sampler import EpochSampler
     from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.models.hf import initial_state_dict
     from megatron_rl.observability import format_step_summary
     from megatron_rl.observability.plots import plot_metrics
     from megatron_rl.trainer.core import Trainer, TrainerOptions
@@ -86,7 +85,7 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         deterministic=cfg.deterministic, total_steps=cfg.num_steps,
         pad_token_id=tokenizer.pad_token_id))
-    trainer.load_full_state_dict(initial_state_dict(cfg.model, cfg.model.init_seed))
+    trainer.initialize_weights()
     sampler = EpochSampler(len(train), cfg.seed)
     first_eval = eval_loss(trainer, held_out)
     logger.info("SFT: %d train / %d held-out samples; held-out loss before: %.4f",

@@ -4,14 +4,12 @@ One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta, GQA, Q
 bias, Qwen3 QK-norm, tied or untied embeddings) becomes a Megatron `TransformerConfig`
 and a `GPTModel` stage for this rank's pipeline position. The local layer spec is used
 on CPU; the Transformer Engine spec when TE is importable and the device is a GPU.
-The same description converts to and from a Hugging Face `config.json`.
+Conversion to and from Hugging Face layouts lives in `megatron_rl.weight_sync.families`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,81 +18,11 @@ from megatron_rl.parallel.state import ParallelGroups
 
 logger = logging.getLogger(__name__)
 
-_HF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
-
-
-def hf_config_dict(model_cfg: Any, eos_token_id: int = 0) -> dict[str, Any]:
-    """The HF `config.json` of this architecture (what `transformers` needs to build it)."""
-    family = model_cfg.family
-    cfg: dict[str, Any] = {
-        "architectures": [_HF_ARCHITECTURE[family]],
-        "model_type": _HF_MODEL_TYPE[family],
-        "vocab_size": model_cfg.vocab_size,
-        "hidden_size": model_cfg.hidden_size,
-        "intermediate_size": model_cfg.ffn_hidden_size,
-        "num_hidden_layers": model_cfg.num_layers,
-        "num_attention_heads": model_cfg.num_attention_heads,
-        "num_key_value_heads": model_cfg.num_query_groups,
-        "head_dim": model_cfg.resolved_head_dim,
-        "max_position_embeddings": model_cfg.max_position_embeddings,
-        "rope_theta": model_cfg.rope_theta,
-        "rms_norm_eps": model_cfg.norm_eps,
-        "tie_word_embeddings": model_cfg.tie_word_embeddings,
-        "hidden_act": "silu",
-        "torch_dtype": model_cfg.dtype,
-        "bos_token_id": eos_token_id,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": eos_token_id,
-        "attention_dropout": 0.0,
-    }
-    if family == "llama":
-        cfg["attention_bias"] = model_cfg.resolved_qkv_bias
-        cfg["mlp_bias"] = False
-    if family == "qwen3":
-        cfg["attention_bias"] = model_cfg.resolved_qkv_bias
-    return cfg
-
-
-def arch_from_hf_config(path: str | Path) -> dict[str, Any]:
-    """ModelConfig field values read from an HF checkpoint's config.json.
-
-    Raises ValueError naming the file when the family or a feature is not supported.
-    """
-    cfg_path = Path(path) / "config.json"
-    with open(cfg_path) as f:
-        hf = json.load(f)
-    model_type = hf.get("model_type")
-    family = {v: k for k, v in _HF_MODEL_TYPE.items()}.get(model_type)
-    if family is None:
-        raise ValueError(f"{cfg_path}: model_type={model_type!r} is not supported; "
-                         f"supported: {sorted(_HF_MODEL_TYPE.values())}")
-    rope_scaling = hf.get("rope_scaling")
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"{cfg_path}: rope_scaling={rope_scaling} is not supported yet (only default RoPE)")
-    heads = hf["num_attention_heads"]
-    qkv_bias = {"qwen2": True}.get(family, bool(hf.get("attention_bias", False)))
-    return {
-        "family": family,
-        "num_layers": hf["num_hidden_layers"],
-        "hidden_size": hf["hidden_size"],
-        "ffn_hidden_size": hf["intermediate_size"],
-        "num_attention_heads": heads,
-        "num_query_groups": hf.get("num_key_value_heads", heads),
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "vocab_size": hf["vocab_size"],
-        "max_position_embeddings": hf.get("max_position_embeddings", 4096),
-        "rope_theta": float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-        "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": qkv_bias,
-        "qk_layernorm": family == "qwen3",
-    }
 
 
 def te_available() -> bool:

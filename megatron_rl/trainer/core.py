@@ -102,6 +102,22 @@ class Trainer:
         load_full_state_dict(self.module, full, self.groups)
         self.optimizer.reload_model_params()
 
+    def load_hf(self, path: str) -> None:
+        """Set weights from an HF checkpoint directory (each rank reads only what it needs)."""
+        from megatron_rl.checkpoint.hf import load_hf_into_model
+
+        load_hf_into_model(self.module, path, self.model_cfg, self.groups)
+        self.optimizer.reload_model_params()
+
+    def initialize_weights(self) -> None:
+        """Weights from `model.path` when set, else a seeded `transformers` random initialisation."""
+        from megatron_rl.models.hf import random_state_dict
+
+        if self.model_cfg.path:
+            self.load_hf(self.model_cfg.path)
+        else:
+            self.load_full_state_dict(random_state_dict(self.model_cfg, self.model_cfg.init_seed))
+
     def full_state_dict(self) -> dict[str, Tensor]:
         return gather_full_state_dict(self.module, self.groups)
 

@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, layouts: dict, out_path: str) -> None:
     import torch
 
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
-    from megatron_rl.models.hf import initial_state_dict
+    from megatron_rl.models.hf import random_state_dict
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
     from megatron_rl.trainer.core import Trainer, TrainerOptions
@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, layouts: dict, out_path: str) -> None:
     env = mdist.dist_env_from()
     mdist.init_distributed(env, torch.device("cpu"), timeout_s=120)
     model_cfg = ModelConfig(family="qwen2", num_layers=4, tie_word_embeddings=True)
-    full = initial_state_dict(model_cfg, seed=3)
+    full = random_state_dict(model_cfg, seed=3)
     results = {}
     for name, layout in layouts.items():
         groups = state.initialize(layout["tp"], layout["pp"], sequence_parallel=layout["sequence_parallel"])
@@ -101,10 +101,10 @@ def test_reference_logprobs_match_plain_log_softmax(results):
 def test_reference_step_moves_every_trained_weight(results):
     """Guards the comparisons below against a step that changed nothing."""
     from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.models.hf import initial_state_dict
+    from megatron_rl.models.hf import random_state_dict
 
     ref, _ = results
-    initial = initial_state_dict(ModelConfig(family="qwen2", num_layers=4, tie_word_embeddings=True), seed=3)
+    initial = random_state_dict(ModelConfig(family="qwen2", num_layers=4, tie_word_embeddings=True), seed=3)
     for key, value in ref["weights"].items():
         assert (value - initial[key]).abs().max() > 1e-5, f"{key} did not change"
 

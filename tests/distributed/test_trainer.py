@@ -28,7 +28,7 @@ def _samples():
 
 def _worker(rank: int, world: int, out_path: str) -> None:
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
-    from megatron_rl.models.hf import initial_state_dict
+    from megatron_rl.models.hf import random_state_dict
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
     from megatron_rl.trainer.core import Trainer, TrainerOptions
@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, out_path: str) -> None:
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=60)
     groups = state.initialize(1, 1)
     model_cfg = ModelConfig(num_layers=2)
-    full = initial_state_dict(model_cfg, seed=5)
+    full = random_state_dict(model_cfg, seed=5)
     results: dict = {}
 
     # 1. packing: one row per sample vs all samples in one row give the same log-probs

@@ -1,14 +1,14 @@
-"""HF <-> Megatron (full) weight layout for each dense family, and HF config round trips."""
+"""HF <-> Megatron (full) weight layout for each family, and HF config round trips."""
 
 import json
 
 import pytest
 import torch
 
+from megatron_rl.checkpoint.hf import arch_from_hf_config
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.models.gpt import arch_from_hf_config, hf_config_dict
 from megatron_rl.models.hf import build_hf_model
-from megatron_rl.weight_sync.hf_layout import hf_to_megatron, megatron_to_hf
+from megatron_rl.weight_sync.families import families, get_converter
 
 FAMILIES = {
     "llama": ModelConfig(family="llama", tie_word_embeddings=False, num_layers=2),
@@ -17,43 +17,59 @@ FAMILIES = {
 }
 
 
+def test_every_registered_family_is_covered():
+    assert families() == sorted(FAMILIES)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_round_trip_is_bit_exact(family):
     cfg = FAMILIES[family]
+    conv = get_converter(family)
     hf = build_hf_model(cfg, seed=0).state_dict()
-    back = megatron_to_hf(hf_to_megatron(hf, cfg), cfg)
+    back = conv.megatron_to_hf(conv.hf_to_megatron(hf, cfg), cfg)
     assert sorted(back) == sorted(hf)
     for key, value in hf.items():
         assert torch.equal(back[key], value), key
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_stage_names_cover_exactly_the_hf_tensors(family):
+    cfg = FAMILIES[family]
+    conv = get_converter(family)
+    hf = build_hf_model(cfg, seed=0).state_dict()
+    both = conv.hf_names(cfg, range(cfg.num_layers), True, True)
+    expected = set(hf) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    assert both == expected
+    first = conv.hf_names(cfg, [0], True, False)
+    assert "model.norm.weight" not in first and not any(".layers.1." in n for n in first)
+    shapes = conv.expected_hf_shapes(cfg, both)
+    assert {n: tuple(hf[n].shape) for n in both} == shapes
+
+
 def test_qkv_rows_are_grouped_per_kv_head():
     cfg = ModelConfig(family="qwen2", num_attention_heads=4, num_query_groups=2, hidden_size=8, num_layers=1,
                       ffn_hidden_size=8, vocab_size=16)
-    hd = cfg.resolved_head_dim  # 2
     hf = build_hf_model(cfg, seed=0).state_dict()
     # tag each row with its source: q row i -> 100+i, k row i -> 200+i, v row i -> 300+i
     for name, base in (("q", 100), ("k", 200), ("v", 300)):
         w = hf[f"model.layers.0.self_attn.{name}_proj.weight"]
         w.copy_((base + torch.arange(w.shape[0], dtype=w.dtype))[:, None].expand_as(w))
-    qkv = hf_to_megatron(hf, cfg)["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist()
-    # group 0: q heads 0,1 (rows 0..3), k head 0 (rows 0..1), v head 0; then group 1
+    meg = get_converter("qwen2").hf_to_megatron(hf, cfg)
+    qkv = meg["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist()
+    # head_dim 2: group 0 = q heads 0,1 (rows 0..3), k head 0, v head 0; then group 1
     expected = [100, 101, 102, 103, 200, 201, 300, 301, 104, 105, 106, 107, 202, 203, 302, 303]
-    assert hd == 2 and qkv == expected
+    assert cfg.resolved_head_dim == 2 and qkv == expected
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_hf_config_round_trip(tmp_path, family):
     cfg = FAMILIES[family]
-    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+    (tmp_path / "config.json").write_text(json.dumps(get_converter(family).config_dict(cfg)))
     arch = arch_from_hf_config(tmp_path)
+    resolved = {"qkv_bias": cfg.resolved_qkv_bias, "qk_layernorm": cfg.resolved_qk_layernorm,
+                "head_dim": cfg.resolved_head_dim}
     for key, value in arch.items():
-        if key in ("qkv_bias", "qk_layernorm", "head_dim"):
-            value_expected = {"qkv_bias": cfg.resolved_qkv_bias, "qk_layernorm": cfg.resolved_qk_layernorm,
-                              "head_dim": cfg.resolved_head_dim}[key]
-        else:
-            value_expected = getattr(cfg, key)
-        assert value == value_expected, key
+        assert value == resolved.get(key, getattr(cfg, key, None)), key
 
 
 def test_unsupported_family_names_the_file(tmp_path):
@@ -63,7 +79,7 @@ def test_unsupported_family_names_the_file(tmp_path):
 
 
 def test_unsupported_rope_scaling_is_refused(tmp_path):
-    cfg = hf_config_dict(FAMILIES["llama"])
+    cfg = get_converter("llama").config_dict(FAMILIES["llama"])
     cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="rope_scaling"):

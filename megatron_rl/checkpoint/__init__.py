@@ -1,0 +1,2 @@
+"""Checkpoints: Hugging Face safetensors in and out (`hf`), Megatron distributed training
+checkpoints with atomic saves, retention and exact resume (`training`)."""

@@ -1,0 +1,166 @@
+"""Hugging Face checkpoints in and out of the Megatron model.
+
+In: each rank reads from the safetensors files (single file, or the shards listed in
+`model.safetensors.index.json`) only the tensors its pipeline stage needs, checks them
+against the architecture, converts them with the family's converter and keeps its
+tensor-parallel shard. Out: the full model is gathered (TP all-gather, PP exchange),
+converted back, and rank 0 writes safetensors shards, an index, `config.json` and the
+tokenizer files into a temporary directory that is renamed into place when complete.
+
+Errors name the file and the mismatch (wrong family, missing shard or tensor, wrong shape).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.weight_sync.families import converter_for_model_type, get_converter
+
+logger = logging.getLogger(__name__)
+Tensor = torch.Tensor
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{cfg_path} does not exist: not an HF checkpoint directory")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def arch_from_hf_config(path: str | Path) -> dict[str, Any]:
+    """ModelConfig field values (family included) from an HF checkpoint's config.json."""
+    hf = read_config(path)
+    where = Path(path) / "config.json"
+    try:
+        converter = converter_for_model_type(hf.get("model_type"))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    try:
+        return converter.arch_from_config(hf, where)
+    except KeyError as exc:
+        raise ValueError(f"{where}: missing key {exc}") from None
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = {name: path / fname for name, fname in weight_map.items()}
+        for fpath in sorted(set(files.values())):
+            if not fpath.exists():
+                raise ValueError(f"{fpath}: shard listed in {index} is missing")
+        return files
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def read_tensors(path: str | Path, names: Optional[set[str]] = None) -> dict[str, Tensor]:
+    """Tensors of an HF checkpoint directory; with `names`, only those are read."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = _tensor_files(path)
+    wanted = set(files) if names is None else names
+    missing = sorted(wanted - set(files))
+    if missing:
+        raise ValueError(f"{path}: checkpoint has no tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(wanted):
+        by_file.setdefault(files[name], []).append(name)
+    out: dict[str, Tensor] = {}
+    for fpath, keys in by_file.items():
+        with safe_open(str(fpath), framework="pt") as f:
+            for key in keys:
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def check_family(path: str | Path, family: str) -> None:
+    hf = read_config(path)
+    expected = get_converter(family).model_type
+    if hf.get("model_type") != expected:
+        raise ValueError(f"{Path(path) / 'config.json'}: model_type={hf.get('model_type')!r}, but "
+                         f"model.family={family} expects {expected!r}; pick the matching model config")
+
+
+def load_hf_into_model(model: torch.nn.Module, path: str | Path, arch: Any, groups) -> None:
+    """Set this rank's stage of `model` from the HF checkpoint at `path`."""
+    from megatron_rl.weight_sync.sharding import layer_offset, load_full_state_dict
+
+    path = Path(path)
+    check_family(path, arch.family)
+    converter = get_converter(arch.family)
+    offset = layer_offset(model)
+    num_local = len(model.decoder.layers) if hasattr(model, "decoder") else 0
+    names = converter.hf_names(arch, range(offset, offset + num_local), groups.is_first_stage,
+                               groups.is_last_stage)
+    tensors = read_tensors(path, names)
+    files = _tensor_files(path)
+    for name, shape in converter.expected_hf_shapes(arch, names).items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{files[name]}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                             f"the configured architecture needs {shape} (config.json: "
+                             f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size})")
+    load_full_state_dict(model, converter.hf_to_megatron(tensors, arch), groups)
+    logger.info("loaded %d tensors from %s", len(tensors), path)
+
+
+def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
+              tokenizer: Any = None, max_shard_size: str = "5GB", dtype: Optional[torch.dtype] = None) -> Path:
+    """Write the model as an HF checkpoint directory; every rank must call this.
+
+    The directory appears complete or not at all (written as `<out_dir>.tmp`, then renamed).
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    from megatron_rl.models.gpt import torch_dtype
+    from megatron_rl.models.hf import hf_config
+    from megatron_rl.weight_sync.sharding import gather_full_state_dict
+
+    full = gather_full_state_dict(model, groups)
+    out_dir = Path(out_dir)
+    if groups.rank == 0:
+        hf = get_converter(arch.family).megatron_to_hf(full, arch)
+        if arch.tie_word_embeddings:
+            hf.pop("lm_head.weight", None)  # transformers re-ties it on load
+        hf = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in hf.items()}
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        split = split_torch_state_dict_into_shards(hf, max_shard_size=max_shard_size)
+        for fname, keys in split.filename_to_tensors.items():
+            save_file({k: hf[k] for k in keys}, str(tmp / fname), metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in hf.values())},
+                     "weight_map": split.tensor_to_filename}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        eos = getattr(tokenizer, "eos_token_id", None) or 0
+        config = hf_config(arch, eos)
+        config.dtype = dtype or torch_dtype(arch.dtype)
+        config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+        logger.info("exported HF checkpoint to %s (%d tensors)", out_dir, len(hf))
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir

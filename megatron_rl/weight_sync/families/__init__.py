@@ -1,0 +1,40 @@
+"""Model-family converters between Hugging Face and Megatron layouts, registered by name.
+
+One file per family (`llama.py`, `qwen2.py`, `qwen3.py`); each declares what makes it
+differ from the dense decoder in `dense.py`. `get_converter("qwen2")` or
+`converter_for_model_type(config["model_type"])` pick one; unknown names raise with the list.
+"""
+
+from __future__ import annotations
+
+from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
+
+_REGISTRY: dict[str, DenseDecoderConverter] = {}
+
+
+def register(cls: type[DenseDecoderConverter]) -> type[DenseDecoderConverter]:
+    if cls.family in _REGISTRY:
+        raise ValueError(f"model family {cls.family!r} is registered twice")
+    _REGISTRY[cls.family] = cls()
+    return cls
+
+
+def families() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_converter(family: str) -> DenseDecoderConverter:
+    if family not in _REGISTRY:
+        raise ValueError(f"model.family={family!r} has no converter; supported: {', '.join(families())}")
+    return _REGISTRY[family]
+
+
+def converter_for_model_type(model_type: str) -> DenseDecoderConverter:
+    for conv in _REGISTRY.values():
+        if conv.model_type == model_type:
+            return conv
+    supported = ", ".join(sorted(c.model_type for c in _REGISTRY.values()))
+    raise ValueError(f"model_type={model_type!r} is not supported; supported: {supported}")
+
+
+from megatron_rl.weight_sync.families import llama, qwen2, qwen3  # noqa: E402,F401  (registration)

@@ -1,0 +1,212 @@
+"""The dense decoder layout shared by Llama, Qwen2 and Qwen3: HF <-> Megatron tensor mapping,
+HF config <-> architecture fields. Families subclass it and change only what differs.
+
+Megatron fuses Q, K and V into one `linear_qkv` whose rows are grouped per KV group:
+[q (heads_per_group * head_dim), k (head_dim), v (head_dim)] x groups; and SwiGLU's gate and
+up projections into `linear_fc1` = [gate; up]. Megatron names here are the local layer
+spec's; `te_name` gives the Transformer Engine spec's (norms fused into the next linear).
+Conversions work on any subset of layers (a pipeline stage's), found from the names given.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+Tensor = torch.Tensor
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MEG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def qkv_fuse(q: Tensor, k: Tensor, v: Tensor, groups: int) -> Tensor:
+    rest = q.shape[1:]
+    parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def qkv_split(qkv: Tensor, heads: int, groups: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    rest = qkv.shape[1:]
+    per_group = qkv.reshape(groups, (heads // groups + 2) * head_dim, *rest)
+    q, k, v = torch.split(per_group, [heads // groups * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def te_name(name: str) -> str:
+    """Local-spec name -> Transformer Engine spec name."""
+    return (name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+                .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"))
+
+
+def _layers(names: Iterable[str], pattern: re.Pattern) -> list[int]:
+    return sorted({int(m.group(1)) for n in names if (m := pattern.match(n))})
+
+
+class DenseDecoderConverter:
+    """HF <-> Megatron for a pre-norm RMSNorm / SwiGLU / RoPE / GQA decoder."""
+
+    family = "dense"
+    model_type = ""
+    architecture = ""
+
+    # -- architecture <-> config.json ---------------------------------------------------------
+    def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
+        """The HF `config.json` of this architecture."""
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": arch.vocab_size,
+            "hidden_size": arch.hidden_size,
+            "intermediate_size": arch.ffn_hidden_size,
+            "num_hidden_layers": arch.num_layers,
+            "num_attention_heads": arch.num_attention_heads,
+            "num_key_value_heads": arch.num_query_groups,
+            "head_dim": arch.resolved_head_dim,
+            "max_position_embeddings": arch.max_position_embeddings,
+            "rope_theta": arch.rope_theta,
+            "rms_norm_eps": arch.norm_eps,
+            "tie_word_embeddings": arch.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": eos_token_id,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": eos_token_id,
+            "attention_dropout": 0.0,
+        }
+
+    def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
+        """ModelConfig field values from a config.json (`where` names it in errors)."""
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (only silu)")
+        rope_scaling = hf.get("rope_scaling")
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+            raise ValueError(f"{where}: rope_scaling={rope_scaling} is not supported yet (only default RoPE)")
+        heads = hf["num_attention_heads"]
+        theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        return {
+            "family": self.family,
+            "num_layers": hf["num_hidden_layers"],
+            "hidden_size": hf["hidden_size"],
+            "ffn_hidden_size": hf["intermediate_size"],
+            "num_attention_heads": heads,
+            "num_query_groups": hf.get("num_key_value_heads") or heads,
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+            "vocab_size": hf["vocab_size"],
+            "max_position_embeddings": hf.get("max_position_embeddings", 4096),
+            "rope_theta": float(theta),
+            "norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "qkv_bias": bool(hf.get("attention_bias", False)),
+            "qk_layernorm": False,
+        }
+
+    # -- which HF tensors a pipeline stage needs ----------------------------------------------
+    def hf_names(self, arch: Any, layers: Iterable[int], first_stage: bool, last_stage: bool) -> set[str]:
+        names: set[str] = set()
+        if first_stage or (last_stage and arch.tie_word_embeddings):
+            names.add("model.embed_tokens.weight")
+        if last_stage:
+            names.add("model.norm.weight")
+            if not arch.tie_word_embeddings:
+                names.add("lm_head.weight")
+        for i in layers:
+            h = f"model.layers.{i}."
+            names |= {h + "input_layernorm.weight", h + "post_attention_layernorm.weight",
+                      h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight", h + "mlp.down_proj.weight",
+                      h + "self_attn.o_proj.weight"}
+            names |= {h + f"self_attn.{p}_proj.weight" for p in "qkv"}
+            if arch.resolved_qkv_bias:
+                names |= {h + f"self_attn.{p}_proj.bias" for p in "qkv"}
+            if arch.resolved_qk_layernorm:
+                names |= {h + "self_attn.q_norm.weight", h + "self_attn.k_norm.weight"}
+        return names
+
+    # -- tensors ------------------------------------------------------------------------------
+    def hf_to_megatron(self, hf: dict[str, Tensor], arch: Any) -> dict[str, Tensor]:
+        """Megatron tensors (full, unsharded, global layer numbers) for whatever `hf` holds."""
+        groups = arch.num_query_groups
+        out: dict[str, Tensor] = {}
+        if "model.embed_tokens.weight" in hf:
+            out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"]
+        if "model.norm.weight" in hf:
+            out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if "lm_head.weight" in hf and not arch.tie_word_embeddings:
+            out["output_layer.weight"] = hf["lm_head.weight"]
+        for i in _layers(hf, _HF_LAYER):
+            h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+            att = h + "self_attn."
+            out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+            out[m + "self_attention.linear_qkv.weight"] = qkv_fuse(
+                hf[att + "q_proj.weight"], hf[att + "k_proj.weight"], hf[att + "v_proj.weight"], groups)
+            if arch.resolved_qkv_bias:
+                out[m + "self_attention.linear_qkv.bias"] = qkv_fuse(
+                    hf[att + "q_proj.bias"], hf[att + "k_proj.bias"], hf[att + "v_proj.bias"], groups)
+            if arch.resolved_qk_layernorm:
+                out[m + "self_attention.q_layernorm.weight"] = hf[att + "q_norm.weight"]
+                out[m + "self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
+            out[m + "self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
+            out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+            out[m + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
+            out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+        return out
+
+    def megatron_to_hf(self, meg: dict[str, Tensor], arch: Any) -> dict[str, Tensor]:
+        """HF tensors for whatever (full, unsharded) Megatron tensors `meg` holds."""
+        heads, groups, head_dim = arch.num_attention_heads, arch.num_query_groups, arch.resolved_head_dim
+        out: dict[str, Tensor] = {}
+        if "embedding.word_embeddings.weight" in meg:
+            out["model.embed_tokens.weight"] = meg["embedding.word_embeddings.weight"]
+            if arch.tie_word_embeddings:
+                out["lm_head.weight"] = meg["embedding.word_embeddings.weight"]
+        if "decoder.final_layernorm.weight" in meg:
+            out["model.norm.weight"] = meg["decoder.final_layernorm.weight"]
+        if "output_layer.weight" in meg and not arch.tie_word_embeddings:
+            out["lm_head.weight"] = meg["output_layer.weight"]
+        for i in _layers(meg, _MEG_LAYER):
+            h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+            att = h + "self_attn."
+            out[h + "input_layernorm.weight"] = meg[m + "input_layernorm.weight"]
+            q, k, v = qkv_split(meg[m + "self_attention.linear_qkv.weight"], heads, groups, head_dim)
+            out[att + "q_proj.weight"], out[att + "k_proj.weight"], out[att + "v_proj.weight"] = q, k, v
+            if arch.resolved_qkv_bias:
+                q, k, v = qkv_split(meg[m + "self_attention.linear_qkv.bias"], heads, groups, head_dim)
+                out[att + "q_proj.bias"], out[att + "k_proj.bias"], out[att + "v_proj.bias"] = q, k, v
+            if arch.resolved_qk_layernorm:
+                out[att + "q_norm.weight"] = meg[m + "self_attention.q_layernorm.weight"]
+                out[att + "k_norm.weight"] = meg[m + "self_attention.k_layernorm.weight"]
+            out[att + "o_proj.weight"] = meg[m + "self_attention.linear_proj.weight"]
+            out[h + "post_attention_layernorm.weight"] = meg[m + "pre_mlp_layernorm.weight"]
+            gate, up = meg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+            out[h + "mlp.down_proj.weight"] = meg[m + "mlp.linear_fc2.weight"]
+        return out
+
+    def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        """Shapes the architecture implies, for checking a checkpoint before loading it."""
+        hidden, hd = arch.hidden_size, arch.resolved_head_dim
+        q_out, kv_out = arch.num_attention_heads * hd, arch.num_query_groups * hd
+        shapes = {}
+        for n in names:
+            if n in ("model.embed_tokens.weight", "lm_head.weight"):
+                shapes[n] = (arch.vocab_size, hidden)
+            elif n.endswith("layernorm.weight") or n == "model.norm.weight":
+                shapes[n] = (hidden,)
+            elif n.endswith(("q_norm.weight", "k_norm.weight")):
+                shapes[n] = (hd,)
+            elif n.endswith("q_proj.weight"):
+                shapes[n] = (q_out, hidden)
+            elif n.endswith(("k_proj.weight", "v_proj.weight")):
+                shapes[n] = (kv_out, hidden)
+            elif n.endswith("q_proj.bias"):
+                shapes[n] = (q_out,)
+            elif n.endswith(("k_proj.bias", "v_proj.bias")):
+                shapes[n] = (kv_out,)
+            elif n.endswith("o_proj.weight"):
+                shapes[n] = (hidden, q_out)
+            elif n.endswith(("gate_proj.weight", "up_proj.weight")):
+                shapes[n] = (arch.ffn_hidden_size, hidden)
+            elif n.endswith("down_proj.weight"):
+                shapes[n] = (hidden, arch.ffn_hidden_size)
+        return shapes

@@ -1,0 +1,29 @@
+"""Qwen3 (dense): RMSNorm on each query and key head (`q_norm`, `k_norm`), an explicit
+`head_dim` that may differ from hidden / heads, bias per `attention_bias`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.weight_sync.families import register
+from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
+
+
+@register
+class Qwen3Converter(DenseDecoderConverter):
+    family = "qwen3"
+    model_type = "qwen3"
+    architecture = "Qwen3ForCausalLM"
+
+    def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
+        cfg = super().config_dict(arch, eos_token_id)
+        cfg["attention_bias"] = arch.resolved_qkv_bias
+        return cfg
+
+    def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"{where}: use_sliding_window=true is not supported")
+        arch = super().arch_from_config(hf, where)
+        arch["qk_layernorm"] = True
+        return arch
