@@ -99,25 +99,32 @@ def check_family(path: str | Path, family: str) -> None:
                          f"model.family={family} expects {expected!r}; pick the matching model config")
 
 
-def load_hf_into_model(model: torch.nn.Module, path: str | Path, arch: Any, groups) -> None:
-    """Set this rank's stage of `model` from the HF checkpoint at `path`."""
-    from megatron_rl.weight_sync.sharding import layer_offset, load_full_state_dict
-
+def stage_tensors(path: str | Path, arch: Any, layers: range, first_stage: bool, last_stage: bool
+                  ) -> dict[str, Tensor]:
+    """The HF tensors one pipeline stage needs, read from `path` and checked against `arch`."""
     path = Path(path)
     check_family(path, arch.family)
     converter = get_converter(arch.family)
-    offset = layer_offset(model)
-    num_local = len(model.decoder.layers) if hasattr(model, "decoder") else 0
-    names = converter.hf_names(arch, range(offset, offset + num_local), groups.is_first_stage,
-                               groups.is_last_stage)
+    names = converter.hf_names(arch, layers, first_stage, last_stage)
     tensors = read_tensors(path, names)
     files = _tensor_files(path)
     for name, shape in converter.expected_hf_shapes(arch, names).items():
         if tuple(tensors[name].shape) != shape:
             raise ValueError(f"{files[name]}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
-                             f"the configured architecture needs {shape} (config.json: "
-                             f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size})")
-    load_full_state_dict(model, converter.hf_to_megatron(tensors, arch), groups)
+                             f"the configured architecture needs {shape} (vocab_size={arch.vocab_size}, "
+                             f"hidden_size={arch.hidden_size}, ffn_hidden_size={arch.ffn_hidden_size})")
+    return tensors
+
+
+def load_hf_into_model(model: torch.nn.Module, path: str | Path, arch: Any, groups) -> None:
+    """Set this rank's stage of `model` from the HF checkpoint at `path`."""
+    from megatron_rl.weight_sync.sharding import layer_offset, load_full_state_dict
+
+    offset = layer_offset(model)
+    num_local = len(model.decoder.layers) if hasattr(model, "decoder") else 0
+    tensors = stage_tensors(path, arch, range(offset, offset + num_local), groups.is_first_stage,
+                            groups.is_last_stage)
+    load_full_state_dict(model, get_converter(arch.family).hf_to_megatron(tensors, arch), groups)
     logger.info("loaded %d tensors from %s", len(tensors), path)
 
 

@@ -25,6 +25,7 @@ Regenerate the committed assets after changing the layout with
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -123,7 +124,21 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerFast:
                 "Hugging Face tokenizer directory (downloads are disabled)"
             )
     logger.debug("loading tokenizer %r from %s", spec, path)
+    if _declares_generic_backend(path):
+        # transformers 5 maps some model types (e.g. qwen2) to their own tokenizer class when a
+        # config.json sits beside the tokenizer, even when tokenizer_config.json declares the
+        # generic backend; that class re-tokenizes differently (it drops our spaces). Load the
+        # declared generic class directly so tokenizer.json is used exactly as written.
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _declares_generic_backend(path: Path) -> bool:
+    config = path / "tokenizer_config.json"
+    if not (config.is_file() and (path / "tokenizer.json").is_file()):
+        return False
+    declared = json.loads(config.read_text()).get("tokenizer_class")
+    return declared in ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -128,3 +128,15 @@ def test_assets_dir_is_inside_package():
     repo_root = Path(__file__).resolve().parents[2]
     assert CHAR_TOKENIZER_DIR == repo_root / "megatron_rl" / "assets" / "char_tokenizer"
     assert (CHAR_TOKENIZER_DIR / "tokenizer.json").is_file()
+
+
+def test_saved_beside_a_qwen2_config_still_round_trips(tmp_path):
+    """transformers 5 would pick Qwen2Tokenizer from config.json and drop spaces; we must not."""
+    import json as _json
+
+    from megatron_rl.data.tokenizer import build_char_tokenizer, load_tokenizer
+
+    build_char_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(_json.dumps({"model_type": "qwen2"}))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.decode(tok("3 5 7 -> 22")["input_ids"]) == "3 5 7 -> 22"
