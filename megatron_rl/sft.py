@@ -69,6 +69,7 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from megatron_rl.checkpoint.manager import CheckpointManager
     from megatron_rl.data.sampler import EpochSampler
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.observability import format_step_summary
@@ -85,15 +86,23 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         deterministic=cfg.deterministic, total_steps=cfg.num_steps,
         pad_token_id=tokenizer.pad_token_id))
-    trainer.initialize_weights()
     sampler = EpochSampler(len(train), cfg.seed)
-    first_eval = eval_loss(trainer, held_out)
+    checkpoints = CheckpointManager(cfg.checkpoint, rt.run_dir, trainer, cfg, cfg.num_steps, tokenizer)
+    resumed = checkpoints.resume()
+    if resumed is None:
+        trainer.initialize_weights()
+        first_eval = eval_loss(trainer, held_out)
+    else:
+        sampler.load_state_dict(resumed["sampler"])
+        first_eval = resumed["first_eval"]
+        rt.writer.rewind(trainer.step)
     logger.info("SFT: %d train / %d held-out samples; held-out loss before: %.4f",
                 len(train), len(held_out), first_eval)
 
     metrics: dict[str, float] = {}
     show_bar = rt.is_main and cfg.logging.progress
-    bar = tqdm(range(cfg.num_steps), desc="sft", unit="step", disable=not show_bar)
+    bar = tqdm(range(trainer.step, cfg.num_steps), desc="sft", unit="step", disable=not show_bar,
+               initial=trainer.step, total=cfg.num_steps)
     # The redirect would drop the console handler's level, so only rank 0's bar uses it.
     with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():
         for step in bar:
@@ -108,6 +117,7 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")
             if step % cfg.logging.log_every == 0 or step == cfg.num_steps - 1:
                 logger.info(format_step_summary(step, metrics, SUMMARY_KEYS))
+            checkpoints.after_step(step + 1, lambda: {"sampler": sampler.state_dict(), "first_eval": first_eval})
     if rt.is_main:
         plot_metrics(rt.run_dir / "metrics.jsonl", rt.run_dir / "plots", ["loss", "grad_norm", "tokens_per_s"])
         logger.info("SFT done: train loss %.4f; held-out loss %.4f -> %.4f; run directory %s",

@@ -10,6 +10,7 @@ from megatron_rl.config.loader import CONF_DIR, ConfigError, compose, load_confi
 from megatron_rl.config.schema import (
     AlgorithmConfig,
     ClusterConfig,
+    CheckpointConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -25,6 +26,7 @@ __all__ = [
     "AlgorithmConfig",
     "ClusterConfig",
     "ConfigError",
+    "CheckpointConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",

@@ -432,6 +432,35 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Training checkpoints under run_dir/checkpoints and HF exports under run_dir/hf."""
+
+    save_every: int = 0
+    """Optimizer steps between training checkpoints; 0 saves only at the end (see save_at_end)."""
+    save_at_end: bool = True
+    """Write a checkpoint after the last step."""
+    keep_last: int = 2
+    """How many of the most recent checkpoints to keep."""
+    keep_every: Optional[int] = None
+    """Also keep every checkpoint whose step is a multiple of this (null: none)."""
+    resume: bool = True
+    """Resume from run_dir/checkpoints when it holds a complete checkpoint."""
+    hf_export_every: int = 0
+    """Optimizer steps between HF safetensors exports; 0 never exports periodically."""
+    hf_export_at_end: bool = False
+    """Export an HF checkpoint after the last step."""
+    hf_max_shard_size: str = "5GB"
+    """Largest safetensors shard of an HF export (e.g. 5GB, 500MB)."""
+
+    def __post_init__(self) -> None:
+        _check_min("checkpoint.save_every", self.save_every, 0)
+        _check_min("checkpoint.keep_last", self.keep_last, 1)
+        if self.keep_every is not None:
+            _check_min("checkpoint.keep_every", self.keep_every, 1)
+        _check_min("checkpoint.hf_export_every", self.hf_export_every, 0)
+
+
+@dataclass
 class TrainConfig:
     """Top-level configuration of one training run (SFT or RL)."""
 
@@ -453,6 +482,8 @@ class TrainConfig:
     """Launcher and device."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Logging and metric sinks."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Training checkpoints, resume and HF exports."""
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     """Output directory (checkpoints, metrics); created by the trainer after validation, never by Hydra."""
     seed: int = 1234
@@ -490,6 +521,7 @@ SCHEMAS: dict[str, type] = {
     "sandbox": SandboxConfig,
     "cluster": ClusterConfig,
     "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
 }
 """Config group -> schema; each is stored as ``<group>/base_<group>``."""
 

@@ -86,6 +86,25 @@ class MetricsWriter:
             for name, value in values.items():
                 self._tb_writer.add_scalar(name, value, global_step=int(step))
 
+    def rewind(self, step: int) -> None:
+        """Forget records at `step` and later (a resumed run recomputes them): rewrite
+        metrics.jsonl without them and reopen TensorBoard with `purge_step`."""
+        if not self.enabled or self._file is None:
+            return
+        self._file.close()
+        path = self.run_dir / METRICS_FILENAME
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and json.loads(line).get(STEP_KEY, -1) < step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        self._file = open(path, "a", encoding="utf-8")
+        if self._tb_writer is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb_writer.close()
+            self._tb_writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIRNAME), purge_step=step)
+
     def close(self) -> None:
         """Flush and close the sinks; safe to call more than once."""
         if self._file is not None:

@@ -223,6 +223,9 @@ _DEVICE_LITERAL_MODULES = {
     "megatron.core.pipeline_parallel.p2p_communication": UpstreamSite(
         "pipeline_parallel/p2p_communication.py", 398, "torch.cuda.synchronize()"
     ),
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": UpstreamSite(
+        "dist_checkpointing/strategies/filesystem_async.py", 230, "torch.cuda.synchronize()"
+    ),
     "megatron.core.utils": UpstreamSite(
         "utils.py", 1207, 'l2_cuda = torch.tensor([float(l2_reduced)], dtype=torch.float, device="cuda")'
     ),
@@ -232,7 +235,7 @@ _DEVICE_LITERAL_MODULES = {
 @_register(
     "device_literals",
     'torch.zeros/tensor(..., device="cuda") in schedules, optimizer, clip_grads and the local '
-    "multi-tensor l2 norm; torch.cuda.synchronize() after pipeline p2p",
+    "multi-tensor l2 norm; torch.cuda.synchronize() after pipeline p2p and before checkpoint writes",
     list(_DEVICE_LITERAL_MODULES.values()),
 )
 def _device_literals():

@@ -1,0 +1,54 @@
+"""When to save, resume and export, as the run configuration says (`checkpoint.*`).
+
+The entry points call `resume()` once after building the trainer and `after_step(n)`
+after every optimizer step; this module owns the directory layout under the run dir:
+`checkpoints/` for training checkpoints and `hf/step_N/` for HF exports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from megatron_rl.checkpoint.hf import export_hf
+from megatron_rl.checkpoint.training import find_latest, load_checkpoint, save_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    def __init__(self, ckpt_cfg: Any, run_dir: Path, trainer: Any, run_config: Any, total_steps: int,
+                 tokenizer: Any = None) -> None:
+        self.cfg = ckpt_cfg
+        self.root = Path(run_dir) / "checkpoints"
+        self.hf_root = Path(run_dir) / "hf"
+        self.trainer = trainer
+        self.run_config = dataclasses.asdict(run_config) if dataclasses.is_dataclass(run_config) else run_config
+        self.total_steps = total_steps
+        self.tokenizer = tokenizer
+
+    def resume(self) -> Optional[dict[str, Any]]:
+        """Load the newest complete checkpoint when resuming is on; its `extra` state, or None."""
+        if not self.cfg.resume:
+            return None
+        latest = find_latest(self.root)
+        if latest is None:
+            return None
+        extra = load_checkpoint(self.trainer, latest)
+        logger.info("resumed from %s: continuing after step %d", latest, self.trainer.step)
+        return extra
+
+    def _due(self, steps_done: int, every: int, at_end: bool) -> bool:
+        return (every > 0 and steps_done % every == 0) or (at_end and steps_done == self.total_steps)
+
+    def after_step(self, steps_done: int, extra: Callable[[], dict[str, Any]]) -> None:
+        """Save and/or export after `steps_done` optimizer steps, when configured to."""
+        if self._due(steps_done, self.cfg.save_every, self.cfg.save_at_end):
+            save_checkpoint(self.trainer, self.root, steps_done, extra(), self.run_config,
+                            keep_last=self.cfg.keep_last, keep_every=self.cfg.keep_every)
+        if self._due(steps_done, self.cfg.hf_export_every, self.cfg.hf_export_at_end):
+            export_hf(self.trainer.module, self.trainer.groups, self.trainer.model_cfg,
+                      self.hf_root / f"step_{steps_done:08d}", self.tokenizer,
+                      max_shard_size=self.cfg.hf_max_shard_size)

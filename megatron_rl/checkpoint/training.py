@@ -1,0 +1,203 @@
+"""Training checkpoints: Megatron distributed checkpoints of model + optimizer, plus LR
+schedule, RNG states, data position, step and config, saved atomically with retention.
+
+Layout under `<run_dir>/checkpoints/`:
+
+    step_00000010/          one complete checkpoint (Megatron `dist_checkpointing`, torch_dist)
+        meta.json           written last: step, layout, config; its presence marks completeness
+        rng/rank{r}.pt      every rank's RNG states
+    latest                  the name of the newest complete checkpoint (replaced atomically)
+
+A save writes into `step_N.tmp/` and renames it only after every rank has finished and
+`meta.json` is on disk, then swaps `latest`; a crash at any point leaves the previous
+checkpoint as the one `find_latest` returns. Model and optimizer state are saved in
+Megatron's reshardable formats, so a checkpoint loads at a different TP/PP/DP layout (RNG
+states are restored only at the layout that wrote them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_LATEST = "latest"
+_META = "meta.json"
+# Architecture fields a checkpoint must agree on with the run that loads it.
+_ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "head_dim", "vocab_size", "tie_word_embeddings", "qkv_bias",
+                "qk_layernorm")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def _complete(path: Path) -> bool:
+    return path.is_dir() and (path / _META).is_file()
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _complete(p)]
+    return sorted(found)
+
+
+def find_latest(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under `root`, or None."""
+    root = Path(root)
+    pointer = root / _LATEST
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if _complete(candidate):
+            return candidate
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _sharded_state_dict(trainer, is_loading: bool) -> dict[str, Any]:
+    model_sd = trainer.module.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+    optim_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    return {"model": model_sd, "optimizer": optim_sd, "scheduler": trainer.scheduler.state_dict(),
+            "trainer_step": trainer.step}
+
+
+def _layout(groups) -> dict[str, int]:
+    return {"world_size": groups.world_size, "tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size}
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], config: dict[str, Any],
+                    keep_last: int = 2, keep_every: Optional[int] = None) -> Path:
+    """Save everything needed to resume after `step` optimizer steps; every rank calls this.
+
+    `extra` holds small picklable state (data sampler position, ...); `config` is the run's
+    config as plain data (stored in meta.json, checked on load).
+    """
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = trainer.groups.rank
+    start = time.perf_counter()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = _sharded_state_dict(trainer, is_loading=False)
+    state["extra"] = extra
+    dist_checkpointing.save(state, str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        meta = {"step": step, "layout": _layout(trainer.groups), "config": config, "time": time.time()}
+        with open(tmp / _META, "w") as f:
+            json.dump(meta, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(root, final.name)
+        _apply_retention(root, keep_last, keep_every)
+    _barrier()
+    logger.info("saved checkpoint %s (%.2fs)", final, time.perf_counter() - start)
+    return final
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / (_LATEST + ".tmp")
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / _LATEST)
+
+
+def _apply_retention(root: Path, keep_last: int, keep_every: Optional[int]) -> None:
+    found = list_checkpoints(root)
+    keep = {step for step, _ in found[-keep_last:]}
+    if keep_every:
+        keep |= {step for step, _ in found if step % keep_every == 0}
+    for step, path in found:
+        if step not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+    for stale in root.glob("step_*.tmp"):  # left by a crash in an earlier save
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def check_compatible(path: Path, model_cfg: Any) -> dict[str, Any]:
+    """meta.json of `path`, after checking its architecture matches `model_cfg`."""
+    meta = json.loads((Path(path) / _META).read_text())
+    saved = meta.get("config", {}).get("model", {})
+    current = dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg) else dict(model_cfg)
+    for key in _ARCH_FIELDS:
+        if key in saved and saved[key] != current.get(key):
+            raise ValueError(f"checkpoint {path} was written for model.{key}={saved[key]}, "
+                             f"this run has model.{key}={current.get(key)}")
+    return meta
+
+
+def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler, step (and RNG at the same layout); returns `extra`."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    meta = check_compatible(path, trainer.model_cfg)
+    start = time.perf_counter()
+    state = dist_checkpointing.load(_sharded_state_dict(trainer, is_loading=True), str(path))
+    trainer.module.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    # Megatron's scheduler *adds* the saved step count to its current one.
+    trainer.scheduler.num_steps = 0
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.step = int(state["trainer_step"])
+    rng_file = path / "rng" / f"rank{trainer.groups.rank}.pt"
+    if meta["layout"] == _layout(trainer.groups) and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        logger.warning("checkpoint %s was written at layout %s; RNG states are not restored at %s",
+                       path, meta["layout"], _layout(trainer.groups))
+    logger.info("loaded checkpoint %s at step %d (%.2fs)", path, meta["step"], time.perf_counter() - start)
+    return state.get("extra", {})

@@ -1,0 +1,183 @@
+"""Training checkpoints: a TP=2 checkpoint resumes at TP=1 and at PP=2 with the same weights
+and the same next step; a crash in the middle of a save leaves the previous checkpoint as
+the one resume picks; retention and mismatch errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_spawned
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+def _setup(tp, pp):
+    from megatron_rl.config.schema import ModelConfig, OptimizerConfig
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.core import Trainer, TrainerOptions
+
+    if not torch.distributed.is_initialized():
+        mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
+    groups = state.initialize(tp, pp)
+    trainer = Trainer(ModelConfig(num_layers=4), OptimizerConfig(lr=1e-3, lr_warmup_steps=2, lr_decay_style="cosine"),
+                      groups, TrainerOptions(micro_batch_tokens=40, total_steps=10))
+    trainer.initialize_weights()
+    return trainer
+
+
+def _batch(step):
+    from megatron_rl.trainer.packing import Sample
+
+    gen = torch.Generator().manual_seed(100 + step)
+    return [Sample(torch.randint(0, 99, (n,), generator=gen), torch.ones(n - 1)) for n in (12, 7, 19, 9)]
+
+
+def _config_for(trainer):
+    import dataclasses
+
+    return {"model": dataclasses.asdict(trainer.model_cfg)}
+
+
+def _writer(rank, world, root, out):
+    from megatron_rl.checkpoint.training import save_checkpoint
+
+    trainer = _setup(tp=2, pp=1)
+    for step in range(2):
+        trainer.train_step(_batch(step))
+    save_checkpoint(trainer, Path(root), 2, {"sampler": {"position": 8}}, _config_for(trainer))
+    at_save = trainer.full_state_dict()
+    metrics = trainer.train_step(_batch(2))
+    after = trainer.full_state_dict()
+    if rank == 0:
+        torch.save({"at_save": at_save, "metrics": metrics, "after": after}, out)
+
+
+def _reader(rank, world, root, tp, pp, out):
+    from megatron_rl.checkpoint.training import find_latest, load_checkpoint
+
+    trainer = _setup(tp=tp, pp=pp)
+    extra = load_checkpoint(trainer, find_latest(Path(root)))
+    loaded = trainer.full_state_dict()
+    metrics = trainer.train_step(_batch(2))
+    after = trainer.full_state_dict()
+    if rank == 0:
+        torch.save({"extra": extra, "loaded": loaded, "metrics": metrics, "after": after, "step": trainer.step}, out)
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt")
+    root = tmp / "checkpoints"
+    run_spawned(_writer, 2, str(root), str(tmp / "writer.pt"))
+    run_spawned(_reader, 1, str(root), 1, 1, str(tmp / "tp1.pt"))
+    run_spawned(_reader, 2, str(root), 1, 2, str(tmp / "pp2.pt"))
+    load = lambda name: torch.load(tmp / name, weights_only=False)  # noqa: E731
+    return root, load("writer.pt"), {"tp1": load("tp1.pt"), "pp2": load("pp2.pt")}
+
+
+def test_checkpoint_directory_is_complete(resharded):
+    root, _, _ = resharded
+    assert (root / "latest").read_text().strip() == "step_00000002"
+    meta = json.loads((root / "step_00000002" / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["layout"]["tp"] == 2
+    assert sorted(p.name for p in (root / "step_00000002" / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
+
+
+@pytest.mark.parametrize("layout", ["tp1", "pp2"])
+def test_loaded_weights_are_bit_identical(resharded, layout):
+    _, writer, readers = resharded
+    got = readers[layout]
+    assert got["step"] == 3 and got["extra"] == {"sampler": {"position": 8}}
+    for key, value in writer["at_save"].items():
+        assert torch.equal(got["loaded"][key], value), key
+
+
+@pytest.mark.parametrize("layout", ["tp1", "pp2"])
+def test_next_step_matches_the_run_that_wrote_it(resharded, layout):
+    """Same optimizer moments and LR schedule position: the next step agrees to fp32 rounding."""
+    _, writer, readers = resharded
+    got = readers[layout]
+    assert got["metrics"]["loss"] == pytest.approx(writer["metrics"]["loss"], rel=1e-6)
+    assert got["metrics"]["lr"] == writer["metrics"]["lr"]
+    assert got["metrics"]["grad_norm"] == pytest.approx(writer["metrics"]["grad_norm"], rel=1e-5)
+    for key, value in writer["after"].items():
+        assert (got["after"][key] - value).abs().max() <= 1e-6, key
+
+
+def _crash_during_save(rank, world, root):
+    from megatron_rl.checkpoint.training import save_checkpoint
+
+    trainer = _setup(tp=1, pp=1)
+    trainer.train_step(_batch(0))
+    save_checkpoint(trainer, Path(root), 1, {}, _config_for(trainer))
+    trainer.train_step(_batch(1))
+    real_save = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):
+        if "step_00000002.tmp" in str(f):
+            os._exit(17)  # the process dies in the middle of writing checkpoint 2
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = dying_save
+    save_checkpoint(trainer, Path(root), 2, {}, _config_for(trainer))
+
+
+def _resume_after_crash(rank, world, root, out):
+    from megatron_rl.checkpoint.training import find_latest, load_checkpoint, save_checkpoint
+
+    trainer = _setup(tp=1, pp=1)
+    latest = find_latest(Path(root))
+    load_checkpoint(trainer, latest)
+    resumed_step = trainer.step
+    trainer.train_step(_batch(1))
+    save_checkpoint(trainer, Path(root), 2, {}, _config_for(trainer))
+    torch.save({"latest": latest.name, "step": resumed_step}, out)
+
+
+def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    with pytest.raises(Exception):
+        run_spawned(_crash_during_save, 1, str(root))
+    assert (root / "step_00000002.tmp").is_dir(), "the crash must have happened mid-save"
+    assert not (root / "step_00000002").exists()
+    run_spawned(_resume_after_crash, 1, str(root), str(tmp_path / "out.pt"))
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert out["latest"] == "step_00000001" and out["step"] == 1
+    assert (root / "latest").read_text().strip() == "step_00000002"
+    assert not (root / "step_00000002.tmp").exists(), "the stale partial save is cleaned up"
+
+
+def test_retention_keeps_last_n_and_every_k(tmp_path):
+    from megatron_rl.checkpoint.training import _apply_retention, list_checkpoints, step_dir
+
+    for step in range(1, 8):
+        step_dir(tmp_path, step).mkdir()
+        (step_dir(tmp_path, step) / "meta.json").write_text("{}")
+    _apply_retention(tmp_path, keep_last=2, keep_every=3)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 6, 7]
+
+
+def test_incomplete_checkpoints_are_never_picked(tmp_path):
+    from megatron_rl.checkpoint.training import find_latest, step_dir
+
+    step_dir(tmp_path, 1).mkdir()
+    (step_dir(tmp_path, 1) / "meta.json").write_text("{}")
+    step_dir(tmp_path, 2).mkdir()  # no meta.json: a save that never finished
+    (tmp_path / "latest").write_text("step_00000002\n")
+    assert find_latest(tmp_path) == step_dir(tmp_path, 1)
+
+
+def test_mismatched_architecture_names_the_checkpoint_and_field(tmp_path):
+    from megatron_rl.checkpoint.training import check_compatible
+    from megatron_rl.config.schema import ModelConfig
+
+    (tmp_path / "meta.json").write_text(json.dumps({"config": {"model": {"hidden_size": 256, "family": "qwen2"}}}))
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path} was written for model.hidden_size=256, "
+                                         r"this run has model.hidden_size=128"):
+        check_compatible(tmp_path, ModelConfig())
