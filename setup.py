@@ -4,15 +4,33 @@ Install with `bash launch/setup_env.sh` (creates .venv, picks CPU or CUDA builds
 Tested: Python 3.11, torch 2.13.0 (CPU), megatron-core 0.16.1, transformers 5.24, hydra-core 1.3.8.
 On Python >= 3.12 clusters megatron-core 0.19.x installs instead (see docs/install.md).
 """
+import runpy
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithStubs(build_py):
+    """Generate the sandbox's gRPC stubs from sandbox/sandbox.proto at build/install time."""
+
+    def run(self):
+        proto = runpy.run_path(str(Path(__file__).parent / "sandbox" / "proto.py"))
+        proto["generate"]()
+        super().run()
+
 
 setup(
     name="megatron-rl",
     version="0.1.0",
     description="Slurm-native RL post-training for LLMs on Megatron-core and SGLang",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
-    package_data={"megatron_rl": ["assets/**/*"]},
+    # sandbox/ is importable as `megatron_rl_sandbox` (a top-level `sandbox` would collide).
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"])
+    + ["megatron_rl_sandbox", "megatron_rl_sandbox.runtimes"],
+    package_dir={"megatron_rl_sandbox": "sandbox"},
+    package_data={"megatron_rl": ["assets/**/*"], "megatron_rl_sandbox": ["sandbox.proto", "_generated/*"]},
+    cmdclass={"build_py": BuildPyWithStubs},
     include_package_data=True,
     install_requires=[
         "torch>=2.6",
@@ -28,6 +46,9 @@ setup(
         "einops",
         "tensorboard",
         "matplotlib",
+        "grpcio>=1.60",
+        "grpcio-tools>=1.60",
+        "protobuf",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],

@@ -39,6 +39,9 @@ if [[ $gpu == 1 ]]; then
   "${pip[@]}" --no-build-isolation "flash-attn"
 fi
 "${pip[@]}" -e ".[${EXTRAS}]"
+# Editable installs skip build_py, so generate the sandbox's gRPC stubs here (setup.py does it
+# for regular installs).
+"$VENV/bin/python" -m megatron_rl_sandbox.proto
 "$VENV/bin/python" -W ignore - <<'PY'
 import megatron.core, torch, transformers, hydra
 print(f"[setup_env] torch {torch.__version__} (cuda={torch.cuda.is_available()}), "

@@ -1,0 +1,56 @@
+"""The runtime interface: turn (image, argv, workspace, limits) into the command that runs
+argv confined in that image with the workspace mounted at /workspace."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from pathlib import Path
+
+from megatron_rl_sandbox.limits import Limits
+
+WORKSPACE = "/workspace"
+BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKSPACE, "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+class RuntimeError_(Exception):
+    """A request this runtime cannot run (unknown image, command not in the image); the
+    message is shown to the caller as a SETUP_ERROR."""
+
+
+@dataclasses.dataclass
+class Command:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    signal_from_exit_code: bool  # the wrapper reports "killed by signal N" as exit 128 + N
+
+
+class Runtime(abc.ABC):
+    name: str = ""
+    isolates: bool = True
+
+    @abc.abstractmethod
+    def images(self) -> list[str]:
+        """Names of the images this runtime can start."""
+
+    @abc.abstractmethod
+    def command(self, image: str, argv: list[str], workspace: Path, limits: Limits,
+                env: dict[str, str]) -> Command:
+        """The host command for one execution; raises RuntimeError_ for an invalid request."""
+
+    def default_image(self) -> str:
+        return self.images()[0]
+
+    def _check_image(self, image: str) -> str:
+        image = image or self.default_image()
+        if image not in self.images():
+            raise RuntimeError_(f"image {image!r} is not available on this server; "
+                                f"available: {', '.join(self.images())}")
+        return image
+
+    @staticmethod
+    def _check_argv(argv: list[str]) -> None:
+        if not argv or not argv[0]:
+            raise RuntimeError_("empty command: argv must name a program")

@@ -1,0 +1,78 @@
+"""bubblewrap runtime: new user, PID, network, IPC, UTS and mount namespaces; the image
+read-only at /, the workspace read-write at /workspace, a private /tmp of at most the disk
+limit, no capabilities, an unprivileged uid inside, and the whole namespace killed with its
+parent.
+
+Images: `host` exposes only the host's /usr tree (Debian's merged /usr: /bin, /lib are
+symlinks into it) and nothing else of the host (no /etc, /home, /root, /work, /tmp);
+further images are root filesystem directories registered by name (`name=/path/to/rootfs`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from megatron_rl_sandbox.limits import Limits
+from megatron_rl_sandbox.runtimes.base import BASE_ENV, WORKSPACE, Command, Runtime, RuntimeError_
+
+_HOST_LINKS = {"bin": "usr/bin", "lib": "usr/lib", "lib64": "usr/lib64", "sbin": "usr/sbin"}
+
+
+class BwrapRuntime(Runtime):
+    name = "bwrap"
+    isolates = True
+
+    def __init__(self, images: dict[str, str] | None = None, bwrap: str = "bwrap", uid: int = 1000) -> None:
+        path = shutil.which(bwrap)
+        if path is None:
+            raise RuntimeError(f"the bwrap runtime needs bubblewrap ({bwrap!r} not on PATH): apt-get install bubblewrap")
+        self.bwrap = path
+        self.uid = uid
+        self._images: dict[str, Path | None] = {"host": None}
+        for name, root in (images or {}).items():
+            if not Path(root).is_dir():
+                raise RuntimeError(f"bwrap image {name}={root} is not a directory")
+            self._images[name] = Path(root)
+
+    def images(self) -> list[str]:
+        return list(self._images)
+
+    def _root_args(self, image: str) -> tuple[list[str], Path]:
+        root = self._images[image]
+        if root is None:
+            args = ["--ro-bind", "/usr", "/usr"]
+            for link, target in _HOST_LINKS.items():
+                args += ["--symlink", target, f"/{link}"]
+            return args, Path("/")
+        return ["--ro-bind", str(root), "/"], root
+
+    def _resolve(self, argv0: str, root: Path, image: str) -> None:
+        if "/" in argv0:
+            if argv0.startswith(WORKSPACE + "/") or not argv0.startswith("/"):
+                return  # a program in the workspace: checked when it runs
+            if not os.path.exists(str(root) + argv0) and not (image == "host" and os.path.exists(argv0)):
+                raise RuntimeError_(f"command {argv0!r} does not exist in image {image!r}")
+            return
+        for d in BASE_ENV["PATH"].split(":"):
+            if os.path.exists(os.path.join(str(root), d.lstrip("/"), argv0)):
+                return
+        raise RuntimeError_(f"command {argv0!r} is not found on PATH in image {image!r}")
+
+    def command(self, image: str, argv: list[str], workspace: Path, limits: Limits,
+                env: dict[str, str]) -> Command:
+        self._check_argv(argv)
+        image = self._check_image(image)
+        root_args, root = self._root_args(image)
+        self._resolve(argv[0], root, image)
+        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
+                "--unshare-user", "--uid", str(self.uid), "--gid", str(self.uid), "--cap-drop", "ALL"]
+        if limits.network:
+            args.append("--share-net")
+        args += root_args
+        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk_bytes), "--tmpfs", "/tmp",
+                 "--bind", str(workspace), WORKSPACE, "--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
+        for key, value in {**BASE_ENV, **env}.items():
+            args += ["--setenv", key, value]
+        return Command(argv=[*args, "--", *argv], env={}, cwd="/", signal_from_exit_code=True)

@@ -1,0 +1,408 @@
+"""The sandbox gRPC server (asyncio).
+
+- Bounded concurrency: at most `capacity` executions run at once; up to `max_queue` more
+  wait; beyond that a call is refused at once with RESOURCE_EXHAUSTED (back-pressure the
+  client turns into waiting or failover), never queued without bound.
+- Idempotency: the result of every mutating call is remembered under (method, key); a retry
+  with the same key, even while the first is still running, gets the same result and the
+  command never runs twice.
+- Sessions keep a workspace between calls for multi-turn agents; snapshots are tar files.
+- SIGTERM drains: new calls are refused with UNAVAILABLE, running ones finish (up to
+  `drain_s`), then the server exits and removes its discovery file.
+- With `--run-dir`, the address is written to `<run-dir>/sandbox/<name>.json` so that the
+  job's ranks find the servers of their allocation.
+
+    python -m megatron_rl_sandbox.server --address 0.0.0.0:50051 --runtime bwrap --run-dir runs/job
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import faulthandler
+import json
+import logging
+import os
+import signal
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+import grpc
+
+from megatron_rl_sandbox.executor import SETUP_ERROR, Outcome, run_confined
+from megatron_rl_sandbox.limits import Limiter, Limits, detect_limiter
+from megatron_rl_sandbox.proto import load as load_proto
+from megatron_rl_sandbox.runtimes import Runtime, RuntimeError_, make_runtime
+from megatron_rl_sandbox.workspace import Workspace, WorkspaceError, WorkspacePool
+
+pb2, pb2_grpc = load_proto()
+logger = logging.getLogger(__name__)
+
+MAXIMUM = Limits(wall_time_s=600, cpu_time_s=600, memory_bytes=16 * 2**30, max_processes=4096,
+                 output_bytes=64 * 2**20, disk_bytes=8 * 2**30, network=False)
+_TERMINATION = {name: pb2.Termination.Value(name) for name in pb2.Termination.keys()}
+
+
+def limits_from_proto(msg) -> Limits:
+    return Limits(wall_time_s=msg.wall_time_s, cpu_time_s=msg.cpu_time_s, memory_bytes=msg.memory_bytes,
+                  max_processes=msg.max_processes, output_bytes=msg.output_bytes, disk_bytes=msg.disk_bytes,
+                  network=msg.network)
+
+
+@dataclasses.dataclass
+class Session:
+    id: str
+    workspace: Workspace
+    image: str
+    limits: Limits
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class _Busy(Exception):
+    pass
+
+
+class SandboxService(pb2_grpc.SandboxServicer):
+    def __init__(self, runtime: Runtime, limiter: Limiter, pool: WorkspacePool, defaults: Limits,
+                 maximum: Limits, capacity: int, max_queue: int, max_sessions: int, name: str,
+                 snapshot_dir: Path, remembered: int = 10000) -> None:
+        self.runtime, self.limiter, self.pool = runtime, limiter, pool
+        self.defaults, self.maximum = defaults, maximum
+        self.capacity, self.max_queue, self.max_sessions = capacity, max_queue, max_sessions
+        self.name = name
+        self.snapshot_dir = snapshot_dir
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        self._slots = asyncio.Semaphore(capacity)
+        self._running = 0
+        self._queued = 0
+        self.started = 0
+        self.finished = 0
+        self.draining = False
+        self.address = ""
+        self._results: collections.OrderedDict[tuple[str, str], asyncio.Future] = collections.OrderedDict()
+        self._remembered = remembered
+        self.sessions: dict[str, Session] = {}
+
+    # -- admission and idempotency -----------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _slot(self):
+        if self._queued >= self.max_queue and self._running >= self.capacity:
+            raise _Busy(f"{self.name}: {self._running} running and {self._queued} queued (max {self.max_queue})")
+        self._queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._queued -= 1
+        self._running += 1
+        self.started += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self.finished += 1
+            self._slots.release()
+
+    async def _once(self, method: str, key: str, context, work: Callable[[], Awaitable[Any]]):
+        """Run `work` once per (method, key); duplicates (also concurrent ones) share its result.
+        Refusals and errors are not remembered: a retry may succeed."""
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining")
+        slot = (method, key)
+        if key and slot in self._results:
+            self._results.move_to_end(slot)
+            return await self._mapped(asyncio.shield(self._results[slot]), context)
+        future: Optional[asyncio.Future] = None
+        if key:
+            future = asyncio.get_running_loop().create_future()
+            self._results[slot] = future
+            while len(self._results) > self._remembered:
+                self._results.popitem(last=False)
+        try:
+            result = await work()
+        except BaseException as exc:
+            if future is not None:
+                self._results.pop(slot, None)
+                future.set_exception(exc)
+                future.exception()  # marks it retrieved
+            return await self._mapped(_raise(exc), context)
+        if future is not None:
+            future.set_result(result)
+        return result
+
+    @staticmethod
+    async def _mapped(awaitable, context):
+        """Await, turning the service's own errors into gRPC status codes."""
+        try:
+            return await awaitable
+        except _Busy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except WorkspaceError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc).strip("'\""))
+
+    # -- executions --------------------------------------------------------------------------
+    def _result(self, outcome: Outcome):
+        return pb2.ExecResult(
+            exit_code=outcome.exit_code, signal=outcome.signal, termination=_TERMINATION[outcome.termination],
+            stdout=outcome.stdout, stderr=outcome.stderr, stdout_truncated=outcome.stdout_truncated,
+            stderr_truncated=outcome.stderr_truncated, message=outcome.message, server=self.name,
+            usage=pb2.ResourceUsage(wall_time_s=outcome.wall_time_s, cpu_time_s=outcome.cpu_time_s,
+                                    max_rss_bytes=outcome.max_rss_bytes))
+
+    async def _run_in(self, workspace: Workspace, image: str, argv, stdin: bytes, env, limits: Limits) -> Outcome:
+        try:
+            command = self.runtime.command(image, list(argv), workspace.path, limits, dict(env))
+        except RuntimeError_ as exc:
+            return Outcome(exit_code=-1, termination=SETUP_ERROR, message=str(exc))
+        async with self._slot():
+            return await run_confined(command, limits, self.limiter, stdin)
+
+    async def _one_shot(self, image: str, files, argv, stdin: bytes, env, limits: Limits) -> Outcome:
+        try:
+            workspace = await asyncio.to_thread(self.pool.acquire, limits.disk_bytes, files)
+        except WorkspaceError as exc:
+            return Outcome(exit_code=-1, termination=SETUP_ERROR, message=str(exc))
+        try:
+            return await self._run_in(workspace, image, argv, stdin, env, limits)
+        finally:
+            await asyncio.to_thread(self.pool.release, workspace)
+
+    def _limits(self, msg, base: Optional[Limits] = None) -> Limits:
+        return (base or self.defaults).merged(limits_from_proto(msg), self.maximum)
+
+    async def Execute(self, request, context):
+        async def work():
+            limits = self._limits(request.limits)
+            return self._result(await self._one_shot(request.image, request.files, request.argv, request.stdin,
+                                                     request.env, limits))
+        return await self._once("Execute", request.idempotency_key, context, work)
+
+    async def Verify(self, request, context):
+        async def work():
+            limits = self._limits(request.limits)
+
+            async def one(test):
+                outcome = await self._one_shot(request.image, request.files, test.argv, b"", {}, limits)
+                passed = outcome.termination == "EXITED" and outcome.exit_code == test.expected_exit_code
+                if passed and test.check_stdout:
+                    passed = outcome.stdout.rstrip() == test.expected_stdout.rstrip()
+                return pb2.TestOutcome(name=test.name, passed=passed, result=self._result(outcome))
+
+            outcomes = await asyncio.gather(*(one(t) for t in request.tests))
+            passed = sum(o.passed for o in outcomes)
+            total = len(outcomes)
+            return pb2.VerifyResult(reward=passed / total if total else 0.0, passed=passed, total=total,
+                                    tests=outcomes, server=self.name)
+        return await self._once("Verify", request.idempotency_key, context, work)
+
+    # -- sessions ----------------------------------------------------------------------------
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise KeyError(f"session {session_id!r} is not open on {self.name}")
+        session.last_used = time.monotonic()
+        return session
+
+    async def Open(self, request, context):
+        async def work():
+            if len(self.sessions) >= self.max_sessions:
+                raise _Busy(f"{self.name}: {len(self.sessions)} sessions open (max {self.max_sessions})")
+            limits = self._limits(request.limits)
+            image = request.image or self.runtime.default_image()
+            if image not in self.runtime.images():
+                raise WorkspaceError(f"image {image!r} is not available; available: "
+                                     f"{', '.join(self.runtime.images())}")
+            workspace = await asyncio.to_thread(self.pool.acquire, limits.disk_bytes, request.files)
+            session = Session(uuid.uuid4().hex, workspace, image, limits)
+            self.sessions[session.id] = session
+            return pb2.SessionInfo(session_id=session.id, server=self.name)
+        return await self._once("Open", request.idempotency_key, context, work)
+
+    async def Exec(self, request, context):
+        async def work():
+            session = self._session(request.session_id)
+            limits = self._limits(request.limits, session.limits)
+            async with session.lock:
+                outcome = await self._run_in(session.workspace, session.image, request.argv, request.stdin,
+                                             request.env, limits)
+            return self._result(outcome)
+        return await self._once("Exec", request.idempotency_key, context, work)
+
+    async def ReadFile(self, request, context):
+        async def work():
+            session = self._session(request.session_id)
+            limit = min(request.max_bytes or self.defaults.output_bytes, self.maximum.output_bytes)
+            data, truncated, exists = session.workspace.read(request.path, limit)
+            return pb2.FileContent(content=data, truncated=truncated, exists=exists)
+        return await self._once("ReadFile", "", context, work)
+
+    async def WriteFile(self, request, context):
+        async def work():
+            session = self._session(request.session_id)
+            async with session.lock:
+                n = session.workspace.write(request.file.path, request.file.content, request.file.executable)
+            return pb2.WriteFileResult(bytes_written=n)
+        return await self._once("WriteFile", request.idempotency_key, context, work)
+
+    async def Snapshot(self, request, context):
+        async def work():
+            session = self._session(request.session_id)
+            async with session.lock:
+                data = await asyncio.to_thread(session.workspace.snapshot)
+            snapshot_id = uuid.uuid4().hex
+            (self.snapshot_dir / f"{snapshot_id}.tar").write_bytes(data)
+            return pb2.SnapshotInfo(snapshot_id=snapshot_id, size_bytes=len(data))
+        return await self._once("Snapshot", request.idempotency_key, context, work)
+
+    async def Restore(self, request, context):
+        async def work():
+            session = self._session(request.session_id)
+            path = self.snapshot_dir / f"{Path(request.snapshot_id).name}.tar"
+            if not path.is_file():
+                raise KeyError(f"snapshot {request.snapshot_id!r} does not exist on {self.name}")
+            async with session.lock:
+                await asyncio.to_thread(session.workspace.restore, path.read_bytes())
+            return pb2.SessionInfo(session_id=session.id, server=self.name)
+        return await self._once("Restore", request.idempotency_key, context, work)
+
+    async def Close(self, request, context):
+        async def work():
+            session = self.sessions.pop(request.session_id, None)
+            if session is not None:
+                async with session.lock:
+                    await asyncio.to_thread(self.pool.destroy, session.workspace)
+            return pb2.CloseResult()
+        return await self._once("Close", request.idempotency_key, context, work)
+
+    async def Health(self, request, context):
+        return pb2.HealthReply(serving=not self.draining, runtime=self.runtime.name, limiter=self.limiter.name,
+                               capacity=self.capacity, running=self._running, queued=self._queued,
+                               max_queue=self.max_queue, executions_started=self.started,
+                               executions_finished=self.finished, sessions=len(self.sessions),
+                               address=self.address)
+
+    async def close_all_sessions(self) -> None:
+        for session_id in list(self.sessions):
+            session = self.sessions.pop(session_id)
+            await asyncio.to_thread(self.pool.destroy, session.workspace)
+
+
+async def _raise(exc: BaseException):
+    raise exc
+
+
+def _parse_images(values: list[str]) -> dict[str, str]:
+    images = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--image expects name=/path, got {value!r}")
+        images[name] = path
+    return images
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_rl_sandbox.server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--address", default="127.0.0.1:0", help="host:port or unix:/path (port 0 picks one)")
+    p.add_argument("--advertise", default=None, help="address written to the discovery file (default: host:port)")
+    p.add_argument("--runtime", default="bwrap", choices=["bwrap", "apptainer", "process"])
+    p.add_argument("--image", action="append", default=[], help="name=/path (rootfs dir, SIF or sandbox dir)")
+    p.add_argument("--apptainer-cmd", default="apptainer")
+    p.add_argument("--allow-unisolated", action="store_true", help="required for --runtime process")
+    p.add_argument("--allow-network", action="store_true", help="let requests turn the network on")
+    p.add_argument("--limiter", default="auto", choices=["auto", "cgroup-v1", "cgroup-v2", "rlimit"])
+    p.add_argument("--capacity", type=int, default=os.cpu_count() or 1, help="concurrent executions")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting executions before refusing")
+    p.add_argument("--max-sessions", type=int, default=512)
+    p.add_argument("--prewarm", type=int, default=8, help="ready workspaces kept mounted")
+    p.add_argument("--work-dir", default=None, help="where workspaces live (default: a fresh temp dir)")
+    p.add_argument("--run-dir", default=None, help="write the discovery file into <run-dir>/sandbox/")
+    p.add_argument("--name", default=None, help="server name in results and the discovery file")
+    p.add_argument("--drain-s", type=float, default=30.0, help="grace period for running calls on SIGTERM")
+    for field in dataclasses.fields(Limits):
+        if field.name != "network":
+            p.add_argument(f"--default-{field.name.replace('_', '-')}", type=type(field.default),
+                           default=field.default)
+    return p
+
+
+async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None) -> None:
+    if args.runtime == "process":
+        runtime = make_runtime("process", allow_unisolated=args.allow_unisolated)
+    elif args.runtime == "apptainer":
+        runtime = make_runtime("apptainer", images=_parse_images(args.image), apptainer_cmd=args.apptainer_cmd)
+    else:
+        runtime = make_runtime("bwrap", images=_parse_images(args.image))
+    limiter = Limiter() if args.limiter == "rlimit" else detect_limiter(args.limiter)
+    defaults = Limits(**{f.name: getattr(args, f"default_{f.name}") for f in dataclasses.fields(Limits)
+                         if f.name != "network"})
+    maximum = dataclasses.replace(MAXIMUM, network=args.allow_network)
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="megatron-rl-sandbox-"))
+    pool = WorkspacePool(work_dir / "workspaces", defaults.disk_bytes, prewarm=args.prewarm)
+    name = args.name or f"{socket.gethostname()}-{os.getpid()}"
+    service = SandboxService(runtime, limiter, pool, defaults, maximum, args.capacity, args.max_queue,
+                             args.max_sessions, name, work_dir / "snapshots")
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 2**20),
+                                      ("grpc.max_send_message_length", 256 * 2**20)])
+    pb2_grpc.add_SandboxServicer_to_server(service, server)
+    port = server.add_insecure_port(args.address)
+    if args.address.startswith("unix:"):
+        address = args.address
+    else:
+        host = args.address.rsplit(":", 1)[0]
+        address = f"{socket.gethostname() if host in ('0.0.0.0', '[::]') else host}:{port}"
+    service.address = args.advertise or address
+    await server.start()
+    discovery = _write_discovery(args.run_dir, name, service.address, runtime.name) if args.run_dir else None
+    logger.info("sandbox server %s serving on %s (runtime %s, limiter %s, workspace quota %s, capacity %d)",
+                name, service.address, runtime.name, limiter.name, pool.quota, args.capacity)
+    print(json.dumps({"address": service.address, "name": name}), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    logger.info("draining: refusing new calls, waiting up to %.0fs for running ones", args.drain_s)
+    service.draining = True
+    if discovery is not None:
+        discovery.unlink(missing_ok=True)
+    await server.stop(grace=args.drain_s)
+    await service.close_all_sessions()
+    pool.close()
+    logger.info("sandbox server %s stopped", name)
+
+
+def _write_discovery(run_dir: str, name: str, address: str, runtime: str) -> Path:
+    directory = Path(run_dir) / "sandbox"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"name": name, "address": address, "runtime": runtime, "pid": os.getpid(),
+                               "started": time.time()}))
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack to stderr
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except RuntimeError as exc:
+        raise SystemExit(f"sandbox server: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()

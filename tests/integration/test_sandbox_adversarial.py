@@ -1,0 +1,200 @@
+"""Adversarial sandbox suite: one property per test, against every runtime this machine has,
+through the real gRPC server; after each attack the server must still answer.
+
+The `process` runtime isolates nothing by design (it says so and refuses to start unless
+allowed): it runs the limit tests, and the isolation tests are skipped for it with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.integration.sandbox_servers import runtime_args, start_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+RUNTIMES = ["bwrap", "apptainer", "process"]
+ISOLATING = {"bwrap", "apptainer"}
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
+def server(request):
+    if runtime_args(request.param) is None:
+        pytest.skip(f"runtime {request.param} is not available here "
+                    f"(apptainer: run tests/integration/apptainer/setup.sh; bwrap: apt-get install bubblewrap)")
+    srv = start_server(request.param, "--capacity", "4")
+    srv.runtime = request.param
+    yield srv
+    srv.stop()
+
+
+def _image(server):
+    return "python" if server.runtime == "apptainer" else ""
+
+
+def _exec(server, code, **limits):
+    from megatron_rl_sandbox.client import SandboxClient
+
+    async def go():
+        async with SandboxClient([server.address], deadline_s=120) as client:
+            result = await client.execute(["python3", "-c", code], image=_image(server), limits=limits)
+            health = await client.execute(["python3", "-c", "print(6*7)"], image=_image(server))
+            return result, health
+    result, health = asyncio.run(go())
+    assert health.stdout.strip() == b"42", f"the server stopped answering: {health}"
+    return result
+
+
+def _isolating(server):
+    if server.runtime not in ISOLATING:
+        pytest.skip("the process runtime isolates nothing by design")
+
+
+def test_infinite_loop_is_killed_at_the_wall_limit(server):
+    from megatron_rl_sandbox.client import pb2
+
+    r = _exec(server, "import time\nwhile True: time.sleep(0.01)", wall_time_s=1.5)
+    assert r.termination == pb2.TIMEOUT
+    assert 1.4 <= r.usage.wall_time_s < 5
+
+
+def test_cpu_burn_is_killed_at_the_cpu_limit(server):
+    from megatron_rl_sandbox.client import pb2
+
+    r = _exec(server, "while True: pass", cpu_time_s=1, wall_time_s=20)
+    assert r.termination == pb2.CPU_LIMIT, r
+
+
+def test_memory_hog_is_killed_and_reported_as_memory(server):
+    from megatron_rl_sandbox.client import pb2
+
+    r = _exec(server, "blocks = []\nwhile True: blocks.append(bytearray(16 * 2**20))",
+              memory_bytes=128 * 2**20, wall_time_s=20)
+    assert r.termination == pb2.MEMORY_LIMIT, r
+
+
+def test_fork_bomb_is_contained_by_the_process_limit(server):
+    from megatron_rl_sandbox.client import pb2
+
+    r = _exec(server, "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass",
+              max_processes=32, wall_time_s=3)
+    assert r.termination in (pb2.TIMEOUT, pb2.EXITED, pb2.SIGNALED)
+    assert r.usage.wall_time_s < 10
+
+
+def test_gigabyte_of_stdout_is_truncated_and_flagged(server):
+    from megatron_rl_sandbox.client import pb2
+
+    r = _exec(server, "import sys\nchunk = 'x' * 2**20\nfor _ in range(1024): sys.stdout.write(chunk)",
+              output_bytes=256 * 1024, wall_time_s=60)
+    assert r.termination == pb2.OUTPUT_LIMIT
+    assert r.stdout_truncated and len(r.stdout) == 256 * 1024
+
+
+def test_disk_fill_of_the_workspace_hits_the_limit(server):
+    from megatron_rl_sandbox.client import pb2
+
+    r = _exec(server, "f = open('fill', 'wb')\nwhile True: f.write(b'x' * 2**20)",
+              disk_bytes=16 * 2**20, wall_time_s=20)
+    assert r.termination == pb2.DISK_LIMIT, r
+
+
+def test_connecting_to_a_host_loopback_port_fails(server):
+    _isolating(server)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    accepted = []
+
+    def accept():
+        try:
+            accepted.append(listener.accept())
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    r = _exec(server, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
+    thread.join()
+    listener.close()
+    assert b"connected" not in r.stdout and r.exit_code != 0
+    assert not accepted, "the sandbox reached a port on the host's loopback"
+
+
+def test_reading_a_host_file_outside_the_image_fails(server, tmp_path):
+    _isolating(server)
+    secret = Path("/tmp") / f"megatron-rl-secret-{uuid.uuid4().hex}"
+    secret.write_text("TOP-SECRET")
+    try:
+        for path in (secret, Path("/etc/shadow"), Path(__file__)):
+            r = _exec(server, f"print(open({str(path)!r}).read())")
+            assert b"TOP-SECRET" not in r.stdout and r.exit_code != 0, path
+    finally:
+        secret.unlink()
+
+
+def test_writing_outside_the_workspace_fails(server):
+    _isolating(server)
+    name = f"megatron-rl-escape-{uuid.uuid4().hex}"
+    for path in (Path("/usr") / name, Path("/") / name, Path("/bin") / name):
+        r = _exec(server, f"open({str(path)!r}, 'w').write('x')")
+        assert r.exit_code != 0, path
+        assert not path.exists(), f"the sandbox wrote {path} on the host"
+
+
+def test_the_private_tmp_does_not_reach_the_host(server):
+    _isolating(server)
+    path = Path("/tmp") / f"megatron-rl-escape-{uuid.uuid4().hex}"
+    _exec(server, f"open({str(path)!r}, 'w').write('x')")
+    assert not path.exists(), "the sandbox's /tmp is the host's /tmp"
+
+
+def test_double_forked_child_outliving_its_parent_is_killed(server):
+    marker = f"megatron-rl-orphan-{uuid.uuid4().hex}"
+    code = ("import os, subprocess\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n"
+            f"        os.execvp('python3', ['python3', '-c', 'import time; time.sleep(120)', '{marker}'])\n"
+            "    os._exit(0)\n"
+            "os.wait()\nprint('parent done')")
+    r = _exec(server, code, wall_time_s=10)
+    assert b"parent done" in r.stdout
+    import time
+
+    time.sleep(0.3)
+    survivors = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, marker)]
+    assert not survivors, f"orphaned sandbox processes survived: {[p.name for p in survivors]}"
+
+
+def _cmdline_has(proc_dir: Path, marker: str) -> bool:
+    try:
+        return marker.encode() in (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def test_invalid_image_or_command_is_a_clear_setup_error(server):
+    from megatron_rl_sandbox.client import SandboxClient, pb2
+
+    async def go():
+        async with SandboxClient([server.address]) as client:
+            return (await client.execute(["python3", "-c", "pass"], image="no-such-image"),
+                    await client.execute(["no-such-command-xyz"], image=_image(server)),
+                    await client.execute([], image=_image(server)))
+    bad_image, bad_command, empty = asyncio.run(go())
+    assert bad_image.termination == pb2.SETUP_ERROR and "no-such-image" in bad_image.message
+    assert "available" in bad_image.message
+    if server.runtime != "process":
+        assert bad_command.termination == pb2.SETUP_ERROR and "no-such-command-xyz" in bad_command.message
+    else:
+        assert bad_command.termination == pb2.SETUP_ERROR or bad_command.exit_code != 0
+    assert empty.termination == pb2.SETUP_ERROR and "empty command" in empty.message
