@@ -1,7 +1,19 @@
 #!/usr/bin/env bash
-# The README's test command: install if needed, then run every test tier this machine can run.
-# Extra arguments go to pytest, e.g. `bash launch/test.sh -k parity`.
+# The README's test command: install what the tests need, then run every test tier this
+# machine can run. Extra arguments go to pytest, e.g. `bash launch/test.sh -k parity`.
+#   - the Python environment (.venv, via setup_env.sh)
+#   - as root with apt: bubblewrap (sandbox runtime) and the Apptainer tier
+#     (tests/integration/apptainer/setup.sh, ~1-2 min the first time, cached afterwards);
+#     set MEGATRON_RL_SKIP_APPTAINER=1 to skip the latter.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup_env.sh
+if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+  if ! command -v bwrap >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+  fi
+  if [[ "${MEGATRON_RL_SKIP_APPTAINER:-0}" != 1 ]]; then
+    bash tests/integration/apptainer/setup.sh || echo "[test.sh] apptainer tier unavailable; its tests will be skipped" >&2
+  fi
+fi
 exec .venv/bin/python -m pytest tests -q "$@"

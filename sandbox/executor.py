@@ -114,6 +114,10 @@ async def run_confined(command: Command, limits: Limits, limiter: Limiter, stdin
     if command.signal_from_exit_code and code > 128 and code - 128 < 65:
         sig = code - 128
     outcome.exit_code, outcome.signal = code, sig
+    failure = command.setup_failure
+    if failure is not None and code == failure[0] and outcome.stderr.lstrip().startswith(failure[1]):
+        outcome.termination, outcome.message = SETUP_ERROR, outcome.stderr.decode(errors="replace").strip()
+        return outcome
     outcome.termination, outcome.message = _classify(
         timed_out, overflow.is_set(), acc.oom_killed, sig, code, acc.cpu_time_s, outcome.stderr, limits,
         limiter.name)

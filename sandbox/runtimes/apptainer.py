@@ -42,7 +42,9 @@ class ApptainerRuntime(Runtime):
                 env: dict[str, str]) -> Command:
         self._check_argv(argv)
         image = self._check_image(image)
-        args = [*self.cmd, "exec", "--containall", "--no-home", "--cleanenv", "--bind",
+        if Path(self._images[image]).is_dir():
+            self._check_command_in_root(argv[0], Path(self._images[image]), image)
+        args = [*self.cmd, "exec", "--containall", "--no-home", "--cleanenv", "--no-privs", "--bind",
                 f"{workspace}:{WORKSPACE}", "--pwd", WORKSPACE]
         if not limits.network:
             args += ["--net", "--network", "none"]
@@ -51,4 +53,4 @@ class ApptainerRuntime(Runtime):
         for key, value in {**BASE_ENV, **env}.items():
             args += ["--env", f"{key}={value}"]
         return Command(argv=[*args, self._images[image], *argv], env={"PATH": os.environ.get("PATH", "")},
-                       cwd="/", signal_from_exit_code=True)
+                       cwd="/", signal_from_exit_code=True, setup_failure=(255, b"FATAL:"))

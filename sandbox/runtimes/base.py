@@ -25,6 +25,8 @@ class Command:
     env: dict[str, str]
     cwd: str
     signal_from_exit_code: bool  # the wrapper reports "killed by signal N" as exit 128 + N
+    # (exit code, stderr prefix) by which the wrapper reports that it could not start the command
+    setup_failure: tuple[int, bytes] | None = None
 
 
 class Runtime(abc.ABC):
@@ -54,3 +56,18 @@ class Runtime(abc.ABC):
     def _check_argv(argv: list[str]) -> None:
         if not argv or not argv[0]:
             raise RuntimeError_("empty command: argv must name a program")
+
+    @staticmethod
+    def _check_command_in_root(argv0: str, root: Path, image: str) -> None:
+        """Refuse a command that does not exist in a root-filesystem image (a clear error
+        instead of an exit code 127 from inside)."""
+        if "/" in argv0:
+            if argv0.startswith(WORKSPACE + "/") or not argv0.startswith("/"):
+                return  # a program in the workspace: checked when it runs
+            if not (root / argv0.lstrip("/")).exists():
+                raise RuntimeError_(f"command {argv0!r} does not exist in image {image!r}")
+            return
+        for d in BASE_ENV["PATH"].split(":"):
+            if (root / d.lstrip("/") / argv0).exists():
+                return
+        raise RuntimeError_(f"command {argv0!r} is not found on PATH in image {image!r}")

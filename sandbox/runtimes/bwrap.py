@@ -10,12 +10,11 @@ further images are root filesystem directories registered by name (`name=/path/t
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 from megatron_rl_sandbox.limits import Limits
-from megatron_rl_sandbox.runtimes.base import BASE_ENV, WORKSPACE, Command, Runtime, RuntimeError_
+from megatron_rl_sandbox.runtimes.base import BASE_ENV, WORKSPACE, Command, Runtime
 
 _HOST_LINKS = {"bin": "usr/bin", "lib": "usr/lib", "lib64": "usr/lib64", "sbin": "usr/sbin"}
 
@@ -48,24 +47,12 @@ class BwrapRuntime(Runtime):
             return args, Path("/")
         return ["--ro-bind", str(root), "/"], root
 
-    def _resolve(self, argv0: str, root: Path, image: str) -> None:
-        if "/" in argv0:
-            if argv0.startswith(WORKSPACE + "/") or not argv0.startswith("/"):
-                return  # a program in the workspace: checked when it runs
-            if not os.path.exists(str(root) + argv0) and not (image == "host" and os.path.exists(argv0)):
-                raise RuntimeError_(f"command {argv0!r} does not exist in image {image!r}")
-            return
-        for d in BASE_ENV["PATH"].split(":"):
-            if os.path.exists(os.path.join(str(root), d.lstrip("/"), argv0)):
-                return
-        raise RuntimeError_(f"command {argv0!r} is not found on PATH in image {image!r}")
-
     def command(self, image: str, argv: list[str], workspace: Path, limits: Limits,
                 env: dict[str, str]) -> Command:
         self._check_argv(argv)
         image = self._check_image(image)
         root_args, root = self._root_args(image)
-        self._resolve(argv[0], root, image)
+        self._check_command_in_root(argv[0], root, image)
         args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
                 "--unshare-user", "--uid", str(self.uid), "--gid", str(self.uid), "--cap-drop", "ALL"]
         if limits.network:

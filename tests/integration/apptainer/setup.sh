@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Test infrastructure for the apptainer sandbox tier (Debian 12 has no apptainer package).
+# Builds, once, under $MEGATRON_RL_APPTAINER_ROOT (default /var/cache/megatron-rl/apptainer):
+#   rootfs/   a Debian sid root filesystem (debootstrap) with apptainer and python3-minimal
+#   image/    the container image the tests run (a sandbox-directory image: a second, small
+#             sid rootfs with python3-minimal)
+#   apptainer a wrapper that runs rootfs/usr/bin/apptainer inside rootfs, entered with
+#             bubblewrap (chroot fails there; see ../shared/notes/FEASIBILITY.md)
+# Needs root, bubblewrap, debootstrap and Debian's package mirror. Idempotent: ~2-3 min the
+# first time, instant afterwards.
+set -euo pipefail
+ROOT=${MEGATRON_RL_APPTAINER_ROOT:-/var/cache/megatron-rl/apptainer}
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+if [[ -x "$ROOT/apptainer" && -f "$ROOT/.complete" ]]; then
+  exit 0
+fi
+command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap >/dev/null; }
+command -v bwrap >/dev/null || { apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; }
+mkdir -p "$ROOT"
+
+enter() {  # run a command inside a root filesystem
+  local rootfs=$1; shift
+  bwrap --bind "$rootfs" / --dev-bind /dev /dev --proc /proc --bind /sys /sys --tmpfs /tmp --tmpfs /run \
+        --ro-bind /etc/resolv.conf /etc/resolv.conf --die-with-parent "$@"
+}
+
+bootstrap() {  # debootstrap a minimal sid root with extra packages
+  local rootfs=$1; shift
+  if [[ ! -f "$rootfs/.bootstrapped" ]]; then
+    rm -rf "$rootfs"
+    debootstrap --variant=minbase sid "$rootfs" "$MIRROR" >/dev/null
+    touch "$rootfs/.bootstrapped"
+  fi
+  printf '127.0.0.1 localhost\n' > "$rootfs/etc/hosts"
+  enter "$rootfs" /usr/bin/env DEBIAN_FRONTEND=noninteractive apt-get -qq -o Acquire::Check-Valid-Until=false update
+  enter "$rootfs" /usr/bin/env DEBIAN_FRONTEND=noninteractive apt-get -qq -y --no-install-recommends install "$@" >/dev/null
+}
+
+echo "[apptainer-setup] building $ROOT/rootfs (apptainer) and $ROOT/image (python3)" >&2
+bootstrap "$ROOT/rootfs" apptainer python3-minimal
+bootstrap "$ROOT/image" python3-minimal
+
+cat > "$ROOT/apptainer" <<WRAP
+#!/usr/bin/env bash
+# apptainer from $ROOT/rootfs, entered with bubblewrap; host /tmp and the image are visible
+# at the same paths so that workspaces and images passed by the sandbox server resolve.
+exec bwrap --bind "$ROOT/rootfs" / --dev-bind /dev /dev --dev-bind /proc /proc --bind /sys /sys \\
+  --bind /tmp /tmp --tmpfs /run --ro-bind "$ROOT/image" "$ROOT/image" \\
+  --ro-bind /etc/resolv.conf /etc/resolv.conf --die-with-parent /usr/bin/apptainer "\$@"
+WRAP
+chmod +x "$ROOT/apptainer"
+"$ROOT/apptainer" --version >&2
+touch "$ROOT/.complete"

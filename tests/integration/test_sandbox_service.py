@@ -1,0 +1,211 @@
+"""The sandbox service's contract: verification rewards, sessions with snapshots, idempotency,
+back-pressure, failover when a server dies mid-call, graceful drain and discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import uuid
+
+import grpc
+import pytest
+
+from tests.integration.sandbox_servers import runtime_args, start_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+if runtime_args("bwrap") is None:
+    pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", params=["bwrap", "apptainer"])
+def server(request):
+    if runtime_args(request.param) is None:
+        pytest.skip(f"runtime {request.param} is not available here (run tests/integration/apptainer/setup.sh)")
+    srv = start_server(request.param, "--capacity", "4")
+    srv.image = "python" if request.param == "apptainer" else ""
+    yield srv
+    srv.stop()
+
+
+def _client(*addresses, **kwargs):
+    from megatron_rl_sandbox.client import SandboxClient
+
+    return SandboxClient(list(addresses), **kwargs)
+
+
+def test_verify_rewards_passed_over_total(server):
+    candidate = "def add(a, b):\n    return a + b if a < 10 else 0\n"
+    tests = [
+        {"name": "small", "argv": ["python3", "-c", "from sol import add; assert add(1, 2) == 3"]},
+        {"name": "zero", "argv": ["python3", "-c", "from sol import add; assert add(0, 0) == 0"]},
+        {"name": "large", "argv": ["python3", "-c", "from sol import add; assert add(20, 1) == 21"]},
+        {"name": "stdout", "argv": ["python3", "-c", "from sol import add; print(add(2, 2))"],
+         "check_stdout": True, "expected_stdout": b"4\n"},
+    ]
+
+    async def go():
+        async with _client(server.address) as client:
+            return await client.verify({"sol.py": candidate}, tests, image=server.image)
+    result = asyncio.run(go())
+    assert (result.passed, result.total) == (3, 4)
+    assert result.reward == pytest.approx(0.75)
+    assert {t.name: t.passed for t in result.tests} == {"small": True, "zero": True, "large": False, "stdout": True}
+
+
+def test_session_state_snapshot_and_restore(server):
+    async def go():
+        async with _client(server.address) as client:
+            session = await client.open_session({"notes.txt": "v1\n"}, image=server.image)
+            r = await session.exec(["sh", "-c", "echo v2 >> notes.txt && cat notes.txt"])
+            assert r.stdout == b"v1\nv2\n"
+            snap = await session.snapshot()
+            await session.write_file("notes.txt", "overwritten\n")
+            await session.exec(["sh", "-c", "mkdir -p d && echo x > d/new"])
+            assert (await session.read_file("notes.txt")).content == b"overwritten\n"
+            await session.restore(snap)
+            restored = await session.read_file("notes.txt")
+            gone = await session.read_file("d/new")
+            await session.close()
+            return restored, gone
+    restored, gone = asyncio.run(go())
+    assert restored.content == b"v1\nv2\n"
+    assert not gone.exists
+
+
+def test_session_paths_cannot_escape_the_workspace(server):
+    async def go():
+        async with _client(server.address) as client:
+            session = await client.open_session(image=server.image)
+            errors = []
+            for path in ("../escape", "/etc/passwd", "a/../../b"):
+                try:
+                    await session.write_file(path, "x")
+                except grpc.aio.AioRpcError as exc:
+                    errors.append(exc.code())
+            await session.exec(["ln", "-s", "/etc", "link"])
+            try:
+                await session.read_file("link/hostname")
+            except grpc.aio.AioRpcError as exc:
+                errors.append(exc.code())
+            await session.close()
+            return errors
+    assert asyncio.run(go()) == [grpc.StatusCode.INVALID_ARGUMENT] * 4
+
+
+def test_same_key_never_runs_twice(server):
+    from megatron_rl_sandbox.client import pb2, pb2_grpc
+
+    async def go():
+        channel = grpc.aio.insecure_channel(server.address)
+        stub = pb2_grpc.SandboxStub(channel)
+        before = (await stub.Health(pb2.HealthRequest())).executions_started
+        key = uuid.uuid4().hex
+        request = pb2.ExecuteRequest(idempotency_key=key, image=server.image, argv=["python3", "-c",
+                                                                 "import time, random; time.sleep(0.5); print(random.random())"])
+        concurrent = await asyncio.gather(stub.Execute(request), stub.Execute(request))
+        later = await stub.Execute(request)
+        after = (await stub.Health(pb2.HealthRequest())).executions_started
+        await channel.close()
+        return before, after, concurrent, later
+    before, after, concurrent, later = asyncio.run(go())
+    assert after - before == 1, "a request with a known key ran again"
+    assert concurrent[0].stdout == concurrent[1].stdout == later.stdout
+
+
+def test_a_full_queue_refuses_instead_of_queueing_without_bound():
+    from megatron_rl_sandbox.client import pb2, pb2_grpc
+
+    srv = start_server("bwrap", "--capacity", "1", "--max-queue", "1")
+    try:
+        async def go():
+            channel = grpc.aio.insecure_channel(srv.address)
+            stub = pb2_grpc.SandboxStub(channel)
+            request = lambda: pb2.ExecuteRequest(idempotency_key=uuid.uuid4().hex,  # noqa: E731
+                                                 argv=["sleep", "1"])
+            results = await asyncio.gather(*(stub.Execute(request()) for _ in range(5)), return_exceptions=True)
+            await channel.close()
+            return results
+        results = asyncio.run(go())
+    finally:
+        srv.stop()
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert len(served) == 2 and len(refused) == 3
+    assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+
+
+def test_server_killed_mid_call_fails_over_with_exactly_one_result():
+    a, b = start_server("bwrap", "--name", "server-a"), start_server("bwrap", "--name", "server-b")
+    try:
+        async def go():
+            from megatron_rl_sandbox.client import pb2
+
+            client = _client(a.address, b.address, deadline_s=60)
+            # make server-a the obvious choice: server-b looks busy
+            client.servers[1].load, client.servers[1].checked = 10.0, time.monotonic()
+            client.servers[0].checked = time.monotonic()
+            task = asyncio.create_task(client.execute(["sh", "-c", "sleep 1.5; echo finished"]))
+            for _ in range(100):
+                health = await client.health()
+                if isinstance(health[a.address], pb2.HealthReply) and health[a.address].running == 1:
+                    break
+                await asyncio.sleep(0.05)
+            a.kill(signal.SIGKILL)
+            result = await task
+            await client.close()
+            return result
+        result = asyncio.run(go())
+    finally:
+        a.stop()
+        b.stop()
+    assert result.server == "server-b"
+    assert result.stdout == b"finished\n"
+
+
+def test_sigterm_drains_running_calls_and_removes_discovery(tmp_path):
+    from megatron_rl_sandbox.client import discover, pb2
+
+    srv = start_server("bwrap", run_dir=tmp_path)
+    assert discover(tmp_path) == [srv.address]
+
+    async def go():
+        async with _client(srv.address, deadline_s=10) as client:
+            task = asyncio.create_task(client.execute(["sh", "-c", "sleep 1; echo drained"]))
+            await asyncio.sleep(0.5)
+            srv.kill(signal.SIGTERM)
+            result = await task
+            late = await client.execute(["true"], deadline_s=2)
+            return result, late
+    result, late = asyncio.run(go())
+    srv.proc.wait(timeout=30)
+    assert result.stdout == b"drained\n"
+    assert late.termination == pb2.TIMEOUT and late.server == "", "a draining server accepted new work"
+    assert srv.proc.returncode == 0
+    assert discover(tmp_path) == []
+
+
+def test_late_reward_is_a_timeout_result_not_a_hang(server):
+    from megatron_rl_sandbox.client import pb2
+
+    async def go():
+        async with _client(server.address) as client:
+            start = time.monotonic()
+            result = await client.execute(["sleep", "30"], image=server.image, limits={"wall_time_s": 60},
+                                          deadline_s=1.0)
+            return result, time.monotonic() - start
+    result, elapsed = asyncio.run(go())
+    assert result.termination == pb2.TIMEOUT and elapsed < 5
+    assert "deadline" in result.message
+
+
+def test_discovery_file_names_the_address(tmp_path):
+    srv = start_server("bwrap", run_dir=tmp_path)
+    try:
+        (entry,) = (tmp_path / "sandbox").glob("*.json")
+        info = json.loads(entry.read_text())
+        assert info["address"] == srv.address and info["runtime"] == "bwrap"
+    finally:
+        srv.stop()
