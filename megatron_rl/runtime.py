@@ -201,7 +201,7 @@ def _become_rank(cfg, env, job_name: str) -> Runtime:
     init_logger(env.rank, cfg.logging.level, run_path / "logs" / f"rank{env.rank}.log")
     if env.rank == 0:
         _save_config(cfg, run_path)
-    groups = state.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp,
+    groups = state.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, ep=cfg.parallel.ep,
                               sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.seed, device=device)
     writer = MetricsWriter(run_path, enabled_tensorboard=cfg.logging.tensorboard, rank=env.rank)
     logger.info("%s: run directory %s", job_name, run_path)

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out of the Megatron model.
 
 In: each rank reads from the safetensors files (single file, or the shards listed in
-`model.safetensors.index.json`) only the tensors its pipeline stage needs, checks them
+`model.safetensors.index.json`) only the tensors its pipeline stage needs (of a mixture of
+experts, only its expert-parallel rank's experts), checks them
 against the architecture, converts them with the family's converter and keeps its
 tensor-parallel shard. Out: the full model is gathered (TP all-gather, PP exchange),
 converted back, and rank 0 writes safetensors shards, an index, `config.json` and the
@@ -99,20 +100,23 @@ def check_family(path: str | Path, family: str) -> None:
                          f"model.family={family} expects {expected!r}; pick the matching model config")
 
 
-def stage_tensors(path: str | Path, arch: Any, layers: range, first_stage: bool, last_stage: bool
-                  ) -> dict[str, Tensor]:
-    """The HF tensors one pipeline stage needs, read from `path` and checked against `arch`."""
+def stage_tensors(path: str | Path, arch: Any, layers: range, first_stage: bool, last_stage: bool,
+                  experts: Optional[range] = None) -> dict[str, Tensor]:
+    """The HF tensors one pipeline stage (and expert-parallel rank: `experts`, None = all) needs,
+    read from `path` and checked against `arch`."""
     path = Path(path)
     check_family(path, arch.family)
     converter = get_converter(arch.family)
-    names = converter.hf_names(arch, layers, first_stage, last_stage)
+    names = converter.hf_names(arch, layers, first_stage, last_stage, experts)
     tensors = read_tensors(path, names)
     files = _tensor_files(path)
+    sizes = f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size}, ffn_hidden_size={arch.ffn_hidden_size}"
+    if arch.is_moe:
+        sizes += f", num_experts={arch.num_experts}, moe_ffn_hidden_size={arch.moe_ffn_hidden_size}"
     for name, shape in converter.expected_hf_shapes(arch, names).items():
         if tuple(tensors[name].shape) != shape:
             raise ValueError(f"{files[name]}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
-                             f"the configured architecture needs {shape} (vocab_size={arch.vocab_size}, "
-                             f"hidden_size={arch.hidden_size}, ffn_hidden_size={arch.ffn_hidden_size})")
+                             f"the configured architecture needs {shape} ({sizes})")
     return tensors
 
 
@@ -122,8 +126,12 @@ def load_hf_into_model(model: torch.nn.Module, path: str | Path, arch: Any, grou
 
     offset = layer_offset(model)
     num_local = len(model.decoder.layers) if hasattr(model, "decoder") else 0
+    experts = None
+    if arch.is_moe:
+        per_rank = arch.num_experts // groups.ep_size
+        experts = range(groups.ep_rank * per_rank, (groups.ep_rank + 1) * per_rank)
     tensors = stage_tensors(path, arch, range(offset, offset + num_local), groups.is_first_stage,
-                            groups.is_last_stage)
+                            groups.is_last_stage, experts)
     load_full_state_dict(model, get_converter(arch.family).hf_to_megatron(tensors, arch), groups)
     logger.info("loaded %d tensors from %s", len(tensors), path)
 

@@ -11,7 +11,7 @@ Layout under `<run_dir>/checkpoints/`:
 A save writes into `step_N.tmp/` and renames it only after every rank has finished and
 `meta.json` is on disk, then swaps `latest`; a crash at any point leaves the previous
 checkpoint as the one `find_latest` returns. Model and optimizer state are saved in
-Megatron's reshardable formats, so a checkpoint loads at a different TP/PP/DP layout (RNG
+Megatron's reshardable formats, so a checkpoint loads at a different TP/PP/DP/EP layout (RNG
 states are restored only at the layout that wrote them).
 """
 
@@ -40,7 +40,7 @@ _META = "meta.json"
 # Architecture fields a checkpoint must agree on with the run that loads it.
 _ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "head_dim", "vocab_size", "tie_word_embeddings", "qkv_bias",
-                "qk_layernorm")
+                "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_norm_topk_prob")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -101,7 +101,8 @@ def _sharded_state_dict(trainer, is_loading: bool) -> dict[str, Any]:
 
 
 def _layout(groups) -> dict[str, int]:
-    return {"world_size": groups.world_size, "tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size}
+    return {"world_size": groups.world_size, "tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size,
+            "ep": groups.ep_size}
 
 
 def _barrier() -> None:
@@ -185,6 +186,14 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
 
     path = Path(path)
     meta = check_compatible(path, trainer.model_cfg)
+    saved_layout = {"ep": 1, **meta["layout"]}  # checkpoints from before expert parallelism
+    if saved_layout["ep"] != trainer.groups.ep_size:
+        # Megatron-core keeps expert parameters in a separate optimizer when ep > 1 and saves a
+        # chained optimizer in another structure (optimizer.py:1200-1213); loading across that
+        # change fails inside Megatron (optimizer.py:413), so it is refused here with the fix.
+        raise ValueError(f"checkpoint {path} was written at parallel.ep={saved_layout['ep']}, this run has "
+                         f"parallel.ep={trainer.groups.ep_size}: resuming at another expert-parallel size is "
+                         f"not supported; set parallel.ep={saved_layout['ep']}")
     start = time.perf_counter()
     state = dist_checkpointing.load(_sharded_state_dict(trainer, is_loading=True), str(path))
     trainer.module.load_state_dict(state["model"])
@@ -194,7 +203,7 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.step = int(state["trainer_step"])
     rng_file = path / "rng" / f"rank{trainer.groups.rank}.pt"
-    if meta["layout"] == _layout(trainer.groups) and rng_file.is_file():
+    if saved_layout == _layout(trainer.groups) and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     else:
         logger.warning("checkpoint %s was written at layout %s; RNG states are not restored at %s",

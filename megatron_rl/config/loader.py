@@ -125,6 +125,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"model.num_layers={model.num_layers} is not divisible by parallel.pp={par.pp}: "
             f"valid parallel.pp values divide {model.num_layers} ({_divisors(model.num_layers)})"
         )
+    _validate_experts(cfg, world_size)
     dp = par.dp_size(world_size)
     if cfg.global_batch_size % dp != 0:
         raise ConfigError(
@@ -146,6 +147,38 @@ def load_config(overrides: Sequence[str], world_size: int) -> TrainConfig:
     typed = to_typed(compose(overrides))
     validate(typed, world_size)
     return typed
+
+
+def _validate_experts(cfg: TrainConfig, world_size: int) -> None:
+    """Megatron-core's own conditions on expert parallelism, checked before any process starts."""
+    model, par = cfg.model, cfg.parallel
+    if par.ep > 1 and not model.is_moe:
+        raise ConfigError(
+            f"parallel.ep={par.ep} is invalid for a dense model (model.family={model.family}): "
+            "expert parallelism needs model.num_experts; set parallel.ep=1"
+        )
+    if not model.is_moe:
+        return
+    if model.num_experts % par.ep != 0:  # megatron/core/transformer/moe/moe_layer.py:101
+        raise ConfigError(
+            f"parallel.ep={par.ep} does not divide model.num_experts={model.num_experts}: "
+            f"valid parallel.ep values divide {model.num_experts} ({_divisors(model.num_experts)})"
+        )
+    expert_layout = par.tp * par.ep * par.pp  # megatron/core/parallel_state.py:789 (expert TP = tp)
+    if world_size % expert_layout != 0:
+        valid = [e for e in range(1, world_size // (par.tp * par.pp) + 1)
+                 if world_size % (par.tp * e * par.pp) == 0 and model.num_experts % e == 0]
+        raise ConfigError(
+            f"parallel.ep={par.ep} is invalid for world_size={world_size} with parallel.tp={par.tp}, "
+            f"parallel.pp={par.pp}: tp*ep*pp={expert_layout} must divide the world size (experts are split "
+            f"over data-parallel ranks); valid parallel.ep values are {', '.join(map(str, valid))}"
+        )
+    if par.tp > 1 and not par.sequence_parallel:  # megatron/core/transformer/moe/moe_layer.py:379
+        raise ConfigError(
+            f"parallel.tp={par.tp} with experts (model.num_experts={model.num_experts}) needs "
+            "parallel.sequence_parallel=true: Megatron-core refuses to train MoE layers with tensor "
+            "parallelism but without sequence parallelism"
+        )
 
 
 def _validate_rl(cfg: TrainConfig) -> None:

@@ -61,7 +61,7 @@ class ModelConfig:
     name: str = "tiny_qwen2"
     """Display name used in logs and run metadata."""
     family: str = "qwen2"
-    """Architecture family: llama, qwen2 or qwen3; selects the HF <-> Megatron weight converter."""
+    """Architecture family: llama, qwen2, qwen3 or qwen3_moe; selects the HF <-> Megatron weight converter."""
     path: Optional[str] = None
     """HF checkpoint directory with config.json; null builds the model from the fields below with random init."""
     tokenizer: str = "builtin:char"
@@ -71,7 +71,7 @@ class ModelConfig:
     hidden_size: int = 128
     """Width of the residual stream."""
     ffn_hidden_size: int = 352
-    """Inner width of the SwiGLU MLP."""
+    """Inner width of the SwiGLU MLP (for qwen3_moe: HF's intermediate_size, unused by its expert layers)."""
     num_attention_heads: int = 4
     """Number of query heads."""
     num_query_groups: int = 2
@@ -91,13 +91,24 @@ class ModelConfig:
     qkv_bias: Optional[bool] = None
     """Bias on the Q/K/V projections; null means the family default (qwen2: true, others: false)."""
     qk_layernorm: Optional[bool] = None
-    """RMSNorm on queries and keys per head; null means the family default (qwen3: true, others: false)."""
+    """RMSNorm on queries and keys per head; null means the family default (qwen3, qwen3_moe: true, others: false)."""
+    num_experts: Optional[int] = None
+    """Routed experts in every MoE layer (HF num_experts); null means a dense model. Only family qwen3_moe."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Inner width of each expert's SwiGLU MLP (HF moe_intermediate_size); required with num_experts."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (HF num_experts_per_tok)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1 (HF norm_topk_prob)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of Megatron's per-layer load-balancing loss (aux_loss); 0 disables it."""
     init_seed: int = 1234
     """Seed of the random initialisation when model.path is null."""
     dtype: str = "float32"
     """Parameter and compute dtype: float32 or bfloat16."""
 
-    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3")
+    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
     DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
 
     def __post_init__(self) -> None:
@@ -134,6 +145,41 @@ class ModelConfig:
         _check_min("model.rope_theta", self.rope_theta, 0, strict=True)
         _check_min("model.norm_eps", self.norm_eps, 0, strict=True)
         _check_min("model.init_seed", self.init_seed, 0)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        moe_family = self.family in self.MOE_FAMILIES
+        if self.num_experts is None:
+            if moe_family:
+                raise _invalid("model.num_experts", None, f"model.family={self.family} is a mixture of experts: "
+                               "set model.num_experts and model.moe_ffn_hidden_size")
+            if self.moe_ffn_hidden_size is not None:
+                raise _invalid("model.moe_ffn_hidden_size", self.moe_ffn_hidden_size,
+                               "only applies with model.num_experts; set model.moe_ffn_hidden_size=null")
+            return
+        if not moe_family:
+            raise _invalid("model.num_experts", self.num_experts,
+                           f"model.family={self.family} is dense; experts need model.family="
+                           f"{' or '.join(self.MOE_FAMILIES)}, or set model.num_experts=null")
+        _check_min("model.num_experts", self.num_experts, 1)
+        if self.moe_ffn_hidden_size is None:
+            raise _invalid("model.moe_ffn_hidden_size", None, "is required with model.num_experts; "
+                           "set it to the expert width (HF moe_intermediate_size)")
+        _check_min("model.moe_ffn_hidden_size", self.moe_ffn_hidden_size, 1)
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise _invalid("model.moe_router_topk", self.moe_router_topk,
+                           f"must lie in [1, model.num_experts={self.num_experts}]")
+        if self.moe_router_topk == 1 and self.moe_norm_topk_prob:
+            # Megatron refuses a softmax over the top-1 logit (its gradient is zero):
+            # megatron/core/transformer/transformer_config.py:1641.
+            raise _invalid("model.moe_router_topk", 1, "with model.moe_norm_topk_prob=true every routing weight "
+                           "is 1 and Megatron-core refuses it; set model.moe_norm_topk_prob=false or topk >= 2")
+        _check_min("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.num_experts is not None
 
     @property
     def resolved_qkv_bias(self) -> bool:
@@ -143,7 +189,7 @@ class ModelConfig:
     @property
     def resolved_qk_layernorm(self) -> bool:
         """qk_layernorm with the family default applied."""
-        return self.qk_layernorm if self.qk_layernorm is not None else self.family == "qwen3"
+        return self.qk_layernorm if self.qk_layernorm is not None else self.family in ("qwen3", "qwen3_moe")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -165,6 +211,9 @@ class ParallelConfig:
     """Pipeline-parallel size (Megatron's pipeline_model_parallel_size)."""
     cp: int = 1
     """Context-parallel size (Megatron's context_parallel_size)."""
+    ep: int = 1
+    """Expert-parallel size (Megatron's expert_model_parallel_size): experts are split over ep ranks
+    taken from the data-parallel ranks; must divide model.num_experts and world_size / (tp * pp)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence inside tensor-parallel regions; needs tp > 1."""
     use_distributed_optimizer: bool = False
@@ -176,6 +225,7 @@ class ParallelConfig:
         _check_min("parallel.tp", self.tp, 1)
         _check_min("parallel.pp", self.pp, 1)
         _check_min("parallel.cp", self.cp, 1)
+        _check_min("parallel.ep", self.ep, 1)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(
                 "parallel.sequence_parallel=true is invalid with parallel.tp=1: sequence parallelism "

@@ -1,9 +1,10 @@
-"""Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense families.
+"""Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense and Qwen3-MoE families.
 
 One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta, GQA, Qwen2 QKV
-bias, Qwen3 QK-norm, tied or untied embeddings) becomes a Megatron `TransformerConfig`
-and a `GPTModel` stage for this rank's pipeline position. The local layer spec is used
-on CPU; the Transformer Engine spec when TE is importable and the device is a GPU.
+bias, Qwen3 QK-norm, tied or untied embeddings, optionally a mixture of SwiGLU experts)
+becomes a Megatron `TransformerConfig` and a `GPTModel` stage for this rank's pipeline
+position. The local layer spec is used on CPU; the Transformer Engine spec when TE is
+importable and the device is a GPU.
 Conversion to and from Hugging Face layouts lives in `megatron_rl.weight_sync.families`.
 """
 
@@ -71,6 +72,35 @@ def transformer_config(model_cfg: Any, groups: ParallelGroups, *, deterministic:
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
         deterministic_mode=deterministic and on_gpu,
+        **_moe_fields(model_cfg, groups),
+    )
+
+
+def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
+    """TransformerConfig's mixture-of-experts fields (none for a dense model).
+
+    HF's Qwen3-MoE router takes a softmax over all experts, keeps the top k and renormalises
+    them when `norm_topk_prob`: Megatron's softmax score function over the top-k logits
+    (`moe_router_pre_softmax=False`) is the same distribution; without renormalisation it is
+    the softmax over all experts, then top k (`moe_router_pre_softmax=True`).
+    """
+    if not model_cfg.is_moe:
+        return {}
+    on_gpu = groups.device.type != "cpu"
+    return dict(
+        num_moe_experts=model_cfg.num_experts,
+        moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size,
+        moe_router_topk=model_cfg.moe_router_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not model_cfg.moe_norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        # The all-to-all dispatcher synchronises through CUDA streams and events
+        # (token_dispatcher.py:445, 871-895); the all-gather one is plain collectives.
+        moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        expert_model_parallel_size=groups.ep_size,
     )
 
 
@@ -80,9 +110,11 @@ def layer_spec(model_cfg: Any, use_te: bool):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    # moe_grouped_gemm=False: SequentialMLP, one MLP module per local expert (no TE grouped GEMM on CPU).
+    moe = dict(num_experts=model_cfg.num_experts, moe_grouped_gemm=False)
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.resolved_qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=model_cfg.resolved_qk_layernorm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.resolved_qk_layernorm, **moe)
+    return get_gpt_layer_local_spec(qk_layernorm=model_cfg.resolved_qk_layernorm, normalization="RMSNorm", **moe)
 
 
 def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool = False,

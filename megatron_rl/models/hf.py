@@ -36,7 +36,19 @@ def build_hf_model(model_cfg: Any, seed: int, eos_token_id: int = 0) -> torch.nn
     return model.eval()
 
 
+def hub_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """`model`'s weights under the names and shapes `save_pretrained` writes (the hub layout).
+
+    `transformers` may hold weights differently in memory (Qwen3-MoE fuses its experts into one
+    [E, 2I, H] tensor); the converters work on the checkpoint layout, so this applies the same
+    reverse conversion that `save_pretrained` does.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, model.state_dict())
+
+
 def random_state_dict(model_cfg: Any, seed: int) -> dict[str, Tensor]:
     """Full Megatron-layout weights of a `transformers` random initialisation of the architecture."""
-    hf = build_hf_model(model_cfg, seed).state_dict()
+    hf = hub_state_dict(build_hf_model(model_cfg, seed))
     return {k: v.float() for k, v in get_converter(model_cfg.family).hf_to_megatron(hf, model_cfg).items()}

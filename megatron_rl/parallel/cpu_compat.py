@@ -1,11 +1,12 @@
 """CPU compatibility layer for megatron-core: the one place that patches it to run without CUDA.
 
 megatron-core assumes CUDA in a handful of places (device literals, the CUDA RNG tracker,
-a sequence-parallel assert on the torch norm). On a CPU-only torch build those places fail;
+a sequence-parallel assert on the torch norm) and, in the MoE router, Transformer Engine
+(absent on CPU). On a CPU-only torch build those places fail;
 everything else (tensor/sequence/pipeline/data parallelism over gloo) works unchanged.
 Each patch below is narrow (one module's global or one function), cites the upstream
 file:line it works around (megatron-core 0.16.1), and can be reverted, so that
-`tests/unit/test_cpu_compat.py` shows per patch that it is still needed and still works:
+`tests/distributed/test_cpu_compat.py` shows per patch that it is still needed and still works:
 after a megatron-core upgrade that test names exactly what changed.
 
 `activate()` is called by `megatron_rl.parallel.state.initialize` and does nothing when
@@ -337,6 +338,35 @@ def _clip_grad_type_assert():
     def revert() -> None:
         clip_grads.clip_grad_by_total_norm_fp32 = original_clip
         optimizer.clip_grad_by_total_norm_fp32 = original_clip
+
+    return apply, revert
+
+
+# --- 7. the MoE router's gating GEMM without Transformer Engine --------------------------------------
+@_register(
+    "moe_router_gemm_without_te",
+    "RouterGatingLinearFunction tests `te_general_gemm is not None`, but moe_utils binds that name "
+    "only when Transformer Engine imports (moe_utils.py:22-39); without TE the router raises "
+    "NameError instead of taking its torch.mm branch. Binding the name to None selects that branch",
+    [
+        UpstreamSite("transformer/moe/moe_utils.py", 1192,
+                     "if te_general_gemm is not None and router_dtype != torch.float64:"),
+        UpstreamSite("transformer/moe/moe_utils.py", 1225,
+                     "if te_general_gemm is not None and ctx.router_dtype != torch.float64:"),
+    ],
+)
+def _moe_router_gemm_without_te():
+    from megatron.core.transformer.moe import moe_utils
+
+    bound_upstream = "te_general_gemm" in vars(moe_utils)
+
+    def apply() -> None:
+        if not bound_upstream:
+            moe_utils.te_general_gemm = None
+
+    def revert() -> None:
+        if not bound_upstream:
+            vars(moe_utils).pop("te_general_gemm", None)
 
     return apply, revert
 

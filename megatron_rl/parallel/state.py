@@ -1,5 +1,6 @@
-"""The only module that calls Megatron's `parallel_state`: builds the TP/PP/CP/DP groups once
-and hands them to the rest of the framework as an explicit `ParallelGroups` value."""
+"""The only module that calls Megatron's `parallel_state`: builds the TP/PP/CP/DP (and expert
+EP / expert-TP) groups once and hands them to the rest of the framework as an explicit
+`ParallelGroups` value."""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ class ParallelGroups:
     pp_first_rank: int
     sequence_parallel: bool
     device: torch.device
+    # Experts: split over `ep_size` ranks carved out of the data-parallel ranks; within an
+    # expert, split over the expert tensor-parallel group (Megatron's default: size tp).
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[dist.ProcessGroup] = None
+    etp_size: int = 1
+    etp_rank: int = 0
+    etp_group: Optional[dist.ProcessGroup] = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -45,8 +54,8 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
 
-def initialize(tp: int, pp: int, cp: int = 1, *, sequence_parallel: bool = False, seed: int = 1234,
-               device: Optional[torch.device] = None) -> ParallelGroups:
+def initialize(tp: int, pp: int, cp: int = 1, *, ep: int = 1, sequence_parallel: bool = False,
+               seed: int = 1234, device: Optional[torch.device] = None) -> ParallelGroups:
     """Create Megatron's model-parallel groups over the default process group and seed its RNGs.
 
     The default process group must exist (see `megatron_rl.parallel.dist.init_distributed`).
@@ -63,12 +72,15 @@ def initialize(tp: int, pp: int, cp: int = 1, *, sequence_parallel: bool = False
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    if world % (tp * ep * pp):
+        raise ValueError(f"world size {world} is not divisible by tp*ep*pp = {tp}*{ep}*{pp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
     )
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
@@ -91,9 +103,15 @@ def initialize(tp: int, pp: int, cp: int = 1, *, sequence_parallel: bool = False
         pp_first_rank=ps.get_pipeline_model_parallel_first_rank(),
         sequence_parallel=sequence_parallel,
         device=device,
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
     )
-    logger.info("parallel layout: tp=%d pp=%d cp=%d dp=%d (world %d)", groups.tp_size, groups.pp_size,
-                groups.cp_size, groups.dp_size, world)
+    logger.info("parallel layout: tp=%d pp=%d cp=%d dp=%d ep=%d (world %d)", groups.tp_size, groups.pp_size,
+                groups.cp_size, groups.dp_size, groups.ep_size, world)
     return groups
 
 

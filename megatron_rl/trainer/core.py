@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron_rl.models.gpt import build_model
 from megatron_rl.parallel.state import ParallelGroups
 from megatron_rl.trainer.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-from megatron_rl.trainer.packing import MicroBatch, Sample, pack, split_for_data_parallel
+from megatron_rl.trainer.packing import MicroBatch, Sample, pack, packed_shape, split_for_data_parallel
 from megatron_rl.weight_sync.sharding import gather_full_state_dict, load_full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -123,11 +123,19 @@ class Trainer:
 
     # -- forward ------------------------------------------------------------------------------
     def _micro_batches(self, samples: Sequence[Sample]) -> tuple[list[int], list[MicroBatch]]:
-        shares = split_for_data_parallel([s.tokens.numel() for s in samples], self.groups.dp_size)
+        lengths = [s.tokens.numel() for s in samples]
+        shares = split_for_data_parallel(lengths, self.groups.dp_size)
         mine = shares[self.groups.dp_rank]
         pad_multiple = self.groups.tp_size if self.groups.sequence_parallel else 1
+        min_shape = (0, 0)
+        if self.groups.ep_size > 1:
+            # Experts exchange tokens across data-parallel ranks once per micro-batch and MoE
+            # layer, with equal-size collectives: every rank runs the largest rank's shape.
+            shapes = [packed_shape([lengths[i] for i in share], self.options.micro_batch_tokens, pad_multiple)
+                      for share in shares]
+            min_shape = (max(r for r, _ in shapes), max(n for _, n in shapes))
         micro = pack([samples[i] for i in mine], self.options.micro_batch_tokens, pad_multiple,
-                     self.options.pad_token_id)
+                     self.options.pad_token_id, min_shape=min_shape)
         for mb in micro:  # map row-local sample indices back to global-batch indices
             mb.sample_ids = torch.tensor(mine, dtype=torch.long)[mb.sample_ids]
             mb.sample_indices = [mine[i] for i in mb.sample_indices]
@@ -170,6 +178,8 @@ class Trainer:
 
         def loss_func_for(mb: MicroBatch):
             def loss_func(logits: Tensor):
+                if not mb.sample_indices:  # a padding row (expert parallelism)
+                    return logits.sum() * 0.0, {}
                 lp, ent = self._target_stats(mb, logits, with_entropy)
                 for i in mb.sample_indices:
                     sel = mb.sample_ids == i
@@ -212,6 +222,8 @@ class Trainer:
 
         def loss_func_for(mb: MicroBatch):
             def loss_func(logits: Tensor):
+                if not mb.sample_indices:  # a padding row (expert parallelism): contributes nothing
+                    return logits.sum() * 0.0, {}
                 lp, ent = self._target_stats(mb, logits, with_entropy)
                 inputs = LossInputs(
                     logprobs=lp, entropy=ent, loss_mask=mb.loss_mask, sample_ids=mb.sample_ids,
@@ -252,8 +264,8 @@ def _share_across_ranks(flat: Tensor, samples: Sequence[Sample], groups: Paralle
 
 
 def _reduce_metrics(stored: list[dict], groups: ParallelGroups) -> dict[str, float]:
-    keys = sorted(stored[0]) if stored else []
-    local = torch.tensor([sum(float(d[k]) for d in stored) for k in keys], dtype=torch.float64)
+    keys = sorted({k for d in stored for k in d})  # padding rows report no metrics
+    local = torch.tensor([sum(float(d[k]) for d in stored if k in d) for k in keys], dtype=torch.float64)
     if groups.dp_size > 1 and groups.is_last_stage:
         dist.all_reduce(local, group=groups.dp_group)
     payload = [dict(zip(keys, local.tolist()))]

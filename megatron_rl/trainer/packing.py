@@ -4,7 +4,10 @@ Samples are placed first-fit-decreasing into rows of at most `token_budget` toke
 row carries restarted position ids and a block-diagonal causal mask (local attention on
 CPU), or `cu_seqlens` for THD-format attention (Transformer Engine on GPU). All rows of
 one call are padded to the same length, a multiple of `pad_multiple` (tensor-parallel
-size for sequence parallelism), so pipeline stages exchange equal shapes.
+size for sequence parallelism), so pipeline stages exchange equal shapes. Ranks whose
+collectives must see equal shapes too (expert parallelism exchanges tokens across
+data-parallel ranks) pass the largest `packed_shape` among them as `min_shape`: rows grow
+to that length, and rows without any sample are appended.
 
 Alignment: a sample of L tokens predicts L - 1 targets; per-token values that come with
 a sample (loss mask, advantages, old log-probs) have length L - 1, and position j holds
@@ -101,14 +104,27 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def _row_length(lengths: Sequence[int], rows: list[list[int]], pad_multiple: int) -> int:
+    return _round_up(max(sum(lengths[i] for i in row) for row in rows), pad_multiple)
+
+
+def packed_shape(lengths: Sequence[int], token_budget: int, pad_multiple: int = 1) -> tuple[int, int]:
+    """(number of rows, row length) that `pack` gives samples of these lengths."""
+    rows = assign_rows(lengths, token_budget)
+    return len(rows), _row_length(lengths, rows, pad_multiple)
+
+
 def pack(samples: Sequence[Sample], token_budget: int, pad_multiple: int = 1,
-         pad_token_id: int = 0, extras_keys: Optional[Sequence[str]] = None) -> list[MicroBatch]:
-    """Pack `samples` into micro-batches (see module docstring)."""
+         pad_token_id: int = 0, extras_keys: Optional[Sequence[str]] = None,
+         min_shape: tuple[int, int] = (0, 0)) -> list[MicroBatch]:
+    """Pack `samples` into micro-batches (see module docstring); at least `min_shape`
+    = (rows, row length), a shape that `packed_shape` returned for some ranks' samples."""
     if not samples:
         return []
     lengths = [s.tokens.numel() for s in samples]
     rows = assign_rows(lengths, token_budget)
-    seq_len = _round_up(max(sum(lengths[i] for i in row) for row in rows), pad_multiple)
+    seq_len = max(_row_length(lengths, rows, pad_multiple), min_shape[1])
+    rows += [[] for _ in range(min_shape[0] - len(rows))]
     keys = list(extras_keys if extras_keys is not None else samples[0].extras.keys())
     return [_pack_row(samples, row, seq_len, pad_token_id, keys) for row in rows]
 
@@ -150,12 +166,16 @@ def _pack_row(samples: Sequence[Sample], row: list[int], seq_len: int, pad_token
         targets=targets.unsqueeze(0),
         attention_mask=~(same & causal).view(1, 1, seq_len, seq_len),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        valid=torch.cat(valid),
-        sample_ids=torch.cat(sample_ids),
+        valid=_cat(valid, torch.long),
+        sample_ids=_cat(sample_ids, torch.long),
         sample_indices=list(row),
-        loss_mask=torch.cat(masks),
-        extras={k: torch.cat(v) for k, v in extras.items()},
+        loss_mask=_cat(masks, torch.float),
+        extras={k: _cat(v, torch.float) for k, v in extras.items()},
     )
+
+
+def _cat(parts: list[Tensor], empty_dtype: torch.dtype) -> Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=empty_dtype)  # a row without samples
 
 
 def split_for_data_parallel(lengths: Sequence[int], dp_size: int) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Between a full (unsharded) Megatron state dict and this rank's TP/PP shard of it.
+"""Between a full (unsharded) Megatron state dict and this rank's TP/PP/EP shard of it.
 
 Which dimension a parameter is split along comes from Megatron's own parameter
 attributes (`tensor_model_parallel`, `partition_dim`); the exceptions are SwiGLU's fused
@@ -6,6 +6,10 @@ attributes (`tensor_model_parallel`, `partition_dim`); the exceptions are SwiGLU
 local to a pipeline stage (`decoder.layers.0` on stage 1 is global layer
 `num_layers / pp`). With tied embeddings and PP > 1 the last stage holds its own copy of
 the embedding as `output_layer.weight`.
+
+Experts (`mlp.experts.local_experts.{j}`): expert-parallel rank r holds the global experts
+[r * E / ep, (r + 1) * E / ep) as local experts 0 .. E / ep - 1, each split over the expert
+tensor-parallel group like a dense MLP. A full state dict names experts by global index.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from megatron_rl.parallel.state import ParallelGroups
 
 Tensor = torch.Tensor
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def layer_offset(model: torch.nn.Module) -> int:
@@ -30,15 +35,37 @@ def layer_offset(model: torch.nn.Module) -> int:
     return layers[0].layer_number - 1
 
 
-def _global_name(local: str, offset: int) -> str:
+def _num_local_experts(model: torch.nn.Module, groups: ParallelGroups) -> int:
+    return (model.config.num_moe_experts or 0) // groups.ep_size
+
+
+def _global_name(local: str, offset: int, expert_offset: int = 0) -> str:
+    """Stage-local layer number -> global; with `expert_offset`, local expert index -> global."""
     match = _LAYER.match(local)
     if match is None:
         return local
-    return f"decoder.layers.{int(match.group(1)) + offset}." + local[match.end():]
+    name = f"decoder.layers.{int(match.group(1)) + offset}." + local[match.end():]
+    if expert_offset:
+        name = _EXPERT.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + expert_offset}.", name)
+    return name
+
+
+def _is_expert(name: str) -> bool:
+    # By name: Megatron tags expert params `allreduce=False` only when ep > 1
+    # (tensor_parallel/layers.py:886), but their TP group is the expert one at any ep.
+    return _EXPERT.search(name) is not None
 
 
 def _is_glu_fc1(name: str, model: torch.nn.Module) -> bool:
-    return name.endswith("mlp.linear_fc1.weight") and model.config.gated_linear_unit
+    # dense `mlp.linear_fc1` and each expert's `mlp.experts.local_experts.{j}.linear_fc1`
+    return name.endswith("linear_fc1.weight") and model.config.gated_linear_unit
+
+
+def _tp_coords(name: str, groups: ParallelGroups) -> tuple[int, int, dist.ProcessGroup]:
+    """(size, rank, group) of the tensor-parallel group that splits this parameter."""
+    if _is_expert(name):
+        return groups.etp_size, groups.etp_rank, groups.etp_group
+    return groups.tp_size, groups.tp_rank, groups.tp_group
 
 
 def _split(full: Tensor, dim: int, size: int, rank: int, glu: bool) -> Tensor:
@@ -66,41 +93,57 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, Tensor], groups
     Raises ValueError naming the first missing tensor or shape mismatch.
     """
     offset = layer_offset(model)
+    expert_offset = groups.ep_rank * _num_local_experts(model, groups)
     for name, param in _local_params(model):
-        src = _source_name(_global_name(name, offset), full)
+        src = _source_name(_global_name(name, offset, expert_offset), full)
         if src not in full:
             raise ValueError(f"weights are missing tensor {src!r} needed by parameter {name!r}")
         tensor = full[src]
-        if getattr(param, "tensor_model_parallel", False) and groups.tp_size > 1:
-            tensor = _split(tensor, param.partition_dim, groups.tp_size, groups.tp_rank,
-                            _is_glu_fc1(name, model))
+        tp_size, tp_rank, _ = _tp_coords(name, groups)
+        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+            tensor = _split(tensor, param.partition_dim, tp_size, tp_rank, _is_glu_fc1(name, model))
         if tensor.shape != param.shape:
             raise ValueError(f"tensor {src!r} has shape {tuple(full[src].shape)}, which does not fit "
-                             f"parameter {name!r} of shape {tuple(param.shape)} at tp={groups.tp_size}")
+                             f"parameter {name!r} of shape {tuple(param.shape)} at tp={groups.tp_size}, "
+                             f"ep={groups.ep_size}")
         param.copy_(tensor.to(param.dtype))
+
+
+def _gather_tp(name: str, param: Tensor, model: torch.nn.Module, groups: ParallelGroups) -> Tensor:
+    tensor = param.detach()
+    tp_size, _, tp_group = _tp_coords(name, groups)
+    if not (getattr(param, "tensor_model_parallel", False) and tp_size > 1):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(tp_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=tp_group)
+    dim = param.partition_dim
+    if _is_glu_fc1(name, model):
+        halves = [p.chunk(2, dim=dim) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves], dim=dim),
+                          torch.cat([h[1] for h in halves], dim=dim)], dim=dim)
+    return torch.cat(parts, dim=dim)
 
 
 @torch.no_grad()
 def gather_full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str, Tensor]:
-    """The full state dict on every rank: TP all-gather, then PP exchange of stage tensors.
+    """The full state dict on every rank: TP all-gather, EP all-gather of experts, then PP
+    exchange of stage tensors.
 
     Meant for checks and small models: it materialises the whole model on each rank.
     Bucketed streaming for weight sync lives in the weight-sync path.
     """
     offset = layer_offset(model)
+    num_local = _num_local_experts(model, groups)
     stage: dict[str, Tensor] = {}
     for name, param in _local_params(model):
-        tensor = param.detach()
-        if getattr(param, "tensor_model_parallel", False) and groups.tp_size > 1:
-            parts = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
-            dist.all_gather(parts, tensor.contiguous(), group=groups.tp_group)
-            dim = param.partition_dim
-            if _is_glu_fc1(name, model):
-                halves = [p.chunk(2, dim=dim) for p in parts]
-                tensor = torch.cat([torch.cat([h[0] for h in halves], dim=dim),
-                                    torch.cat([h[1] for h in halves], dim=dim)], dim=dim)
-            else:
-                tensor = torch.cat(parts, dim=dim)
+        tensor = _gather_tp(name, param, model, groups)
+        if groups.ep_size > 1 and _is_expert(name):
+            # every EP rank holds the same local names: gather them in EP-rank order
+            parts = [torch.empty_like(tensor) for _ in range(groups.ep_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=groups.ep_group)
+            for r, part in enumerate(parts):
+                stage[_global_name(name, offset, r * num_local)] = part.cpu().clone()
+            continue
         stage[_global_name(name, offset)] = tensor.cpu().clone()
     if groups.pp_size == 1:
         return stage

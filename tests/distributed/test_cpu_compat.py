@@ -91,6 +91,17 @@ def _probe_clip_grad_type_assert():
     assert torch.allclose(p.grad, torch.tensor([6.0, 8.0]) * (1.0 / (10.0 + 1e-6)))
 
 
+def _probe_moe_router_gemm_without_te():
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    inp = torch.randn(5, 4, requires_grad=True)
+    weight = torch.randn(3, 4, requires_grad=True)
+    logits = router_gating_linear(inp, weight, None, torch.float32)
+    assert torch.allclose(logits, inp @ weight.t())
+    logits.sum().backward()
+    assert torch.allclose(weight.grad, torch.ones(5, 3).t() @ inp)
+
+
 PROBES = {
     "current_device": _probe_current_device,
     "rng_tracker": _probe_rng_tracker,
@@ -98,6 +109,7 @@ PROBES = {
     "device_literals": _probe_device_literals,
     "cuda_at_construction": _probe_cuda_at_construction,
     "clip_grad_type_assert": _probe_clip_grad_type_assert,
+    "moe_router_gemm_without_te": _probe_moe_router_gemm_without_te,
 }
 
 

@@ -181,3 +181,61 @@ def test_mismatched_architecture_names_the_checkpoint_and_field(tmp_path):
     with pytest.raises(ValueError, match=rf"checkpoint {tmp_path} was written for model.hidden_size=256, "
                                          r"this run has model.hidden_size=128"):
         check_compatible(tmp_path, ModelConfig())
+
+
+def _moe_setup(ep):
+    from megatron_rl.config.schema import ModelConfig, OptimizerConfig
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.core import Trainer, TrainerOptions
+
+    if not torch.distributed.is_initialized():
+        mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
+    groups = state.initialize(1, 1, ep=ep)
+    model_cfg = ModelConfig(family="qwen3_moe", num_layers=2, num_experts=4, moe_ffn_hidden_size=64)
+    trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-3), groups, TrainerOptions(micro_batch_tokens=40))
+    trainer.initialize_weights()
+    return trainer
+
+
+def _moe_writer(rank, world, root, out):
+    from megatron_rl.checkpoint.training import save_checkpoint
+
+    trainer = _moe_setup(ep=2)
+    trainer.train_step(_batch(0))
+    save_checkpoint(trainer, Path(root), 1, {}, _config_for(trainer))
+    at_save = trainer.full_state_dict()
+    metrics = trainer.train_step(_batch(1))
+    if rank == 0:
+        torch.save({"at_save": at_save, "metrics": metrics}, out)
+
+
+def _moe_reader(rank, world, root, ep, out):
+    from megatron_rl.checkpoint.training import find_latest, load_checkpoint
+
+    trainer = _moe_setup(ep=ep)
+    try:
+        load_checkpoint(trainer, find_latest(Path(root)))
+    except ValueError as exc:
+        result = {"error": str(exc)}
+    else:
+        result = {"loaded": trainer.full_state_dict(), "metrics": trainer.train_step(_batch(1))}
+    if rank == 0:
+        torch.save(result, out)
+
+
+def test_moe_checkpoint_resumes_at_its_expert_parallel_size_and_refuses_another(tmp_path):
+    """EP=2 (the two ranks hold different experts): resuming gives the saved weights and the same
+    next step; resuming at EP=1 is refused up front (Megatron-core cannot reshape the optimizer)."""
+    root = tmp_path / "checkpoints"
+    run_spawned(_moe_writer, 2, str(root), str(tmp_path / "writer.pt"))
+    run_spawned(_moe_reader, 2, str(root), 2, str(tmp_path / "ep2.pt"))
+    run_spawned(_moe_reader, 2, str(root), 1, str(tmp_path / "ep1.pt"))
+    writer, same = torch.load(tmp_path / "writer.pt"), torch.load(tmp_path / "ep2.pt")
+    assert sorted(same["loaded"]) == sorted(writer["at_save"])
+    for key, value in writer["at_save"].items():
+        assert torch.equal(same["loaded"][key], value), key
+    assert same["metrics"]["loss"] == pytest.approx(writer["metrics"]["loss"], rel=1e-6)
+    assert same["metrics"]["grad_norm"] == pytest.approx(writer["metrics"]["grad_norm"], rel=1e-5)
+    error = torch.load(tmp_path / "ep1.pt")["error"]
+    assert "parallel.ep=2" in error and "parallel.ep=1" in error and str(root) in error

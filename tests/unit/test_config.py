@@ -134,6 +134,7 @@ def test_checkpoint_model_takes_user_path(hf_checkpoint: Path) -> None:
         ("tiny_qwen2", True, False, 32, True),
         ("tiny_llama", False, False, 32, False),
         ("tiny_qwen3", False, True, 32, True),
+        ("tiny_qwen3_moe", False, True, 32, True),
     ],
 )
 def test_family_defaults(option: str, qkv_bias: bool, qk_layernorm: bool, head_dim: int, tied: bool) -> None:
@@ -142,6 +143,15 @@ def test_family_defaults(option: str, qkv_bias: bool, qk_layernorm: bool, head_d
     assert model.resolved_qk_layernorm is qk_layernorm
     assert model.resolved_head_dim == head_dim
     assert model.tie_word_embeddings is tied
+
+
+def test_expert_parallel_layouts() -> None:
+    cfg = load_config(["model=tiny_qwen3_moe", "parallel.ep=2"], world_size=2)
+    assert cfg.parallel.ep == 2 and cfg.model.is_moe and cfg.model.num_experts == 4
+    # experts split over the data-parallel ranks of each (tp, pp) position: tp*ep*pp divides the world
+    load_config(["model=tiny_qwen3_moe", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2",
+                 "global_batch_size=8"], world_size=4)
+    assert not ModelConfig().is_moe
 
 
 def test_resolved_fields_follow_family_when_unset() -> None:
@@ -187,6 +197,17 @@ INVALID_CASES = [
     (["parallel.tp=0"], 1, ["parallel.tp=0", ">= 1"]),
     (["cluster.master_port=70000"], 1, ["cluster.master_port=70000", "65535"]),
     (["optimizer.lr=="], 1, ["optimizer.lr=="]),
+    (["parallel.ep=2"], 2, ["parallel.ep=2", "dense", "model.num_experts"]),
+    (["parallel.ep=0"], 1, ["parallel.ep=0", ">= 1"]),
+    (["model.num_experts=4", "model.moe_ffn_hidden_size=64"], 1, ["model.num_experts=4", "qwen3_moe"]),
+    (["model=tiny_qwen3_moe", "model.num_experts=null"], 1, ["model.num_experts=null", "qwen3_moe"]),
+    (["model=tiny_qwen3_moe", "model.moe_ffn_hidden_size=null"], 1, ["model.moe_ffn_hidden_size=null"]),
+    (["model=tiny_qwen3_moe", "model.moe_router_topk=5"], 1, ["model.moe_router_topk=5", "model.num_experts=4"]),
+    (["model=tiny_qwen3_moe", "model.moe_router_topk=1"], 1, ["model.moe_router_topk=1", "moe_norm_topk_prob"]),
+    (["model=tiny_qwen3_moe", "parallel.ep=3"], 3, ["parallel.ep=3", "model.num_experts=4", "1, 2, 4"]),
+    (["model=tiny_qwen3_moe", "parallel.ep=2", "parallel.pp=2"], 2,
+     ["parallel.ep=2", "world_size=2", "valid parallel.ep values are 1"]),
+    (["model=tiny_qwen3_moe", "parallel.tp=2"], 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
 ]
 
 

@@ -7,13 +7,15 @@ import torch
 
 from megatron_rl.checkpoint.hf import arch_from_hf_config
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.models.hf import build_hf_model
+from megatron_rl.models.hf import build_hf_model, hub_state_dict
 from megatron_rl.weight_sync.families import families, get_converter
 
 FAMILIES = {
     "llama": ModelConfig(family="llama", tie_word_embeddings=False, num_layers=2),
     "qwen2": ModelConfig(family="qwen2", tie_word_embeddings=True, num_layers=2),
     "qwen3": ModelConfig(family="qwen3", tie_word_embeddings=True, num_layers=2, head_dim=48),
+    "qwen3_moe": ModelConfig(family="qwen3_moe", tie_word_embeddings=False, num_layers=2, head_dim=48,
+                             num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
 }
 
 
@@ -25,7 +27,7 @@ def test_every_registered_family_is_covered():
 def test_round_trip_is_bit_exact(family):
     cfg = FAMILIES[family]
     conv = get_converter(family)
-    hf = build_hf_model(cfg, seed=0).state_dict()
+    hf = hub_state_dict(build_hf_model(cfg, seed=0))
     back = conv.megatron_to_hf(conv.hf_to_megatron(hf, cfg), cfg)
     assert sorted(back) == sorted(hf)
     for key, value in hf.items():
@@ -36,7 +38,7 @@ def test_round_trip_is_bit_exact(family):
 def test_stage_names_cover_exactly_the_hf_tensors(family):
     cfg = FAMILIES[family]
     conv = get_converter(family)
-    hf = build_hf_model(cfg, seed=0).state_dict()
+    hf = hub_state_dict(build_hf_model(cfg, seed=0))
     both = conv.hf_names(cfg, range(cfg.num_layers), True, True)
     expected = set(hf) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     assert both == expected
@@ -49,7 +51,7 @@ def test_stage_names_cover_exactly_the_hf_tensors(family):
 def test_qkv_rows_are_grouped_per_kv_head():
     cfg = ModelConfig(family="qwen2", num_attention_heads=4, num_query_groups=2, hidden_size=8, num_layers=1,
                       ffn_hidden_size=8, vocab_size=16)
-    hf = build_hf_model(cfg, seed=0).state_dict()
+    hf = hub_state_dict(build_hf_model(cfg, seed=0))
     # tag each row with its source: q row i -> 100+i, k row i -> 200+i, v row i -> 300+i
     for name, base in (("q", 100), ("k", 200), ("v", 300)):
         w = hf[f"model.layers.0.self_attn.{name}_proj.weight"]
@@ -72,6 +74,20 @@ def test_hf_config_round_trip(tmp_path, family):
         assert value == resolved.get(key, getattr(cfg, key, None)), key
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_config_written_by_transformers_round_trip(tmp_path, family):
+    """The config.json that transformers itself writes (5.x renames e.g. num_experts to num_local_experts)."""
+    from megatron_rl.models.hf import hf_config
+
+    cfg = FAMILIES[family]
+    hf_config(cfg).save_pretrained(tmp_path)
+    arch = arch_from_hf_config(tmp_path)
+    resolved = {"qkv_bias": cfg.resolved_qkv_bias, "qk_layernorm": cfg.resolved_qk_layernorm,
+                "head_dim": cfg.resolved_head_dim}
+    for key, value in arch.items():
+        assert value == resolved.get(key, getattr(cfg, key, None)), key
+
+
 def test_unsupported_family_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match=r"config.json: model_type='gpt2' is not supported"):
@@ -83,4 +99,43 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
     cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="rope_scaling"):
+        arch_from_hf_config(tmp_path)
+
+
+def test_experts_match_transformers_fused_tensors():
+    """Megatron's expert weights are exactly `transformers`' in-memory (fused) ones: its forward takes
+    gate, up = (x @ gate_up_proj[e].T).chunk(2), as Megatron's SwiGLU does with linear_fc1."""
+    cfg = FAMILIES["qwen3_moe"]
+    model = build_hf_model(cfg, seed=0)
+    meg = get_converter("qwen3_moe").hf_to_megatron(hub_state_dict(model), cfg)
+    for i, layer in enumerate(model.model.layers):
+        m = f"decoder.layers.{i}.mlp."
+        assert torch.equal(meg[m + "router.weight"], layer.mlp.gate.weight)
+        for e in range(cfg.num_experts):
+            expert = m + f"experts.local_experts.{e}."
+            assert torch.equal(meg[expert + "linear_fc1.weight"], layer.mlp.experts.gate_up_proj[e])
+            assert torch.equal(meg[expert + "linear_fc2.weight"], layer.mlp.experts.down_proj[e])
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts():
+    cfg = FAMILIES["qwen3_moe"]
+    conv = get_converter("qwen3_moe")
+    names = conv.hf_names(cfg, [1], False, True, experts=range(2, 4))
+    experts = {n.split(".mlp.experts.")[1].split(".")[0] for n in names if ".mlp.experts." in n}
+    assert experts == {"2", "3"} and "model.layers.1.mlp.gate.weight" in names
+    hf = hub_state_dict(build_hf_model(cfg, seed=0))
+    meg = conv.hf_to_megatron({n: hf[n] for n in names}, cfg)
+    assert {n for n in meg if ".local_experts." in n} == {
+        f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc{k}.weight" for e in (2, 3) for k in (1, 2)}
+    back = conv.megatron_to_hf(meg, cfg)
+    assert {n for n in back if ".mlp." in n} == {n for n in names if ".mlp." in n}
+
+
+@pytest.mark.parametrize(("key", "value"), [("mlp_only_layers", [1]), ("decoder_sparse_step", 2),
+                                            ("shared_expert_intermediate_size", 64), ("num_experts", 0)])
+def test_unsupported_moe_layouts_are_refused_naming_the_file(tmp_path, key, value):
+    cfg = get_converter("qwen3_moe").config_dict(FAMILIES["qwen3_moe"])
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"config.json: {key}="):
         arch_from_hf_config(tmp_path)

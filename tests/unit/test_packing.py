@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_rl.trainer.packing import Sample, assign_rows, pack, split_for_data_parallel
+from megatron_rl.trainer.packing import Sample, assign_rows, pack, packed_shape, split_for_data_parallel
 
 
 def _sample(tokens, mask=None, **extras):
@@ -86,3 +86,18 @@ def test_data_parallel_split_needs_a_sample_per_rank():
 def test_sample_validates_mask_length():
     with pytest.raises(ValueError, match=r"loss_mask must have shape \[2\]"):
         Sample(torch.tensor([1, 2, 3]), torch.ones(3))
+
+
+def test_min_shape_pads_rows_and_appends_rows_without_samples():
+    """Expert-parallel ranks must run equal shapes: a rank with one row of 5 tokens takes the shape
+    (2 rows of 7) of another rank's samples; its second row holds only padding."""
+    a = _sample([1, 2, 3, 4, 5], adv=[1.0, 1.0, 1.0, 1.0])
+    assert packed_shape([5], token_budget=8) == (1, 5)
+    assert packed_shape([6, 4, 3], token_budget=8) == (2, 7)  # rows 6 | 4+3
+    rows = pack([a], token_budget=8, min_shape=(2, 7))
+    assert [mb.seq_len for mb in rows] == [7, 7]
+    assert rows[0].valid.tolist() == [0, 1, 2, 3] and rows[0].input_ids[0, 5:].tolist() == [0, 0]
+    empty = rows[1]
+    assert empty.sample_indices == [] and empty.valid.numel() == 0 and empty.loss_mask.numel() == 0
+    assert empty.extras["adv"].numel() == 0 and empty.input_ids.tolist() == [[0] * 7]
+    assert not empty.attention_mask[0, 0].all(dim=-1).any(), "every padding position attends somewhere"

@@ -1,6 +1,6 @@
 """Model-family converters between Hugging Face and Megatron layouts, registered by name.
 
-One file per family (`llama.py`, `qwen2.py`, `qwen3.py`); each declares what makes it
+One file per family (`llama.py`, `qwen2.py`, `qwen3.py`, `qwen3_moe.py`); each declares what makes it
 differ from the dense decoder in `dense.py`. `get_converter("qwen2")` or
 `converter_for_model_type(config["model_type"])` pick one; unknown names raise with the list.
 """
@@ -37,4 +37,4 @@ def converter_for_model_type(model_type: str) -> DenseDecoderConverter:
     raise ValueError(f"model_type={model_type!r} is not supported; supported: {supported}")
 
 
-from megatron_rl.weight_sync.families import llama, qwen2, qwen3  # noqa: E402,F401  (registration)
+from megatron_rl.weight_sync.families import llama, qwen2, qwen3, qwen3_moe  # noqa: E402,F401  (registration)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -102,7 +102,10 @@ class DenseDecoderConverter:
         }
 
     # -- which HF tensors a pipeline stage needs ----------------------------------------------
-    def hf_names(self, arch: Any, layers: Iterable[int], first_stage: bool, last_stage: bool) -> set[str]:
+    def hf_names(self, arch: Any, layers: Iterable[int], first_stage: bool, last_stage: bool,
+                 experts: Optional[Iterable[int]] = None) -> set[str]:
+        """HF tensors of these layers (and of the first / last stage's embedding, norm, head);
+        `experts` limits a mixture of experts to those expert indices (None: all)."""
         names: set[str] = set()
         if first_stage or (last_stage and arch.tie_word_embeddings):
             names.add("model.embed_tokens.weight")
@@ -113,14 +116,18 @@ class DenseDecoderConverter:
         for i in layers:
             h = f"model.layers.{i}."
             names |= {h + "input_layernorm.weight", h + "post_attention_layernorm.weight",
-                      h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight", h + "mlp.down_proj.weight",
                       h + "self_attn.o_proj.weight"}
+            names |= self.mlp_hf_names(arch, h, experts)
             names |= {h + f"self_attn.{p}_proj.weight" for p in "qkv"}
             if arch.resolved_qkv_bias:
                 names |= {h + f"self_attn.{p}_proj.bias" for p in "qkv"}
             if arch.resolved_qk_layernorm:
                 names |= {h + "self_attn.q_norm.weight", h + "self_attn.k_norm.weight"}
         return names
+
+    def mlp_hf_names(self, arch: Any, prefix: str, experts: Optional[Iterable[int]] = None) -> set[str]:
+        """HF names of one layer's MLP (`prefix` = "model.layers.{i}."); `experts`: see hf_names."""
+        return {prefix + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
 
     # -- tensors ------------------------------------------------------------------------------
     def hf_to_megatron(self, hf: dict[str, Tensor], arch: Any) -> dict[str, Tensor]:
@@ -147,10 +154,13 @@ class DenseDecoderConverter:
                 out[m + "self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
             out[m + "self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
             out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-            out[m + "mlp.linear_fc1.weight"] = torch.cat(
-                [hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
-            out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+            out.update(self.mlp_to_megatron(hf, h, m, arch))
         return out
+
+    def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
+        """One layer's MLP: HF names under `h` -> Megatron names under `m`."""
+        fc1 = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
+        return {m + "mlp.linear_fc1.weight": fc1, m + "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"]}
 
     def megatron_to_hf(self, meg: dict[str, Tensor], arch: Any) -> dict[str, Tensor]:
         """HF tensors for whatever (full, unsharded) Megatron tensors `meg` holds."""
@@ -178,10 +188,14 @@ class DenseDecoderConverter:
                 out[att + "k_norm.weight"] = meg[m + "self_attention.k_layernorm.weight"]
             out[att + "o_proj.weight"] = meg[m + "self_attention.linear_proj.weight"]
             out[h + "post_attention_layernorm.weight"] = meg[m + "pre_mlp_layernorm.weight"]
-            gate, up = meg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-            out[h + "mlp.down_proj.weight"] = meg[m + "mlp.linear_fc2.weight"]
+            out.update(self.mlp_to_hf(meg, h, m, arch))
         return out
+
+    def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
+        """One layer's MLP: Megatron names under `m` -> HF names under `h`."""
+        gate, up = meg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        return {h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
+                h + "mlp.down_proj.weight": meg[m + "mlp.linear_fc2.weight"]}
 
     def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
         """Shapes the architecture implies, for checking a checkpoint before loading it."""
