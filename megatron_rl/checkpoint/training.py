@@ -135,7 +135,8 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     _barrier()
     if rank == 0:
-        meta = {"step": step, "layout": _layout(trainer.groups), "config": config, "time": time.time()}
+        meta = {"step": step, "layout": _layout(trainer.groups), "config": config, "time": time.time(),
+                "distributed_optimizer": trainer.options.use_distributed_optimizer}
         with open(tmp / _META, "w") as f:
             json.dump(meta, f, indent=2, default=str)
             f.flush()
@@ -180,6 +181,32 @@ def check_compatible(path: Path, model_cfg: Any) -> dict[str, Any]:
     return meta
 
 
+def _ensure_optimizer_state(optimizer) -> None:
+    """A distributed optimizer that never stepped has no state to load into; Megatron fills it
+    with placeholders (a zero-gradient step whose results the checkpoint then overwrites)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _restore_adam_steps(optimizer, step: int) -> None:
+    """torch.optim.Adam (the optimizer without TE/Apex) counts steps per parameter; the
+    distributed optimizer's checkpoint does not carry that count, and its loader puts one
+    shared tensor in every parameter's state (which Adam would then increment once per
+    parameter per step). Give each parameter its own count, the trainer's step (every step
+    is applied in fp32: none is skipped)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for state in inner.state.values():
+            old = state.get("step")
+            if isinstance(old, torch.Tensor):
+                state["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device)
+
+
 def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, step (and RNG at the same layout); returns `extra`."""
     from megatron.core import dist_checkpointing
@@ -194,7 +221,16 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path} was written at parallel.ep={saved_layout['ep']}, this run has "
                          f"parallel.ep={trainer.groups.ep_size}: resuming at another expert-parallel size is "
                          f"not supported; set parallel.ep={saved_layout['ep']}")
+    saved_distopt = meta.get("distributed_optimizer", False)
+    if saved_distopt != trainer.options.use_distributed_optimizer:
+        # The two optimizers store their state in different structures (distrib_optimizer.py:1175
+        # vs optimizer.py:307); Megatron-core cannot load one into the other.
+        raise ValueError(f"checkpoint {path} was written with parallel.use_distributed_optimizer="
+                         f"{str(saved_distopt).lower()}, this run has "
+                         f"{str(trainer.options.use_distributed_optimizer).lower()}: set "
+                         f"parallel.use_distributed_optimizer={str(saved_distopt).lower()} to resume from it")
     start = time.perf_counter()
+    _ensure_optimizer_state(trainer.optimizer)
     state = dist_checkpointing.load(_sharded_state_dict(trainer, is_loading=True), str(path))
     trainer.module.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
@@ -202,6 +238,7 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
     trainer.scheduler.num_steps = 0
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.step = int(state["trainer_step"])
+    _restore_adam_steps(trainer.optimizer, trainer.step)
     rng_file = path / "rng" / f"rank{trainer.groups.rank}.pt"
     if saved_layout == _layout(trainer.groups) and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))

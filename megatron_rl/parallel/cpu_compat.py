@@ -257,7 +257,7 @@ def _device_literals():
 class _CpuAsCuda(torch.overrides.TorchFunctionMode):
     """While active: `Tensor.cuda()` returns the tensor itself and `Tensor.type()` reports CPU
     types under their CUDA names. Entered only around the wrapped upstream functions below,
-    which run once at construction, never in a training step."""
+    which run at set-up or checkpoint time, never in a training step."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.cuda:
@@ -282,29 +282,63 @@ def _wrap_in_mode(attr: Any) -> Any:
 
 
 @_register(
-    "cuda_at_construction",
-    "the distributed optimizer rejects params whose type() is not torch.cuda.*; tied embeddings "
-    "with pp > 1 move the last stage's copy with .cuda() before the first all-reduce",
+    "cuda_at_setup_and_checkpoint",
+    "the distributed optimizer rejects params whose type() is not torch.cuda.* and moves its state "
+    "to CUDA with .cuda() when gathering it for a checkpoint; tied embeddings with pp > 1 move the "
+    "last stage's copy with .cuda() before the first all-reduce",
     [
         UpstreamSite("optimizer/distrib_optimizer.py", 420, "elif model_param.type() == 'torch.cuda.FloatTensor':"),
+        UpstreamSite("optimizer/distrib_optimizer.py", 1089, "send_tensor = send_tensor.cuda()"),
         UpstreamSite("models/common/language_module/language_module.py", 244, "weight.data = weight.data.cuda()"),
     ],
 )
-def _cuda_at_construction():
+def _cuda_at_setup_and_checkpoint():
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import distrib_optimizer
 
     dopt = distrib_optimizer.DistributedOptimizer
-    original_build = dopt.__dict__["_build_model_and_main_param_groups"]
-    original_setup = LanguageModule.setup_embeddings_and_output_layer
+    # (owner, attribute) of functions that run at set-up or checkpoint time, never per step
+    targets = [(dopt, "_build_model_and_main_param_groups"), (dopt, "get_parameter_state_dp_zero"),
+               (dopt, "load_parameter_state_from_dp_zero"), (LanguageModule, "setup_embeddings_and_output_layer")]
+    originals = [(owner, attr, owner.__dict__[attr]) for owner, attr in targets]
 
     def apply() -> None:
-        dopt._build_model_and_main_param_groups = _wrap_in_mode(original_build)
-        LanguageModule.setup_embeddings_and_output_layer = _wrap_in_mode(original_setup)
+        for owner, attr, original in originals:
+            setattr(owner, attr, _wrap_in_mode(original))
 
     def revert() -> None:
-        dopt._build_model_and_main_param_groups = original_build
-        LanguageModule.setup_embeddings_and_output_layer = original_setup
+        for owner, attr, original in originals:
+            setattr(owner, attr, original)
+
+    return apply, revert
+
+
+# --- 5b. torch.optim.Adam's per-parameter `step` in the distributed optimizer's checkpoints ------
+@_register(
+    "torch_adam_step_state",
+    "without TE/Apex the optimizer is torch.optim.Adam, whose state holds a per-parameter 'step'; the "
+    "distributed optimizer saves only param/exp_avg/exp_avg_sq and its loader indexes the saved "
+    "tensors by every state key, so loading raises KeyError 'step' (the trainer restores 'step')",
+    [UpstreamSite("optimizer/distrib_optimizer.py", 940, "dst_tensors[key].copy_(tensors[key])")],
+)
+def _torch_adam_step_state():
+    from megatron.core.optimizer import distrib_optimizer
+
+    dopt = distrib_optimizer.DistributedOptimizer
+    original = dopt.__dict__["_set_main_param_and_optimizer_states"]
+
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        missing = {k: v for k, v in state.items() if k not in tensors}  # left as they are
+        return original(self, model_param, {**missing, **tensors})
+
+    def apply() -> None:
+        dopt._set_main_param_and_optimizer_states = set_states
+
+    def revert() -> None:
+        dopt._set_main_param_and_optimizer_states = original
 
     return apply, revert
 

@@ -81,6 +81,33 @@ def _probe_cuda_at_construction():
     get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [model])
 
 
+def _probe_torch_adam_step_state():
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, activation_func=F.silu,
+                               use_cpu_initialization=True)
+
+    class Tiny(MegatronModule):
+        def __init__(self):
+            super().__init__(config)
+            self.weight = torch.nn.Parameter(torch.ones(4, 4))
+
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), Tiny())
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [model])
+    model.module.weight.sum().backward()
+    model.finish_grad_sync()
+    opt.step()
+    dopt = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    param = model.module.weight
+    saved = {k: v.clone() for k, v in dopt._get_main_param_and_optimizer_states(param).items() if k != "step"}
+    with torch.no_grad():  # as in the optimizer's load_state_dict
+        dopt._set_main_param_and_optimizer_states(param, saved)
+
+
 def _probe_clip_grad_type_assert():
     from megatron.core.optimizer import optimizer
 
@@ -107,8 +134,9 @@ PROBES = {
     "rng_tracker": _probe_rng_tracker,
     "torch_norm_sequence_parallel": _probe_torch_norm_sequence_parallel,
     "device_literals": _probe_device_literals,
-    "cuda_at_construction": _probe_cuda_at_construction,
+    "cuda_at_setup_and_checkpoint": _probe_cuda_at_construction,
     "clip_grad_type_assert": _probe_clip_grad_type_assert,
+    "torch_adam_step_state": _probe_torch_adam_step_state,
     "moe_router_gemm_without_te": _probe_moe_router_gemm_without_te,
 }
 

@@ -16,7 +16,7 @@ from tests.distributed.launcher import run_spawned
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
-def _setup(tp, pp):
+def _setup(tp, pp, distopt=False):
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
@@ -26,7 +26,8 @@ def _setup(tp, pp):
         mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
     groups = state.initialize(tp, pp)
     trainer = Trainer(ModelConfig(num_layers=4), OptimizerConfig(lr=1e-3, lr_warmup_steps=2, lr_decay_style="cosine"),
-                      groups, TrainerOptions(micro_batch_tokens=40, total_steps=10))
+                      groups, TrainerOptions(micro_batch_tokens=40, total_steps=10,
+                                             use_distributed_optimizer=distopt))
     trainer.initialize_weights()
     return trainer
 
@@ -44,10 +45,10 @@ def _config_for(trainer):
     return {"model": dataclasses.asdict(trainer.model_cfg)}
 
 
-def _writer(rank, world, root, out):
+def _writer(rank, world, root, out, tp=2, distopt=False):
     from megatron_rl.checkpoint.training import save_checkpoint
 
-    trainer = _setup(tp=2, pp=1)
+    trainer = _setup(tp=tp, pp=1, distopt=distopt)
     for step in range(2):
         trainer.train_step(_batch(step))
     save_checkpoint(trainer, Path(root), 2, {"sampler": {"position": 8}}, _config_for(trainer))
@@ -58,10 +59,10 @@ def _writer(rank, world, root, out):
         torch.save({"at_save": at_save, "metrics": metrics, "after": after}, out)
 
 
-def _reader(rank, world, root, tp, pp, out):
+def _reader(rank, world, root, tp, pp, out, distopt=False):
     from megatron_rl.checkpoint.training import find_latest, load_checkpoint
 
-    trainer = _setup(tp=tp, pp=pp)
+    trainer = _setup(tp=tp, pp=pp, distopt=distopt)
     extra = load_checkpoint(trainer, find_latest(Path(root)))
     loaded = trainer.full_state_dict()
     metrics = trainer.train_step(_batch(2))
@@ -108,6 +109,26 @@ def test_next_step_matches_the_run_that_wrote_it(resharded, layout):
     assert got["metrics"]["grad_norm"] == pytest.approx(writer["metrics"]["grad_norm"], rel=1e-5)
     for key, value in writer["after"].items():
         assert (got["after"][key] - value).abs().max() <= 1e-6, key
+
+
+def test_distributed_optimizer_checkpoint_resumes_at_dp2_and_dp1(tmp_path):
+    """Distributed-optimizer state (sharded over DP) saved at DP=2 resumes at DP=2 and at DP=1;
+    resuming it with the plain optimizer is refused with the fix."""
+    root = tmp_path / "checkpoints"
+    run_spawned(_writer, 2, str(root), str(tmp_path / "writer.pt"), 1, True)
+    run_spawned(_reader, 2, str(root), 1, 1, str(tmp_path / "dp2.pt"), True)
+    run_spawned(_reader, 1, str(root), 1, 1, str(tmp_path / "dp1.pt"), True)
+    with pytest.raises(Exception):
+        run_spawned(_reader, 1, str(root), 1, 1, str(tmp_path / "plain.pt"), False)
+    writer = torch.load(tmp_path / "writer.pt", weights_only=False)
+    for name in ("dp2.pt", "dp1.pt"):
+        got = torch.load(tmp_path / name, weights_only=False)
+        for key, value in writer["at_save"].items():
+            assert torch.equal(got["loaded"][key], value), (name, key)
+        assert got["metrics"]["loss"] == pytest.approx(writer["metrics"]["loss"], rel=1e-6)
+        assert got["metrics"]["grad_norm"] == pytest.approx(writer["metrics"]["grad_norm"], rel=1e-5)
+        for key, value in writer["after"].items():
+            assert (got["after"][key] - value).abs().max() <= 1e-6, (name, key)
 
 
 def _crash_during_save(rank, world, root):
