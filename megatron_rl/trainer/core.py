@@ -63,6 +63,7 @@ class TrainerOptions:
     deterministic: bool = True
     total_steps: int = 100
     pad_token_id: int = 0
+    logprob_temperature: float = 1.0  # the rollout temperature: log-probs of logits / temperature
 
 
 class Trainer:
@@ -118,6 +119,59 @@ class Trainer:
         else:
             self.load_full_state_dict(random_state_dict(self.model_cfg, self.model_cfg.init_seed))
 
+    # -- memory time-sharing with rollout engines ----------------------------------------------
+    def offload(self) -> int:
+        """Move parameters, gradients and optimizer state off the accelerator (to pinned host
+        memory); returns the bytes moved. On CPU there is nothing to move: returns 0."""
+        if self.groups.device.type == "cpu":
+            return 0
+        moved = 0
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            moved += buffer.param_data.numel() * buffer.param_data.element_size()
+            if buffer.grad_data is not None:
+                moved += buffer.grad_data.numel() * buffer.grad_data.element_size()
+            buffer.offload_to_cpu(move_params=True, move_grads=True)
+        for tensor in _optimizer_tensors(self.optimizer):
+            moved += tensor.numel() * tensor.element_size()
+            tensor.data = tensor.data.to("cpu", non_blocking=True).pin_memory()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return moved
+
+    def onload(self) -> int:
+        """Undo `offload`; returns the bytes moved back."""
+        if self.groups.device.type == "cpu":
+            return 0
+        moved = 0
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            buffer.reload_from_cpu(move_params=True, move_grads=True)
+            moved += buffer.param_data.numel() * buffer.param_data.element_size()
+        for tensor in _optimizer_tensors(self.optimizer):
+            tensor.data = tensor.data.to(self.groups.device, non_blocking=True)
+            moved += tensor.numel() * tensor.element_size()
+        torch.cuda.synchronize()
+        return moved
+
+    def onload_weights_for_sync(self) -> None:
+        """Bring back only the parameters (weight sync reads them); grads and optimizer stay off."""
+        if self.groups.device.type != "cpu":
+            for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+                buffer.reload_from_cpu(move_params=True, move_grads=False)
+
+    def offload_weights_after_sync(self) -> None:
+        if self.groups.device.type != "cpu":
+            for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+                buffer.offload_to_cpu(move_params=True, move_grads=False)
+            torch.cuda.empty_cache()
+
+    def memory_plan(self) -> dict[str, int]:
+        """Bytes held by this rank's parameters, gradient buffers and optimizer state."""
+        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        grads = sum(b.grad_data.numel() * b.grad_data.element_size()
+                    for b in self.model.buffers + self.model.expert_parallel_buffers if b.grad_data is not None)
+        optim = sum(t.numel() * t.element_size() for t in _optimizer_tensors(self.optimizer))
+        return {"params": params, "grads": grads, "optimizer": optim}
+
     def full_state_dict(self) -> dict[str, Tensor]:
         return gather_full_state_dict(self.module, self.groups)
 
@@ -162,6 +216,8 @@ class Trainer:
 
     def _target_stats(self, mb: MicroBatch, logits: Tensor, with_entropy: bool):
         logits = logits[0]  # [S, V/tp]
+        if self.options.logprob_temperature != 1.0:
+            logits = logits / self.options.logprob_temperature
         entropy = None
         if with_entropy:  # first: Megatron's cross entropy overwrites the logits in place
             tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
@@ -245,6 +301,23 @@ class Trainer:
         metrics = _reduce_metrics(stored, self.groups)
         metrics.update(grad_norm=float(grad_norm), lr=lr, num_tokens=float(num_tokens))
         return metrics
+
+
+def _optimizer_tensors(optimizer) -> list[Tensor]:
+    """Optimizer state tensors and fp32 master copies (not the model's own parameters)."""
+    model_params = set()
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in getattr(opt, "model_float16_groups", []) + getattr(opt, "model_fp32_groups", []):
+            model_params.update(id(p) for p in group)
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for state in inner.state.values():
+            out += [v for v in state.values() if isinstance(v, Tensor) and v.dim() > 0]
+        for group in getattr(opt, "fp32_from_float16_groups", []) + getattr(opt, "shard_fp32_from_float16_groups", []):
+            out += [p for p in group if id(p) not in model_params]
+    return out
 
 
 def _share_across_ranks(flat: Tensor, samples: Sequence[Sample], groups: ParallelGroups,

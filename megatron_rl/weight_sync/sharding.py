@@ -125,16 +125,11 @@ def _gather_tp(name: str, param: Tensor, model: torch.nn.Module, groups: Paralle
 
 
 @torch.no_grad()
-def gather_full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str, Tensor]:
-    """The full state dict on every rank: TP all-gather, EP all-gather of experts, then PP
-    exchange of stage tensors.
-
-    Meant for checks and small models: it materialises the whole model on each rank.
-    Bucketed streaming for weight sync lives in the weight-sync path.
-    """
+def gathered_stage_params(model: torch.nn.Module, groups: ParallelGroups) -> Iterator[tuple[str, Tensor]]:
+    """This stage's parameters one at a time as full tensors with global names: TP shards
+    all-gathered, experts all-gathered over EP (every rank of the stage yields the same)."""
     offset = layer_offset(model)
     num_local = _num_local_experts(model, groups)
-    stage: dict[str, Tensor] = {}
     for name, param in _local_params(model):
         tensor = _gather_tp(name, param, model, groups)
         if groups.ep_size > 1 and _is_expert(name):
@@ -142,9 +137,20 @@ def gather_full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> di
             parts = [torch.empty_like(tensor) for _ in range(groups.ep_size)]
             dist.all_gather(parts, tensor.contiguous(), group=groups.ep_group)
             for r, part in enumerate(parts):
-                stage[_global_name(name, offset, r * num_local)] = part.cpu().clone()
+                yield _global_name(name, offset, r * num_local), part
             continue
-        stage[_global_name(name, offset)] = tensor.cpu().clone()
+        yield _global_name(name, offset), tensor
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str, Tensor]:
+    """The full state dict on every rank: TP all-gather, EP all-gather of experts, then PP
+    exchange of stage tensors.
+
+    Meant for checks and small models: it materialises the whole model on each rank.
+    Weight sync streams instead (`megatron_rl.weight_sync.stream`).
+    """
+    stage = {name: tensor.cpu().clone() for name, tensor in gathered_stage_params(model, groups)}
     if groups.pp_size == 1:
         return stage
     stages: list[dict[str, Tensor] | None] = [None] * groups.pp_size

@@ -1,0 +1,90 @@
+"""The single owner of the colocated phase order and of the memory plan.
+
+One rollout, colocated (every rank trains and generates on the same device):
+
+    offload trainer -> resume engine weights -> weight sync -> resume KV cache -> generate
+    -> release engine (weights + KV cache) -> onload trainer
+
+On GPU each step really moves memory (Megatron's buffers to pinned host memory, SGLang's
+memory saver); on CPU the same calls run in the same order (the hf engine even frees its
+weights), so the order is tested everywhere. Every phase is timed; `phase_log` records the
+order for tests and the step timeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+from megatron_rl.rollout.base import TAG_KV_CACHE, TAG_WEIGHTS
+from megatron_rl.weight_sync.stream import SyncStats, sync_weights
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PHASES = ("offload_trainer", "resume_engine_weights", "sync_weights", "resume_engine_kv", "generate",
+          "release_engine", "onload_trainer")
+
+
+class ColocationController:
+    def __init__(self, trainer: Any, engine: Optional[Any], bucket_bytes: int = 256 * 2**20) -> None:
+        self.trainer = trainer
+        self.engine = engine  # None on ranks that own no engine (they still take part in sync)
+        self.bucket_bytes = bucket_bytes
+        self.phase_log: list[str] = []
+        self.timings: dict[str, float] = {}
+        self.version = 0
+        self.last_sync: Optional[SyncStats] = None
+
+    def log_memory_plan(self, kv_budget_bytes: Optional[int] = None) -> dict[str, int]:
+        plan = self.trainer.memory_plan()
+        logger.info("memory plan: trainer params %.1f MB, grads %.1f MB, optimizer %.1f MB (offloaded during "
+                    "rollout); engine weights = params in HF layout; KV cache budget %s",
+                    plan["params"] / 1e6, plan["grads"] / 1e6, plan["optimizer"] / 1e6,
+                    "engine default" if kv_budget_bytes is None else f"{kv_budget_bytes / 1e6:.1f} MB")
+        return plan
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        self.phase_log.append(name)
+        try:
+            yield
+        finally:
+            self.timings[f"time/{name}"] = time.perf_counter() - start
+
+    def rollout(self, generate: Callable[[], T]) -> T:
+        """Run `generate()` with the engine holding the trainer's current weights."""
+        self.timings = {}
+        self.version += 1
+        with self._phase("offload_trainer"):
+            self.trainer.offload()
+        with self._phase("resume_engine_weights"):
+            if self.engine is not None:
+                self.engine.resume_memory([TAG_WEIGHTS])
+        with self._phase("sync_weights"):
+            self.trainer.onload_weights_for_sync()
+            self.last_sync = sync_weights(self.trainer.module, self.trainer.groups, self.trainer.model_cfg,
+                                          self.engine, self.version, self.bucket_bytes)
+            self.trainer.offload_weights_after_sync()
+        with self._phase("resume_engine_kv"):
+            if self.engine is not None:
+                self.engine.resume_memory([TAG_KV_CACHE])
+        try:
+            with self._phase("generate"):
+                result = generate()
+        finally:
+            with self._phase("release_engine"):
+                if self.engine is not None:
+                    self.engine.release_memory([TAG_WEIGHTS, TAG_KV_CACHE])
+            with self._phase("onload_trainer"):
+                self.trainer.onload()
+        return result
+
+    def metrics(self) -> dict[str, float]:
+        out = dict(self.timings)
+        if self.last_sync is not None:
+            out.update(self.last_sync.metrics())
+        return out

@@ -1,0 +1,82 @@
+"""The rollout engine protocol: token ids in, token ids + per-token log-probs + finish
+reason + the weight version that produced them out.
+
+Log-probs are those of the sampling distribution before truncation: log_softmax(logits /
+temperature) of the chosen token (top-p / top-k change which tokens can be drawn, not the
+reported log-prob). The trainer recomputes log-probs with the same temperature, so with
+unchanged weights the importance ratio of the first update is 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+# Memory tags, as SGLang names them: model weights and the KV cache are released separately.
+TAG_WEIGHTS = "weights"
+TAG_KV_CACHE = "kv_cache"
+ALL_TAGS = (TAG_WEIGHTS, TAG_KV_CACHE)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k truncation
+    max_new_tokens: int = 32
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # samples per prompt
+    seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (greedy decoding is temperature -> 0; "
+                             "use a small value)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.max_new_tokens < 1 or self.n < 1:
+            raise ValueError("max_new_tokens and n must be >= 1")
+
+
+@dataclasses.dataclass
+class Generation:
+    """One sampled completion of one prompt."""
+
+    prompt_index: int  # index of its prompt in the request
+    output_ids: list[int]
+    logprobs: list[float]  # one per output token
+    finish_reason: str  # "stop" (a stop/eos token, included in output_ids) or "length" or "abort"
+    weight_version: int
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the RL loop needs from an inference engine."""
+
+    weight_version: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """`params.n` completions per prompt, ordered by prompt then sample."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       flush: bool = True) -> None:
+        """Load HF-named tensors (a bucket of them; call repeatedly); `version` stamps what
+        generates next. `flush=False` for all buckets but the last of one update."""
+
+    def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None: ...
+
+    def resume_memory(self, tags: Sequence[str] = ALL_TAGS) -> None: ...
+
+    def pause(self) -> None:
+        """Stop taking new requests (in-flight ones finish)."""
+
+    def resume(self) -> None: ...
+
+    def abort(self) -> None:
+        """Abort in-flight requests; they return with finish_reason "abort"."""
+
+    def health(self) -> dict: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,157 @@
+"""The `hf` rollout backend: a `transformers` causal LM and its own `generate`.
+
+It is the CPU default and the numerical reference for the other backends. Weights arrive
+from the trainer as HF-named tensors (weight sync), so the engine starts from whatever
+architecture the config describes and never loads a checkpoint itself. Releasing the
+"weights" tag really frees them (the module moves to the meta device); after resuming they
+hold garbage until the next weight update, exactly like SGLang's memory saver.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from megatron_rl.rollout.base import ALL_TAGS, TAG_KV_CACHE, TAG_WEIGHTS, Generation, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStateError(RuntimeError):
+    """A call that the engine's memory or pause state does not allow (e.g. generate while released)."""
+
+
+class HFEngine:
+    def __init__(self, model_cfg: Any, *, device: str | torch.device = "cpu", eos_token_id: int = 0,
+                 pad_token_id: int = 0, max_batch_size: int = 256) -> None:
+        from megatron_rl.models.hf import build_hf_model
+
+        if getattr(model_cfg, "num_experts", None):
+            # transformers fuses experts in memory while weight sync sends the checkpoint's
+            # per-expert names; the hf backend does not translate between them yet.
+            raise ValueError("rollout.backend=hf does not support MoE models yet; use rollout.backend=sglang")
+        self.device = torch.device(device)
+        self.model = build_hf_model(model_cfg, seed=0, eos_token_id=eos_token_id).to(self.device)
+        self.model.generation_config.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.weight_version = 0
+        self._names = set(self.model.state_dict())
+        self._released: set[str] = set()
+        self._paused = threading.Event()
+        self._weights_valid = False  # random init until the first update
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.generated_tokens = 0
+
+    # -- weights ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       flush: bool = True) -> None:
+        if TAG_WEIGHTS in self._released:
+            raise EngineStateError("update_weights while the weights are released: resume_memory(['weights']) first")
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied lm_head included
+        buffers = dict(self.model.named_buffers())
+        for name, tensor in named_tensors:
+            target = params.get(name, buffers.get(name))
+            if target is None:
+                raise ValueError(f"weight update names {name!r}, which the {type(self.model).__name__} "
+                                 f"engine does not have")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight update {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the engine expects {tuple(target.shape)}")
+            target.copy_(tensor.to(target.dtype))
+        if flush:
+            self.weight_version = version
+            self._weights_valid = True
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    # -- memory -------------------------------------------------------------------------------
+    def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
+        if TAG_WEIGHTS in tags and TAG_WEIGHTS not in self._released:
+            # Non-persistent buffers (rotary inv_freq) are not part of weight sync: keep them.
+            self._buffers = {n: b.detach().cpu().clone() for n, b in self.model.named_buffers()}
+            self.model.to("meta")  # frees every parameter and buffer
+            self._weights_valid = False
+        self._released |= set(tags)
+
+    def resume_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
+        if TAG_WEIGHTS in tags and TAG_WEIGHTS in self._released:
+            self.model.to_empty(device=self.device)  # allocated, uninitialised: sync weights next
+            with torch.no_grad():
+                for name, buf in self.model.named_buffers():
+                    buf.copy_(self._buffers[name])
+        self._released -= set(tags)
+
+    # -- requests -----------------------------------------------------------------------------
+    def pause(self) -> None:
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
+    def abort(self) -> None:
+        """Generation here is synchronous: nothing is ever in flight between calls."""
+
+    def health(self) -> dict:
+        return {"backend": "hf", "weight_version": self.weight_version, "released": sorted(self._released),
+                "paused": self._paused.is_set(), "weights_valid": self._weights_valid,
+                "generated_tokens": self.generated_tokens}
+
+    def shutdown(self) -> None:
+        self.release_memory(ALL_TAGS)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        if self._released & {TAG_WEIGHTS, TAG_KV_CACHE}:
+            raise EngineStateError(f"generate while memory is released ({sorted(self._released)}): resume_memory first")
+        if self._paused.is_set():
+            raise EngineStateError("generate while paused: resume() first")
+        if not self._weights_valid:
+            raise EngineStateError("generate before any weight update: sync weights from the trainer first")
+        jobs = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        out: list[Generation] = []
+        with torch.random.fork_rng(devices=[]):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            for start in range(0, len(jobs), self.max_batch_size):
+                out += self._generate_batch(jobs[start:start + self.max_batch_size], params)
+        return out
+
+    def _generate_batch(self, jobs: list[tuple[int, list[int]]], params: SamplingParams) -> list[Generation]:
+        width = max(len(p) for _, p in jobs)
+        ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long)
+        for row, (_, prompt) in enumerate(jobs):  # left padding: every prompt ends at the same column
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        stop = sorted(set(params.stop_token_ids) | {self.eos_token_id})
+        start = time.perf_counter()
+        result = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
+            max_new_tokens=params.max_new_tokens, eos_token_id=stop, pad_token_id=self.pad_token_id,
+            output_logits=True, return_dict_in_generate=True)
+        new = result.sequences[:, width:].cpu()
+        # Raw logits of each step -> the sampling distribution before truncation.
+        logits = torch.stack(result.logits, dim=1).float().cpu() / params.temperature
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        generations = []
+        for row, (prompt_index, _) in enumerate(jobs):
+            tokens = new[row].tolist()
+            length, reason = len(tokens), "length"
+            for pos, tok in enumerate(tokens):
+                if tok in stop:
+                    length, reason = pos + 1, "stop"
+                    break
+            generations.append(Generation(prompt_index, tokens[:length], logprobs[row, :length].tolist(),
+                                          reason, self.weight_version))
+            self.generated_tokens += length
+        logger.debug("hf engine: %d sequences in %.3fs", len(jobs), time.perf_counter() - start)
+        return generations

@@ -1,0 +1,143 @@
+"""Weight sync: stream the trainer's weights into rollout engines as HF-named tensors.
+
+Per pipeline stage in turn, one transformer layer at a time: the stage's ranks all-gather
+the layer's tensor-parallel shards (and expert-parallel experts), convert the full layer
+to HF names and layouts (QKV and gate/up splits) with the family's converter, and group
+the results into buckets of about `bucket_bytes`. Other stages receive each bucket by
+broadcast over the pipeline group. Every rank that owns an engine loads each bucket as it
+arrives, so neither the full model nor a second copy of it is ever materialised. Each
+update is stamped with a version; time and bytes/s are returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.parallel.state import ParallelGroups
+from megatron_rl.weight_sync.families import get_converter
+from megatron_rl.weight_sync.sharding import gathered_stage_params
+
+logger = logging.getLogger(__name__)
+Tensor = torch.Tensor
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass
+class SyncStats:
+    version: int
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / max(self.seconds, 1e-9) / 1e9
+
+    def metrics(self) -> dict[str, float]:
+        return {"sync/seconds": self.seconds, "sync/gb_per_s": self.gb_per_s, "sync/bytes": float(self.num_bytes)}
+
+
+def _stage_hf_tensors(model: torch.nn.Module, groups: ParallelGroups, arch: Any) -> Iterator[tuple[str, Tensor]]:
+    """This stage's weights in HF names, a layer at a time (TP/EP-gathered, full tensors)."""
+    converter = get_converter(arch.family)
+    current_layer: Optional[int] = None
+    pending: dict[str, Tensor] = {}
+    for global_name, tensor in gathered_stage_params(model, groups):
+        match = _LAYER.match(global_name)
+        layer = int(match.group(1)) if match else None
+        if pending and layer != current_layer:
+            yield from converter.megatron_to_hf(pending, arch).items()
+            pending = {}
+        current_layer = layer
+        if global_name == "output_layer.weight" and arch.tie_word_embeddings:
+            continue  # the last stage's copy of the tied embedding
+        pending[global_name] = tensor
+        if layer is None:  # embedding / final norm / output layer: convertible on their own
+            yield from converter.megatron_to_hf(pending, arch).items()
+            pending = {}
+    if pending:
+        yield from converter.megatron_to_hf(pending, arch).items()
+
+
+def _buckets(tensors: Iterator[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in tensors:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _broadcast_bucket(bucket: Optional[list[tuple[str, Tensor]]], src: int, groups: ParallelGroups,
+                      dtype: torch.dtype) -> Optional[list[tuple[str, Tensor]]]:
+    """Send one bucket from pipeline stage `src` (global rank) to the other stages; None ends."""
+    meta = [None if bucket is None else [(n, tuple(t.shape)) for n, t in bucket]]
+    dist.broadcast_object_list(meta, src=src, group=groups.pp_group)
+    if meta[0] is None:
+        return None
+    numels = [int(torch.Size(shape).numel()) for _, shape in meta[0]]
+    if bucket is not None:
+        flat = torch.cat([t.reshape(-1).to(dtype) for _, t in bucket]).to(groups.device)
+    else:
+        flat = torch.empty(sum(numels), dtype=dtype, device=groups.device)
+    dist.broadcast(flat, src=src, group=groups.pp_group)
+    if bucket is not None:
+        return bucket
+    return [(n, part.view(shape)) for (n, shape), part in zip(meta[0], flat.split(numels))]
+
+
+@torch.no_grad()
+def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engine: Any, version: int,
+                 bucket_bytes: int = 256 * 2**20) -> SyncStats:
+    """Push the model's current weights into `engine` (None on ranks that own no engine).
+
+    Every rank of the model-parallel group must call this (it contains collectives).
+    """
+    start = time.perf_counter()
+    num_tensors = num_bytes = num_buckets = 0
+    dtype = model.config.params_dtype
+
+    def deliver(bucket: list[tuple[str, Tensor]], last: bool) -> None:
+        nonlocal num_tensors, num_bytes, num_buckets
+        num_buckets += 1
+        num_tensors += len(bucket)
+        num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        if engine is not None:
+            engine.update_weights(bucket, version, flush=last)
+
+    pending: Optional[list[tuple[str, Tensor]]] = None  # delay one bucket to know which is last
+    for stage in range(groups.pp_size):
+        src = _stage_global_rank(groups, stage)
+        mine = groups.pp_rank == stage
+        stream = _buckets(_stage_hf_tensors(model, groups, arch), bucket_bytes) if mine else None
+        while True:
+            bucket = next(stream, None) if mine else None
+            if groups.pp_size > 1:
+                bucket = _broadcast_bucket(bucket, src, groups, dtype)
+            if bucket is None:
+                break
+            if pending is not None:
+                deliver(pending, last=False)
+            pending = bucket
+    if pending is not None:
+        deliver(pending, last=True)
+    stats = SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+    logger.info("weight sync v%d: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s)", version,
+                stats.num_tensors, stats.num_bytes / 1e6, stats.num_buckets, stats.seconds, stats.gb_per_s)
+    return stats
+
+
+def _stage_global_rank(groups: ParallelGroups, stage: int) -> int:
+    return dist.get_global_rank(groups.pp_group, stage) if groups.pp_size > 1 else groups.rank
