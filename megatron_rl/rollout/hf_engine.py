@@ -34,8 +34,12 @@ class HFEngine:
             # transformers fuses experts in memory while weight sync sends the checkpoint's
             # per-expert names; the hf backend does not translate between them yet.
             raise ValueError("rollout.backend=hf does not support MoE models yet; use rollout.backend=sglang")
+        from megatron_rl.models.gpt import torch_dtype
+
         self.device = torch.device(device)
-        self.model = build_hf_model(model_cfg, seed=0, eos_token_id=eos_token_id).to(self.device)
+        # the trainer's dtype: weight sync then copies without converting
+        self.model = build_hf_model(model_cfg, seed=0, eos_token_id=eos_token_id).to(
+            self.device, torch_dtype(model_cfg.dtype))
         self.model.generation_config.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
