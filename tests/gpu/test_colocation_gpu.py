@@ -88,7 +88,9 @@ def test_sglang_release_and_resume_memory_occupation(tmp_path):
 
     cfg = ModelConfig(num_layers=8, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16,
                       num_query_groups=4, vocab_size=128)
-    build_hf_model(cfg, seed=0).save_pretrained(tmp_path)
+    hf = build_hf_model(cfg, seed=0)
+    weight_bytes = sum(p.numel() for p in hf.parameters()) * 2  # SGLang serves it in bf16
+    hf.save_pretrained(tmp_path)
     load_tokenizer("builtin:char").save_pretrained(tmp_path)
     engine = sglang.Engine(model_path=str(tmp_path), enable_memory_saver=True, mem_fraction_static=0.3)
     try:
@@ -99,7 +101,8 @@ def test_sglang_release_and_resume_memory_occupation(tmp_path):
         resumed = _used()
         print(f"SGLang GPU memory: {in_use / 1e9:.2f} GB -> released {released / 1e9:.2f} GB -> "
               f"resumed {resumed / 1e9:.2f} GB")
-        assert in_use - released > 0.5 * (in_use - released + released) * 0.1
-        assert resumed > released
+        # weights and KV cache (mem_fraction_static of the GPU) both go
+        assert in_use - released >= weight_bytes
+        assert resumed - released >= weight_bytes
     finally:
         engine.shutdown()
