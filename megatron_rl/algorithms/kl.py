@@ -1,0 +1,72 @@
+"""Per-token KL estimators between the policy and a reference model (Schulman, "Approximating
+KL Divergence", 2020), and the KL penalty folded into token rewards.
+
+With tokens sampled from the policy pi and x = log pi_ref(y) - log pi(y) on each of them,
+every estimator below targets KL(pi || pi_ref) (the reverse KL, from the policy to the
+reference):
+
+    k1 = -x = logp - ref_logp              unbiased, high variance, can be negative
+    k2 = x^2 / 2                           biased (exact to second order), low variance, >= 0
+    k3 = exp(x) - x - 1                    unbiased, low variance, >= 0
+
+Their gradients differ from the gradient of the KL when used as a loss (k1's expected
+gradient is zero on-policy; k2's equals the reverse KL's), which is why the choice matters
+for a KL *loss* and much less for a KL *penalty* in the reward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_rl.algorithms.registry import KL_ESTIMATORS
+
+Tensor = torch.Tensor
+
+
+@KL_ESTIMATORS.register("k1")
+def k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """logp - ref_logp. logprobs, ref_logprobs: [T] -> [T]."""
+    return logprobs - ref_logprobs
+
+
+@KL_ESTIMATORS.register("k2")
+def k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """0.5 * (logp - ref_logp)^2. logprobs, ref_logprobs: [T] -> [T]."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """exp(ref - logp) - (ref - logp) - 1. logprobs, ref_logprobs: [T] -> [T].
+
+    The log-ratio is clamped to [-20, 20] before exp so that a token the reference finds
+    far likelier than the policy does cannot overflow to inf (and inf * 0 = nan under a mask).
+    """
+    x = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    return torch.exp(x) - x - 1
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3",
+                clamp: Optional[float] = None) -> Tensor:
+    """The named estimator (k1, k2, k3), optionally clamped to [-clamp, clamp] (verl clamps
+    k3 at 10 to bound the loss of a few wild tokens). logprobs, ref_logprobs: [T] -> [T]."""
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(f"logprobs and ref_logprobs must have the same shape, got "
+                         f"{tuple(logprobs.shape)} and {tuple(ref_logprobs.shape)}")
+    kl = KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs)
+    if clamp is not None:
+        kl = kl.clamp(-clamp, clamp)
+    return kl
+
+
+def kl_penalized_rewards(token_rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
+                         kl_coef: float, estimator: str = "k1") -> Tensor:
+    """KL penalty in the reward (PPO-RLHF, REINFORCE++): r_t - kl_coef * kl_t on policy tokens.
+
+    All inputs [N, T] (or any equal shapes); the result is detached: the penalty shapes the
+    return, it is not differentiated. Use this *or* a KL loss in the objective, not both.
+    """
+    kl = kl_estimate(logprobs.detach(), ref_logprobs.detach(), estimator)
+    return (token_rewards - kl_coef * kl) * mask.to(kl.dtype)

@@ -1,0 +1,142 @@
+"""The RL objective of one micro-batch: policy loss (+ truncated IS) + KL loss - entropy bonus,
+normalised by global-batch denominators, as a `LossFn` for `Trainer.train_step`.
+
+Normalisation (see `megatron_rl.trainer.core`): a loss function returns its micro-batch's
+*contribution* to the global loss, so every term here is divided by a denominator of the
+whole global batch (`num_tokens` or `num_samples`), never by a micro-batch count; summed
+over micro-batches and data-parallel ranks the contributions give exactly the batch
+objective, whatever the parallel layout. Metrics are contributions in the same sense.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from megatron_rl.algorithms.kl import kl_estimate
+from megatron_rl.algorithms.losses import tis_weights
+from megatron_rl.algorithms.registry import KL_ESTIMATORS, POLICY_LOSSES
+
+if TYPE_CHECKING:  # the algorithms stay importable without the trainer's dependencies
+    from megatron_rl.trainer.core import LossFn, LossInputs
+
+Tensor = torch.Tensor
+
+AGG_MODES: tuple[str, ...] = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def aggregate(per_token: Tensor, mask: Tensor, sample_num_tokens: Tensor, num_tokens: int, num_samples: int,
+              mode: str = "token_mean", norm_len: Optional[float] = None) -> Tensor:
+    """This micro-batch's contribution to the global aggregate of a per-token quantity.
+
+    per_token, mask, sample_num_tokens: [T] (sample_num_tokens[t] = loss tokens of token t's
+    sample); num_tokens, num_samples: loss tokens and samples of the GLOBAL batch. With l the
+    per-token values and m the mask, the modes return (a scalar):
+
+        token_mean               sum(l m) / num_tokens              every token weighs the same
+        seq_mean_token_mean      sum(l m / sample_num_tokens) / num_samples
+                                                                     mean over samples of each sample's token mean
+        seq_mean_token_sum       sum(l m) / num_samples             mean over samples of each sample's token sum
+        seq_mean_token_sum_norm  sum(l m) / (num_samples * norm_len)
+                                                                     Dr. GRPO: token sums over a constant length
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"loss aggregation mode {mode!r} is invalid: allowed values are {', '.join(AGG_MODES)}")
+    masked = per_token * mask.to(per_token.dtype)
+    if mode == "token_mean":
+        return masked.sum() / max(num_tokens, 1)
+    if mode == "seq_mean_token_mean":
+        return (masked / sample_num_tokens.to(per_token.dtype).clamp(min=1)).sum() / max(num_samples, 1)
+    if mode == "seq_mean_token_sum":
+        return masked.sum() / max(num_samples, 1)
+    if norm_len is None or norm_len <= 0:
+        raise ValueError(f"loss aggregation mode seq_mean_token_sum_norm needs norm_len > 0 (a constant such "
+                         f"as the maximum response length), got {norm_len}")
+    return masked.sum() / (max(num_samples, 1) * norm_len)
+
+
+def make_policy_loss_fn(cfg: Any) -> LossFn:
+    """Build the RL loss from an object with `AlgorithmConfig`'s fields (`policy_loss`,
+    `eps_clip`, `eps_clip_high`, `kl_coef`, `kl_estimator`, `entropy_coef`, `loss_agg_mode`),
+    plus two optional attributes read with getattr: `tis_cap` (default 2.0) and
+    `loss_norm_len` (norm_len of `seq_mean_token_sum_norm`, default None).
+
+    The returned function reads from `LossInputs.extras` (all [T], per target):
+        "advantages"        required
+        "old_logprobs"      required: the trainer's log-probs of the policy that sampled
+        "ref_logprobs"      reference model's log-probs; required when kl_coef > 0
+        "rollout_logprobs"  the rollout engine's log-probs; when present the policy loss is
+                            weighted per token by tis_weights(old_logprobs, rollout_logprobs, tis_cap)
+    and `LossInputs.entropy` (required when entropy_coef > 0).
+
+        loss = agg(pg_loss_t * tis_t) + kl_coef * agg(kl_t) - entropy_coef * agg(entropy_t)
+
+    with agg = `aggregate(..., mode=loss_agg_mode)`. ppo_clip clips the ratio to
+    [1 - eps_clip, 1 + eps_clip]; clip_higher, gspo and cispo use [1 - eps_clip, 1 + eps_clip_high].
+    Metrics (contributions to global sums): "loss" and "pg_loss" in the aggregation mode;
+    "clip_frac", "ratio", "ppo_kl" (approx KL(old || current)), "kl" (policy vs reference,
+    when ref_logprobs are given), "entropy" (when given), "tis_weight" and "tis_clip_frac"
+    (when rollout_logprobs are given) as token means over the global batch's loss tokens.
+    """
+    policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
+    KL_ESTIMATORS.get(cfg.kl_estimator)  # fail at build time, not in the first micro-batch
+    mode = cfg.loss_agg_mode
+    if mode not in AGG_MODES:
+        raise ValueError(f"algorithm.loss_agg_mode={mode} is invalid: allowed values are {', '.join(AGG_MODES)}")
+    eps_low = float(cfg.eps_clip)
+    eps_high = eps_low if cfg.policy_loss == "ppo_clip" else float(cfg.eps_clip_high)
+    kl_coef, kl_estimator = float(cfg.kl_coef), cfg.kl_estimator
+    entropy_coef = float(cfg.entropy_coef)
+    tis_cap = float(getattr(cfg, "tis_cap", 2.0))
+    norm_len = getattr(cfg, "loss_norm_len", None)
+    if mode == "seq_mean_token_sum_norm" and (norm_len is None or norm_len <= 0):
+        raise ValueError("loss_agg_mode=seq_mean_token_sum_norm needs loss_norm_len > 0 "
+                         f"(e.g. the maximum response length), got {norm_len}")
+
+    def loss_fn(inp: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        missing = [k for k in ("advantages", "old_logprobs") if k not in inp.extras]
+        if missing:
+            raise ValueError(f"the policy loss needs extras {missing}; samples carry {sorted(inp.extras)}")
+        mask = inp.loss_mask.to(inp.logprobs.dtype)
+
+        def agg(values: Tensor, how: str = mode) -> Tensor:
+            return aggregate(values, mask, inp.sample_num_tokens, inp.num_tokens, inp.num_samples, how, norm_len)
+
+        def token_mean(values: Tensor) -> Tensor:
+            return agg(values.detach().to(mask.dtype), "token_mean")
+
+        old = inp.extras["old_logprobs"]
+        per_token, token_metrics = policy_loss(inp.logprobs, old, inp.extras["advantages"], eps_low=eps_low,
+                                               eps_high=eps_high, loss_mask=mask, sample_ids=inp.sample_ids)
+        metrics = {"clip_frac": token_mean(token_metrics["clipped"]), "ratio": token_mean(token_metrics["ratio"]),
+                   "ppo_kl": token_mean(token_metrics["approx_kl"])}
+        if "rollout_logprobs" in inp.extras:
+            rollout = inp.extras["rollout_logprobs"]
+            weights = tis_weights(old, rollout, tis_cap)
+            per_token = per_token * weights
+            metrics["tis_weight"] = token_mean(weights)
+            metrics["tis_clip_frac"] = token_mean((old - rollout) > math.log(tis_cap))
+        pg_loss = agg(per_token)
+        loss = pg_loss
+        if "ref_logprobs" in inp.extras:
+            kl = kl_estimate(inp.logprobs, inp.extras["ref_logprobs"], kl_estimator)
+            metrics["kl"] = token_mean(kl)
+            if kl_coef > 0:
+                loss = loss + kl_coef * agg(kl)
+        elif kl_coef > 0:
+            raise ValueError(f"kl_coef={kl_coef} needs extras['ref_logprobs'] (the reference model's log-probs); "
+                             "compute them or set algorithm.kl_coef=0")
+        if inp.entropy is not None:
+            metrics["entropy"] = token_mean(inp.entropy)
+            if entropy_coef > 0:
+                loss = loss - entropy_coef * agg(inp.entropy)
+        elif entropy_coef > 0:
+            raise ValueError(f"entropy_coef={entropy_coef} needs LossInputs.entropy: call "
+                             "train_step(..., with_entropy=True) or set algorithm.entropy_coef=0")
+        metrics["pg_loss"] = pg_loss.detach()
+        metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    return loss_fn

@@ -1,0 +1,73 @@
+"""Rule-based verifiers: extract the final answer of a completion, normalise it, compare.
+
+Extraction order: the last `\\boxed{...}` (balanced braces), else the text after the last
+`####`, else the last number in the text. Normalisation drops `$`, spaces, thousands
+separators and a trailing period, and turns `a/b` and decimals into numbers; two answers
+match when both are numbers within `tol` (relative, with an absolute floor) or the strings
+are equal.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Optional
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def _last_boxed(text: str) -> Optional[str]:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def extract_final_answer(text: str) -> Optional[str]:
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip().split("\n", 1)[0]
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
+def normalize(answer: str) -> str:
+    answer = answer.strip().replace("$", "").replace(" ", "").replace("\\!", "")
+    answer = re.sub(r"(?<=\d),(?=\d{3})", "", answer)
+    answer = re.sub(r"\\(?:text|mathrm)\{([^}]*)\}", r"\1", answer)
+    answer = re.sub(r"\\[dt]?frac\{([^}]*)\}\{([^}]*)\}", r"\1/\2", answer)
+    return answer.rstrip(".")
+
+
+def as_number(answer: str) -> Optional[float]:
+    if not re.fullmatch(r"-?\d+(?:\.\d+)?(?:/-?\d+)?", answer):
+        return None
+    try:
+        return float(Fraction(answer))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_match(predicted: str, reference: str, tol: float = 1e-6) -> bool:
+    p, r = normalize(predicted), normalize(reference)
+    pn, rn = as_number(p), as_number(r)
+    if pn is not None and rn is not None:
+        return abs(pn - rn) <= tol * max(1.0, abs(rn))
+    return p == r
+
+
+def math_reward(completion: str, reference: str, tol: float = 1e-6) -> float:
+    """1.0 when the completion's final answer matches the reference answer, else 0.0."""
+    predicted = extract_final_answer(completion)
+    return 1.0 if predicted is not None and answers_match(predicted, reference, tol) else 0.0
+
+
+def exact_match(completion: str, reference: str) -> float:
+    return 1.0 if completion.strip() == reference.strip() else 0.0

@@ -1,0 +1,98 @@
+"""Sandbox verifiers: the reward comes from really executing model output in the sandbox
+service, through the client (deadline per call; a late or failed verification is a 0
+reward and is counted, never a hung step).
+
+- `CountdownVerifier`: the expressions of a whole batch run in ONE sandbox execution (a
+  small script evaluates each and checks the numbers used), so a step costs one round trip.
+  Expressions are screened first (characters of the task only, no `**`), so evaluation is
+  bounded; the sandbox's limits bound it anyway.
+- `TestsVerifier`: a task's tests run against each candidate (`Verify`: passed / total).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+_SCREEN = re.compile(r"[0-9+\-*() ]{1,64}")
+
+COUNTDOWN_SCRIPT = r'''
+import json, re, sys
+from collections import Counter
+out = []
+for item in json.load(open("candidates.json")):
+    try:
+        value = eval(item["expr"], {"__builtins__": {}}, {})
+        used = Counter(int(t) for t in re.findall(r"\d+", item["expr"]))
+        ok = (isinstance(value, int) and value == item["target"] and sum(used.values()) >= 2
+              and not (used - Counter(item["numbers"])))
+    except Exception:
+        ok = False
+    out.append(1.0 if ok else 0.0)
+print(json.dumps(out))
+'''
+
+
+def screen_countdown(expr: str) -> bool:
+    expr = expr.strip()
+    return bool(_SCREEN.fullmatch(expr)) and "**" not in expr
+
+
+class CountdownVerifier:
+    def __init__(self, client: Any, deadline_s: float = 60.0, limits: dict | None = None) -> None:
+        self.client = client
+        self.deadline_s = deadline_s
+        self.limits = limits or {"wall_time_s": 20, "cpu_time_s": 20, "memory_bytes": 256 * 2**20}
+        self.errors = 0
+
+    async def score(self, items: Sequence[tuple[dict, str]]) -> list[float]:
+        """items: (problem {"numbers", "target"}, completion text) -> rewards."""
+        exprs = [c.strip().split("\n", 1)[0].strip() for _, c in items]
+        todo = [i for i, e in enumerate(exprs) if screen_countdown(e)]
+        rewards = [0.0] * len(items)
+        if not todo:
+            return rewards
+        payload = [{"expr": exprs[i], "numbers": list(items[i][0]["numbers"]), "target": items[i][0]["target"]}
+                   for i in todo]
+        result = await self.client.execute(["python3", "verify.py"], {"verify.py": COUNTDOWN_SCRIPT,
+                                                                     "candidates.json": json.dumps(payload)},
+                                           limits=self.limits, deadline_s=self.deadline_s)
+        try:
+            scores = json.loads(result.stdout)
+            assert len(scores) == len(todo)
+        except (ValueError, AssertionError):
+            self.errors += 1
+            logger.warning("countdown verification failed (%s); %d rewards set to 0",
+                           result.message or result.stderr[-200:], len(todo))
+            return rewards
+        for i, s in zip(todo, scores):
+            rewards[i] = float(s)
+        return rewards
+
+
+class TestsVerifier:
+    def __init__(self, client: Any, deadline_s: float = 120.0, limits: dict | None = None,
+                 max_concurrency: int = 32) -> None:
+        self.client = client
+        self.deadline_s = deadline_s
+        self.limits = limits or {}
+        self.semaphore = asyncio.Semaphore(max_concurrency)
+        self.errors = 0
+
+    async def score(self, items: Sequence[tuple[dict, str]]) -> list[float]:
+        """items: (task {"files": {path: text}, "tests": [TestCase dicts], "solution_path"}, completion)."""
+        async def one(task: dict, completion: str) -> float:
+            files = dict(task.get("files", {}))
+            files[task.get("solution_path", "solution.py")] = completion
+            async with self.semaphore:
+                result = await self.client.verify(files, task["tests"], limits=self.limits,
+                                                  deadline_s=self.deadline_s)
+            if result.total == 0 or not result.server:
+                self.errors += 1
+            return float(result.reward)
+        return list(await asyncio.gather(*(one(t, c) for t, c in items)))

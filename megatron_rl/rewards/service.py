@@ -1,0 +1,73 @@
+"""Reward computation off the training thread: verifiers run on a background asyncio loop,
+so rewards of finished samples are computed while other samples still generate; the RL
+loop collects them (with a deadline) after generation.
+
+Also starts a sandbox server for a local run when no address is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class RewardService:
+    def __init__(self, verifier_factory) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rewards", daemon=True)
+        self.thread.start()
+        self.verifier = asyncio.run_coroutine_threadsafe(_build(verifier_factory), self.loop).result()
+
+    def submit(self, items: Sequence[tuple[Any, str]]) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(self.verifier.score(list(items)), self.loop)
+
+    def close(self) -> None:
+        client = getattr(self.verifier, "client", None)
+        if client is not None:
+            asyncio.run_coroutine_threadsafe(client.close(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+async def _build(factory):
+    return factory()
+
+
+def start_local_sandbox(run_dir: Path, runtime: str, allow_unisolated: bool, capacity: int = 2,
+                        timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """Start a sandbox server for this run (discovery file under run_dir/sandbox/)."""
+    args = [sys.executable, "-m", "megatron_rl_sandbox.server", "--address", "127.0.0.1:0", "--runtime", runtime,
+            "--run-dir", str(run_dir), "--capacity", str(capacity)]
+    if allow_unisolated:
+        args.append("--allow-unisolated")
+    log = open(Path(run_dir) / "logs" / "sandbox-server.log", "w")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True)
+    deadline = time.monotonic() + timeout_s
+    line = proc.stdout.readline()
+    while not line.startswith("{"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the local sandbox server did not start; see {log.name}")
+        line = proc.stdout.readline()
+    import json
+
+    address = json.loads(line)["address"]
+    logger.info("local sandbox server (%s) on %s", runtime, address)
+    return proc, address
+
+
+def stop_local_sandbox(proc: Optional[subprocess.Popen]) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -1,0 +1,60 @@
+"""KL estimators k1, k2, k3 against hand-computed values and exact expectations."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_rl.algorithms import KL_ESTIMATORS
+from megatron_rl.algorithms.kl import k1, k2, k3, kl_estimate, kl_penalized_rewards
+
+LOGP = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64)
+REF = torch.tensor([-1.5, -1.0, -0.5], dtype=torch.float64)
+
+
+def test_tokenwise_values():
+    assert torch.allclose(k1(LOGP, REF), torch.tensor([0.5, -1.0, 0.0], dtype=torch.float64))
+    assert torch.allclose(k2(LOGP, REF), torch.tensor([0.125, 0.5, 0.0], dtype=torch.float64))
+    # x = ref - logp = -0.5, 1, 0:  exp(x) - x - 1
+    expected = [math.exp(-0.5) + 0.5 - 1, math.e - 2, 0.0]
+    assert torch.allclose(k3(LOGP, REF), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_k1_and_k3_are_unbiased_for_reverse_kl():
+    # Enumerate a two-token vocabulary: E_{y~p}[k(y)] against KL(p || q) written out by hand.
+    p = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    q = torch.tensor([0.25, 0.75], dtype=torch.float64)
+    reverse_kl = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    for estimator in (k1, k3):
+        assert math.isclose(float((p * estimator(p.log(), q.log())).sum()), reverse_kl, rel_tol=1e-12)
+    # k2 is biased: 0.5 * (0.5 * ln(2)^2 + 0.5 * ln(2/3)^2)
+    expected_k2 = 0.25 * (math.log(2) ** 2 + math.log(2 / 3) ** 2)
+    assert math.isclose(float((p * k2(p.log(), q.log())).sum()), expected_k2, rel_tol=1e-12)
+
+
+def test_k3_is_non_negative_and_finite_for_extreme_ratios():
+    out = k3(torch.tensor([-100.0, 0.0, -3.0]), torch.tensor([0.0, -100.0, -3.0]))
+    assert torch.isfinite(out).all() and (out >= 0).all()
+
+
+def test_clamp_and_estimator_names():
+    assert torch.allclose(kl_estimate(LOGP, REF, "k1", clamp=0.6), torch.tensor([0.5, -0.6, 0.0], dtype=torch.float64))
+    assert KL_ESTIMATORS.names() == ["k1", "k2", "k3"]
+    with pytest.raises(ValueError, match="valid names are k1, k2, k3"):
+        kl_estimate(LOGP, REF, "k4")
+    with pytest.raises(ValueError, match="same shape"):
+        kl_estimate(LOGP, REF[:2], "k1")
+
+
+def test_kl_loss_gradients_flow_through_logprobs():
+    logp = LOGP.clone().requires_grad_(True)
+    k2(logp, REF).sum().backward()
+    assert torch.allclose(logp.grad, LOGP - REF)  # d/dx 0.5 (x - r)^2
+
+
+def test_kl_penalized_rewards_are_detached():
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    out = kl_penalized_rewards(torch.tensor([[0.0, 1.0]]), logp, torch.tensor([[-1.5, -0.5]]),
+                               torch.tensor([[1.0, 1.0]]), kl_coef=0.1, estimator="k1")
+    assert not out.requires_grad
+    assert torch.allclose(out, torch.tensor([[-0.05, 1.05]]))

@@ -1,0 +1,170 @@
+"""Loss aggregation modes and the full RL objective against hand-computed values."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_rl.algorithms import POLICY_LOSSES, aggregate, make_policy_loss_fn
+from megatron_rl.trainer.core import LossInputs
+
+D = torch.float64
+
+
+def _cfg(**overrides):
+    fields = dict(policy_loss="ppo_clip", eps_clip=0.2, eps_clip_high=0.28, kl_coef=0.0, kl_estimator="k1",
+                  entropy_coef=0.0, loss_agg_mode="token_mean")
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def _inputs(logprobs, mask, sample_ids, num_tokens, num_samples, entropy=None, **extras):
+    mask = torch.tensor(mask, dtype=D)
+    ids = torch.tensor(sample_ids)
+    counts = {int(i): float(mask[ids == i].sum()) for i in ids.unique()}
+    return LossInputs(logprobs=logprobs, entropy=entropy, loss_mask=mask, sample_ids=ids,
+                      sample_num_tokens=torch.tensor([counts[int(i)] for i in ids], dtype=D),
+                      extras={k: torch.tensor(v, dtype=D) for k, v in extras.items()},
+                      num_tokens=num_tokens, num_samples=num_samples)
+
+
+# One micro-batch of a larger global batch (10 loss tokens, 4 samples): sample 0 has loss
+# values 1, 2 (and a masked 3), sample 1 has 4, 5, 6.
+PER_TOKEN = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], dtype=D)
+MASK = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0], dtype=D)
+SAMPLE_TOKENS = torch.tensor([2.0, 2.0, 2.0, 3.0, 3.0, 3.0], dtype=D)
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("token_mean", 18 / 10),                        # (1 + 2 + 4 + 5 + 6) / num_tokens
+    ("seq_mean_token_sum", 18 / 4),                 # token sums 3 and 15, / num_samples
+    ("seq_mean_token_mean", (3 / 2 + 15 / 3) / 4),  # sample means 1.5 and 5, / num_samples
+    ("seq_mean_token_sum_norm", 18 / (4 * 6)),      # Dr. GRPO: / (num_samples * norm_len)
+])
+def test_aggregation_modes(mode, expected):
+    got = aggregate(PER_TOKEN, MASK, SAMPLE_TOKENS, num_tokens=10, num_samples=4, mode=mode, norm_len=6)
+    assert math.isclose(float(got), expected, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("token_mean", 21 / 6), ("seq_mean_token_sum", 21 / 3), ("seq_mean_token_mean", (1.5 + 4.0 + 6.0) / 3)])
+def test_micro_batch_contributions_sum_to_the_global_aggregate(mode, expected):
+    # global batch: A = [1, 2], B = [3, 4, 5], C = [6]; micro-batches [A] and [B, C].
+    parts = [(torch.tensor([1.0, 2.0], dtype=D), torch.tensor([2.0, 2.0], dtype=D)),
+             (torch.tensor([3.0, 4.0, 5.0, 6.0], dtype=D), torch.tensor([3.0, 3.0, 3.0, 1.0], dtype=D))]
+    total = sum(float(aggregate(values, torch.ones_like(values), counts, 6, 3, mode)) for values, counts in parts)
+    assert math.isclose(total, expected, rel_tol=1e-12)
+
+
+def test_aggregate_rejects_unknown_mode_and_missing_norm_len():
+    with pytest.raises(ValueError, match="allowed values are token_mean"):
+        aggregate(PER_TOKEN, MASK, SAMPLE_TOKENS, 10, 4, mode="mean")
+    with pytest.raises(ValueError, match="norm_len"):
+        aggregate(PER_TOKEN, MASK, SAMPLE_TOKENS, 10, 4, mode="seq_mean_token_sum_norm")
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo_clip", "clip_higher", "gspo", "cispo"])
+def test_on_policy_loss_is_minus_mean_advantage(policy_loss):
+    values = [-1.0, -2.0, -0.5, -1.5, -0.7]
+    adv = [1.0, 2.0, 3.0, -1.0, 0.5]
+    logp = torch.tensor(values, dtype=D, requires_grad=True)
+    inp = _inputs(logp, [1, 1, 0, 1, 1], [0, 0, 0, 1, 1], num_tokens=4, num_samples=2,
+                  advantages=adv, old_logprobs=values)
+    loss, metrics = make_policy_loss_fn(_cfg(policy_loss=policy_loss))(inp)
+    if policy_loss != "cispo":  # CISPO's value is -w A logp; its gradient is the same
+        assert math.isclose(float(metrics["pg_loss"]), -(1.0 + 2.0 - 1.0 + 0.5) / 4, rel_tol=1e-12)
+    assert float(metrics["clip_frac"]) == 0.0
+    assert math.isclose(float(metrics["ratio"]), 1.0, rel_tol=1e-12)  # 4 tokens of ratio 1, / 4
+    assert abs(float(metrics["ppo_kl"])) < 1e-15
+    loss.backward()
+    expected_grad = torch.tensor([-1.0, -2.0, 0.0, 1.0, -0.5], dtype=D) / 4  # -A m / num_tokens
+    assert torch.allclose(logp.grad, expected_grad)
+
+
+# Ratio 1 everywhere; token 3 is masked. TIS weights 0.5, 1, 3 -> capped at 2; k1 = logp - ref.
+LOGP = [-1.0, -2.0, -0.5, -1.5]
+FULL = dict(advantages=[1.0, -1.0, 2.0, 0.5], old_logprobs=LOGP, ref_logprobs=[-1.5, -2.0, -1.0, -1.5],
+            rollout_logprobs=[-1.0 - math.log(0.5), -2.0, -0.5 - math.log(3.0), -1.5])
+ENTROPY = [0.2, 0.4, 0.6, 9.0]
+
+
+def _full_inputs(logp):
+    return _inputs(logp, [1, 1, 1, 0], [0, 0, 1, 1], num_tokens=3, num_samples=2,
+                   entropy=torch.tensor(ENTROPY, dtype=D), **FULL)
+
+
+def test_full_objective_token_mean():
+    logp = torch.tensor(LOGP, dtype=D, requires_grad=True)
+    loss_fn = make_policy_loss_fn(_cfg(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01))
+    loss, metrics = loss_fn(_full_inputs(logp))
+    pg = (-1.0 * 0.5 + 1.0 * 1.0 - 2.0 * 2.0) / 3  # -A * w over 3 loss tokens
+    kl = (0.5 + 0.0 + 0.5) / 3
+    entropy = (0.2 + 0.4 + 0.6) / 3
+    assert math.isclose(float(metrics["pg_loss"]), pg, rel_tol=1e-12)
+    assert math.isclose(float(loss.detach()), pg + 0.1 * kl - 0.01 * entropy, rel_tol=1e-12)
+    assert math.isclose(float(metrics["loss"]), float(loss.detach()), rel_tol=1e-12)
+    assert math.isclose(float(metrics["kl"]), kl, rel_tol=1e-12)
+    assert math.isclose(float(metrics["entropy"]), entropy, rel_tol=1e-12)
+    assert math.isclose(float(metrics["tis_weight"]), (0.5 + 1.0 + 2.0) / 3, rel_tol=1e-12)
+    assert math.isclose(float(metrics["tis_clip_frac"]), 1 / 3, rel_tol=1e-12)
+    loss.backward()
+    # pg: -A w per token; k1 adds kl_coef per loss token; the entropy tensor is an input here.
+    expected = torch.tensor([-0.5 + 0.1, 1.0 + 0.1, -4.0 + 0.1, 0.0], dtype=D) / 3
+    assert torch.allclose(logp.grad, expected)
+
+
+def test_full_objective_seq_mean_token_mean():
+    logp = torch.tensor(LOGP, dtype=D, requires_grad=True)
+    loss_fn = make_policy_loss_fn(_cfg(kl_coef=0.1, entropy_coef=0.01, loss_agg_mode="seq_mean_token_mean"))
+    loss, metrics = loss_fn(_full_inputs(logp))
+    pg = ((-0.5 + 1.0) / 2 + (-4.0) / 1) / 2   # sample means, / num_samples
+    kl = ((0.5 + 0.0) / 2 + 0.5 / 1) / 2
+    entropy = ((0.2 + 0.4) / 2 + 0.6 / 1) / 2
+    assert math.isclose(float(metrics["pg_loss"]), pg, rel_tol=1e-12)
+    assert math.isclose(float(loss.detach()), pg + 0.1 * kl - 0.01 * entropy, rel_tol=1e-12)
+    assert math.isclose(float(metrics["kl"]), 1 / 3, rel_tol=1e-12)  # diagnostics stay token means
+
+
+def test_ppo_clip_uses_eps_clip_on_both_sides_and_the_others_eps_clip_high():
+    old = [0.0]
+    logp = [math.log(1.25)]  # inside clip_higher's 1.28, outside ppo_clip's 1.2
+    for policy_loss, clip_frac in (("ppo_clip", 1.0), ("clip_higher", 0.0), ("cispo", 0.0)):
+        inp = _inputs(torch.tensor(logp, dtype=D), [1], [0], 1, 1, advantages=[1.0], old_logprobs=old)
+        _, metrics = make_policy_loss_fn(_cfg(policy_loss=policy_loss))(inp)
+        assert float(metrics["clip_frac"]) == clip_frac, policy_loss
+
+
+def test_objective_errors_name_the_missing_input():
+    logp = torch.tensor(LOGP, dtype=D)
+    base = _inputs(logp, [1, 1, 1, 0], [0, 0, 1, 1], 3, 2, advantages=FULL["advantages"], old_logprobs=LOGP)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        make_policy_loss_fn(_cfg(kl_coef=0.1))(base)
+    with pytest.raises(ValueError, match="with_entropy=True"):
+        make_policy_loss_fn(_cfg(entropy_coef=0.1))(base)
+    with pytest.raises(ValueError, match="old_logprobs"):
+        make_policy_loss_fn(_cfg())(_inputs(logp, [1, 1, 1, 0], [0, 0, 1, 1], 3, 2, advantages=LOGP))
+    with pytest.raises(ValueError, match="valid names are"):
+        make_policy_loss_fn(_cfg(policy_loss="ppo"))
+    with pytest.raises(ValueError, match="valid names are k1, k2, k3"):
+        make_policy_loss_fn(_cfg(kl_estimator="k5"))
+    with pytest.raises(ValueError, match="loss_norm_len"):
+        make_policy_loss_fn(_cfg(loss_agg_mode="seq_mean_token_sum_norm"))
+
+
+def test_dr_grpo_norm_len_and_tis_cap_are_read_from_the_config():
+    logp = torch.tensor(LOGP, dtype=D)
+    inp = _full_inputs(logp)
+    cfg = _cfg(loss_agg_mode="seq_mean_token_sum_norm", loss_norm_len=8, tis_cap=10.0)
+    _, metrics = make_policy_loss_fn(cfg)(inp)
+    # weights 0.5, 1, 3 (uncapped at 10): (-0.5 + 1 - 6) / (2 samples * 8)
+    assert math.isclose(float(metrics["pg_loss"]), -5.5 / 16, rel_tol=1e-12)
+
+
+def test_accepts_the_algorithm_config_dataclass():
+    from megatron_rl.config.schema import AlgorithmConfig
+
+    for name in POLICY_LOSSES.names():
+        cfg = AlgorithmConfig(policy_loss=name, kl_coef=0.05, entropy_coef=0.001)
+        loss, metrics = make_policy_loss_fn(cfg)(_full_inputs(torch.tensor(LOGP, dtype=D)))
+        assert torch.isfinite(loss) and {"loss", "pg_loss", "kl", "entropy", "clip_frac"} <= set(metrics)
