@@ -42,7 +42,36 @@ class Runtime:
         return self.env.rank == 0
 
     def close(self) -> None:
+        from megatron_rl.rewards.service import stop_local_sandbox
+
         self.writer.close()
+        stop_local_sandbox(getattr(self, "sandbox_proc", None))
+
+
+def sandbox_addresses(rt: Runtime, timeout_s: float = 120.0) -> list[str]:
+    """The sandbox servers of this run: `sandbox.address`, the servers registered under
+    `<run_dir>/sandbox/` (e.g. by the Slurm script), or one that rank 0 starts here."""
+    import torch.distributed as dist
+
+    from megatron_rl.rewards.service import start_local_sandbox
+    from megatron_rl_sandbox.client import discover
+
+    cfg = rt.cfg.sandbox
+    if cfg.address:
+        return [a.strip() for a in cfg.address.split(",") if a.strip()]
+    found = discover(rt.run_dir)
+    if not found:
+        if rt.is_main:
+            rt.sandbox_proc, _ = start_local_sandbox(rt.run_dir, cfg.runtime, cfg.allow_unisolated,
+                                                     capacity=cfg.num_workers)
+        if dist.is_initialized():
+            dist.barrier()
+        deadline = time.monotonic() + timeout_s
+        while not (found := discover(rt.run_dir)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no sandbox server registered under {rt.run_dir / 'sandbox'}")
+            time.sleep(0.2)
+    return found
 
 
 def load_validated(overrides: Sequence[str], world_size: int, check: Optional[Callable] = None):
@@ -185,6 +214,7 @@ def _become_rank(cfg, env, job_name: str) -> Runtime:
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
 
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no INFO lines from gRPC's fork handlers
     device = mdist.resolve_device(cfg.cluster.device, env.local_rank)
     if device.type == "cpu":
         for pattern in _EXPECTED_CPU_WARNINGS:
@@ -199,6 +229,8 @@ def _become_rank(cfg, env, job_name: str) -> Runtime:
     cfg.run_dir = str(run_path)
     (run_path / "logs").mkdir(parents=True, exist_ok=True)
     init_logger(env.rank, cfg.logging.level, run_path / "logs" / f"rank{env.rank}.log")
+    if cfg.logging.level != "DEBUG":  # megatron-core logs whole config objects at INFO
+        logging.getLogger("megatron.core").setLevel(logging.WARNING)
     if env.rank == 0:
         _save_config(cfg, run_path)
     groups = state.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, ep=cfg.parallel.ep,

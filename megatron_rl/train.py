@@ -1,37 +1,152 @@
 """The main job: `python -m megatron_rl.train [overrides]` (or `sbatch slurm/run.sh [overrides]`).
 
-Until the RL loop lands this runs the supervised warm start (`mode=sft`) on the same
-trainer; `mode=rl` is refused at validation, before anything starts.
+`mode=rl` (the default): an optional supervised warm start, then per step
+    rollout (colocated: offload trainer -> weight sync -> generate) -> rewards (async)
+    -> advantages -> old log-probs -> policy update(s) -> eval / checkpoint / metrics.
+`mode=sft` runs the supervised entry point (`megatron_rl.sft`) instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
+import time
 from typing import Sequence
 
+import torch
+
 from megatron_rl import runtime
-from megatron_rl.sft import check_sft_config, run_sft
+
+logger = logging.getLogger(__name__)
+SUMMARY = {"reward/mean": "reward", "eval/accuracy": "eval", "ppo_kl": "kl", "entropy": "ent",
+           "clip_frac": "clip", "response_length/mean": "len", "tokens_per_s": "tok/s", "time/step": "time"}
 
 
 def check_train_config(cfg) -> None:
     from megatron_rl.config import ConfigError
+    from megatron_rl.sft import check_sft_config
 
-    if cfg.mode == "rl":
-        raise ConfigError("mode=rl is not available yet: the RL loop is not implemented in this version; "
-                          "use mode=sft")
-    check_sft_config(cfg)
+    if cfg.mode == "sft":
+        return check_sft_config(cfg)
+    if cfg.rollout.backend != "hf":
+        raise ConfigError(f"rollout.backend={cfg.rollout.backend}: the RL loop drives the hf backend in this "
+                          "version (the sglang backend is exercised by its own tests); use rollout.backend=hf")
+    if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
+        raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
+                          f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}")
+
+
+def build(rt):
+    """Everything one RL run holds: tokenizer, task, trainer, engine, colocation, rewards."""
+    from megatron_rl.algorithms.objective import make_policy_loss_fn
+    from megatron_rl.checkpoint.manager import CheckpointManager
+    from megatron_rl.colocate.controller import ColocationController
+    from megatron_rl.data.sampler import EpochSampler
+    from megatron_rl.data.tasks import Task
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.rewards.service import RewardService
+    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.trainer.core import Trainer, TrainerOptions
+
+    cfg = rt.cfg
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    task = Task(cfg.task, tokenizer)
+    trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, TrainerOptions(
+        micro_batch_tokens=cfg.micro_batch_tokens, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        deterministic=cfg.deterministic, total_steps=cfg.num_steps * cfg.algorithm.num_inner_updates,
+        pad_token_id=tokenizer.pad_token_id, logprob_temperature=cfg.rollout.temperature))
+    engine = HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    engine.release_memory()  # the controller resumes it for each rollout
+    controller = ColocationController(trainer, engine)
+    controller.log_memory_plan()
+    addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
+    rewards = RewardService(task.verifier_factory(addresses))
+    train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
+    return dict(tokenizer=tokenizer, task=task, trainer=trainer, engine=engine, controller=controller,
+                rewards=rewards, loss_fn=make_policy_loss_fn(cfg.algorithm), train=train_prompts, eval=eval_prompts,
+                sampler=EpochSampler(len(train_prompts), cfg.seed),
+                checkpoints=CheckpointManager(cfg.checkpoint, rt.run_dir, trainer, cfg, cfg.num_steps, tokenizer))
+
+
+def run_rl(rt) -> dict[str, float]:
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from megatron_rl.observability import format_step_summary
+    from megatron_rl.rl_step import evaluate, rl_step, warm_start
+
+    cfg, parts = rt.cfg, build(rt)
+    resumed = parts["checkpoints"].resume()
+    if resumed is None:
+        parts["trainer"].initialize_weights()
+        warm_start(rt, parts)
+        parts["trainer"].reset_optimizer(cfg.optimizer, cfg.num_steps * cfg.algorithm.num_inner_updates)
+        start_step, history = 0, {"sft_eval": evaluate(rt, parts, step=0)}
+    if cfg.algorithm.kl_coef > 0:  # reference = the policy RL started from (kept in host memory)
+        parts["reference"] = parts["trainer"].snapshot_weights() if resumed is None else resumed["reference"]
+    else:
+        parts["sampler"].load_state_dict(resumed["sampler"])
+        start_step, history = resumed["rl_step"], resumed["history"]
+        rt.writer.rewind(start_step)
+    show = rt.is_main and cfg.logging.progress
+    bar = tqdm(range(start_step, cfg.num_steps), desc="rl", unit="step", initial=start_step, total=cfg.num_steps,
+               disable=not show)
+    metrics: dict[str, float] = {}
+    with logging_redirect_tqdm() if show else contextlib.nullcontext():
+        for step in bar:
+            start = time.perf_counter()
+            metrics = rl_step(rt, parts, step)
+            if (cfg.task.eval_every and (step + 1) % cfg.task.eval_every == 0) or step == cfg.num_steps - 1:
+                metrics.update(evaluate(rt, parts, step=step + 1))
+            metrics["time/step"] = time.perf_counter() - start
+            rt.writer.log(step, metrics)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+            if step % cfg.logging.log_every == 0 or step == cfg.num_steps - 1:
+                logger.info(format_step_summary(step, metrics, SUMMARY))
+            parts["checkpoints"].after_step(step + 1, lambda: {"sampler": parts["sampler"].state_dict(),
+                                                                "rl_step": step + 1, "history": history,
+                                                                "reference": parts.get("reference")})
+    finish_rl(rt, parts, history)
+    return metrics
+
+
+def finish_rl(rt, parts, history) -> None:
+    from megatron_rl.observability import read_metrics
+    from megatron_rl.observability.plots import plot_metrics
+
+    parts["rewards"].close()
+    if not rt.is_main:
+        return
+    rows = read_metrics(rt.run_dir / "metrics.jsonl")
+    plot_metrics(rt.run_dir / "metrics.jsonl", rt.run_dir / "plots",
+                 ["reward/mean", "eval/accuracy", "eval/pass@k", "ppo_kl", "entropy", "tokens_per_s", "time/step"])
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    if rewards:
+        k = max(1, len(rewards) // 10)
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        final_eval = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+        logger.info("training reward: first 10%% of steps %.3f -> last 10%% %.3f (x%.2f); held-out accuracy: "
+                    "after warm start %.3f -> after RL %.3f; run directory %s", first, last,
+                    last / max(first, 1e-9), history["sft_eval"]["eval/accuracy"],
+                    final_eval[-1] if final_eval else float("nan"), rt.run_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    rt = runtime.start(list(sys.argv[1:] if argv is None else argv), "megatron_rl.train",
-                       check=check_train_config)
+    rt = runtime.start(list(sys.argv[1:] if argv is None else argv), "megatron_rl.train", check=check_train_config)
     if rt is None:
         return
     try:
-        run_sft(rt)
+        if rt.cfg.mode == "sft":
+            from megatron_rl.sft import run_sft
+
+            run_sft(rt)
+        else:
+            run_rl(rt)
     finally:
         runtime.finish(rt)
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(torch.get_num_threads())
     main()

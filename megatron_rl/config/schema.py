@@ -360,13 +360,27 @@ class AlgorithmConfig:
     GROUP_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo")
     POLICY_LOSSES: ClassVar[tuple[str, ...]] = ("ppo_clip", "clip_higher", "gspo", "cispo")
     KL_ESTIMATORS: ClassVar[tuple[str, ...]] = ("k1", "k2", "k3")
-    LOSS_AGG_MODES: ClassVar[tuple[str, ...]] = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+    LOSS_AGG_MODES: ClassVar[tuple[str, ...]] = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
+                                                 "seq_mean_token_sum_norm")
+    OLD_LOGPROBS: ClassVar[tuple[str, ...]] = ("recompute", "rollout")
+
+    tis_cap: float = 2.0
+    """Cap of the truncated importance-sampling weight that corrects rollout/training log-prob mismatch."""
+    old_logprobs: str = "recompute"
+    """recompute (the trainer's forward before the update) or rollout (the engine's log-probs)."""
+    loss_norm_len: Optional[int] = None
+    """Constant length normaliser for loss_agg_mode=seq_mean_token_sum_norm (Dr. GRPO)."""
 
     def __post_init__(self) -> None:
         _check_choice("algorithm.advantage_estimator", self.advantage_estimator, self.ADVANTAGE_ESTIMATORS)
         _check_choice("algorithm.policy_loss", self.policy_loss, self.POLICY_LOSSES)
         _check_choice("algorithm.kl_estimator", self.kl_estimator, self.KL_ESTIMATORS)
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, self.LOSS_AGG_MODES)
+        _check_choice("algorithm.old_logprobs", self.old_logprobs, self.OLD_LOGPROBS)
+        _check_min("algorithm.tis_cap", self.tis_cap, 1.0)
+        if self.loss_agg_mode == "seq_mean_token_sum_norm" and not self.loss_norm_len:
+            raise _invalid("algorithm.loss_norm_len", self.loss_norm_len,
+                           "loss_agg_mode=seq_mean_token_sum_norm needs a constant length, e.g. rollout.max_new_tokens")
         _check_min("algorithm.eps_clip", self.eps_clip, 0, strict=True)
         _check_min("algorithm.eps_clip_high", self.eps_clip_high, 0, strict=True)
         if self.policy_loss == "clip_higher" and self.eps_clip_high < self.eps_clip:
@@ -398,8 +412,21 @@ class TaskConfig:
 
     TYPES: ClassVar[tuple[str, ...]] = ("countdown", "math", "jsonl")
 
+    eval_every: int = 10
+    """RL steps between evaluations on the held-out split (0: only at the end)."""
+    eval_samples: int = 4
+    """Samples per held-out prompt at evaluation (pass@k uses k = this)."""
+    sft_warmup_steps: int = 0
+    """Supervised steps on the task's reference answers before RL (a warm start; 0: none)."""
+    sft_warmup_lr: float = 1e-3
+    """Learning rate of the warm start."""
+
     def __post_init__(self) -> None:
         _check_choice("task.type", self.type, self.TYPES)
+        _check_min("task.eval_every", self.eval_every, 0)
+        _check_min("task.eval_samples", self.eval_samples, 1)
+        _check_min("task.sft_warmup_steps", self.sft_warmup_steps, 0)
+        _check_min("task.sft_warmup_lr", self.sft_warmup_lr, 0, strict=True)
         if self.type == "jsonl" and not self.path:
             raise ValueError("task.path=null is invalid for task.type=jsonl: set task.path=<file.jsonl>")
         _check_min("task.num_train", self.num_train, 1)

@@ -49,6 +49,7 @@ class CountdownVerifier:
         self.deadline_s = deadline_s
         self.limits = limits or {"wall_time_s": 20, "cpu_time_s": 20, "memory_bytes": 256 * 2**20}
         self.errors = 0
+        self.calls = 0
 
     async def score(self, items: Sequence[tuple[dict, str]]) -> list[float]:
         """items: (problem {"numbers", "target"}, completion text) -> rewards."""
@@ -57,6 +58,7 @@ class CountdownVerifier:
         rewards = [0.0] * len(items)
         if not todo:
             return rewards
+        self.calls += 1
         payload = [{"expr": exprs[i], "numbers": list(items[i][0]["numbers"]), "target": items[i][0]["target"]}
                    for i in todo]
         result = await self.client.execute(["python3", "verify.py"], {"verify.py": COUNTDOWN_SCRIPT,

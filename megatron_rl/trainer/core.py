@@ -93,6 +93,11 @@ class Trainer:
         self.optimizer, self.scheduler = _build_optimizer(self.model, optim_cfg, options)
         self.step = 0
 
+    def reset_optimizer(self, optim_cfg: Any, total_steps: int) -> None:
+        """A fresh optimizer and LR schedule for the same weights (e.g. RL after a warm start)."""
+        self.options = dataclasses.replace(self.options, total_steps=total_steps)
+        self.optimizer, self.scheduler = _build_optimizer(self.model, optim_cfg, self.options)
+
     # -- weights ------------------------------------------------------------------------------
     @property
     def module(self) -> torch.nn.Module:
@@ -102,6 +107,20 @@ class Trainer:
         """Set weights from a full Megatron-named state dict (each rank takes its shard)."""
         load_full_state_dict(self.module, full, self.groups)
         self.optimizer.reload_model_params()
+
+    def snapshot_weights(self) -> list[Tensor]:
+        """This rank's parameter shards, copied to host memory (e.g. the reference policy)."""
+        pin = self.groups.device.type != "cpu"
+        return [p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone()
+                for p in self.module.parameters()]
+
+    @torch.no_grad()
+    def swap_weights(self, snapshot: list[Tensor]) -> list[Tensor]:
+        """Load `snapshot` into the model and return the weights it replaced (swap back later)."""
+        current = self.snapshot_weights()
+        for p, saved in zip(self.module.parameters(), snapshot):
+            p.copy_(saved, non_blocking=True)
+        return current
 
     def load_hf(self, path: str) -> None:
         """Set weights from an HF checkpoint directory (each rank reads only what it needs)."""

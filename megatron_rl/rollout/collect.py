@@ -1,0 +1,102 @@
+"""Generate completions for a batch of prompts across data-parallel ranks and collect their
+rewards, overlapping reward computation with generation.
+
+Each data-parallel rank generates for its contiguous share of the prompts (ranks of one
+model-parallel group generate identically: same weights, same seed) in chunks; as soon as a
+chunk is generated its rewards are submitted to the reward service, and the next chunk
+generates meanwhile. The first rank of each model-parallel group contributes its share to
+an all-gather, so every rank ends with the whole batch in prompt order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.trainer.packing import Sample
+
+
+@dataclasses.dataclass
+class Rollout:
+    prompt_index: int  # index in the step's prompt list (= the GRPO group id)
+    prompt_tokens: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    reward: float = 0.0
+
+    def sample(self, extras: dict[str, torch.Tensor]) -> Sample:
+        tokens = torch.tensor(self.prompt_tokens + self.output_ids, dtype=torch.long)
+        mask = torch.zeros(len(tokens) - 1)
+        mask[len(self.prompt_tokens) - 1:] = 1.0
+        return Sample(tokens, mask, extras)
+
+    def response_extra(self, values: Sequence[float] | torch.Tensor) -> torch.Tensor:
+        """Per-target tensor [L-1]: `values` on the response targets, 0 on the prompt."""
+        out = torch.zeros(len(self.prompt_tokens) + len(self.output_ids) - 1)
+        out[len(self.prompt_tokens) - 1:] = torch.as_tensor(values, dtype=torch.float)
+        return out
+
+
+def _share(num: int, parts: int, index: int) -> range:
+    base, extra = divmod(num, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (1 if index < extra else 0))
+
+
+def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_service: Any, groups: Any,
+            decode, num_chunks: int = 4, reward_timeout_s: float = 300.0) -> tuple[list[Rollout], dict[str, float]]:
+    """Completions and rewards for `prompts` (objects with `.tokens` and `.meta`), on every rank."""
+    mine = _share(len(prompts), groups.dp_size, groups.dp_rank)
+    local: list[Rollout] = []
+    pending: list[tuple[int, concurrent.futures.Future]] = []
+    gen_time = 0.0
+    first_mp_rank = groups.tp_rank == 0 and groups.pp_rank == 0
+    indices = list(mine)
+    step = max(1, -(-len(indices) // num_chunks))
+    for chunk_start in range(0, len(indices), step):
+        chunk = indices[chunk_start:chunk_start + step]
+        start = time.perf_counter()
+        seed = None if params.seed is None else params.seed * 1000 + chunk[0]
+        gens = engine.generate([prompts[i].tokens for i in chunk], dataclasses.replace(params, seed=seed))
+        gen_time += time.perf_counter() - start
+        rollouts = [Rollout(chunk[g.prompt_index], list(prompts[chunk[g.prompt_index]].tokens), g.output_ids,
+                            g.logprobs, g.finish_reason, g.weight_version) for g in gens]
+        if first_mp_rank:
+            items = [(prompts[r.prompt_index].meta, decode(r.output_ids)) for r in rollouts]
+            pending.append((len(local), reward_service.submit(items)))
+        local += rollouts
+    start = time.perf_counter()
+    timeouts = 0
+    for offset, future in pending:
+        try:
+            scores = future.result(timeout=reward_timeout_s)
+        except concurrent.futures.TimeoutError:
+            timeouts += 1
+            continue  # a late reward is a 0 reward, not a hung step
+        for k, score in enumerate(scores):
+            local[offset + k].reward = score
+    wait = time.perf_counter() - start
+    everything = [local if first_mp_rank else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everything = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, local if first_mp_rank else None)
+    merged = sorted((r for part in everything if part for r in part), key=lambda r: r.prompt_index)
+    return merged, {"time/generate_only": gen_time, "time/reward_wait": wait, "reward/timeouts": float(timeouts)}
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
+    if num_samples - num_correct < k:
+        return 1.0
+    prob_fail = 1.0
+    for i in range(num_samples - num_correct + 1, num_samples + 1):
+        prob_fail *= 1.0 - k / i
+    return 1.0 - prob_fail

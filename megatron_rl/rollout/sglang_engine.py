@@ -1,0 +1,538 @@
+"""The `sglang` rollout backend: SGLang 0.5.x behind the `RolloutEngine` protocol.
+
+Two ways to reach an engine, same protocol:
+
+- offline (`model_path` set): this process starts `sglang.Engine(...)` (the colocated GPU
+  path: one engine per block of `tp_size` GPUs starting at `base_gpu_id`, memory saver on);
+- attach (`base_url` set): an SGLang HTTP server that is already running (started by
+  `python -m sglang.launch_server`, see `server_command`); this process is only a client and
+  never stops it.
+
+Semantics this adapter pins down (checked by tests/integration/test_sglang_engine.py):
+
+- Log-probs: SGLang reports log(softmax(logits / temperature)) of the sampled token, before
+  top-p/top-k truncation: the protocol's definition. Exception: a batch in which *every*
+  request is greedy (top_k=1, or temperature < 1e-6) takes SGLang's greedy path, which reports
+  log_softmax(logits) at temperature 1. With top_k=1 use temperature=1 for exact semantics.
+- Seeds: `SamplingParams.seed` becomes one `sampling_seed` per sample (derived from seed,
+  prompt and sample index). SGLang honours it only when the engine runs with
+  `enable_deterministic_inference=True`, which needs a CUDA attention backend (flashinfer,
+  fa3, triton); elsewhere the sampler uses the scheduler RNG, seeded once by `random_seed`.
+- Weight updates: SGLang >= 0.5.23 accepts `update_weights_from_tensor` only between
+  `begin_weight_update()` and `end_weight_update()`; the adapter opens the session at the
+  first bucket and closes it after the bucket with `flush=True` (which also flushes the
+  prefix cache and stamps the version). Buckets travel as one `FlattenedTensorBucket` per
+  call, serialized once per SGLang TP rank: CUDA tensors as CUDA-IPC handles (no copy), CPU
+  tensors through shared memory. Either way the engine must be on the same machine.
+- Memory: `release_memory`/`resume_memory` map to SGLang's `release_memory_occupation` /
+  `resume_memory_occupation` with the same tags. Real release needs torch_memory_saver (CUDA);
+  on CPU the calls are accepted and change nothing, so the order is still exercised.
+- Pause: new `generate` calls are refused, this adapter's in-flight calls finish, then the
+  engine itself is paused (`pause_generation(mode="retract")`): requests from other clients
+  wait and their KV cache can be flushed by a weight update.
+
+Only this module imports sglang, lazily: `import megatron_rl.rollout.sglang_engine` works
+without it, and attach mode needs sglang only for weight updates (tensor serialization).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import threading
+import urllib.error
+import urllib.request
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from megatron_rl.rollout.base import ALL_TAGS, TAG_WEIGHTS, Generation, SamplingParams
+from megatron_rl.rollout.hf_engine import EngineStateError
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = ("needs sglang: see docs/rollout.md (GPU: pip install -e '.[sglang]'; "
+                 "CPU tests: tests/integration/sglang/setup.sh)")
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+_SEED_STRIDE = 1_000_003  # prime: distinct (seed, prompt, sample) -> distinct sampling_seed
+
+
+def _import_sglang():
+    try:
+        import sglang
+    except ImportError as exc:
+        raise ImportError(f"the sglang rollout backend {_INSTALL_HINT}") from exc
+    return sglang
+
+
+@dataclasses.dataclass
+class SGLangEngineConfig:
+    """How to start (offline) or reach (attach) one SGLang engine. Field names are SGLang's
+    own `ServerArgs` names; anything else SGLang accepts goes in `server_args`."""
+
+    model_path: Optional[str] = None
+    """HF checkpoint directory: start an engine in this process (offline mode)."""
+    base_url: Optional[str] = None
+    """URL of a running SGLang HTTP server, e.g. http://127.0.0.1:30000 (attach mode)."""
+    device: str = "cuda"
+    """cuda or cpu. cpu selects SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1), torch_native
+    attention, pytorch sampling and no CUDA graphs unless `server_args` says otherwise."""
+    tp_size: int = 1
+    """GPUs (SGLang TP ranks) of this engine."""
+    base_gpu_id: int = 0
+    """First GPU of the engine's block of tp_size GPUs (all GPUs are visible to every rank)."""
+    dtype: str = "auto"
+    """Weight and activation dtype (SGLang's names: auto, float32, bfloat16, float16)."""
+    mem_fraction_static: Optional[float] = None
+    """Share of GPU memory for weights and KV cache; None lets SGLang choose."""
+    enable_memory_saver: Optional[bool] = None
+    """torch_memory_saver, needed for real release_memory; None means on for cuda, off for cpu."""
+    random_seed: int = 0
+    """Seed of the scheduler's RNG (all sampling without deterministic inference)."""
+    weight_version: int = 0
+    """Version reported for the weights the engine starts with."""
+    skip_tokenizer_init: bool = True
+    """Token ids in and out: the engine never loads or runs a tokenizer."""
+    log_level: str = "error"
+    """SGLang's own log level."""
+    server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Any other SGLang ServerArgs field (chunked_prefill_size, max_total_tokens,
+    enable_deterministic_inference, ...); overrides the values above."""
+    request_timeout_s: float = 3600.0
+    """Attach mode: HTTP timeout of one call (a generate call waits for all its samples)."""
+
+    DEVICES = ("cuda", "cpu")
+
+    def __post_init__(self) -> None:
+        if (self.model_path is None) == (self.base_url is None):
+            raise ValueError(f"SGLangEngineConfig needs exactly one of model_path (start an engine) and "
+                             f"base_url (attach to a server); got model_path={self.model_path!r}, "
+                             f"base_url={self.base_url!r}")
+        if self.device not in self.DEVICES:
+            raise ValueError(f"device={self.device!r}; allowed: {', '.join(self.DEVICES)}")
+        if self.tp_size < 1 or self.base_gpu_id < 0:
+            raise ValueError(f"tp_size={self.tp_size} must be >= 1 and base_gpu_id={self.base_gpu_id} >= 0")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `sglang.Engine` (= ServerArgs) for this config (offline mode)."""
+        assert self.model_path is not None
+        kwargs: dict[str, Any] = dict(
+            model_path=self.model_path, tp_size=self.tp_size, dtype=self.dtype,
+            random_seed=self.random_seed, weight_version=str(self.weight_version),
+            skip_tokenizer_init=self.skip_tokenizer_init, log_level=self.log_level,
+        )
+        if self.device == "cpu":
+            # The CPU engine's kernels: no flashinfer/triton/CUDA graphs, nothing to warm up.
+            kwargs.update(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
+                          disable_cuda_graph=True, skip_server_warmup=True)
+        else:
+            kwargs.update(base_gpu_id=self.base_gpu_id)
+        memory_saver = self.device == "cuda" if self.enable_memory_saver is None else self.enable_memory_saver
+        kwargs["enable_memory_saver"] = memory_saver
+        if self.mem_fraction_static is not None:
+            kwargs["mem_fraction_static"] = self.mem_fraction_static
+        kwargs.update(self.server_args)
+        return kwargs
+
+
+def server_command(config: SGLangEngineConfig, model_path: str, host: str = "127.0.0.1",
+                   port: int = 30000, python: str = "python") -> list[str]:
+    """The `python -m sglang.launch_server` command line of the server that attach mode expects:
+    the same arguments as the offline engine of `config`, as CLI flags."""
+    kwargs = dataclasses.replace(config, model_path=model_path, base_url=None).engine_kwargs()
+    argv = [python, "-m", "sglang.launch_server", "--host", host, "--port", str(port)]
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        else:
+            argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return argv
+
+
+def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]], as_text: bool = False) -> Any:
+    """One `load_format="flattened_bucket"` payload: the tensors flattened into one buffer plus
+    metadata, pickled so that CUDA tensors travel as IPC handles and CPU tensors as shared
+    memory. `as_text` base64-encodes it for HTTP."""
+    _import_sglang()
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bucket = FlattenedTensorBucket(named_tensors=[(n, t.detach()) for n, t in named_tensors])
+    payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    return MultiprocessingSerializer.serialize(payload, output_str=as_text)
+
+
+class SGLangEngine:
+    """`RolloutEngine` over one SGLang engine (offline) or server (attach)."""
+
+    def __init__(self, config: SGLangEngineConfig) -> None:
+        self.config = config
+        self._transport: _Transport = (_OfflineTransport(config) if config.model_path is not None
+                                       else _HTTPTransport(config))
+        self.weight_version = _parse_version(self._transport.weight_version(), default=config.weight_version)
+        self._deterministic = bool(self._transport.server_info().get("enable_deterministic_inference"))
+        self._released: set[str] = set()
+        self._paused = False
+        self._in_weight_update = False
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        self._warned: set[str] = set()
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        with self._idle:
+            if self._paused:
+                raise EngineStateError("generate while paused: resume() first")
+            if self._released:
+                raise EngineStateError(f"generate while memory is released ({sorted(self._released)}): "
+                                       "resume_memory first")
+            self._in_flight += 1
+        try:
+            return self._generate(prompts, params)
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        if not prompts:
+            return []
+        self._warn_about(params)
+        input_ids, sampling_params, prompt_index = [], [], []
+        for i, prompt in enumerate(prompts):
+            for j in range(params.n):  # one request per sample: per-sample seeds, prompt-major order
+                input_ids.append([int(t) for t in prompt])
+                sampling_params.append(self._sampling_params(params, i, j))
+                prompt_index.append(i)
+        outputs = self._transport.generate(input_ids, sampling_params)
+        if len(outputs) != len(input_ids):
+            raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(input_ids)} requests")
+        return [self._to_generation(out, idx) for out, idx in zip(outputs, prompt_index)]
+
+    def _sampling_params(self, params: SamplingParams, prompt: int, sample: int) -> dict[str, Any]:
+        sp: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                              "max_new_tokens": params.max_new_tokens, "n": 1}
+        if params.stop_token_ids:
+            sp["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None:
+            sp["sampling_seed"] = ((params.seed * _SEED_STRIDE + prompt) * _SEED_STRIDE + sample) % (2 ** 63)
+        return sp
+
+    def _to_generation(self, out: dict[str, Any], prompt_index: int) -> Generation:
+        meta = out["meta_info"]
+        reason = (meta.get("finish_reason") or {"type": "abort"})["type"]
+        if reason not in _FINISH_REASONS:
+            raise RuntimeError(f"SGLang finish_reason {meta.get('finish_reason')!r} is not one of "
+                               f"{sorted(_FINISH_REASONS)}")
+        output_ids = [int(t) for t in out["output_ids"]]
+        entries = meta.get("output_token_logprobs") or []  # [logprob, token_id, text-or-None]
+        # An aborted request may stop between emitting a token and its log-prob: keep the prefix
+        # that has both.
+        if reason == "abort":
+            output_ids = output_ids[:len(entries)]
+            entries = entries[:len(output_ids)]
+        if [int(e[1]) for e in entries] != output_ids:
+            raise RuntimeError(f"SGLang log-probs do not line up with the output tokens "
+                               f"(request {meta.get('id')}): {len(entries)} log-probs, {len(output_ids)} tokens")
+        version = _parse_version(meta.get("weight_version"), default=self.weight_version)
+        return Generation(prompt_index, output_ids, [float(e[0]) for e in entries],
+                          _FINISH_REASONS[reason], version)
+
+    def _warn_about(self, params: SamplingParams) -> None:
+        if params.seed is not None and not self._deterministic and "seed" not in self._warned:
+            self._warned.add("seed")
+            logger.warning("SamplingParams.seed is ignored by SGLang unless the engine runs with "
+                           "enable_deterministic_inference=True (CUDA attention backends only); sampling "
+                           "uses the engine's random_seed=%s stream instead", self.config.random_seed)
+        if params.top_k == 1 and params.temperature != 1.0 and "greedy" not in self._warned:
+            self._warned.add("greedy")
+            logger.warning("top_k=1 with temperature=%s: SGLang's greedy path reports log-probs at "
+                           "temperature 1, not at the sampling temperature", params.temperature)
+
+    # -- weights --------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       flush: bool = True) -> None:
+        """One bucket of HF-named tensors (all on one device). `flush=True` marks the last
+        bucket of an update: the prefix cache is flushed and `version` takes effect."""
+        tensors = list(named_tensors)
+        if not tensors and not flush:
+            return
+        as_text = isinstance(self._transport, _HTTPTransport)
+        if as_text and any(not t.is_cuda for _, t in tensors):
+            # CPU tensors travel through shared memory. The default file-descriptor strategy
+            # hands descriptors over a connection authenticated with this process's
+            # multiprocessing authkey, which only our own children know; a server that is not
+            # our child fails with "digest sent was rejected". Named files work for anyone.
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        payloads = [serialize_bucket(tensors, as_text)] * self._transport.tp_size if tensors else []
+        self.update_weights_serialized(payloads, version, flush)
+
+    def update_weights_serialized(self, payloads: Sequence[Any], version: int, flush: bool = True) -> None:
+        """Like `update_weights` with buckets already serialized (`serialize_bucket`), one payload
+        per SGLang TP rank, each opened by that rank (CUDA IPC: on that rank's GPU)."""
+        if TAG_WEIGHTS in self._released:
+            raise EngineStateError("update_weights while the weights are released: "
+                                   "resume_memory(['weights']) first")
+        if payloads and len(payloads) != self._transport.tp_size:
+            raise ValueError(f"{len(payloads)} payloads for an engine with tp_size={self._transport.tp_size}: "
+                             "give one per SGLang TP rank")
+        if not self._in_weight_update:
+            self._transport.call("begin_weight_update", {"selector": "all"})
+            self._in_weight_update = True
+        try:
+            if payloads:
+                self._transport.update_weights_from_tensor(
+                    list(payloads), flush_cache=flush, weight_version=str(version) if flush else None)
+            elif flush:
+                self._transport.call("flush_cache", {})
+                self._transport.set_weight_version(str(version))
+        except BaseException:
+            self._end_weight_update()
+            raise
+        if flush:
+            self._end_weight_update()
+            self.weight_version = version
+
+    def _end_weight_update(self) -> None:
+        self._in_weight_update = False
+        self._transport.call("end_weight_update", {})
+
+    # -- memory and scheduling ------------------------------------------------------------------
+    def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
+        tags = _check_tags(tags)
+        self._transport.call("release_memory_occupation", {"tags": tags})
+        self._released |= set(tags)
+
+    def resume_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
+        tags = _check_tags(tags)
+        self._transport.call("resume_memory_occupation", {"tags": tags})
+        self._released -= set(tags)
+
+    def pause(self) -> None:
+        with self._idle:
+            self._paused = True
+            while self._in_flight:
+                self._idle.wait()
+        self._transport.call("pause_generation", {"mode": "retract"})
+
+    def resume(self) -> None:
+        self._transport.call("continue_generation", {})
+        with self._idle:
+            self._paused = False
+
+    def abort(self) -> None:
+        self._transport.abort_all()
+
+    def health(self) -> dict:
+        # SGLang's /health generates one token: it would stall while paused or released.
+        idle = self._paused or bool(self._released)
+        return {"backend": "sglang", "mode": self._transport.mode, "healthy": self._transport.healthy(idle),
+                "weight_version": self.weight_version, "paused": self._paused,
+                "released": sorted(self._released), "in_flight": self._in_flight,
+                "tp_size": self._transport.tp_size}
+
+    def shutdown(self) -> None:
+        self._transport.shutdown()
+
+
+def _check_tags(tags: Sequence[str]) -> list[str]:
+    tags = list(tags)
+    unknown = sorted(set(tags) - set(ALL_TAGS))
+    if unknown:
+        raise ValueError(f"memory tags {unknown} are unknown; allowed: {', '.join(ALL_TAGS)}")
+    return tags
+
+
+def _parse_version(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default  # SGLang's "default" before any versioned update
+
+
+class _Transport:
+    """What SGLangEngine needs from an engine: SGLang's control calls by their HTTP names."""
+
+    mode: str
+    tp_size: int
+
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]: ...
+    def update_weights_from_tensor(self, payloads: list, flush_cache: bool,
+                                   weight_version: Optional[str]) -> None: ...
+    def set_weight_version(self, version: str) -> None: ...
+    def call(self, name: str, body: dict) -> None: ...
+    def abort_all(self) -> None: ...
+    def weight_version(self) -> Any: ...
+    def server_info(self) -> dict: ...
+    def healthy(self, idle: bool) -> bool:
+        """Processes up and answering; `idle`: engine paused or released (probe without generating)."""
+    def shutdown(self) -> None: ...
+
+
+class _OfflineTransport(_Transport):
+    """`sglang.Engine` in this process. Its TokenizerManager runs on an asyncio loop; the loop
+    runs in a background thread so that abort/pause can reach it while a generate call waits."""
+
+    mode = "offline"
+
+    def __init__(self, config: SGLangEngineConfig) -> None:
+        if config.device == "cpu":
+            # SGLang reads it at import time; without it the CPU path imports vllm for rotary.
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        sglang = _import_sglang()
+        from sglang.srt.managers import io_struct
+
+        self._io = io_struct
+        kwargs = config.engine_kwargs()
+        logger.info("starting SGLang engine: %s", kwargs)
+        self._engine = sglang.Engine(**kwargs)
+        self.tp_size = int(kwargs["tp_size"])
+        self._tm = self._engine.tokenizer_manager
+        self._loop = self._engine.loop
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-engine-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]:
+        out = self._run(self._engine.async_generate(input_ids=input_ids, sampling_params=sampling_params,
+                                                    return_logprob=True))
+        return out if isinstance(out, list) else [out]
+
+    def update_weights_from_tensor(self, payloads: list, flush_cache: bool,
+                                   weight_version: Optional[str]) -> None:
+        req = self._io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payloads, load_format="flattened_bucket", flush_cache=flush_cache,
+            weight_version=weight_version)
+        _check_result("update_weights_from_tensor", self._run(self._tm.update_weights_from_tensor(req, None)))
+
+    def set_weight_version(self, version: str) -> None:
+        req = self._io.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False)
+        self._run(self._tm.update_weight_version(req))
+
+    def call(self, name: str, body: dict) -> None:
+        io, tm = self._io, self._tm
+        requests = {
+            "begin_weight_update": lambda: tm.begin_weight_update(io.BeginWeightUpdateReqInput(**body), None),
+            "end_weight_update": lambda: tm.end_weight_update(io.EndWeightUpdateReqInput(**body), None),
+            "flush_cache": lambda: tm.flush_cache(),
+            "release_memory_occupation": lambda: tm.release_memory_occupation(
+                io.ReleaseMemoryOccupationReqInput(**body), None),
+            "resume_memory_occupation": lambda: tm.resume_memory_occupation(
+                io.ResumeMemoryOccupationReqInput(**body), None),
+            "pause_generation": lambda: tm.pause_generation(io.PauseGenerationReqInput(**body)),
+            "continue_generation": lambda: tm.continue_generation(io.ContinueGenerationReqInput(**body)),
+        }
+        _check_result(name, self._run(requests[name]()))
+
+    def abort_all(self) -> None:
+        # abort_request sends on the scheduler socket, which belongs to the loop's thread.
+        self._loop.call_soon_threadsafe(lambda: self._tm.abort_request(abort_all=True))
+
+    def weight_version(self) -> Any:
+        return self._tm.config_value("weight_version")
+
+    def server_info(self) -> dict:
+        return {"enable_deterministic_inference":
+                bool(self._engine.server_args.enable_deterministic_inference)}
+
+    def healthy(self, idle: bool) -> bool:
+        import psutil  # an sglang dependency
+
+        pids = self._engine.get_all_child_pids()
+        return bool(pids) and all(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                  for p in pids)
+
+    def shutdown(self) -> None:
+        try:
+            self._engine.shutdown()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+class _HTTPTransport(_Transport):
+    """A running SGLang HTTP server (stdlib HTTP client: generation needs no sglang here)."""
+
+    mode = "attach"
+
+    def __init__(self, config: SGLangEngineConfig) -> None:
+        assert config.base_url is not None
+        self._url = config.base_url.rstrip("/")
+        self._timeout = config.request_timeout_s
+        self._info = self._request("GET", "/server_info")
+        self.tp_size = int(self._info.get("tp_size", 1))
+
+    def _request(self, method: str, path: str, body: Optional[dict] = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self._url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self._timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"SGLang {method} {path} failed ({exc.code}): "
+                               f"{exc.read().decode(errors='replace')[:2000]}") from exc
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode(errors="replace")
+
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]:
+        out = self._request("POST", "/generate", {"input_ids": input_ids, "sampling_params": sampling_params,
+                                                  "return_logprob": True})
+        return out if isinstance(out, list) else [out]
+
+    def update_weights_from_tensor(self, payloads: list, flush_cache: bool,
+                                   weight_version: Optional[str]) -> None:
+        body = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
+                "flush_cache": flush_cache, "weight_version": weight_version}
+        _check_result("update_weights_from_tensor", self._request("POST", "/update_weights_from_tensor", body))
+
+    def set_weight_version(self, version: str) -> None:
+        self._request("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
+
+    def call(self, name: str, body: dict) -> None:
+        _check_result(name, self._request("POST", "/" + name, body))
+
+    def abort_all(self) -> None:
+        self._request("POST", "/abort_request", {"abort_all": True})
+
+    def weight_version(self) -> Any:
+        return self._request("GET", "/model_info").get("weight_version")
+
+    def server_info(self) -> dict:
+        return self._info
+
+    def healthy(self, idle: bool) -> bool:
+        try:
+            self._request("GET", "/model_info" if idle else "/health")
+            return True
+        except (RuntimeError, OSError):
+            return False
+
+    def shutdown(self) -> None:
+        """The server is not ours: leave it running."""
+
+
+def _check_result(name: str, result: Any) -> None:
+    """SGLang control calls answer (success, message), an object with .success, a dict or None."""
+    if isinstance(result, tuple) and result and isinstance(result[0], bool):
+        success, message = result[0], result[1] if len(result) > 1 else ""
+    elif isinstance(result, dict) and "success" in result:
+        success, message = result["success"], result.get("message", "")
+    elif hasattr(result, "success"):
+        success, message = result.success, getattr(result, "message", "")
+    else:
+        return
+    if not success:
+        raise RuntimeError(f"SGLang {name} failed: {message}")
