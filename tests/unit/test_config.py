@@ -114,10 +114,16 @@ def test_defaults_and_run_dir_resolved() -> None:
 
 
 def test_experiment_selects_and_overrides() -> None:
+    import yaml
+
+    from megatron_rl.config import CONF_DIR
+
+    written = yaml.safe_load((CONF_DIR / "experiment" / "demo_countdown.yaml").read_text())
     cfg = load_config(["+experiment=demo_countdown"], world_size=1)
     assert cfg.mode == "rl"
     assert cfg.task.type == "countdown"
-    assert cfg.optimizer.lr == 1e-4
+    assert cfg.optimizer.lr == written["optimizer"]["lr"] != TrainConfig().optimizer.lr
+    assert cfg.task.sft_warmup_steps == written["task"]["sft_warmup_steps"]
 
 
 def test_checkpoint_model_takes_user_path(hf_checkpoint: Path) -> None:
