@@ -8,6 +8,11 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup_env.sh
+# Real SGLang on CPU lives in its own venv (tests/integration/sglang/setup.sh; ~3 min the
+# first time, cached afterwards). MEGATRON_RL_SKIP_SGLANG=1 skips it.
+if [[ "${MEGATRON_RL_SKIP_SGLANG:-0}" != 1 ]]; then
+  bash tests/integration/sglang/setup.sh || echo "[test.sh] sglang tier unavailable; its tests will be skipped" >&2
+fi
 if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
   if ! command -v bwrap >/dev/null; then
     apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null

@@ -8,7 +8,8 @@ Two ways to reach an engine, same protocol:
   `python -m sglang.launch_server`, see `server_command`); this process is only a client and
   never stops it.
 
-Semantics this adapter pins down (checked by tests/integration/test_sglang_engine.py):
+Semantics this adapter pins down (docs/rollout.md; tests/integration/test_sglang_engine.py checks
+them against a real engine on CPU):
 
 - Log-probs: SGLang reports log(softmax(logits / temperature)) of the sampled token, before
   top-p/top-k truncation: the protocol's definition. Exception: a batch in which *every*
@@ -45,7 +46,7 @@ import os
 import threading
 import urllib.error
 import urllib.request
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, ClassVar, Iterable, Optional, Protocol, Sequence
 
 import torch
 
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = ("needs sglang: see docs/rollout.md (GPU: pip install -e '.[sglang]'; "
                  "CPU tests: tests/integration/sglang/setup.sh)")
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH_REASONS = ("stop", "length", "abort")  # SGLang's finish_reason types = the protocol's
 _SEED_STRIDE = 1_000_003  # prime: distinct (seed, prompt, sample) -> distinct sampling_seed
 
 
@@ -104,7 +105,7 @@ class SGLangEngineConfig:
     request_timeout_s: float = 3600.0
     """Attach mode: HTTP timeout of one call (a generate call waits for all its samples)."""
 
-    DEVICES = ("cuda", "cpu")
+    DEVICES: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
 
     def __post_init__(self) -> None:
         if (self.model_path is None) == (self.base_url is None):
@@ -155,17 +156,20 @@ def server_command(config: SGLangEngineConfig, model_path: str, host: str = "127
     return argv
 
 
-def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]], as_text: bool = False) -> Any:
-    """One `load_format="flattened_bucket"` payload: the tensors flattened into one buffer plus
-    metadata, pickled so that CUDA tensors travel as IPC handles and CPU tensors as shared
-    memory. `as_text` base64-encodes it for HTTP."""
+def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]], num_copies: int = 1,
+                     as_text: bool = False) -> list[Any]:
+    """`load_format="flattened_bucket"` payloads: the tensors (all on one device) flattened into
+    one buffer plus metadata, pickled `num_copies` times (one per SGLang TP rank: each rank
+    opens its own copy, so CUDA-IPC reference counts drop after every load). CUDA tensors travel
+    as IPC handles, CPU tensors as shared memory; torch keeps the buffer alive until the
+    receiver has opened it. `as_text` base64-encodes for HTTP. Imports sglang (seconds, once)."""
     _import_sglang()
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     bucket = FlattenedTensorBucket(named_tensors=[(n, t.detach()) for n, t in named_tensors])
     payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-    return MultiprocessingSerializer.serialize(payload, output_str=as_text)
+    return [MultiprocessingSerializer.serialize(payload, output_str=as_text) for _ in range(num_copies)]
 
 
 class SGLangEngine:
@@ -229,7 +233,7 @@ class SGLangEngine:
         reason = (meta.get("finish_reason") or {"type": "abort"})["type"]
         if reason not in _FINISH_REASONS:
             raise RuntimeError(f"SGLang finish_reason {meta.get('finish_reason')!r} is not one of "
-                               f"{sorted(_FINISH_REASONS)}")
+                               f"{list(_FINISH_REASONS)}")
         output_ids = [int(t) for t in out["output_ids"]]
         entries = meta.get("output_token_logprobs") or []  # [logprob, token_id, text-or-None]
         # An aborted request may stop between emitting a token and its log-prob: keep the prefix
@@ -241,8 +245,7 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang log-probs do not line up with the output tokens "
                                f"(request {meta.get('id')}): {len(entries)} log-probs, {len(output_ids)} tokens")
         version = _parse_version(meta.get("weight_version"), default=self.weight_version)
-        return Generation(prompt_index, output_ids, [float(e[0]) for e in entries],
-                          _FINISH_REASONS[reason], version)
+        return Generation(prompt_index, output_ids, [float(e[0]) for e in entries], reason, version)
 
     def _warn_about(self, params: SamplingParams) -> None:
         if params.seed is not None and not self._deterministic and "seed" not in self._warned:
@@ -270,12 +273,13 @@ class SGLangEngine:
             # multiprocessing authkey, which only our own children know; a server that is not
             # our child fails with "digest sent was rejected". Named files work for anyone.
             torch.multiprocessing.set_sharing_strategy("file_system")
-        payloads = [serialize_bucket(tensors, as_text)] * self._transport.tp_size if tensors else []
+        payloads = serialize_bucket(tensors, self._transport.tp_size, as_text) if tensors else []
         self.update_weights_serialized(payloads, version, flush)
 
     def update_weights_serialized(self, payloads: Sequence[Any], version: int, flush: bool = True) -> None:
-        """Like `update_weights` with buckets already serialized (`serialize_bucket`), one payload
-        per SGLang TP rank, each opened by that rank (CUDA IPC: on that rank's GPU)."""
+        """Like `update_weights` with the bucket already serialized (`serialize_bucket`): one payload
+        per SGLang TP rank, each opened by that rank. The colocated GPU path gathers them from the
+        training ranks, each payload holding CUDA-IPC handles to a copy on that rank's GPU."""
         if TAG_WEIGHTS in self._released:
             raise EngineStateError("update_weights while the weights are released: "
                                    "resume_memory(['weights']) first")
@@ -293,7 +297,10 @@ class SGLangEngine:
                 self._transport.call("flush_cache", {})
                 self._transport.set_weight_version(str(version))
         except BaseException:
-            self._end_weight_update()
+            try:
+                self._end_weight_update()
+            except Exception:  # keep the original error
+                logger.exception("end_weight_update after a failed weight update failed too")
             raise
         if flush:
             self._end_weight_update()
@@ -330,9 +337,7 @@ class SGLangEngine:
         self._transport.abort_all()
 
     def health(self) -> dict:
-        # SGLang's /health generates one token: it would stall while paused or released.
-        idle = self._paused or bool(self._released)
-        return {"backend": "sglang", "mode": self._transport.mode, "healthy": self._transport.healthy(idle),
+        return {"backend": "sglang", "mode": self._transport.mode, "healthy": self._transport.healthy(),
                 "weight_version": self.weight_version, "paused": self._paused,
                 "released": sorted(self._released), "in_flight": self._in_flight,
                 "tp_size": self._transport.tp_size}
@@ -356,22 +361,32 @@ def _parse_version(value: Any, default: int) -> int:
         return default  # SGLang's "default" before any versioned update
 
 
-class _Transport:
+class _Transport(Protocol):
     """What SGLangEngine needs from an engine: SGLang's control calls by their HTTP names."""
 
     mode: str
     tp_size: int
 
-    def generate(self, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]: ...
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]:
+        """SGLang's output dicts (output_ids, meta_info), one per request, in request order."""
+
     def update_weights_from_tensor(self, payloads: list, flush_cache: bool,
                                    weight_version: Optional[str]) -> None: ...
+
     def set_weight_version(self, version: str) -> None: ...
-    def call(self, name: str, body: dict) -> None: ...
+
+    def call(self, name: str, body: dict) -> None:
+        """A control call without a result (begin_weight_update, pause_generation, ...)."""
+
     def abort_all(self) -> None: ...
+
     def weight_version(self) -> Any: ...
+
     def server_info(self) -> dict: ...
-    def healthy(self, idle: bool) -> bool:
-        """Processes up and answering; `idle`: engine paused or released (probe without generating)."""
+
+    def healthy(self) -> bool:
+        """The engine's processes are up and answering (cheap: never generates)."""
+
     def shutdown(self) -> None: ...
 
 
@@ -443,7 +458,7 @@ class _OfflineTransport(_Transport):
         return {"enable_deterministic_inference":
                 bool(self._engine.server_args.enable_deterministic_inference)}
 
-    def healthy(self, idle: bool) -> bool:
+    def healthy(self) -> bool:
         import psutil  # an sglang dependency
 
         pids = self._engine.get_all_child_pids()
@@ -513,9 +528,11 @@ class _HTTPTransport(_Transport):
     def server_info(self) -> dict:
         return self._info
 
-    def healthy(self, idle: bool) -> bool:
+    def healthy(self) -> bool:
+        # Not /health: it generates a token and waits >= 1 s, and stalls while paused or
+        # released. The server exits when its scheduler dies, so answering is the signal.
         try:
-            self._request("GET", "/model_info" if idle else "/health")
+            self._request("GET", "/model_info")
             return True
         except (RuntimeError, OSError):
             return False

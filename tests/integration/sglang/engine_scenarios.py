@@ -1,0 +1,201 @@
+"""Drive one real SGLang engine through the RolloutEngine protocol and write what happened as JSON.
+
+Runs inside the SGLang test venv (tests/integration/sglang/setup.sh), started by
+tests/integration/test_sglang_engine.py, which makes the two checkpoints and judges the JSON
+against `transformers` in the project venv. One engine per run, because starting one costs
+20-60 s on CPU:
+
+    python engine_scenarios.py --mode offline|attach --model-a DIR --model-b DIR --out FILE
+
+offline: `SGLangEngine` starts `sglang.Engine` in this process. attach: this script starts
+`python -m sglang.launch_server` with the same arguments (`server_command`) and the engine
+attaches to it over HTTP. The scenarios and their order are the same in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from megatron_rl.rollout.base import ALL_TAGS, TAG_KV_CACHE, TAG_WEIGHTS, SamplingParams
+from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, server_command
+
+# Shared with the test module, which recomputes log-probs for these prompts and parameters.
+PROMPTS = [[1, 87, 73, 72, 72, 3], [5, 6, 7, 8, 9, 10, 11], [40, 41]]
+SAMPLING = SamplingParams(temperature=0.8, top_p=1.0, top_k=-1, max_new_tokens=16, n=4)
+GREEDY = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=16)
+STOP_IDS = tuple(range(4, 99, 2))  # every other printable character: sequences stop early
+ABORT_MAX_NEW_TOKENS = 500  # with the prompt, just under the model's 512 positions
+
+
+def cpu_config(**kwargs) -> SGLangEngineConfig:
+    return SGLangEngineConfig(device="cpu", dtype="float32", random_seed=0,
+                              server_args={"max_total_tokens": 8192}, **kwargs)
+
+
+def as_dicts(generations) -> list[dict]:
+    return [dataclasses.asdict(g) for g in generations]
+
+
+def error_name(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # the test checks which one
+        return type(exc).__name__
+    return "none"
+
+
+def buckets(model_dir: str) -> list[list[tuple[str, object]]]:
+    """The checkpoint's tensors in two buckets, as weight sync would send them."""
+    tensors = sorted(load_file(str(Path(model_dir) / "model.safetensors")).items())
+    half = len(tensors) // 2
+    return [tensors[:half], tensors[half:]]
+
+
+def update(engine: SGLangEngine, model_dir: str, version: int) -> None:
+    first, last = buckets(model_dir)
+    engine.update_weights(first, version, flush=False)
+    engine.update_weights(last, version, flush=True)
+
+
+def abort_scenario(engine: SGLangEngine) -> dict:
+    """A long generation in another thread, aborted once it is under way."""
+    result: dict = {}
+    params = SamplingParams(temperature=1.0, max_new_tokens=ABORT_MAX_NEW_TOKENS, n=8)
+    thread = threading.Thread(target=lambda: result.update(out=engine.generate(PROMPTS[:2], params)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while engine.health()["in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Long enough for the requests to reach the scheduler even on a loaded box, short enough
+    # that they are still decoding: 16 samples decode at ~200 tokens/s each on 2 cores.
+    time.sleep(0.8)
+    in_flight = engine.health()["in_flight"]
+    engine.abort()
+    thread.join(timeout=120)
+    gens = result.get("out", [])
+    return {"in_flight_before_abort": in_flight, "finished": not thread.is_alive(),
+            "finish_reasons": [g.finish_reason for g in gens],
+            "lengths": [len(g.output_ids) for g in gens],
+            "aligned": all(len(g.output_ids) == len(g.logprobs) for g in gens)}
+
+
+def run(engine: SGLangEngine, args: argparse.Namespace) -> dict:
+    out: dict = {"timings": {}}
+
+    def timed(name, fn):
+        start = time.perf_counter()
+        value = fn()
+        out["timings"][name] = round(time.perf_counter() - start, 3)
+        return value
+
+    # The first generate call is the same in both modes: with the same random_seed it must
+    # give the same samples (the test compares offline with attach).
+    out["gen_a"] = as_dicts(timed("generate_a", lambda: engine.generate(PROMPTS, SAMPLING)))
+    out["greedy_a"] = as_dicts(engine.generate(PROMPTS, GREEDY))
+    out["stop"] = as_dicts(engine.generate(PROMPTS, dataclasses.replace(SAMPLING, stop_token_ids=STOP_IDS)))
+    out["health_start"] = engine.health()
+
+    timed("update_b", lambda: update(engine, args.model_b, version=1))
+    out["version_after_update"] = engine.weight_version
+    out["gen_b"] = as_dicts(engine.generate(PROMPTS, SAMPLING))
+    out["greedy_b"] = as_dicts(engine.generate(PROMPTS, GREEDY))
+
+    # The colocated phase order: pause, release everything, resume weights, sync, resume KV.
+    engine.pause()
+    out["paused_generate_error"] = error_name(lambda: engine.generate(PROMPTS, GREEDY))
+    timed("release", lambda: engine.release_memory(ALL_TAGS))
+    out["health_released"] = engine.health()
+    out["released_generate_error"] = error_name(lambda: engine.generate(PROMPTS, GREEDY))
+    out["released_update_error"] = error_name(lambda: update(engine, args.model_a, version=2))
+    engine.resume_memory([TAG_WEIGHTS])
+    update(engine, args.model_a, version=2)
+    engine.resume_memory([TAG_KV_CACHE])
+    engine.resume()
+    out["bad_tag_error"] = error_name(lambda: engine.release_memory(["activations"]))
+    out["gen_a2"] = as_dicts(engine.generate(PROMPTS, SAMPLING))
+
+    out["abort"] = abort_scenario(engine)
+    out["after_abort"] = as_dicts(engine.generate(PROMPTS[:1], GREEDY))
+    out["health_end"] = engine.health()
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = server_command(cpu_config(model_path=model_dir), model_dir, port=port, python=sys.executable)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the SGLang server exited with {proc.returncode}; log: {log_path}")
+        try:
+            with urllib.request.urlopen(url + "/model_info", timeout=5):
+                return proc, url
+        except OSError:
+            time.sleep(1.0)
+    raise TimeoutError(f"the SGLang server did not come up in 600 s; log: {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("offline", "attach"), required=True)
+    parser.add_argument("--model-a", required=True)
+    parser.add_argument("--model-b", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    start = time.perf_counter()
+    server = None
+    if args.mode == "offline":
+        engine = SGLangEngine(cpu_config(model_path=args.model_a))
+    else:
+        server, url = start_server(args.model_a, Path(args.out).with_suffix(".server.log"))
+        engine = SGLangEngine(SGLangEngineConfig(base_url=url))
+    engine_start = time.perf_counter() - start
+    try:
+        result = run(engine, args)
+    finally:
+        engine.shutdown()
+        if server is not None:
+            stop_server(server)
+    result["timings"]["engine_start"] = round(engine_start, 3)
+    result["timings"]["total"] = round(time.perf_counter() - start, 3)
+    result["mode"] = args.mode
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""The `sglang` rollout backend against a real SGLang 0.5.23 engine on CPU.
+
+SGLang lives in its own venv (tests/integration/sglang/setup.sh). Per mode (offline: the engine
+in-process; attach: an HTTP server) one engine runs the scenarios of
+tests/integration/sglang/engine_scenarios.py once; the tests here judge what it reported:
+shapes and order, stop tokens, log-probs against `transformers` (fp32, independent of the code
+under test), weight updates with versions, the colocated release/resume order, pause, abort,
+and reproducibility of sampling across engines with the same random_seed. The first tests need
+no SGLang: configuration and the error without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+import torch
+
+from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, server_command
+from tests.integration.sglang import harness
+from tests.integration.sglang.engine_scenarios import ABORT_MAX_NEW_TOKENS, GREEDY, PROMPTS, SAMPLING, STOP_IDS
+
+pytestmark = pytest.mark.timeout(1200)
+_needs_venv = pytest.mark.skipif(
+    harness.venv_python() is None,
+    reason=f"no SGLang venv at {harness.venv()}: run `bash tests/integration/sglang/setup.sh` "
+           "(~2-5 min once; MEGATRON_RL_SGLANG_VENV overrides the path)")
+
+
+def real_engine(test):
+    """Marks a test that judges a real SGLang engine (integration tier, needs the venv)."""
+    return pytest.mark.integration(_needs_venv(test))
+
+
+MODES = ("offline", "attach")
+
+# Both sides compute in float32 (SGLang dtype="float32"; transformers in fp32) but with
+# different kernels: SGLang's torch_native attention and log(softmax(x)) against HF's sdpa and
+# log_softmax, summed in different orders. Measured worst case over all ~700 sampled tokens:
+# 2.9e-6 (log-probs down to -8, logits up to ~20, fp32 eps 1.2e-7). 5e-5 leaves 15x headroom
+# and stays >1000x below what any real mistake produces: the wrong temperature, an off-by-one
+# position or a weight tensor left out of an update each move log-probs by 0.1 or more (the
+# temperature case is checked below).
+LOGPROB_ATOL = 5e-5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_without_sglang_the_error_says_how_to_install_it():
+    with pytest.raises(ImportError, match="needs sglang: see docs/rollout.md"):
+        SGLangEngine(SGLangEngineConfig(model_path="unused", device="cpu"))
+
+
+def test_config_maps_to_sglang_engine_arguments():
+    gpu = SGLangEngineConfig(model_path="/ckpt", tp_size=2, base_gpu_id=4, mem_fraction_static=0.4)
+    assert gpu.engine_kwargs() == {**gpu.engine_kwargs(), "tp_size": 2, "base_gpu_id": 4, "enable_memory_saver": True,
+                                   "mem_fraction_static": 0.4, "skip_tokenizer_init": True, "weight_version": "0"}
+    cpu = SGLangEngineConfig(model_path="/ckpt", device="cpu", server_args={"max_total_tokens": 64,
+                                                                          "attention_backend": "intel_amx"})
+    kwargs = cpu.engine_kwargs()
+    assert kwargs["enable_memory_saver"] is False and kwargs["sampling_backend"] == "pytorch"
+    assert kwargs["attention_backend"] == "intel_amx" and kwargs["max_total_tokens"] == 64  # server_args win
+    argv = server_command(cpu, "/ckpt", port=1234, python="py")
+    assert argv[:7] == ["py", "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", "1234"]
+    assert "--disable-cuda-graph" in argv and "--enable-memory-saver" not in argv
+    assert argv[argv.index("--max-total-tokens") + 1] == "64"
+    for bad in ({}, {"model_path": "a", "base_url": "http://b"}, {"model_path": "a", "device": "tpu"},
+                {"model_path": "a", "tp_size": 0}):
+        with pytest.raises(ValueError):
+            SGLangEngineConfig(**bad)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("sglang_ckpt")
+    return {"A": harness.write_checkpoint(root / "A", seed=1), "B": harness.write_checkpoint(root / "B", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints) -> dict:
+    return {name: harness.load_checkpoint(path) for name, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def scenarios(checkpoints, tmp_path_factory):
+    """mode -> the scenario JSON; each engine starts once, on first use."""
+    runs: dict = {}
+    out_dir = tmp_path_factory.mktemp("sglang_runs")
+
+    def get(mode: str) -> dict:
+        if mode not in runs:
+            start = time.perf_counter()
+            runs[mode] = harness.run_scenarios(mode, checkpoints["A"], checkpoints["B"], out_dir)
+            runs[mode]["timings"]["wall_incl_imports"] = round(time.perf_counter() - start, 1)
+            print(f"\n[sglang {mode}] timings (s): {runs[mode]['timings']}")
+        return runs[mode]
+
+    return get
+
+
+def max_logprob_error(model, generations, temperature: float) -> float:
+    worst = 0.0
+    for g in generations:
+        ref, _ = harness.token_logprobs(model, PROMPTS[g["prompt_index"]], g["output_ids"], temperature)
+        worst = max(worst, (ref - torch.tensor(g["logprobs"])).abs().max().item())
+    return worst
+
+
+@real_engine
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_shapes_order_and_version(scenarios, mode):
+    gens = scenarios(mode)["gen_a"]
+    assert [g["prompt_index"] for g in gens] == [i for i in range(len(PROMPTS)) for _ in range(SAMPLING.n)]
+    for g in gens:
+        assert 1 <= len(g["output_ids"]) <= SAMPLING.max_new_tokens
+        assert len(g["logprobs"]) == len(g["output_ids"])
+        assert all(0 <= t < 128 for t in g["output_ids"])
+        assert all(lp <= 0 for lp in g["logprobs"])
+        assert g["weight_version"] == 0
+        # eos is token 0: it ends a sample (and is its last token); without it a sample runs
+        # to max_new_tokens
+        assert 0 not in g["output_ids"][:-1]
+        assert g["finish_reason"] == ("stop" if g["output_ids"][-1] == 0 else "length")
+    # n samples of one prompt are different samples, not copies
+    first = [tuple(g["output_ids"]) for g in gens[:SAMPLING.n]]
+    assert len(set(first)) > 1
+
+
+@real_engine
+@pytest.mark.parametrize("mode", MODES)
+def test_stop_tokens_end_samples_and_are_included(scenarios, mode):
+    gens = scenarios(mode)["stop"]
+    stops = set(STOP_IDS) | {0}
+    assert any(g["finish_reason"] == "stop" for g in gens)
+    for g in gens:
+        ids = g["output_ids"]
+        assert not stops & set(ids[:-1]), "a stop token inside the sample"
+        if g["finish_reason"] == "stop":
+            assert ids[-1] in stops
+        else:
+            assert g["finish_reason"] == "length" and len(ids) == SAMPLING.max_new_tokens
+
+
+@real_engine
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("key,model", [("gen_a", "A"), ("stop", "A"), ("gen_b", "B"), ("gen_a2", "A")])
+def test_logprobs_match_transformers(scenarios, reference, mode, key, model):
+    """log_softmax(logits / temperature) of each sampled token, as `transformers` computes it
+    for the same checkpoint (after an update: the checkpoint the update sent)."""
+    error = max_logprob_error(reference[model], scenarios(mode)[key], SAMPLING.temperature)
+    assert error < LOGPROB_ATOL
+
+
+@real_engine
+def test_logprobs_are_temperature_scaled(scenarios, reference):
+    """The parity check can fail: the same samples against temperature 1 are far off."""
+    gens = scenarios("offline")["gen_a"]
+    assert max_logprob_error(reference["A"], gens, 1.0) > 1000 * LOGPROB_ATOL
+
+
+@real_engine
+@pytest.mark.parametrize("mode", MODES)
+def test_weight_update_changes_outputs_to_the_new_model(scenarios, reference, mode):
+    """Greedy decoding follows model A before the update and model B after it (every token is
+    the reference model's argmax), and the reported versions follow the updates."""
+    run = scenarios(mode)
+    assert run["version_after_update"] == 1
+    assert {g["weight_version"] for g in run["gen_b"] + run["greedy_b"]} == {1}
+    assert {g["weight_version"] for g in run["gen_a2"]} == {2}
+    assert [g["output_ids"] for g in run["greedy_a"]] != [g["output_ids"] for g in run["greedy_b"]]
+    for key, model in (("greedy_a", "A"), ("greedy_b", "B")):
+        for g in run[key]:
+            ref, full = harness.token_logprobs(reference[model], PROMPTS[g["prompt_index"]], g["output_ids"],
+                                               GREEDY.temperature)
+            assert (full.max(dim=-1).values - ref).max().item() < LOGPROB_ATOL, f"{key}: not the argmax"
+            assert (ref - torch.tensor(g["logprobs"])).abs().max().item() < LOGPROB_ATOL
+
+
+@real_engine
+@pytest.mark.parametrize("mode", MODES)
+def test_release_resume_in_colocated_order(scenarios, mode):
+    run = scenarios(mode)
+    assert run["paused_generate_error"] == "EngineStateError"
+    assert run["released_generate_error"] == "EngineStateError"
+    assert run["released_update_error"] == "EngineStateError"
+    assert run["bad_tag_error"] == "ValueError"
+    released = run["health_released"]
+    assert released["released"] == ["kv_cache", "weights"] and released["paused"] and released["healthy"]
+    end = run["health_end"]
+    assert end == {**end, "healthy": True, "paused": False, "released": [], "weight_version": 2, "in_flight": 0}
+    assert run["health_start"]["weight_version"] == 0 and run["health_start"]["healthy"]
+
+
+@real_engine
+@pytest.mark.parametrize("mode", MODES)
+def test_abort_returns_partial_samples(scenarios, mode):
+    abort = scenarios(mode)["abort"]
+    assert abort["finished"] and abort["in_flight_before_abort"] == 1
+    assert "abort" in abort["finish_reasons"] and abort["aligned"]
+    assert all(n < ABORT_MAX_NEW_TOKENS for n, r in zip(abort["lengths"], abort["finish_reasons"]) if r == "abort")
+    after = scenarios(mode)["after_abort"]
+    assert len(after) == 1 and after[0]["finish_reason"] == "length"
+
+
+@real_engine
+def test_same_random_seed_same_samples_across_engines(scenarios):
+    """SGLang on CPU cannot honour per-request seeds (deterministic inference needs a CUDA
+    attention backend), so reproducibility comes from the engine's random_seed: two engines
+    started with the same seed and sent the same requests sample the same tokens."""
+    offline, attach = scenarios("offline")["gen_a"], scenarios("attach")["gen_a"]
+    assert [g["output_ids"] for g in offline] == [g["output_ids"] for g in attach]
+    for a, b in zip(offline, attach):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=LOGPROB_ATOL)
