@@ -20,6 +20,10 @@ TAG_KV_CACHE = "kv_cache"
 ALL_TAGS = (TAG_WEIGHTS, TAG_KV_CACHE)
 
 
+class EngineStateError(RuntimeError):
+    """A call that the engine's memory or pause state does not allow (e.g. generate while released)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0

@@ -16,13 +16,10 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from megatron_rl.rollout.base import ALL_TAGS, TAG_KV_CACHE, TAG_WEIGHTS, Generation, SamplingParams
+from megatron_rl.rollout.base import (  # noqa: F401  (EngineStateError: re-exported)
+    ALL_TAGS, TAG_KV_CACHE, TAG_WEIGHTS, EngineStateError, Generation, SamplingParams)
 
 logger = logging.getLogger(__name__)
-
-
-class EngineStateError(RuntimeError):
-    """A call that the engine's memory or pause state does not allow (e.g. generate while released)."""
 
 
 class HFEngine:

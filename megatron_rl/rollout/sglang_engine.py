@@ -51,7 +51,7 @@ from typing import Any, ClassVar, Iterable, Optional, Protocol, Sequence
 import torch
 
 from megatron_rl.rollout.base import ALL_TAGS, TAG_WEIGHTS, Generation, SamplingParams
-from megatron_rl.rollout.hf_engine import EngineStateError
+from megatron_rl.rollout.base import EngineStateError
 
 logger = logging.getLogger(__name__)
 
