@@ -11,9 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -45,23 +43,14 @@ async def _build(factory):
 def start_local_sandbox(run_dir: Path, runtime: str, allow_unisolated: bool, capacity: int = 2,
                         timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
     """Start a sandbox server for this run (discovery file under run_dir/sandbox/)."""
-    args = [sys.executable, "-m", "megatron_rl_sandbox.server", "--address", "127.0.0.1:0", "--runtime", runtime,
-            "--run-dir", str(run_dir), "--capacity", str(capacity)]
+    from megatron_rl_sandbox.spawn import spawn_server
+
+    args = ["--address", "127.0.0.1:0", "--runtime", runtime, "--run-dir", str(run_dir), "--capacity", str(capacity)]
     if allow_unisolated:
         args.append("--allow-unisolated")
-    log = open(Path(run_dir) / "logs" / "sandbox-server.log", "w")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True)
-    deadline = time.monotonic() + timeout_s
-    line = proc.stdout.readline()
-    while not line.startswith("{"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the local sandbox server did not start; see {log.name}")
-        line = proc.stdout.readline()
-    import json
-
-    address = json.loads(line)["address"]
-    logger.info("local sandbox server (%s) on %s", runtime, address)
-    return proc, address
+    proc, info = spawn_server(args, Path(run_dir) / "logs" / "sandbox-server.log", timeout_s)
+    logger.info("local sandbox server (%s) on %s", runtime, info["address"])
+    return proc, info["address"]
 
 
 def stop_local_sandbox(proc: Optional[subprocess.Popen]) -> None:

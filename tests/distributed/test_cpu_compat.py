@@ -62,7 +62,7 @@ def _probe_device_literals():
     assert abs(float(norm) - 5.0) < 1e-6
 
 
-def _probe_cuda_at_construction():
+def _tiny_model_with_distributed_optimizer():
     import torch.nn.functional as F
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -78,26 +78,15 @@ def _probe_cuda_at_construction():
             self.weight = torch.nn.Parameter(torch.ones(4, 4))
 
     model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), Tiny())
-    get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [model])
+    return model, get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [model])
+
+
+def _probe_cuda_at_construction():
+    _tiny_model_with_distributed_optimizer()
 
 
 def _probe_torch_adam_step_state():
-    import torch.nn.functional as F
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import MegatronModule
-
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, activation_func=F.silu,
-                               use_cpu_initialization=True)
-
-    class Tiny(MegatronModule):
-        def __init__(self):
-            super().__init__(config)
-            self.weight = torch.nn.Parameter(torch.ones(4, 4))
-
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), Tiny())
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [model])
+    model, opt = _tiny_model_with_distributed_optimizer()
     model.module.weight.sum().backward()
     model.finish_grad_sync()
     opt.step()

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -50,22 +47,15 @@ def runtime_args(runtime: str) -> Optional[list[str]]:
 
 
 def start_server(runtime: str, *extra: str, run_dir: Optional[Path] = None, timeout: float = 60) -> ServerProcess:
+    from megatron_rl_sandbox.spawn import spawn_server
+
     args = runtime_args(runtime)
     assert args is not None, f"runtime {runtime} is not available"
-    cmd = [sys.executable, "-m", "megatron_rl_sandbox.server", "--address", "127.0.0.1:0", *args, *extra]
+    args = ["--address", "127.0.0.1:0", *args, *extra]
     if run_dir is not None:
-        cmd += ["--run-dir", str(run_dir)]
-    # The log goes to a file: an undrained pipe would block the server once it fills up.
-    log = tempfile.NamedTemporaryFile(prefix="sandbox-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
-    deadline = time.monotonic() + timeout
-    line = proc.stdout.readline()
-    while not line.startswith("{"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"sandbox server did not start: {Path(log.name).read_text()[-2000:]}")
-        line = proc.stdout.readline()
-    info = json.loads(line)
+        args += ["--run-dir", str(run_dir)]
+    log = Path(tempfile.mkstemp(prefix="sandbox-server-", suffix=".log")[1])
+    proc, info = spawn_server(args, log, timeout, env=dict(os.environ, PYTHONPATH=str(REPO)))
     server = ServerProcess(proc, info["address"], info["name"])
-    server.log = Path(log.name)
+    server.log = log
     return server
