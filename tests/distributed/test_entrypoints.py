@@ -33,7 +33,8 @@ def _run(args, cwd, timeout=300):
     (["model.path=/nonexistent/ckpt"], ["model.path=/nonexistent/ckpt", "does not exist"]),
     (["cluster.nproc=2", "parallel.tp=2", "model.num_attention_heads=3", "model.num_query_groups=3",
       "model.hidden_size=96"], ["parallel.tp=2"]),
-    (["mode=rl"], ["mode=rl"]),
+    (["mode=rl", "global_batch_size=30", "rollout.n_samples_per_prompt=8"],
+     ["global_batch_size=30", "rollout.n_samples_per_prompt=8"]),
 ])
 def test_invalid_settings_fail_fast_and_write_nothing(tmp_path, override, words):
     proc, elapsed = _run([*override, f"run_dir={tmp_path}/run"], cwd=tmp_path)
