@@ -83,12 +83,12 @@ def run_rl(rt) -> dict[str, float]:
         warm_start(rt, parts)
         parts["trainer"].reset_optimizer(cfg.optimizer, cfg.num_steps * cfg.algorithm.num_inner_updates)
         start_step, history = 0, {"sft_eval": evaluate(rt, parts, step=0)}
-    if cfg.algorithm.kl_coef > 0:  # reference = the policy RL started from (kept in host memory)
-        parts["reference"] = parts["trainer"].snapshot_weights() if resumed is None else resumed["reference"]
     else:
         parts["sampler"].load_state_dict(resumed["sampler"])
         start_step, history = resumed["rl_step"], resumed["history"]
         rt.writer.rewind(start_step)
+    if cfg.algorithm.kl_coef > 0:  # reference = the policy RL started from (kept in host memory)
+        parts["reference"] = parts["trainer"].snapshot_weights() if resumed is None else resumed["reference"]
     show = rt.is_main and cfg.logging.progress
     bar = tqdm(range(start_step, cfg.num_steps), desc="rl", unit="step", initial=start_step, total=cfg.num_steps,
                disable=not show)

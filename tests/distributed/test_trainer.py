@@ -70,7 +70,18 @@ def _worker(rank: int, world: int, out_path: str) -> None:
     after = sgd.full_state_dict()
     results["sgd_update_norm"] = math.sqrt(sum(float(((after[k] - before[k]) ** 2).sum()) for k in before))
 
-    # 4. LR schedule: warmup then cosine decay
+    # 4. reference-policy snapshots: swap in, swap back
+    reference = big.snapshot_weights()
+    before = big.full_state_dict()
+    big.train_step(_samples())
+    trained = big.full_state_dict()
+    current = big.swap_weights(reference)
+    swapped_in = big.full_state_dict()
+    big.swap_weights(current)
+    swapped_back = big.full_state_dict()
+    results["swap"] = (before, trained, swapped_in, swapped_back)
+
+    # 5. LR schedule: warmup then cosine decay
     sched = Trainer(model_cfg, OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_style="cosine",
                                                lr_decay_steps=6), groups, TrainerOptions(micro_batch_tokens=64))
     sched.load_full_state_dict(full)
@@ -118,6 +129,14 @@ def test_gradient_clipping_bounds_the_sgd_update(results):
     assert grad_norm > 0.01, "the test needs a gradient above the clip threshold"
     # SGD: update = lr * g * clip / (|g| + 1e-6), so its norm is lr * clip (up to the 1e-6)
     assert results["sgd_update_norm"] == pytest.approx(0.5 * 0.01 * grad_norm / (grad_norm + 1e-6), rel=1e-4)
+
+
+def test_weight_snapshot_swaps_in_and_back(results):
+    before, trained, swapped_in, swapped_back = results["swap"]
+    assert any(not torch.equal(before[k], trained[k]) for k in before), "the step must change weights"
+    for key in before:
+        assert torch.equal(swapped_in[key], before[key]), key
+        assert torch.equal(swapped_back[key], trained[key]), key
 
 
 def test_lr_schedule_warmup_then_cosine(results):

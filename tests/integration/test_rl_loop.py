@@ -64,3 +64,22 @@ def test_evaluation_checkpoints_and_plots(run):
     assert "held-out accuracy: after warm start" in stderr
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     assert (run_dir / "plots" / "reward_mean.png").exists()
+
+
+def test_kl_loss_against_the_reference_policy(tmp_path):
+    """kl_coef > 0: reference log-probs come from the policy RL started from (swapped in from
+    host memory); at the first step the policy is the reference, so the KL is exactly 0.
+    (The swap itself is checked in tests/distributed/test_trainer.py.)"""
+    if runtime_args("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", f"run_dir={run_dir}",
+            "num_steps=3", "global_batch_size=32", "rollout.n_samples_per_prompt=8", "task.sft_warmup_steps=10",
+            "task.num_eval=8", "task.eval_every=0", "task.eval_samples=1", "algorithm.kl_coef=0.1",
+            "optimizer.lr=1e-3", "logging.progress=false"]
+    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("kl" in r for r in rows)
+    assert rows[0]["kl"] == 0.0
