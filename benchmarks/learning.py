@@ -1,0 +1,325 @@
+"""Learning benchmark: this framework's GRPO against TRL's `GRPOTrainer` on the same small model,
+task and sample budget; final reward and wall time per step as ratios (ours / TRL).
+
+    .venv/bin/python benchmarks/learning.py [--steps 100] [--warm-steps 70] [--eval-prompts 1000]
+
+Needs `trl` (`pip install trl`, or the `dev` extra; it keeps the installed torch when torch is
+already there). Nothing is downloaded: the model is the demo's tiny Qwen2 (char tokenizer).
+
+1. Common start: `python -m megatron_rl.train +experiment=demo_countdown mode=sft` runs the
+   demo's supervised warm start (`--warm-steps` steps at `task.sft_warmup_lr`, batch 256) and
+   exports an HF checkpoint (`<work>/warm/hf/step_N`). Both frameworks start from it.
+2. Ours: `python -m megatron_rl.train +experiment=demo_countdown model.path=<start>
+   task.sft_warmup_steps=0 num_steps=<steps>` (GRPO, PPO-clip 0.2, 2 inner updates, token-mean
+   loss, kl 0, rewards from the sandbox service), exporting the final model as HF.
+3. TRL: `GRPOTrainer` in a subprocess (`--worker trl`) on the same checkpoint, the same training
+   prompts (`countdown.format_prompt`, no chat template), reward `countdown.score` (the reference
+   checker the sandbox verifier agrees with), and every hyperparameter read from ours' resolved
+   `config.yaml`: temperature, max_completion_length, num_generations, prompts per step, lr
+   (constant), Adam betas/eps, grad clip, epsilon, num_iterations = inner updates, beta 0,
+   loss_type "dapo" (= token mean over the batch), fp32, CPU.
+4. One evaluation function for the start and both final models: each held-out prompt sampled
+   once at the rollout temperature with plain `transformers` `generate`, scored with
+   `countdown.score`, same seed.
+
+Prints a side-by-side table (training reward over the first and last 10% of steps, held-out
+accuracy, median wall time per step, whole-run wall and CPU time) and the ratios ours / TRL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TRL_MISSING = ("TRL is not installed in this environment: `pip install trl` (or `pip install -e .[dev]`); "
+               "install torch first so that pip keeps it (trl 1.16.0 keeps torch 2.13.0)")
+
+
+def _check_trl() -> str:
+    """The installed trl version, or exit with a clear message."""
+    try:
+        import trl  # noqa: F401
+        from trl import GRPOConfig, GRPOTrainer  # noqa: F401
+    except ImportError as exc:
+        sys.exit(f"benchmarks/learning.py: {TRL_MISSING} ({exc})")
+    return trl.__version__
+
+
+BUSY: dict[str, float] = {}  # phase -> CPUs busy with other processes just before it
+
+
+def _busy_cpus(seconds: float = 2.0) -> float:
+    """CPUs kept busy by other processes (this one idles meanwhile), from /proc/stat; nan if unreadable."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])
+    try:
+        busy0, total0 = sample()
+        time.sleep(seconds)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return (busy1 - busy0) / max(1, total1 - total0) * (os.cpu_count() or 1)
+
+
+def _run(cmd: list[str], log: Path, what: str) -> tuple[float, float]:
+    """Run `cmd` with output to `log`; its (wall, CPU) seconds. Exit with the log's tail on failure."""
+    BUSY[what] = _busy_cpus()
+    if BUSY[what] > 0.25:
+        print(f"[{what}] warning: other processes keep {BUSY[what]:.1f} of {os.cpu_count()} CPUs busy; "
+              "wall times will be inflated (run on an idle machine)", flush=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    print(f"[{what}] {' '.join(cmd)}\n[{what}] log: {log}", flush=True)
+    with open(log, "w") as out:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if rc != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        sys.exit(f"[{what}] failed with exit code {rc}; last lines of {log}:\n{tail}")
+    print(f"[{what}] done in {wall:.0f}s wall, {cpu:.0f}s CPU", flush=True)
+    return wall, cpu
+
+
+def _edge_means(values: list[float]) -> tuple[float, float]:
+    """Means over the first and the last 10% of `values` (at least one value each)."""
+    k = max(1, len(values) // 10)
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared evaluation
+# ---------------------------------------------------------------------------------------------
+
+def evaluate(model_dir: Path, tokenizer_dir: Path, problems, max_new_tokens: int, temperature: float,
+             seed: int, batch_size: int = 250) -> float:
+    """Held-out accuracy of the HF model in `model_dir`: one sample per problem, scored by rule."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.data import countdown
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    correct = 0.0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i:i + batch_size]
+        enc = tokenizer([countdown.format_prompt(p) for p in chunk], add_special_tokens=False, padding=True,
+                        padding_side="left", return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=True,
+                                 temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(countdown.score(p, t) for p, t in zip(chunk, texts))
+    return correct / len(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL worker (a subprocess of the driver, so both frameworks run as their own process)
+# ---------------------------------------------------------------------------------------------
+
+def run_trl_worker(args: argparse.Namespace) -> None:
+    version = _check_trl()
+    import torch
+    from datasets import Dataset
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from megatron_rl.data import countdown
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    cfg = OmegaConf.load(args.ours_config)  # ours' resolved run configuration: the single source of settings
+    out = Path(args.out)
+    n = cfg.rollout.n_samples_per_prompt
+    inner = cfg.algorithm.num_inner_updates
+    problems = countdown.generate_problems(cfg.task.num_train, seed=cfg.task.seed, split="train")
+    dataset = Dataset.from_list([{"prompt": countdown.format_prompt(p), "numbers": list(p.numbers),
+                                  "target": p.target} for p in problems])
+    rewards: list[float] = []
+
+    def countdown_reward(prompts, completions, numbers, target, **_):
+        scores = [countdown.score(countdown.CountdownProblem(tuple(nums), int(t), ""), c)
+                  for c, nums, t in zip(completions, numbers, target)]
+        rewards.append(sum(scores) / len(scores))
+        return scores
+
+    ends: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, _args, state, *_, **__):
+            if state.global_step % inner == 0:  # one RL step = `inner` optimizer steps on one generation batch
+                ends.append(time.perf_counter())
+
+    tokenizer = load_tokenizer(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    config = GRPOConfig(
+        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, fp16=False, seed=cfg.seed,
+        per_device_train_batch_size=cfg.global_batch_size, gradient_accumulation_steps=1,
+        num_generations=n, max_completion_length=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k if cfg.rollout.top_k > 0 else 0,
+        learning_rate=cfg.optimizer.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=cfg.optimizer.weight_decay, adam_beta1=cfg.optimizer.adam_beta1,
+        adam_beta2=cfg.optimizer.adam_beta2, adam_epsilon=cfg.optimizer.adam_eps,
+        max_grad_norm=cfg.optimizer.clip_grad, gradient_checkpointing=False,
+        num_iterations=inner, epsilon=cfg.algorithm.eps_clip, beta=0.0, loss_type="dapo", scale_rewards="group",
+        max_steps=args.steps * inner, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, log_completions=False, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[countdown_reward], args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[StepTimes()])
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    trainer.save_model(str(out / "final"))
+    step_times = [b - a for a, b in zip(ends, ends[1:])]
+    (out / "result.json").write_text(json.dumps({
+        "trl_version": version, "rewards": rewards, "step_times": step_times, "train_wall_s": wall,
+        "threads": torch.get_num_threads()}, indent=1))
+    print(f"TRL: {len(rewards)} RL steps ({args.steps * inner} optimizer steps) in {wall:.0f}s; "
+          f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100, help="RL steps per framework (default %(default)s)")
+    parser.add_argument("--warm-steps", type=int, default=70,
+                        help="supervised warm-start steps of the common starting point (the demo's 70)")
+    parser.add_argument("--eval-prompts", type=int, default=1000, help="held-out problems, one sample each")
+    parser.add_argument("--start", type=Path, default=None,
+                        help="an existing common start (HF checkpoint of this model) instead of running the warm start")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra override of our RL run (repeatable), e.g. seed=1; TRL reads ours' resolved "
+                             "config, so the settings both share (seed, lr, rollout.*, batch) follow")
+    parser.add_argument("--work-dir", type=Path, default=None, help="default: a new temporary directory")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (checkpoints, logs)")
+    parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--ours-config", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "trl":
+        return run_trl_worker(args)
+    if args.steps < 1 or args.warm_steps < 1:
+        parser.error("--steps and --warm-steps must be >= 1")
+    trl_version = _check_trl()  # fail before spending minutes on our side
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="learning_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    base = [py, "-m", "megatron_rl.train", "+experiment=demo_countdown", "logging.progress=false",
+            "checkpoint.save_every=0", "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=true",
+            "checkpoint.resume=false"]
+
+    # 1. the common starting point: the demo's warm start, exported as an HF checkpoint
+    from omegaconf import OmegaConf
+
+    if args.start is None:
+        warm_dir = work / "warm"
+        shutil.rmtree(warm_dir, ignore_errors=True)
+        demo = OmegaConf.load(ROOT / "conf/experiment/demo_countdown.yaml")
+        _run(base + ["mode=sft", f"run_dir={warm_dir}", f"num_steps={args.warm_steps}",
+                     f"optimizer.lr={demo.task.sft_warmup_lr}"], work / "warm.log", "warm start")
+        start_ckpt = warm_dir / "hf" / f"step_{args.warm_steps:08d}"
+    else:
+        start_ckpt = args.start.resolve()
+        if not (start_ckpt / "config.json").is_file():
+            parser.error(f"--start {start_ckpt}: not an HF checkpoint directory (no config.json)")
+
+    # 2. ours
+    ours_dir = work / "ours"
+    shutil.rmtree(ours_dir, ignore_errors=True)
+    ours_wall, ours_cpu = _run(base + [f"run_dir={ours_dir}", f"model.path={start_ckpt}", "task.sft_warmup_steps=0",
+                                       f"num_steps={args.steps}", "task.eval_every=0", "task.num_eval=16",
+                                       "task.eval_samples=1", *args.set], work / "ours.log", "ours")
+    from megatron_rl.observability import read_metrics
+
+    rows = [r for r in read_metrics(ours_dir / "metrics.jsonl") if "reward/mean" in r]
+    ours_rewards = [r["reward/mean"] for r in rows]
+    ours_times = [r["time/step"] for r in rows]
+    ours_final = ours_dir / "hf" / f"step_{args.steps:08d}"
+    cfg = OmegaConf.load(ours_dir / "config.yaml")
+
+    # 3. TRL
+    trl_dir = work / "trl"
+    shutil.rmtree(trl_dir, ignore_errors=True)
+    trl_dir.mkdir()
+    trl_wall, trl_cpu = _run([py, str(Path(__file__).resolve()), "--worker", "trl", "--steps", str(args.steps),
+                              "--model", str(start_ckpt), "--ours-config", str(ours_dir / "config.yaml"),
+                              "--out", str(trl_dir)], work / "trl.log", "trl")
+    trl = json.loads((trl_dir / "result.json").read_text())
+
+    # 4. shared evaluation
+    from megatron_rl.data import countdown
+
+    held_out = countdown.generate_problems(args.eval_prompts, seed=cfg.task.seed, split="eval")
+    ev = dict(tokenizer_dir=start_ckpt, problems=held_out, max_new_tokens=cfg.rollout.max_new_tokens,
+              temperature=cfg.rollout.temperature, seed=cfg.seed)
+    acc_start = evaluate(start_ckpt, **ev)
+    acc_ours = evaluate(ours_final, **ev)
+    acc_trl = evaluate(trl_dir / "final", **ev)
+
+    # 5. report
+    o_first, o_last = _edge_means(ours_rewards)
+    t_first, t_last = _edge_means(trl["rewards"])
+    o_step, t_step = statistics.median(ours_times), statistics.median(trl["step_times"])
+    prompts = cfg.global_batch_size // cfg.rollout.n_samples_per_prompt
+    import torch
+
+    print()
+    origin = f"warm start {args.warm_steps} SFT steps" if args.start is None else f"start {start_ckpt}"
+    print(f"Countdown, tiny Qwen2 ({origin}), {args.steps} RL steps x {prompts} prompts x "
+          f"{cfg.rollout.n_samples_per_prompt} samples, max {cfg.rollout.max_new_tokens} new tokens, lr "
+          f"{cfg.optimizer.lr:g}, {cfg.algorithm.num_inner_updates} inner updates, seed {cfg.seed}"
+          f"{' (' + ' '.join(args.set) + ')' if args.set else ''}; trl {trl_version}, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads; CPUs busy with other "
+          f"processes just before: ours {BUSY['ours']:.2f}, TRL {BUSY['trl']:.2f}")
+    print(f"held-out accuracy of the common start ({len(held_out)} prompts, 1 sample each): {acc_start:.3f}")
+    print()
+    table = [("training reward, first 10% of steps", f"{o_first:.3f}", f"{t_first:.3f}", ""),
+             ("training reward, last 10% of steps", f"{o_last:.3f}", f"{t_last:.3f}", f"{o_last / max(t_last, 1e-9):.2f}"),
+             ("held-out accuracy after RL", f"{acc_ours:.3f}", f"{acc_trl:.3f}", f"{acc_ours / max(acc_trl, 1e-9):.2f}"),
+             ("wall time per step, median (s)", f"{o_step:.2f}", f"{t_step:.2f}", f"{o_step / t_step:.2f}"),
+             ("whole run wall time (s)", f"{ours_wall:.0f}", f"{trl_wall:.0f}", f"{ours_wall / trl_wall:.2f}"),
+             ("whole run CPU time (s)", f"{ours_cpu:.0f}", f"{trl_cpu:.0f}", f"{ours_cpu / max(trl_cpu, 1e-9):.2f}")]
+    head = ("", "ours", "TRL GRPOTrainer", "ours / TRL")
+    widths = [max(len(r[i]) for r in table + [head]) for i in range(4)]
+    for r in [head, tuple("-" * w for w in widths)] + table:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    print()
+    print(f"ratios ours / TRL: final reward (last 10% of steps) {o_last / max(t_last, 1e-9):.2f}, "
+          f"wall time per step {o_step / t_step:.2f}")
+    if args.keep or args.work_dir:
+        print(f"work directory: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
