@@ -3,7 +3,7 @@ task and sample budget; final reward and wall time per step as ratios (ours / TR
 
     .venv/bin/python benchmarks/learning.py [--steps 100] [--warm-steps 70] [--eval-prompts 1000]
 
-Needs `trl` (`pip install trl`, or the `dev` extra; it keeps the installed torch when torch is
+Needs `trl` (`.venv/bin/pip install trl`; not in the install extras; it keeps the installed torch when torch is
 already there). Nothing is downloaded: the model is the demo's tiny Qwen2 (char tokenizer).
 
 1. Common start: `python -m megatron_rl.train +experiment=demo_countdown mode=sft` runs the
@@ -112,10 +112,12 @@ def evaluate(model_dir: Path, tokenizer_dir: Path, problems, max_new_tokens: int
     """Held-out accuracy of the HF model in `model_dir`: one sample per problem, scored by rule."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     from megatron_rl.data import countdown
     from megatron_rl.data.tokenizer import load_tokenizer
 
+    transformers_logging.disable_progress_bar()
     tokenizer = load_tokenizer(str(tokenizer_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     torch.manual_seed(seed)
@@ -302,19 +304,22 @@ def main() -> None:
           f"processes just before: ours {BUSY['ours']:.2f}, TRL {BUSY['trl']:.2f}")
     print(f"held-out accuracy of the common start ({len(held_out)} prompts, 1 sample each): {acc_start:.3f}")
     print()
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}" if b else "n/a"
+
     table = [("training reward, first 10% of steps", f"{o_first:.3f}", f"{t_first:.3f}", ""),
-             ("training reward, last 10% of steps", f"{o_last:.3f}", f"{t_last:.3f}", f"{o_last / max(t_last, 1e-9):.2f}"),
-             ("held-out accuracy after RL", f"{acc_ours:.3f}", f"{acc_trl:.3f}", f"{acc_ours / max(acc_trl, 1e-9):.2f}"),
-             ("wall time per step, median (s)", f"{o_step:.2f}", f"{t_step:.2f}", f"{o_step / t_step:.2f}"),
-             ("whole run wall time (s)", f"{ours_wall:.0f}", f"{trl_wall:.0f}", f"{ours_wall / trl_wall:.2f}"),
-             ("whole run CPU time (s)", f"{ours_cpu:.0f}", f"{trl_cpu:.0f}", f"{ours_cpu / max(trl_cpu, 1e-9):.2f}")]
+             ("training reward, last 10% of steps", f"{o_last:.3f}", f"{t_last:.3f}", ratio(o_last, t_last)),
+             ("held-out accuracy after RL", f"{acc_ours:.3f}", f"{acc_trl:.3f}", ratio(acc_ours, acc_trl)),
+             ("wall time per step, median (s)", f"{o_step:.2f}", f"{t_step:.2f}", ratio(o_step, t_step)),
+             ("whole run wall time (s)", f"{ours_wall:.0f}", f"{trl_wall:.0f}", ratio(ours_wall, trl_wall)),
+             ("whole run CPU time (s)", f"{ours_cpu:.0f}", f"{trl_cpu:.0f}", ratio(ours_cpu, trl_cpu))]
     head = ("", "ours", "TRL GRPOTrainer", "ours / TRL")
     widths = [max(len(r[i]) for r in table + [head]) for i in range(4)]
     for r in [head, tuple("-" * w for w in widths)] + table:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
     print()
-    print(f"ratios ours / TRL: final reward (last 10% of steps) {o_last / max(t_last, 1e-9):.2f}, "
-          f"wall time per step {o_step / t_step:.2f}")
+    print(f"ratios ours / TRL: final reward (last 10% of steps) {ratio(o_last, t_last)}, "
+          f"wall time per step {ratio(o_step, t_step)}")
     if args.keep or args.work_dir:
         print(f"work directory: {work}")
     else:
