@@ -70,12 +70,14 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def read_tensors(path: str | Path, names: Optional[set[str]] = None) -> dict[str, Tensor]:
-    """Tensors of an HF checkpoint directory; with `names`, only those are read."""
+def read_tensors(path: str | Path, names: Optional[set[str]] = None,
+                 files: Optional[dict[str, Path]] = None) -> dict[str, Tensor]:
+    """Tensors of an HF checkpoint directory; with `names`, only those are read. `files` is
+    the tensor -> file map when the caller already resolved it."""
     from safetensors import safe_open
 
     path = Path(path)
-    files = _tensor_files(path)
+    files = files if files is not None else _tensor_files(path)
     wanted = set(files) if names is None else names
     missing = sorted(wanted - set(files))
     if missing:
@@ -108,8 +110,8 @@ def stage_tensors(path: str | Path, arch: Any, layers: range, first_stage: bool,
     check_family(path, arch.family)
     converter = get_converter(arch.family)
     names = converter.hf_names(arch, layers, first_stage, last_stage, experts)
-    tensors = read_tensors(path, names)
     files = _tensor_files(path)
+    tensors = read_tensors(path, names, files)
     sizes = f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size}, ffn_hidden_size={arch.ffn_hidden_size}"
     if arch.is_moe:
         sizes += f", num_experts={arch.num_experts}, moe_ffn_hidden_size={arch.moe_ffn_hidden_size}"

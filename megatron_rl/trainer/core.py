@@ -195,7 +195,8 @@ class Trainer:
         return gather_full_state_dict(self.module, self.groups)
 
     # -- forward ------------------------------------------------------------------------------
-    def _micro_batches(self, samples: Sequence[Sample]) -> tuple[list[int], list[MicroBatch]]:
+    def _micro_batches(self, samples: Sequence[Sample]) -> tuple[list[list[int]], list[MicroBatch]]:
+        """(every DP rank's sample indices, this rank's packed micro-batches)."""
         lengths = [s.tokens.numel() for s in samples]
         shares = split_for_data_parallel(lengths, self.groups.dp_size)
         mine = shares[self.groups.dp_rank]
@@ -212,7 +213,7 @@ class Trainer:
         for mb in micro:  # map row-local sample indices back to global-batch indices
             mb.sample_ids = torch.tensor(mine, dtype=torch.long)[mb.sample_ids]
             mb.sample_indices = [mine[i] for i in mb.sample_indices]
-        return mine, [mb.to(self.groups.device) for mb in micro]
+        return shares, [mb.to(self.groups.device) for mb in micro]
 
     def _run(self, micro: list[MicroBatch], loss_func_for: Callable[[MicroBatch], Callable],
              forward_only: bool) -> list[dict]:
@@ -248,7 +249,8 @@ class Trainer:
     def forward_logprobs(self, samples: Sequence[Sample], with_entropy: bool = False
                          ) -> tuple[list[Tensor], Optional[list[Tensor]]]:
         """Log-probs (and entropies) of every sample's targets, on every rank: lists of [L-1]."""
-        mine, micro = self._micro_batches(samples)
+        shares, micro = self._micro_batches(samples)
+        mine = shares[self.groups.dp_rank]
         local: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
 
         def loss_func_for(mb: MicroBatch):
@@ -271,10 +273,9 @@ class Trainer:
         if self.groups.is_last_stage:
             parts = [local[i][0] for i in mine] + ([local[i][1] for i in mine] if with_entropy else [])
             flat = torch.cat(parts)
-        per_rank = _share_across_ranks(flat, samples, self.groups, width)
+        per_rank = _share_across_ranks(flat, samples, shares, self.groups, width)
         logprobs: list[Optional[Tensor]] = [None] * len(samples)
         entropies: list[Optional[Tensor]] = [None] * len(samples)
-        shares = split_for_data_parallel([s.tokens.numel() for s in samples], self.groups.dp_size)
         for share, values in zip(shares, per_rank):
             sizes = [samples[i].num_targets for i in share]
             chunks = values.split(sizes * width)
@@ -290,7 +291,7 @@ class Trainer:
         """One optimizer step on the global batch `samples`; returns summed metrics plus
         `grad_norm` (before clipping), `lr` (the one this step used) and `num_tokens` (the
         same dict on every rank)."""
-        mine, micro = self._micro_batches(samples)
+        _, micro = self._micro_batches(samples)
         num_tokens = int(sum(float(s.loss_mask.sum()) for s in samples))
         sample_tokens = torch.tensor([float(s.loss_mask.sum()) for s in samples])
         scale = len(micro) * self.groups.dp_size
@@ -339,14 +340,13 @@ def _optimizer_tensors(optimizer) -> list[Tensor]:
     return out
 
 
-def _share_across_ranks(flat: Tensor, samples: Sequence[Sample], groups: ParallelGroups,
-                        width: int) -> list[Tensor]:
+def _share_across_ranks(flat: Tensor, samples: Sequence[Sample], shares: list[list[int]],
+                        groups: ParallelGroups, width: int) -> list[Tensor]:
     """Last stage's per-DP-rank results -> the results of every DP rank, on every rank."""
     if groups.pp_size > 1:
         dist.broadcast(flat, src=groups.pp_last_rank, group=groups.pp_group)
     if groups.dp_size == 1:
         return [flat]
-    shares = split_for_data_parallel([s.tokens.numel() for s in samples], groups.dp_size)
     sizes = [sum(samples[i].num_targets for i in share) * width for share in shares]
     padded = torch.zeros(max(sizes))
     padded[: flat.numel()] = flat
