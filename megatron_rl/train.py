@@ -29,9 +29,9 @@ def check_train_config(cfg) -> None:
 
     if cfg.mode == "sft":
         return check_sft_config(cfg)
-    if cfg.rollout.backend != "hf":
-        raise ConfigError(f"rollout.backend={cfg.rollout.backend}: the RL loop drives the hf backend in this "
-                          "version (the sglang backend is exercised by its own tests); use rollout.backend=hf")
+    from megatron_rl.rollout.factory import check_engine_config, job_shape
+
+    check_engine_config(cfg, *job_shape(cfg))
     if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
                           f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}")
@@ -46,7 +46,7 @@ def build(rt):
     from megatron_rl.data.tasks import Task
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.rewards.service import RewardService
-    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.rollout.factory import make_engine
     from megatron_rl.trainer.core import Trainer, TrainerOptions
 
     cfg = rt.cfg
@@ -56,7 +56,8 @@ def build(rt):
         micro_batch_tokens=cfg.micro_batch_tokens, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         deterministic=cfg.deterministic, total_steps=cfg.num_steps * cfg.algorithm.num_inner_updates,
         pad_token_id=tokenizer.pad_token_id, logprob_temperature=cfg.rollout.temperature))
-    engine = HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    engine = make_engine(cfg, rt.groups, tokenizer, local_rank=rt.env.local_rank,
+                         local_world_size=rt.env.local_world_size, work_dir=rt.run_dir)
     engine.release_memory()  # the controller resumes it for each rollout
     controller = ColocationController(trainer, engine)
     controller.log_memory_plan()

@@ -315,8 +315,29 @@ class RolloutConfig:
     """Responses sampled per prompt (the group size of group-relative advantages)."""
     mem_fraction_static: float = 0.5
     """SGLang's share of GPU memory for weights and KV cache, in (0, 1)."""
+    base_url: Optional[str] = None
+    """sglang: attach to this running SGLang HTTP server (http://host:port) instead of starting an
+    engine in the job; the server's tp_size must equal rollout.tp and the job must be one block
+    (world size = rollout.tp)."""
+    attention_backend: Optional[str] = None
+    """sglang: SGLang's attention_backend (flashinfer, fa3, triton, torch_native, ...); null lets
+    SGLang choose on GPU (torch_native on CPU)."""
+    chunked_prefill_size: Optional[int] = None
+    """sglang: longest prefill chunk in tokens; null keeps SGLang's default, -1 disables chunking."""
+    max_total_tokens: Optional[int] = None
+    """sglang: KV-cache capacity in tokens; null derives it from mem_fraction_static (set it on CPU)."""
+    disable_radix_cache: bool = False
+    """sglang: turn off prefix caching (the n samples of a prompt then prefill it n times)."""
+    kv_cache_dtype: str = "auto"
+    """sglang: KV-cache dtype (auto = the model dtype, or fp8_e5m2 / fp8_e4m3 on GPUs that have it)."""
+    log_level: str = "error"
+    """sglang: SGLang's own log level: debug, info, warning or error."""
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """sglang: any other SGLang ServerArgs field by its SGLang name (e.g. {enable_deterministic_inference:
+    true}); overrides everything above."""
 
     BACKENDS: ClassVar[tuple[str, ...]] = ("hf", "sglang")
+    LOG_LEVELS: ClassVar[tuple[str, ...]] = ("debug", "info", "warning", "error")
 
     def __post_init__(self) -> None:
         _check_choice("rollout.backend", self.backend, self.BACKENDS)
@@ -331,6 +352,24 @@ class RolloutConfig:
         _check_min("rollout.max_new_tokens", self.max_new_tokens, 1)
         _check_min("rollout.n_samples_per_prompt", self.n_samples_per_prompt, 1)
         _check_unit_interval("rollout.mem_fraction_static", self.mem_fraction_static, low_open=True, high_open=True)
+        _check_choice("rollout.log_level", self.log_level, self.LOG_LEVELS)
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
+            _check_min("rollout.chunked_prefill_size", self.chunked_prefill_size, 1)
+        if self.max_total_tokens is not None:
+            _check_min("rollout.max_total_tokens", self.max_total_tokens, 1)
+        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
+            raise _invalid("rollout.base_url", self.base_url, "must be an http(s):// URL of a running SGLang "
+                           "server, or null to start engines in the job")
+        sglang_only = {"base_url": self.base_url, "attention_backend": self.attention_backend,
+                       "chunked_prefill_size": self.chunked_prefill_size, "max_total_tokens": self.max_total_tokens,
+                       "server_args": self.server_args or None,
+                       "disable_radix_cache": self.disable_radix_cache or None,
+                       "kv_cache_dtype": None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype}
+        if self.backend != "sglang":
+            for key, value in sglang_only.items():
+                if value is not None:
+                    raise _invalid(f"rollout.{key}", value, f"is an SGLang setting but rollout.backend={self.backend}; "
+                                   "set rollout.backend=sglang (or rollout=sglang) or drop it")
 
 
 @dataclass

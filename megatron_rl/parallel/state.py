@@ -1,6 +1,7 @@
 """The only module that calls Megatron's `parallel_state`: builds the TP/PP/CP/DP (and expert
 EP / expert-TP) groups once and hands them to the rest of the framework as an explicit
-`ParallelGroups` value."""
+`ParallelGroups` value; also the per-node blocks of ranks that share one rollout engine
+(`rollout_block`)."""
 
 from __future__ import annotations
 
@@ -121,3 +122,65 @@ def destroy() -> None:
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBlock:
+    """This rank's block of `size` ranks on one node that share one rollout engine (inference
+    TP size `size`): the block's first local rank (the leader) owns the engine, the others
+    forward their requests and weight buckets to it over `group`."""
+
+    size: int
+    index: int  # position in the block; 0 is the leader
+    ranks: tuple[int, ...]  # global ranks of the block, leader first
+    leader_local_rank: int  # the leader's local rank: its engine starts on this GPU (base_gpu_id)
+    group: Optional[dist.ProcessGroup]  # CPU (gloo) group of the block; None when size == 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.index == 0
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+
+def rollout_block(size: int, local_rank: int, local_world_size: int) -> RolloutBlock:
+    """Group the ranks of each node in blocks of `size` consecutive local ranks and create one
+    process group per block. Collective over the default group (every rank must call it, with
+    the same `size`); with `size == 1` it creates nothing.
+
+    The block groups are gloo groups whatever the device: they carry small Python objects
+    (prompts, results, CUDA-IPC handles), never tensor data.
+    """
+    if size < 1 or local_world_size % size:
+        raise ValueError(f"rollout.tp={size} must divide the {local_world_size} ranks per node: "
+                         f"blocks of rollout.tp local ranks share one engine")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if size == 1:
+        return RolloutBlock(1, 0, (rank,), local_rank, None)
+    import socket
+
+    members: list = [None] * dist.get_world_size()
+    dist.all_gather_object(members, (socket.gethostname(), local_rank, rank))
+    by_host: dict[str, list[tuple[int, int]]] = {}
+    for host, local, global_rank in members:
+        by_host.setdefault(host, []).append((local, global_rank))
+    blocks: list[tuple[int, ...]] = []
+    leaders: list[int] = []
+    for host in sorted(by_host):
+        node = sorted(by_host[host])
+        if len(node) % size:
+            raise ValueError(f"node {host} runs {len(node)} ranks, not a multiple of rollout.tp={size}")
+        for start in range(0, len(node), size):
+            blocks.append(tuple(g for _, g in node[start:start + size]))
+            leaders.append(node[start][0])
+    mine = None
+    for ranks, leader_local in zip(blocks, leaders):
+        group = dist.new_group(list(ranks), backend="gloo")  # collective: every rank creates every group
+        if rank in ranks:
+            mine = RolloutBlock(size, ranks.index(rank), ranks, leader_local, group)
+    assert mine is not None
+    logger.info("rollout block: ranks %s (leader local rank %d), this rank at %d", mine.ranks,
+                mine.leader_local_rank, mine.index)
+    return mine

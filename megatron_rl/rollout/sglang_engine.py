@@ -157,23 +157,42 @@ def server_command(config: SGLangEngineConfig, model_path: str, host: str = "127
 
 
 def serialize_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]], num_copies: int = 1,
-                     as_text: bool = False) -> list[Any]:
+                     as_text: bool = False, keep_alive: Optional[list] = None) -> list[Any]:
     """`load_format="flattened_bucket"` payloads: the tensors (all on one device) flattened into
     one buffer plus metadata, pickled `num_copies` times (one per SGLang TP rank: each rank
     opens its own copy, so CUDA-IPC reference counts drop after every load). CUDA tensors travel
     as IPC handles, CPU tensors as shared memory; torch keeps the buffer alive until the
-    receiver has opened it. `as_text` base64-encodes for HTTP. Imports sglang (seconds, once)."""
+    receiver has opened it (CUDA IPC); a CPU buffer must outlive the receiver's load: pass a list
+as `keep_alive` and hold it until then. `as_text` base64-encodes for HTTP. Imports sglang
+(seconds, once)."""
     _import_sglang()
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     bucket = FlattenedTensorBucket(named_tensors=[(n, t.detach()) for n, t in named_tensors])
     payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    if keep_alive is not None:
+        keep_alive.append(payload["flattened_tensor"])
     return [MultiprocessingSerializer.serialize(payload, output_str=as_text) for _ in range(num_copies)]
+
+
+def block_payload(named_tensors: list[tuple[str, torch.Tensor]], as_text: bool = False) -> tuple[Any, list]:
+    """One training rank's copy of a bucket for its block leader's engine (`rollout.spmd`):
+    (the payload for the SGLang TP rank on this rank's device, the buffer to keep alive until
+    the engine has loaded it). CPU tensors are shared through named files: the engine's
+    scheduler is not a child of this rank, and the default file-descriptor hand-over only
+    works with our own children."""
+    if any(not t.is_cuda for _, t in named_tensors):
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    keep: list = []
+    return serialize_bucket(named_tensors, 1, as_text, keep_alive=keep)[0], keep
 
 
 class SGLangEngine:
     """`RolloutEngine` over one SGLang engine (offline) or server (attach)."""
+
+    concurrent_generate: ClassVar[bool] = True
+    """`generate` may be called from several threads at once (the scheduler batches them)."""
 
     def __init__(self, config: SGLangEngineConfig) -> None:
         self.config = config
@@ -406,7 +425,21 @@ class _OfflineTransport(_Transport):
         self._io = io_struct
         kwargs = config.engine_kwargs()
         logger.info("starting SGLang engine: %s", kwargs)
-        self._engine = sglang.Engine(**kwargs)
+        # SGLang's start-up calls logging.basicConfig(force=True): it would drop this process's
+        # handlers (rank filter, run-directory log file). Keep ours; SGLang's loggers keep its level.
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
+        try:
+            self._engine = sglang.Engine(**kwargs)
+        finally:
+            for handler in list(root.handlers):
+                if handler not in handlers:
+                    root.removeHandler(handler)
+            for handler in handlers:
+                if handler not in root.handlers:
+                    root.addHandler(handler)
+            root.setLevel(level)
+            logging.getLogger("sglang").setLevel(str(kwargs.get("log_level", "error")).upper())
         self.tp_size = int(kwargs["tp_size"])
         self._tm = self._engine.tokenizer_manager
         self._loop = self._engine.loop

@@ -1,0 +1,146 @@
+"""Build the configured rollout engine (`rollout.backend`, `rollout.tp`) on every rank.
+
+`make_engine` maps the `RolloutConfig` onto an `HFEngine` or an `SGLangEngine` config and wires
+the SPMD picture of the design: local ranks in blocks of `rollout.tp`, the block's first rank
+owns the engine (for sglang: `Engine(tp_size=rollout.tp, base_gpu_id=<its GPU>)`), every rank
+talks to it through a `BlockEngine` (`rollout.spmd`). With `rollout.tp=1` each rank owns its
+engine and no wrapper is needed. `check_engine_config` is the part of it that can fail before
+any process group or device is touched.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+SGLANG_INSTALL_HINT = ("pip install -e '.[sglang]' on GPU nodes; for CPU tests "
+                       "bash tests/integration/sglang/setup.sh and run with that venv's python "
+                       "(see docs/rollout.md)")
+
+
+def job_shape(cfg: Any) -> tuple[int, int]:
+    """(world size, ranks per node) of the job this process belongs to or will launch."""
+    from megatron_rl.parallel.dist import dist_env_from
+
+    env = dist_env_from()
+    if env.source != "single":
+        return env.world_size, env.local_world_size
+    nproc = cfg.cluster.nproc if cfg.cluster.launcher == "local" else 1
+    return nproc, nproc  # the local launcher starts every rank on this node
+
+
+def check_engine_config(cfg: Any, world_size: int, local_world_size: int) -> None:
+    """Refuse rollout settings this job cannot run, with the fix (raises ConfigError)."""
+    from megatron_rl.config import ConfigError
+
+    r = cfg.rollout
+    if local_world_size % r.tp:
+        valid = [k for k in range(1, local_world_size + 1) if local_world_size % k == 0]
+        raise ConfigError(f"rollout.tp={r.tp} does not divide the {local_world_size} ranks per node: one engine "
+                          f"serves a block of rollout.tp ranks of one node; valid rollout.tp values are "
+                          f"{', '.join(map(str, valid))}")
+    if r.backend == "sglang":
+        if importlib.util.find_spec("sglang") is None:
+            raise ConfigError(f"rollout.backend=sglang needs sglang, which this Python ({_python()}) cannot "
+                              f"import: {SGLANG_INSTALL_HINT}; or use rollout.backend=hf")
+        if r.base_url is not None and world_size != r.tp:
+            raise ConfigError(f"rollout.base_url={r.base_url} attaches one server to one block of rollout.tp="
+                              f"{r.tp} ranks, but the job has {world_size} ranks: set rollout.tp={world_size} "
+                              "(and start the server with that --tp-size) or drop rollout.base_url")
+    elif getattr(cfg.model, "num_experts", None):
+        raise ConfigError("rollout.backend=hf does not support MoE models yet (weight sync sends per-expert "
+                          "names that transformers fuses): use rollout.backend=sglang")
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable
+
+
+def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str], base_gpu_id: int,
+                         random_seed: int) -> Any:
+    """The `SGLangEngineConfig` of one block's engine (offline with `model_path`, else attach)."""
+    from megatron_rl.rollout.sglang_engine import SGLangEngineConfig
+
+    r = cfg.rollout
+    server_args: dict[str, Any] = {}
+    if r.base_url is None:
+        # The engine starts from random weights: the controller syncs the trainer's weights
+        # before every rollout, so reading the checkpoint again would only cost time.
+        server_args["load_format"] = "dummy"
+    for key in ("attention_backend", "chunked_prefill_size", "max_total_tokens"):
+        if getattr(r, key) is not None:
+            server_args[key] = getattr(r, key)
+    if r.disable_radix_cache:
+        server_args["disable_radix_cache"] = True
+    if r.kv_cache_dtype != "auto":
+        server_args["kv_cache_dtype"] = r.kv_cache_dtype
+    server_args.update(dict(r.server_args))
+    if r.base_url is not None:
+        return SGLangEngineConfig(base_url=r.base_url, device=device_type, tp_size=r.tp)
+    return SGLangEngineConfig(
+        model_path=model_path, device=device_type, tp_size=r.tp, base_gpu_id=base_gpu_id, dtype=cfg.model.dtype,
+        mem_fraction_static=r.mem_fraction_static, random_seed=random_seed, log_level=r.log_level,
+        server_args=server_args)
+
+
+def engine_model_dir(cfg: Any, eos_token_id: int, work_dir: Path) -> str:
+    """A directory SGLang can start the architecture from: `model.path` when it is an HF
+    checkpoint, else an HF config written from the model fields (weights come by sync)."""
+    from megatron_rl.models.hf import hf_config
+
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        return str(cfg.model.path)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    hf_config(cfg.model, eos_token_id).save_pretrained(work_dir)
+    return str(work_dir)
+
+
+def make_engine(cfg: Any, groups: Any, tokenizer: Any, *, local_rank: int, local_world_size: int,
+                work_dir: Path) -> Any:
+    """This rank's `RolloutEngine` for `cfg.rollout` (collective when rollout.tp > 1)."""
+    from megatron_rl.parallel.state import rollout_block
+    from megatron_rl.rollout.spmd import BlockEngine
+
+    r = cfg.rollout
+    block = rollout_block(r.tp, local_rank, local_world_size)
+    engine = None
+    serialize = None
+    if block.is_leader:
+        engine = _leader_engine(cfg, groups, tokenizer, block, work_dir)
+    if r.backend == "sglang":
+        from megatron_rl.rollout.sglang_engine import block_payload
+
+        serialize = functools.partial(block_payload, as_text=r.base_url is not None)
+    if block.size == 1:
+        return engine
+    return BlockEngine(block, engine, serialize)
+
+
+def _leader_engine(cfg: Any, groups: Any, tokenizer: Any, block: Any, work_dir: Path) -> Any:
+    r = cfg.rollout
+    if r.backend == "hf":
+        from megatron_rl.rollout.hf_engine import HFEngine
+
+        return HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+    model_path = None
+    if r.base_url is None:
+        model_path = engine_model_dir(cfg, tokenizer.eos_token_id, work_dir / f"rollout_model_rank{groups.rank}")
+    config = sglang_engine_config(cfg, device_type=groups.device.type, model_path=model_path,
+                                  base_gpu_id=groups.device.index or 0, random_seed=cfg.seed + groups.rank)
+    engine = SGLangEngine(config)
+    tp_size = engine.health()["tp_size"]
+    if tp_size != block.size:
+        engine.shutdown()
+        raise ValueError(f"the SGLang engine at {r.base_url or model_path} runs tp_size={tp_size}, but rollout.tp="
+                         f"{block.size}: one payload per SGLang TP rank comes from each rank of the block; "
+                         f"start the server with --tp-size {block.size} or set rollout.tp={tp_size}")
+    return engine
