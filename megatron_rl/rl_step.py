@@ -1,11 +1,14 @@
 """The phases of one RL step, the warm start and evaluation, called from `train.py`.
 
 rl_step: sample prompts -> colocated rollout (sync + generate, rewards computed as chunks
-finish) -> group advantages -> old log-probs (recomputed or the engine's) -> policy update(s).
+finish; with dynamic sampling, more rounds until enough groups carry a signal) -> reward
+shaping (overlong penalty) -> group advantages -> sample filters (zero-variance groups,
+overlong responses) -> old log-probs (recomputed or the engine's) -> policy update(s).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -24,10 +27,10 @@ def _decode(tokenizer):
     return decode
 
 
-def _sampling(cfg, n: int, seed: int) -> SamplingParams:
+def _sampling(cfg, parts: dict, n: int, seed: int) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                          n=n, seed=seed)
+                          n=n, seed=seed, stop_token_ids=parts["task"].stop_token_ids)
 
 
 def warm_start(rt, parts: dict) -> None:
@@ -51,26 +54,119 @@ def warm_start(rt, parts: dict) -> None:
     logger.info("warm start: %d supervised steps in %.0fs", cfg.task.sft_warmup_steps, time.perf_counter() - start)
 
 
-def _advantages(rollouts: list[Rollout], estimator: str) -> torch.Tensor:
+def _advantages(rewards: torch.Tensor, rollouts: list[Rollout], estimator: str) -> torch.Tensor:
     from megatron_rl.algorithms.registry import ADVANTAGE_ESTIMATORS
 
-    rewards = torch.tensor([r.reward for r in rollouts])
     group_ids = torch.tensor([r.prompt_index for r in rollouts])
     return ADVANTAGE_ESTIMATORS.get(estimator)(rewards, group_ids)
 
 
-def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
-    cfg = rt.cfg
-    trainer, controller = parts["trainer"], parts["controller"]
+def _shaped_rewards(cfg, rollouts: list[Rollout]) -> torch.Tensor:
+    """Verifier rewards plus the overlong penalty (algorithm.overlong=penalty), per sample."""
+    from megatron_rl.algorithms.filters import overlong
+
+    rewards = torch.tensor([r.reward for r in rollouts])
+    if cfg.algorithm.overlong != "penalty":
+        return rewards
+    lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts])
+    _, adjustment = overlong(lengths, cfg.rollout.max_new_tokens, "penalty", cfg.algorithm.overlong_penalty_window,
+                             cfg.algorithm.overlong_penalty)
+    return rewards + adjustment
+
+
+def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str, float]]:
+    """The step's rollouts, group ids unique across rounds. One round of global_batch_size / n
+    prompts; with dynamic sampling, rounds repeat (inside one weight sync) until that many
+    groups have reward variance or the round limit is hit."""
+    from megatron_rl.algorithms.filters import DynamicSampler, has_reward_variance
+
+    cfg, algo = rt.cfg, rt.cfg.algorithm
     n = cfg.rollout.n_samples_per_prompt
-    prompts = [parts["train"][i] for i in parts["sampler"].next_batch(cfg.global_batch_size // n)]
-    params = _sampling(cfg, n, seed=cfg.seed * 100_003 + step)
-    rollouts, timing = controller.rollout(lambda: collect(
-        parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"])))
-    advantages = _advantages(rollouts, cfg.algorithm.advantage_estimator)
+    num_groups = cfg.global_batch_size // n
+    rounds = DynamicSampler(num_groups, algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1,
+                            has_reward_variance if algo.dynamic_sampling else (lambda rewards: True))
+
+    def run() -> dict[str, float]:
+        timing: dict[str, float] = {}
+        while not rounds.done:
+            prompts = [parts["train"][i] for i in parts["sampler"].next_batch(num_groups)]
+            params = _sampling(cfg, parts, n, seed=cfg.seed * 100_003 + step + 7919 * rounds.num_rounds)
+            got, timing_round = collect(parts["engine"], prompts, params, parts["rewards"], rt.groups,
+                                        _decode(parts["tokenizer"]))
+            for key, value in timing_round.items():
+                timing[key] = timing.get(key, 0.0) + value
+            groups = [got[g * n:(g + 1) * n] for g in range(len(prompts))]
+            rounds.add_round(groups, [_shaped_rewards(cfg, group) for group in groups])
+        return timing
+
+    timing, kept = parts["controller"].rollout(run), rounds.batch()
+    if algo.dynamic_sampling:
+        timing.update({f"dynamic_sampling/{k}": v for k, v in rounds.stats().items()})
+        if rounds.exhausted:
+            logger.warning("step %d: dynamic sampling kept %d/%d groups in %d rounds; training on the short batch",
+                           step, rounds.num_kept, num_groups, rounds.num_rounds)
+    rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group]
+    return rollouts, timing
+
+
+def select_samples(cfg, rollouts: list[Rollout], rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Keep mask [N] after the zero-variance and overlong filters, and what each dropped."""
+    from megatron_rl.algorithms.filters import overlong, zero_variance_groups
+
+    keep = torch.ones(len(rollouts), dtype=torch.bool)
+    stats = {}
+    if cfg.algorithm.filter_zero_variance:
+        informative = zero_variance_groups(rewards, torch.tensor([r.prompt_index for r in rollouts]))
+        stats["filter/zero_variance_dropped"] = float((~informative).sum())
+        keep &= informative
+    if cfg.algorithm.overlong == "filter":
+        lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts])
+        truncated = torch.tensor([r.finish_reason == "length" for r in rollouts])
+        fits, _ = overlong(lengths, cfg.rollout.max_new_tokens, "filter", truncated=truncated)
+        stats["filter/overlong_dropped"] = float((~fits).sum())
+        keep &= fits
+    stats["filter/kept_samples"] = float(keep.sum())
+    return keep, stats
+
+
+def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
+    from megatron_rl.algorithms.filters import zero_variance_groups
+
+    cfg = rt.cfg
+    controller, verifier = parts["controller"], parts["rewards"].verifier
+    calls_before, errors_before = getattr(verifier, "calls", 0), getattr(verifier, "errors", 0)
+    rollouts, timing = generate_groups(rt, parts, step)
+    rewards = _shaped_rewards(cfg, rollouts)
+    advantages = _advantages(rewards, rollouts, cfg.algorithm.advantage_estimator)
+    keep, filter_stats = select_samples(cfg, rollouts, rewards)
     samples = [r.sample({"advantages": r.response_extra([float(a)] * len(r.output_ids)),
-                         "rollout_logprobs": r.response_extra(r.logprobs)}) for r, a in zip(rollouts, advantages)]
+                         "rollout_logprobs": r.response_extra(r.logprobs)})
+               for r, a, k in zip(rollouts, advantages, keep) if k]
+    metrics: dict[str, float] = {}
     start = time.perf_counter()
+    if samples:
+        metrics = _update(cfg, parts, samples)
+    else:
+        logger.warning("step %d: every sample was filtered out; no update this step", step)
+    train_time = time.perf_counter() - start
+    raw = torch.tensor([r.reward for r in rollouts])
+    lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts])
+    group_ids = torch.tensor([r.prompt_index for r in rollouts])
+    tokens = sum(s.tokens.numel() for s in samples)
+    metrics.update(controller.metrics(), **timing, **filter_stats)
+    metrics.update({"reward/mean": raw.mean().item(), "response_length/mean": lengths.mean().item(),
+                    "reward/shaped_mean": rewards.mean().item(),
+                    "reward/zero_variance_groups": (~zero_variance_groups(rewards, group_ids)).float().mean().item(),
+                    "time/train": train_time, "tokens_per_s": tokens / max(train_time, 1e-9),
+                    "weight_version": float(rollouts[0].weight_version) if rollouts else float(controller.version),
+                    "reward/verifier_calls": float(getattr(verifier, "calls", 0) - calls_before),
+                    "reward/verifier_errors": float(getattr(verifier, "errors", 0) - errors_before)})
+    return metrics
+
+
+def _update(cfg, parts: dict, samples: list) -> dict[str, float]:
+    """Old (and reference) log-probs, then the policy update(s) on `samples`."""
+    trainer = parts["trainer"]
     if cfg.algorithm.old_logprobs == "recompute":
         old, _ = trainer.forward_logprobs(samples)
         for s, lp in zip(samples, old):
@@ -90,19 +186,7 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
         metrics = trainer.train_step(samples, parts["loss_fn"], with_entropy=True)
         if update == 0:  # nothing changed yet: the importance ratio must be 1
             first_kl = metrics.get("ppo_kl", 0.0)
-    train_time = time.perf_counter() - start
-    rewards = torch.tensor([r.reward for r in rollouts])
-    lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts])
-    group_std = torch.stack([rewards[i * n:(i + 1) * n].std() for i in range(len(prompts))])
-    tokens = sum(s.tokens.numel() for s in samples)
-    metrics.update(controller.metrics(), **timing)
-    metrics.update({"reward/mean": rewards.mean().item(), "response_length/mean": lengths.mean().item(),
-                    "reward/zero_variance_groups": (group_std == 0).float().mean().item(),
-                    "time/train": train_time, "tokens_per_s": tokens / max(train_time, 1e-9),
-                    "weight_version": float(rollouts[0].weight_version),
-                    "rollout/logprob_mismatch": mismatch, "ppo_kl_first_update": first_kl,
-                    "reward/verifier_calls": float(getattr(parts["rewards"].verifier, "calls", 0)),
-                    "reward/verifier_errors": float(getattr(parts["rewards"].verifier, "errors", 0))})
+    metrics.update({"rollout/logprob_mismatch": mismatch, "ppo_kl_first_update": first_kl})
     return metrics
 
 
@@ -113,7 +197,7 @@ def evaluate(rt, parts: dict, step: int) -> dict[str, float]:
     if not prompts:
         return {}
     k = cfg.task.eval_samples
-    params = _sampling(cfg, k, seed=cfg.seed * 7 + 1)  # the same draws at every evaluation
+    params = _sampling(cfg, parts, k, seed=cfg.seed * 7 + 1)  # the same draws at every evaluation
     rollouts, _ = parts["controller"].rollout(lambda: collect(
         parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"])))
     correct = [0] * len(prompts)

@@ -8,11 +8,9 @@ RL loop lands.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -22,7 +20,6 @@ from megatron_rl.trainer.packing import Sample
 
 logger = logging.getLogger(__name__)
 
-SFT_TASKS = ("countdown", "jsonl")
 SUMMARY_KEYS = {"loss": "loss", "eval_loss": "eval", "grad_norm": "gnorm", "lr": "lr",
                 "tokens_per_s": "tok/s", "step_time_s": "time"}
 
@@ -30,9 +27,9 @@ SUMMARY_KEYS = {"loss": "loss", "eval_loss": "eval", "grad_norm": "gnorm", "lr":
 def check_sft_config(cfg) -> None:
     from megatron_rl.config import ConfigError
 
-    if cfg.task.type not in SFT_TASKS:
-        raise ConfigError(f"task.type={cfg.task.type} has no SFT data: SFT supports {', '.join(SFT_TASKS)} "
-                          "(jsonl rows need 'prompt' and 'response')")
+    if cfg.task.type == "dataset" and cfg.task.reward == "tests":
+        raise ConfigError("task.reward=tests: SFT needs reference responses; give rows a "
+                          f"{cfg.task.response_key!r} column and keep task.reward=auto")
 
 
 def prompt_response_sample(tokenizer, prompt: str, response: str) -> Sample:
@@ -45,18 +42,15 @@ def prompt_response_sample(tokenizer, prompt: str, response: str) -> Sample:
     return Sample(tokens, mask)
 
 
-def load_pairs(task_cfg, split: str) -> list[tuple[str, str]]:
-    if task_cfg.type == "countdown":
-        from megatron_rl.data import countdown
-
-        num = task_cfg.num_train if split == "train" else task_cfg.num_eval
-        problems = countdown.generate_problems(num, seed=task_cfg.seed, split=split)
-        return [(countdown.format_prompt(p), countdown.format_answer(p)) for p in problems]
-    rows = [json.loads(line) for line in Path(task_cfg.path).read_text().splitlines() if line.strip()]
-    if split == "eval":
-        return [(r["prompt"], r["response"]) for r in rows[: task_cfg.num_eval]]
-    return [(r["prompt"], r["response"]) for r in rows[task_cfg.num_eval:]] or \
-        [(r["prompt"], r["response"]) for r in rows]
+def load_pairs(task, split: str) -> list[tuple[str, str]]:
+    """(prompt as the model sees it, reference response) of a task's split; rows without a
+    reference response are an error (SFT has nothing to learn from them)."""
+    pairs = [(p.text, p.reference) for p in task.prompts(split)]
+    empty = sum(not reference.strip() for _, reference in pairs)
+    if empty:
+        raise ValueError(f"task {task.cfg.name}: {empty} {split} rows have no reference response "
+                         f"(column {task.cfg.response_key!r}); SFT needs one per row")
+    return pairs
 
 
 def eval_loss(trainer, samples: Sequence[Sample]) -> float:
@@ -71,6 +65,7 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
 
     from megatron_rl.checkpoint.manager import CheckpointManager
     from megatron_rl.data.sampler import EpochSampler
+    from megatron_rl.data.tasks import Task
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.observability import format_step_summary
     from megatron_rl.observability.plots import plot_metrics
@@ -78,8 +73,9 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
 
     cfg = rt.cfg
     tokenizer = load_tokenizer(cfg.model.tokenizer)
-    train = [prompt_response_sample(tokenizer, p, r) for p, r in load_pairs(cfg.task, "train")]
-    held_out = [prompt_response_sample(tokenizer, p, r) for p, r in load_pairs(cfg.task, "eval")]
+    task = Task(cfg.task, tokenizer)
+    train = [prompt_response_sample(tokenizer, p, r) for p, r in load_pairs(task, "train")]
+    held_out = [prompt_response_sample(tokenizer, p, r) for p, r in load_pairs(task, "eval")]
     trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, TrainerOptions(
         micro_batch_tokens=cfg.micro_batch_tokens,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,

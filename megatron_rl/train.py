@@ -35,6 +35,9 @@ def check_train_config(cfg) -> None:
     if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
                           f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}")
+    if cfg.algorithm.overlong == "penalty" and cfg.algorithm.overlong_penalty_window > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_penalty_window={cfg.algorithm.overlong_penalty_window} must be <= "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
 
 
 def build(rt):
@@ -86,6 +89,7 @@ def run_rl(rt) -> dict[str, float]:
         start_step, history = 0, {"sft_eval": evaluate(rt, parts, step=0)}
     else:
         parts["sampler"].load_state_dict(resumed["sampler"])
+        parts["controller"].version = resumed.get("weight_version", 0)
         start_step, history = resumed["rl_step"], resumed["history"]
         rt.writer.rewind(start_step)
     if cfg.algorithm.kl_coef > 0:  # reference = the policy RL started from (kept in host memory)
@@ -107,7 +111,8 @@ def run_rl(rt) -> dict[str, float]:
                 logger.info(format_step_summary(step, metrics, SUMMARY))
             parts["checkpoints"].after_step(step + 1, lambda: {"sampler": parts["sampler"].state_dict(),
                                                                 "rl_step": step + 1, "history": history,
-                                                                "reference": parts.get("reference")})
+                                                                "reference": parts.get("reference"),
+                                                                "weight_version": parts["controller"].version})
     finish_rl(rt, parts, history)
     return metrics
 

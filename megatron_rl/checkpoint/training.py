@@ -97,7 +97,7 @@ def _sharded_state_dict(trainer, is_loading: bool) -> dict[str, Any]:
     metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
     optim_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return {"model": model_sd, "optimizer": optim_sd, "scheduler": trainer.scheduler.state_dict(),
-            "trainer_step": trainer.step}
+            "trainer_step": trainer.step, "optimizer_step": trainer.optimizer_step}
 
 
 def _layout(groups) -> dict[str, int]:
@@ -195,8 +195,9 @@ def _restore_adam_steps(optimizer, step: int) -> None:
     """torch.optim.Adam (the optimizer without TE/Apex) counts steps per parameter; the
     distributed optimizer's checkpoint does not carry that count, and its loader puts one
     shared tensor in every parameter's state (which Adam would then increment once per
-    parameter per step). Give each parameter its own count, the trainer's step (every step
-    is applied in fp32: none is skipped)."""
+    parameter per step). Give each parameter its own count, the steps this optimizer took
+    (every step is applied in fp32: none is skipped; a warm start's steps belong to the
+    optimizer it used, not to the one built after it)."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):
@@ -238,7 +239,9 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
     trainer.scheduler.num_steps = 0
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.step = int(state["trainer_step"])
-    _restore_adam_steps(trainer.optimizer, trainer.step)
+    # Checkpoints from before optimizer_step was saved never reset their optimizer.
+    trainer.optimizer_step = int(state.get("optimizer_step", trainer.step))
+    _restore_adam_steps(trainer.optimizer, trainer.optimizer_step)
     rng_file = path / "rng" / f"rank{trainer.groups.rank}.pt"
     if saved_layout == _layout(trainer.groups) and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))

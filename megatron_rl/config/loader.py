@@ -211,10 +211,18 @@ def _validate_paths(cfg: TrainConfig) -> None:
             f"or one of {', '.join(BUILTIN_TOKENIZERS)}"
         )
     task = cfg.task
-    if task.type == "jsonl" and not Path(str(task.path)).expanduser().is_file():
-        raise ConfigError(
-            f"task.path={format_value(task.path)} does not exist: give a JSONL file of prompts for task.type=jsonl"
-        )
+    for key in ("path", "eval_path") if task.type == "dataset" else ():
+        value = getattr(task, key)
+        if value is not None and not Path(str(value)).expanduser().exists():
+            raise ConfigError(f"task.{key}={format_value(value)} does not exist: give a .jsonl or .parquet file or a "
+                              "directory written by datasets' save_to_disk for task.type=dataset")
+        if value is not None:
+            from megatron_rl.data.sources import detect_format
+
+            try:
+                detect_format(value)
+            except ValueError as err:
+                raise ConfigError(f"task.{key}={format_value(value)}: {err}") from None
 
 
 def _divisors(n: int) -> str:

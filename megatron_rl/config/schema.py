@@ -409,6 +409,22 @@ class AlgorithmConfig:
     """recompute (the trainer's forward before the update) or rollout (the engine's log-probs)."""
     loss_norm_len: Optional[int] = None
     """Constant length normaliser for loss_agg_mode=seq_mean_token_sum_norm (Dr. GRPO)."""
+    filter_zero_variance: bool = False
+    """Drop the samples of groups whose rewards are all equal from the update (zero advantage)."""
+    overlong: str = "none"
+    """Responses that hit rollout.max_new_tokens: none, filter (dropped from the loss) or penalty
+    (DAPO's soft length penalty over the last overlong_penalty_window tokens)."""
+    overlong_penalty_window: int = 0
+    """Tokens before max_new_tokens where the penalty ramps from 0 to -overlong_penalty (overlong=penalty)."""
+    overlong_penalty: float = 1.0
+    """Reward subtracted from a response that reaches max_new_tokens (overlong=penalty)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: generate more groups until the batch holds global_batch_size /
+    n_samples_per_prompt groups with reward variance (or dynamic_sampling_max_rounds rounds ran)."""
+    dynamic_sampling_max_rounds: int = 4
+    """Generation rounds per step at most with dynamic_sampling; a short batch is trained on, and logged."""
+
+    OVERLONG_MODES: ClassVar[tuple[str, ...]] = ("none", "filter", "penalty")
 
     def __post_init__(self) -> None:
         _check_choice("algorithm.advantage_estimator", self.advantage_estimator, self.ADVANTAGE_ESTIMATORS)
@@ -416,6 +432,12 @@ class AlgorithmConfig:
         _check_choice("algorithm.kl_estimator", self.kl_estimator, self.KL_ESTIMATORS)
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, self.LOSS_AGG_MODES)
         _check_choice("algorithm.old_logprobs", self.old_logprobs, self.OLD_LOGPROBS)
+        _check_choice("algorithm.overlong", self.overlong, self.OVERLONG_MODES)
+        if self.overlong == "penalty" and self.overlong_penalty_window < 1:
+            raise _invalid("algorithm.overlong_penalty_window", self.overlong_penalty_window,
+                           "must be >= 1 with overlong=penalty, e.g. a quarter of rollout.max_new_tokens")
+        _check_min("algorithm.overlong_penalty", self.overlong_penalty, 0)
+        _check_min("algorithm.dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds, 1)
         _check_min("algorithm.tis_cap", self.tis_cap, 1.0)
         if self.loss_agg_mode == "seq_mean_token_sum_norm" and not self.loss_norm_len:
             raise _invalid("algorithm.loss_norm_len", self.loss_norm_len,
@@ -439,17 +461,39 @@ class TaskConfig:
     name: str = "countdown"
     """Display name used in logs and metric names."""
     type: str = "countdown"
-    """countdown (generated puzzles), math (generated arithmetic) or jsonl (a file of prompts)."""
+    """countdown (generated puzzles), math (generated word problems) or dataset (prompts from `path`)."""
     path: Optional[str] = None
-    """JSONL file of prompts; required for type=jsonl."""
+    """Prompt source for type=dataset: a .jsonl or .parquet file, or a directory written by
+    Hugging Face datasets' save_to_disk (a DatasetDict's train/test splits are used as such)."""
+    eval_path: Optional[str] = None
+    """Held-out prompts in any of the same formats; null: the source's test/validation split, or
+    else its first num_eval rows."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or a list of {role, content} chat messages."""
+    answer_key: str = "answer"
+    """Column holding the reference answer (rule rewards)."""
+    response_key: str = "response"
+    """Column holding a full reference response for the warm start (default: \\boxed{answer})."""
     num_train: int = 2000
-    """Training prompts generated or read."""
+    """Training prompts generated or read (at most)."""
     num_eval: int = 200
     """Held-out evaluation prompts; 0 disables evaluation."""
     seed: int = 0
     """Seed of the prompt generator and of the train/eval split."""
+    chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (user turn + generation prompt); responses
+    then end with the template's end-of-turn token, which also stops generation."""
+    system_prompt: Optional[str] = None
+    """System message prepended when chat_template=true."""
+    reward: str = "auto"
+    """Verifier: math (final answer, e.g. \\boxed{}, normalised), exact (exact match), countdown
+    (expression executed in the sandbox), tests (the row's tests run in the sandbox: passed/total);
+    auto: countdown for type=countdown, tests for dataset rows with a `tests` column, else math."""
+    reward_tolerance: float = 1e-6
+    """Absolute tolerance of numeric answers (reward=math)."""
 
-    TYPES: ClassVar[tuple[str, ...]] = ("countdown", "math", "jsonl")
+    TYPES: ClassVar[tuple[str, ...]] = ("countdown", "math", "dataset")
+    REWARDS: ClassVar[tuple[str, ...]] = ("auto", "math", "exact", "countdown", "tests")
 
     eval_every: int = 10
     """RL steps between evaluations on the held-out split (0: only at the end)."""
@@ -466,8 +510,15 @@ class TaskConfig:
         _check_min("task.eval_samples", self.eval_samples, 1)
         _check_min("task.sft_warmup_steps", self.sft_warmup_steps, 0)
         _check_min("task.sft_warmup_lr", self.sft_warmup_lr, 0, strict=True)
-        if self.type == "jsonl" and not self.path:
-            raise ValueError("task.path=null is invalid for task.type=jsonl: set task.path=<file.jsonl>")
+        _check_choice("task.reward", self.reward, self.REWARDS)
+        if self.type == "dataset" and not self.path:
+            raise ValueError("task.path=null is invalid for task.type=dataset: set task.path=<file.jsonl|"
+                             "file.parquet|saved dataset directory>")
+        allowed = {"countdown": ("auto", "countdown"), "math": ("auto", "math", "exact")}.get(
+            self.type, ("auto", "math", "exact", "tests"))
+        if self.reward not in allowed:
+            raise _invalid("task.reward", self.reward, f"task.type={self.type} allows {', '.join(allowed)}")
+        _check_min("task.reward_tolerance", self.reward_tolerance, 0)
         _check_min("task.num_train", self.num_train, 1)
         _check_min("task.num_eval", self.num_eval, 0)
         _check_min("task.seed", self.seed, 0)

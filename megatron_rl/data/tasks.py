@@ -4,21 +4,25 @@ the verifier that scores completions.
 - `countdown`: generated puzzles; the expression is executed in the sandbox service.
 - `math`: generated word problems (`Ann has 3 pens and gets 4 more.`); the final answer
   (`\\boxed{7}`) is checked by rule.
-- `jsonl`: a file of `{"prompt": ..., "answer": ...}` rows (optional `"response"` for the warm
-  start), checked by rule.
+- `dataset`: rows from a JSONL / Parquet file or a saved Hugging Face dataset
+  (`data/sources.py`): a prompt (text or chat messages), an answer for rule rewards, or
+  `tests` (+ optional `files`, `solution_path`) run in the sandbox; an optional full
+  `response` for the warm start.
+
+With `task.chat_template=true` prompts are rendered by the tokenizer's chat template, and
+the template's end-of-turn token (found by rendering an assistant turn) ends warm-start
+responses and stops generation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
-from pathlib import Path
 from typing import Any, Callable
 
 from megatron_rl.data import countdown
 from megatron_rl.data.countdown import generate_problems
-
+from megatron_rl.data.sources import load_rows
 
 @dataclasses.dataclass
 class Prompt:
@@ -29,14 +33,23 @@ class Prompt:
 
 
 class RuleVerifier:
-    """Math answers by rule (no sandbox needed)."""
+    """Answers checked by rule (no sandbox needed): `math` (final answer extracted and
+    normalised, numeric tolerance) or `exact` (exact match)."""
 
     errors = 0
 
-    async def score(self, items) -> list[float]:
-        from megatron_rl.rewards.rule import math_reward
+    def __init__(self, kind: str = "math", tol: float = 1e-6) -> None:
+        self.kind = kind
+        self.tol = tol
+        self.calls = 0
 
-        return [math_reward(completion, meta["answer"]) for meta, completion in items]
+    async def score(self, items) -> list[float]:
+        from megatron_rl.rewards.rule import exact_match, math_reward
+
+        self.calls += 1
+        if self.kind == "exact":
+            return [exact_match(completion, meta["answer"]) for meta, completion in items]
+        return [math_reward(completion, meta["answer"], self.tol) for meta, completion in items]
 
 
 _NAMES = ("Ann", "Bob", "Cy", "Dee", "Eve", "Fay")
@@ -55,9 +68,33 @@ class Task:
     def __init__(self, task_cfg: Any, tokenizer: Any) -> None:
         self.cfg = task_cfg
         self.tokenizer = tokenizer
+        self.end_of_turn = end_of_turn(tokenizer) if task_cfg.chat_template else ""
+        self._rows: dict[str, list[dict[str, Any]]] = {}
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _rows_of(self, split: str) -> list[dict[str, Any]]:
+        if split not in self._rows:
+            c = self.cfg
+            num = c.num_train if split == "train" else c.num_eval
+            self._rows[split] = load_rows(c.path, split, c.num_eval, c.eval_path)[:num]
+        return self._rows[split]
+
+    def render(self, prompt: str | list[dict[str, str]]) -> str:
+        """The prompt text the model sees (the chat template applied when configured)."""
+        if not self.cfg.chat_template:
+            if not isinstance(prompt, str):
+                raise ValueError(f"task {self.cfg.name}: a prompt given as chat messages needs task.chat_template=true")
+            return prompt
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.cfg.system_prompt:
+            messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _prompt(self, prompt: str | list[dict[str, str]], meta: dict[str, Any], reference: str) -> Prompt:
+        text = self.render(prompt)
+        return Prompt(text, self._encode(text), meta, reference + self.end_of_turn)
 
     def prompts(self, split: str) -> list[Prompt]:
         num = self.cfg.num_train if split == "train" else self.cfg.num_eval
@@ -66,33 +103,80 @@ class Task:
         kind = self.cfg.type
         if kind == "countdown":
             problems = generate_problems(num, seed=self.cfg.seed, split=split)
-            return [Prompt(countdown.format_prompt(p), self._encode(countdown.format_prompt(p)),
-                           {"numbers": list(p.numbers), "target": p.target}, countdown.format_answer(p))
-                    for p in problems]
+            return [self._prompt(countdown.format_prompt(p), {"numbers": list(p.numbers), "target": p.target},
+                                 countdown.format_answer(p)) for p in problems]
         if kind == "math":
             rng = random.Random(self.cfg.seed * 2 + (split == "eval"))
             out = []
             for _ in range(num):
                 question, answer = _math_problem(rng)
-                text = question + "\n"
-                out.append(Prompt(text, self._encode(text), {"answer": answer}, f"\\boxed{{{answer}}}"))
+                out.append(self._prompt(question + "\n", {"answer": answer}, f"\\boxed{{{answer}}}"))
             return out
-        rows = [json.loads(line) for line in Path(self.cfg.path).read_text().splitlines() if line.strip()]
-        rows = rows[: self.cfg.num_eval] if split == "eval" else rows[self.cfg.num_eval:][:num]
-        return [Prompt(r["prompt"], self._encode(r["prompt"]), {"answer": str(r["answer"])},
-                       r.get("response", f"\\boxed{{{r['answer']}}}")) for r in rows]
+        return [self._row_prompt(row, i, split) for i, row in enumerate(self._rows_of(split))]
+
+    def _row_prompt(self, row: dict[str, Any], index: int, split: str) -> Prompt:
+        c = self.cfg
+        where = f"task {c.name} ({split} row {index})"
+        if c.prompt_key not in row:
+            raise ValueError(f"{where} has no {c.prompt_key!r} column (task.prompt_key); columns: {sorted(row)}")
+        if self.reward_kind == "tests":
+            if not row.get("tests"):
+                raise ValueError(f"{where} has no 'tests' for reward=tests")
+            meta = {"tests": row["tests"], "files": row.get("files") or {},
+                    "solution_path": row.get("solution_path") or "solution.py"}
+            reference = row.get(c.response_key) or ""
+        else:
+            if row.get(c.answer_key) is None:
+                raise ValueError(f"{where} has no {c.answer_key!r} column (task.answer_key) "
+                                 f"for reward={self.reward_kind}")
+            answer = str(row[c.answer_key])
+            meta = {"answer": answer}
+            reference = row.get(c.response_key) or (answer if self.reward_kind == "exact" else f"\\boxed{{{answer}}}")
+        return self._prompt(row[c.prompt_key], meta, reference)
+
+    @property
+    def reward_kind(self) -> str:
+        """The verifier actually used (task.reward with `auto` resolved)."""
+        if self.cfg.reward != "auto":
+            return self.cfg.reward
+        if self.cfg.type == "countdown":
+            return "countdown"
+        if self.cfg.type == "dataset" and self._rows_of("train") and "tests" in self._rows_of("train")[0]:
+            return "tests"
+        return "math"
 
     @property
     def needs_sandbox(self) -> bool:
-        return self.cfg.type == "countdown"
+        return self.reward_kind in ("countdown", "tests")
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end a response besides eos (the chat template's end-of-turn token)."""
+        if not self.end_of_turn:
+            return ()
+        ids = self._encode(self.end_of_turn)
+        return (ids[0],) if len(ids) == 1 else ()
 
     def verifier_factory(self, sandbox_addresses: list[str]) -> Callable[[], Any]:
-        if not self.needs_sandbox:
-            return RuleVerifier
+        kind = self.reward_kind
+        if kind in ("math", "exact"):
+            return lambda: RuleVerifier(kind, self.cfg.reward_tolerance)
 
         def build():
-            from megatron_rl.rewards.sandboxed import CountdownVerifier
+            from megatron_rl.rewards.sandboxed import CountdownVerifier, TestsVerifier
             from megatron_rl_sandbox.client import SandboxClient
 
-            return CountdownVerifier(SandboxClient(sandbox_addresses, deadline_s=60))
+            client = SandboxClient(sandbox_addresses, deadline_s=60)
+            return CountdownVerifier(client) if kind == "countdown" else TestsVerifier(client)
         return build
+
+
+def end_of_turn(tokenizer: Any) -> str:
+    """What the chat template puts right after an assistant message's content (e.g. `<|im_end|>`),
+    without trailing whitespace; "" when the template adds nothing or the tokenizer has none."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("task.chat_template=true but the tokenizer has no chat template")
+    marker = "\u2063MEGATRON_RL_END\u2063"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant",
+                                                                                  "content": marker}], tokenize=False)
+    return rendered.split(marker, 1)[1].rstrip() if marker in rendered else ""

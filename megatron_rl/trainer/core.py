@@ -91,12 +91,14 @@ class Trainer:
         if options.overlap_grad_reduce:
             config.grad_sync_func = self.model.start_grad_sync
         self.optimizer, self.scheduler = _build_optimizer(self.model, optim_cfg, options)
-        self.step = 0
+        self.step = 0  # optimizer steps taken by this model (warm start included)
+        self.optimizer_step = 0  # steps taken by the current optimizer (Adam's bias correction)
 
     def reset_optimizer(self, optim_cfg: Any, total_steps: int) -> None:
         """A fresh optimizer and LR schedule for the same weights (e.g. RL after a warm start)."""
         self.options = dataclasses.replace(self.options, total_steps=total_steps)
         self.optimizer, self.scheduler = _build_optimizer(self.model, optim_cfg, self.options)
+        self.optimizer_step = 0
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -318,6 +320,7 @@ class Trainer:
             raise FloatingPointError(f"optimizer step {self.step} failed: non-finite gradients")
         self.scheduler.step(increment=1)
         self.step += 1
+        self.optimizer_step += 1
         metrics = _reduce_metrics(stored, self.groups)
         metrics.update(grad_norm=float(grad_norm), lr=lr, num_tokens=float(num_tokens))
         return metrics

@@ -1,0 +1,150 @@
+"""The RL loop with the options the demo does not use, end to end on CPU:
+
+- prompts from a saved Hugging Face dataset (train/test splits) rendered with the chat
+  template, rule rewards, DAPO dynamic sampling and the zero-variance / overlong filters;
+- exact resume of the RL loop: a run SIGKILLed mid-way and started again with the same
+  command logs the same per-step metrics as a run that was never interrupted;
+- the `tests` verifier: a dataset row's tests run in a real sandbox server (passed / total).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.sandbox_servers import runtime_args, start_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 5
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _addition_rows(num: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        rows.append({"question": f"{a}+{b}=", "answer": a + b, "response": f"\\boxed{{{a + b}}}"})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def saved_dataset(tmp_path_factory):
+    import datasets
+
+    path = tmp_path_factory.mktemp("data") / "addition"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(_addition_rows(400, 0)),
+                          "test": datasets.Dataset.from_list(_addition_rows(40, 1))}).save_to_disk(str(path))
+    return path
+
+
+def _args(run_dir: Path, dataset: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math",
+            "task.type=dataset", f"task.path={dataset}", "task.prompt_key=question", "task.chat_template=true",
+            "task.num_eval=8", "task.eval_samples=2", "task.sft_warmup_steps=20", f"run_dir={run_dir}",
+            "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=10",
+            "logging.progress=false", *extra]
+
+
+def test_dataset_chat_template_dynamic_sampling_and_filters(tmp_path, saved_dataset):
+    run_dir = tmp_path / "run"
+    args = _args(run_dir, saved_dataset, "num_steps=3", "task.eval_every=0", "algorithm.dynamic_sampling=true",
+                 "algorithm.dynamic_sampling_max_rounds=3", "algorithm.filter_zero_variance=true",
+                 "algorithm.overlong=filter")
+    proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    target = 32 // 4
+    for r in rows:
+        assert 1 <= r["dynamic_sampling/rounds"] <= 3
+        assert r["dynamic_sampling/groups_seen"] == target * r["dynamic_sampling/rounds"]
+        full = r["dynamic_sampling/groups_kept"] >= target
+        assert full or r["dynamic_sampling/rounds"] == 3  # a short batch only after the last round
+        if full:  # dynamic sampling only keeps groups with reward variance: nothing left to drop
+            assert r["filter/zero_variance_dropped"] == 0
+        trained = 4 * min(target, r["dynamic_sampling/groups_kept"])
+        assert r["filter/kept_samples"] == trained - r["filter/zero_variance_dropped"] - r["filter/overlong_dropped"]
+    # The warm start taught the chat format: responses end with the end-of-turn token, well
+    # before the length limit, so the overlong filter has (almost) nothing to drop.
+    assert sum(r["filter/overlong_dropped"] for r in rows) <= 0.25 * sum(4 * target for _ in rows)
+    assert rows[-1]["eval/accuracy"] >= 0.0 and "held-out accuracy" in proc.stderr
+
+
+def _run_until(args: list[str], run_dir: Path, lines: int) -> None:
+    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while len(_metrics(run_dir)) < lines:
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, saved_dataset):
+    common = [f"num_steps={STEPS}", "checkpoint.save_every=1", "task.eval_every=2", "algorithm.kl_coef=0.05"]
+    reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
+    done = subprocess.run(_args(reference_dir, saved_dataset, *common), env=_env(), capture_output=True, text=True,
+                          timeout=800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    args = _args(resumed_dir, saved_dataset, *common)
+    _run_until(args, resumed_dir, lines=3)  # killed after step 2 was logged, maybe mid-step 3 or mid-save
+    again = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=800)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "resumed from" in again.stderr and "warm start 1/" not in again.stderr
+    reference, resumed = _metrics(reference_dir), _metrics(resumed_dir)
+    assert [r["step"] for r in resumed] == list(range(STEPS))
+    for want, got in zip(reference, resumed, strict=True):
+        for key in ("reward/mean", "loss", "grad_norm", "ppo_kl", "kl", "entropy", "response_length/mean",
+                    "weight_version"):
+            assert got[key] == want[key], (want["step"], key, got[key], want[key])
+        assert got.get("eval/accuracy") == want.get("eval/accuracy")
+
+
+def test_tests_verifier_runs_a_rows_tests_in_the_sandbox(tmp_path):
+    from megatron_rl.config import TaskConfig
+    from megatron_rl.data.tasks import Task
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    tests = [{"name": "adds", "argv": ["python3", "-c", "from solution import add; assert add(2, 3) == 5"]},
+             {"name": "negative", "argv": ["python3", "-c", "from solution import add; assert add(-1, 1) == 0"]}]
+    rows = [{"prompt": "def add(a, b):", "tests": tests}] * 3
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = Task(TaskConfig(name="code", type="dataset", path=str(path), num_eval=1), load_tokenizer("builtin:char"))
+    meta = task.prompts("train")[0].meta
+    candidates = ["def add(a, b):\n    return a + b\n",  # both pass
+                  "def add(a, b):\n    return 5\n",  # only the first passes
+                  "def add(a, b):\n    while True: pass\n"]  # killed by the limits: none pass
+
+    async def score(address: str) -> list[float]:  # the gRPC channel lives on this loop
+        verifier = task.verifier_factory([address])()
+        verifier.limits = {"wall_time_s": 3, "cpu_time_s": 2}
+        return await verifier.score([(meta, c) for c in candidates])
+
+    server = start_server("bwrap" if runtime_args("bwrap") else "process")
+    try:
+        rewards = asyncio.run(score(server.address))
+    finally:
+        server.stop()
+    assert rewards == [1.0, 0.5, 0.0]

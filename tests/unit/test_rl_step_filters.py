@@ -1,0 +1,54 @@
+"""The loop's reward shaping and sample selection (rl_step.select_samples / _shaped_rewards)
+on hand-made rollouts, against values worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.config import load_config
+from megatron_rl.rl_step import _shaped_rewards, select_samples
+from megatron_rl.rollout.collect import Rollout
+
+
+def _rollouts(rewards, lengths, reasons, groups):
+    return [Rollout(g, [1, 2], [5] * n, [0.0] * n, why, 1, r) for r, n, why, g in zip(rewards, lengths, reasons, groups)]
+
+
+def _cfg(*overrides):
+    return load_config(["rollout.max_new_tokens=8", *overrides], world_size=1)
+
+
+def test_no_filter_keeps_everything_and_rewards_are_unchanged():
+    rollouts = _rollouts([1, 0, 1, 1], [3, 8, 2, 8], ["stop", "length", "stop", "length"], [0, 0, 1, 1])
+    cfg = _cfg()
+    rewards = _shaped_rewards(cfg, rollouts)
+    assert rewards.tolist() == [1, 0, 1, 1]
+    keep, stats = select_samples(cfg, rollouts, rewards)
+    assert keep.tolist() == [True] * 4 and stats == {"filter/kept_samples": 4.0}
+
+
+def test_zero_variance_and_overlong_filters():
+    rollouts = _rollouts([1, 0, 1, 1, 0, 1], [3, 8, 2, 8, 8, 1], ["stop", "length", "stop", "stop", "length", "stop"],
+                         [0, 0, 1, 1, 2, 2])
+    cfg = _cfg("algorithm.filter_zero_variance=true", "algorithm.overlong=filter")
+    keep, stats = select_samples(cfg, rollouts, _shaped_rewards(cfg, rollouts))
+    # group 1 has rewards (1, 1): dropped; samples 1 and 4 stopped at the length limit: dropped.
+    assert keep.tolist() == [True, False, False, False, False, True]
+    assert stats == {"filter/zero_variance_dropped": 2.0, "filter/overlong_dropped": 2.0, "filter/kept_samples": 2.0}
+
+
+def test_overlong_penalty_ramps_over_the_window():
+    rollouts = _rollouts([1, 1, 1, 0], [3, 5, 8, 6], ["stop", "stop", "length", "stop"], [0, 0, 1, 1])
+    cfg = _cfg("algorithm.overlong=penalty", "algorithm.overlong_penalty_window=4", "algorithm.overlong_penalty=0.5")
+    # window starts at 8 - 4 = 4: length 3 -> 0; 5 -> 0.5 * (4 - 5) / 4; 8 -> 0.5 * (4 - 8) / 4; 6 -> 0.5 * (4 - 6) / 4
+    expected = torch.tensor([1.0, 1 - 0.125, 1 - 0.5, 0 - 0.25])
+    assert torch.allclose(_shaped_rewards(cfg, rollouts), expected)
+
+
+def test_penalty_window_longer_than_the_response_limit_is_refused():
+    from megatron_rl.config import ConfigError
+    from megatron_rl.train import check_train_config
+
+    with pytest.raises(ConfigError, match="overlong_penalty_window=9 must be <= rollout.max_new_tokens=8"):
+        check_train_config(_cfg("mode=rl", "algorithm.overlong=penalty", "algorithm.overlong_penalty_window=9"))

@@ -1,0 +1,120 @@
+"""Prompt sources (JSONL, Parquet, saved Hugging Face datasets), the train / held-out split,
+chat templates and the per-task choice of verifier."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_rl.config import TaskConfig
+from megatron_rl.data.sources import detect_format, load_rows
+from megatron_rl.data.tasks import RuleVerifier, Task, end_of_turn
+from megatron_rl.data.tokenizer import load_tokenizer
+
+ROWS = [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin:char")
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_parquet_and_saved_dataset_give_the_same_rows(tmp_path):
+    import datasets
+
+    jsonl = _jsonl(tmp_path / "p.jsonl", ROWS)
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), parquet)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(saved))
+    assert [detect_format(p) for p in (jsonl, parquet, saved)] == ["jsonl", "parquet", "hf_disk"]
+    for source in (jsonl, parquet, saved):
+        assert load_rows(source, "eval", num_eval=3) == ROWS[:3], source
+        assert load_rows(source, "train", num_eval=3) == ROWS[3:], source
+
+
+def test_dataset_dict_splits_and_a_separate_eval_file(tmp_path):
+    import datasets
+
+    saved = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:6]),
+                          "test": datasets.Dataset.from_list(ROWS[6:])}).save_to_disk(str(saved))
+    assert load_rows(saved, "train", num_eval=2) == ROWS[:6]
+    assert load_rows(saved, "eval", num_eval=2) == ROWS[6:8]
+    held_out = _jsonl(tmp_path / "eval.jsonl", ROWS[8:])
+    assert load_rows(_jsonl(tmp_path / "train.jsonl", ROWS[:8]), "train", 5, eval_path=held_out) == ROWS[:8]
+    assert load_rows(tmp_path / "train.jsonl", "eval", 5, eval_path=held_out) == ROWS[8:]
+
+
+def test_unreadable_sources_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        detect_format(tmp_path / "rows.csv")
+    (tmp_path / "plain_dir").mkdir()
+    with pytest.raises(ValueError, match="not a dataset saved with datasets' save_to_disk"):
+        detect_format(tmp_path / "plain_dir")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": 1}\n{"prompt": oops}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object"):
+        load_rows(bad, "train", 0)
+
+
+def _task(tmp_path, tokenizer, rows=ROWS, **overrides) -> Task:
+    cfg = TaskConfig(name="t", type="dataset", path=str(_jsonl(tmp_path / "rows.jsonl", rows)), num_eval=2,
+                     **overrides)
+    return Task(cfg, tokenizer)
+
+
+def test_chat_template_renders_the_user_turn_and_ends_responses(tmp_path, tokenizer):
+    task = _task(tmp_path, tokenizer, chat_template=True, system_prompt="Be brief.")
+    first = task.prompts("eval")[0]
+    # The Qwen-style template of the shipped tokenizer, written out by hand.
+    assert first.text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 0 + 1?<|im_end|>\n"
+                          "<|im_start|>assistant\n")
+    assert first.tokens == tokenizer(first.text, add_special_tokens=False)["input_ids"]
+    assert first.reference == "\\boxed{1}<|im_end|>"
+    assert end_of_turn(tokenizer) == "<|im_end|>"
+    assert task.stop_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    plain = Task(TaskConfig(name="t", type="dataset", path=str(tmp_path / "rows.jsonl"), num_eval=2), tokenizer)
+    assert plain.prompts("eval")[0].text == "What is 0 + 1?" and plain.stop_token_ids == ()
+
+
+def test_chat_messages_as_prompts(tmp_path, tokenizer):
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}] * 3
+    task = _task(tmp_path, tokenizer, rows=rows, chat_template=True)
+    assert task.prompts("train")[0].text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="needs task.chat_template=true"):
+        _task(tmp_path, tokenizer, rows=rows).prompts("train")
+
+
+def test_verifier_choice_per_task(tmp_path, tokenizer):
+    assert _task(tmp_path, tokenizer).reward_kind == "math"
+    assert not _task(tmp_path, tokenizer).needs_sandbox
+    assert _task(tmp_path, tokenizer, reward="exact").reward_kind == "exact"
+    tests = [{"prompt": "write f", "tests": [{"name": "t", "argv": ["python3", "-c", "1"]}]}] * 3
+    coded = _task(tmp_path, tokenizer, rows=tests)
+    assert coded.reward_kind == "tests" and coded.needs_sandbox
+    assert coded.prompts("train")[0].meta == {"tests": tests[0]["tests"], "files": {}, "solution_path": "solution.py"}
+    countdown = Task(TaskConfig(num_train=4, num_eval=2), tokenizer)
+    assert countdown.reward_kind == "countdown" and countdown.needs_sandbox
+
+
+def test_rule_verifiers_math_and_exact():
+    items = [({"answer": "7"}, "so \\boxed{7}"), ({"answer": "7"}, "7"), ({"answer": "0.5"}, "\\boxed{1/2}")]
+    assert asyncio.run(RuleVerifier("math").score(items)) == [1.0, 1.0, 1.0]
+    assert asyncio.run(RuleVerifier("exact").score(items)) == [0.0, 1.0, 0.0]
+
+
+def test_missing_columns_are_named(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=r"has no 'question' column \(task.prompt_key\)"):
+        _task(tmp_path, tokenizer, prompt_key="question").prompts("train")
+    with pytest.raises(ValueError, match=r"has no 'answer' column"):
+        _task(tmp_path, tokenizer, rows=[{"prompt": "p"}] * 3).prompts("train")
