@@ -41,6 +41,8 @@ setup(
         "transformers>=4.51",
         "safetensors",
         "tokenizers",
+        "datasets>=2.14",  # prompt sources saved with save_to_disk
+        "pyarrow",  # Parquet prompt files
         "tqdm",
         "psutil",  # without it megatron dist_checkpointing.save hangs (its forked writer dies)
         "einops",
