@@ -5,8 +5,9 @@
 # then SGLang itself without dependencies, plus two start-up shims (cpu_shims/):
 #   - megatron_rl_sglang_cpu.py (loaded by a .pth file): torchvision op schemas, SGLANG_USE_CPU_ENGINE=1
 #   - sgl_kernel/: a stand-in for the kernel package (no CPU wheel) whose functions raise if called
-# and points the venv at this checkout of megatron-rl (a .pth file; no dependencies: the tests only
-# need megatron_rl.rollout and transformers there).
+# and points the venv at this checkout of megatron-rl (a .pth file). megatron-rl's own runtime
+# requirements (requirements-project.txt: megatron-core, hydra, ...) are added on top, constrained
+# to what the venv already holds, so that the RL loop runs there with rollout.backend=sglang.
 #
 # Knobs: MEGATRON_RL_SGLANG_VENV (default /var/cache/megatron-rl/sglang-venv), PYTHON (default
 # python3), SGLANG_TORCH_SPEC (default torch==2.13.0, the CPU wheel).
@@ -41,6 +42,21 @@ if [[ ! -x "$VENV/bin/python" || ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]
   echo "$want" > "$stamp"
 fi
 
+# megatron-rl's runtime requirements, pinned to everything already installed (pip freeze as the
+# constraint): torch stays the CPU wheel and no SGLang pin moves; pip fails instead.
+project_want="$(sha256sum < "$HERE/requirements-project.txt" | cut -c1-16) $want"
+project_stamp="$VENV/.megatron-rl-project-deps"
+if [[ ! -f "$project_stamp" || "$(cat "$project_stamp")" != "$project_want" ]]; then
+  echo "[sglang-setup] adding megatron-rl's runtime requirements (requirements-project.txt)" >&2
+  rm -f "$VENV/.megatron-rl-sglang-shims"  # re-run the import check below
+  frozen=$(mktemp)
+  "$VENV/bin/python" -m pip freeze --disable-pip-version-check | grep -v -E '^(-e |megatron-rl)| @ ' > "$frozen"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$HERE/requirements-project.txt" \
+    -c "$frozen"
+  rm -f "$frozen"
+  echo "$project_want" > "$project_stamp"
+fi
+
 # The cheap part: shims from this checkout, and this checkout on the venv's path (the tests
 # also put their own checkout first on PYTHONPATH). Redone when either changes.
 shims_want="$(cd "$HERE" && find cpu_shims -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16) $REPO"
@@ -57,9 +73,11 @@ if [[ ! -f "$shims_stamp" || "$(cat "$shims_stamp")" != "$shims_want" ]]; then
 import importlib.metadata as md
 import torch, torchvision, transformers  # noqa: F401  (torchvision exercises the shim)
 import sglang  # noqa: F401
+import megatron.core, hydra  # noqa: F401  (the RL loop's own requirements)
 from megatron_rl.rollout import sglang_engine  # noqa: F401
+import megatron_rl.train  # noqa: F401
 print(f"[sglang-setup] sglang {md.version('sglang')}, torch {torch.__version__}, "
-      f"transformers {transformers.__version__}", flush=True)
+      f"transformers {transformers.__version__}, megatron-core {md.version('megatron-core')}", flush=True)
 PY
   echo "$shims_want" > "$shims_stamp"
 fi

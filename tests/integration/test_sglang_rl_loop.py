@@ -1,0 +1,103 @@
+"""The RL loop with `rollout.backend=sglang`: a real SGLang engine on CPU, started by the job
+(`make_engine`: offline `sglang.Engine` from an HF config written for the model fields,
+random weights replaced by weight sync before every rollout), four GRPO steps of the tiny
+Qwen2 on the rule-rewarded math task, run as a user runs it (`python -m megatron_rl.train`)
+in the SGLang venv (tests/integration/sglang/setup.sh adds megatron-rl's requirements there).
+
+What is judged, from the run's metrics and logs:
+- the first update of every step has importance ratio 1 (`ppo_kl_first_update == 0`: old
+  log-probs are the trainer's own forward, recomputed before the update);
+- the trainer's recomputed log-probs of the tokens SGLang sampled equal SGLang's own
+  (`rollout/logprob_mismatch`, max over every sampled token) within LOGPROB_ATOL, the tolerance
+  of the SGLang parity test (tests/integration/test_sglang_engine.py: fp32 on both sides,
+  different attention kernels and summation order; measured ~1e-6 here, real mistakes such as
+  stale weights, the wrong temperature or an off-by-one position cost 1e-2 or more);
+- the weight version advances at every step, and the engine follows the updates: a step's
+  second inner update shows how far its first optimizer step moved the policy (`ppo_kl` of the
+  last update; 0.3 here with lr 1e-3), yet the next step's samples match the trainer to
+  LOGPROB_ATOL, which an engine left on the previous weights could not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.sglang import harness
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+REPO = Path(__file__).resolve().parents[2]
+LOGPROB_ATOL = 5e-5  # = test_sglang_engine.LOGPROB_ATOL (see the module docstring)
+PROJECT_DEPS_STAMP = ".megatron-rl-project-deps"  # written by setup.sh after requirements-project.txt
+
+
+def _sglang_python() -> Path:
+    python = harness.venv_python()
+    if python is None:
+        pytest.skip(f"no SGLang venv at {harness.venv()}: run `bash tests/integration/sglang/setup.sh` "
+                    "(~2-5 min once; MEGATRON_RL_SGLANG_VENV overrides the path)")
+    if not (harness.venv() / PROJECT_DEPS_STAMP).exists():
+        pytest.skip(f"the SGLang venv at {harness.venv()} lacks megatron-rl's own requirements (megatron-core, "
+                    "hydra-core, ...): re-run `bash tests/integration/sglang/setup.sh`")
+    return python
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    python = _sglang_python()
+    run_dir = tmp_path_factory.mktemp("sglang_rl") / "run"
+    args = [str(python), "-m", "megatron_rl.train", "mode=rl", "task=math", "rollout=sglang",
+            "rollout.max_total_tokens=4096",  # KV cache on CPU: SGLang would size it from host memory
+            f"run_dir={run_dir}", "num_steps=4", "global_batch_size=32", "rollout.n_samples_per_prompt=8",
+            "rollout.max_new_tokens=16", "rollout.temperature=0.9", "algorithm.num_inner_updates=2",
+            "optimizer.lr=1e-3", "task.sft_warmup_steps=20", "task.num_eval=8", "task.eval_every=0",
+            "task.eval_samples=1", "micro_batch_tokens=512", "logging.progress=false", "logging.tensorboard=false"]
+    start = time.perf_counter()
+    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=800)
+    wall = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    print(f"\n[sglang rl loop] {wall:.0f}s; per step: " + "; ".join(
+        f"v{r['weight_version']:.0f} mismatch {r['rollout/logprob_mismatch']:.2e} kl {r['ppo_kl']:.2e}" for r in rows))
+    return run_dir, rows
+
+
+def test_the_loop_ran_with_sglang(run):
+    run_dir, rows = run
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "starting SGLang engine" in log and "'load_format': 'dummy'" in log
+    # the job's own log survives SGLang's start-up (which reconfigures logging) up to the end
+    assert "training reward: first 10% of steps" in log
+    assert (run_dir / "rollout_model_rank0" / "config.json").exists()
+    assert all(r["reward/verifier_errors"] == 0 for r in rows)
+
+
+def test_first_update_has_importance_ratio_one(run):
+    _, rows = run
+    assert [r["ppo_kl_first_update"] for r in rows] == [0.0] * 4
+
+
+def test_rollout_logprobs_match_the_trainer(run):
+    _, rows = run
+    for r in rows:
+        assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
+
+
+def test_weight_version_advances_and_the_engine_follows_updates(run):
+    _, rows = run
+    # v1 is the evaluation before RL (one sync per rollout); then one sync per step
+    assert [r["weight_version"] for r in rows] == [2, 3, 4, 5]
+    # ppo_kl of the second inner update = how far the first optimizer step moved the policy
+    # (0 when every group's rewards tie: no advantage, no gradient). After a step that moved it
+    # by far more than the tolerance, the next step's samples still match the trainer.
+    moved = [i for i, r in enumerate(rows[:-1]) if r["ppo_kl"] > 1e-3]
+    assert moved, [r["ppo_kl"] for r in rows]
+    for i in moved:
+        assert rows[i + 1]["rollout/logprob_mismatch"] < LOGPROB_ATOL
