@@ -55,6 +55,7 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "sglang": ["sglang==0.5.23"],
-        "dev": ["pytest>=8", "pytest-timeout"],
+        "dev": ["pytest>=8", "pytest-timeout", "wandb"],
+        "wandb": ["wandb"],
     },
 )

@@ -5,7 +5,10 @@ The order is the contract: the whole configuration is composed, typed and valida
 (including what an HF checkpoint's config.json says about the architecture) before any
 process group, model or file exists, so a bad setting costs seconds and writes nothing.
 With `cluster.launcher=local` and `cluster.nproc > 1`, the first process becomes a small
-launcher that starts one worker per rank and stops them all when one fails.
+launcher that starts one worker per rank, forwards stop signals (SIGUSR1/SIGTERM: checkpoint
+and stop, see `megatron_rl.preemption`) to them, and stops them all when one fails, naming
+that rank and the last lines of its log. Under Slurm, `srun` starts the ranks and
+`megatron_rl.slurm_job` plays the launcher's part.
 """
 
 from __future__ import annotations
@@ -30,12 +33,16 @@ HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "-
 class Runtime:
     """What an entry point gets after start-up (every rank has one)."""
 
-    def __init__(self, cfg, env, groups, run_dir: Path, writer) -> None:
+    def __init__(self, cfg, env, groups, run_dir: Path, writer, device=None) -> None:
+        from megatron_rl.preemption import Preemption
+
         self.cfg = cfg
         self.env = env
         self.groups = groups
         self.run_dir = run_dir
         self.writer = writer
+        self.device = device
+        self.preemption = Preemption(run_dir, env.rank == 0, device).install()
 
     @property
     def is_main(self) -> bool:
@@ -144,6 +151,10 @@ def start(argv: Sequence[str], job_name: str, check: Optional[Callable] = None) 
     from megatron_rl.parallel.dist import dist_env_from
 
     env = dist_env_from()
+    if cfg.cluster.launcher == "slurm" and env.source == "single":
+        print("config error: cluster.launcher=slurm but this process was not started by srun (no SLURM_PROCID/"
+              "SLURM_NTASKS): submit with `sbatch slurm/run.sh ...`, or use cluster=local here", file=sys.stderr)
+        raise SystemExit(2)
     if env.source == "single" and cfg.cluster.launcher == "local" and cfg.cluster.nproc > 1:
         _launch_local(cfg, overrides, job_name)
         return None
@@ -162,7 +173,9 @@ def _launch_local(cfg, overrides: list[str], job_name: str) -> None:
     port = cfg.cluster.master_port or free_port()
     run_dir = _resolved_run_dir(cfg)  # one run dir for all ranks, fixed before they start
     args = [*[o for o in overrides if not o.startswith("run_dir=")], f"run_dir={run_dir}"]
-    procs = []
+    procs: list[subprocess.Popen] = []
+    for sig in (signal.SIGUSR1, signal.SIGTERM):  # stop requests go to every worker
+        signal.signal(sig, lambda signum, _frame: [p.send_signal(signum) for p in procs if p.poll() is None])
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -171,9 +184,31 @@ def _launch_local(cfg, overrides: list[str], job_name: str) -> None:
     failed = _wait_all(procs)
     if failed is not None:
         rank, code = failed
-        print(f"rank {rank} exited with code {code}; stopped the other ranks "
-              f"(see {run_dir}/logs/rank{rank}.log)", file=sys.stderr)
+        log = Path(run_dir) / "logs" / f"rank{rank}.log"
+        print(f"rank {rank} exited with code {code}; stopped the other ranks. Last lines of {log}:\n"
+              f"{log_tail(log)}", file=sys.stderr)
         raise SystemExit(code if code > 0 else 1)
+
+
+def log_tail(path: Path, num_lines: int = 20) -> str:
+    """The last lines of a log file (for failure reports), or why there are none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError as exc:
+        return f"  (no log: {exc})"
+    return "\n".join(f"  | {line}" for line in lines[-num_lines:]) or "  (the log is empty)"
+
+
+def _log_uncaught(exc_type, exc, tb) -> None:
+    """Put a rank's fatal exception into its own log too, where failure reports look."""
+    if not issubclass(exc_type, KeyboardInterrupt):
+        # The console handler prints it too (every rank logs CRITICAL to stderr).
+        logging.getLogger("megatron_rl").critical("uncaught exception, this rank stops", exc_info=(exc_type, exc, tb))
+    else:
+        sys.__excepthook__(exc_type, exc, tb)
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> Optional[tuple[int, int]]:
@@ -213,6 +248,7 @@ def _become_rank(cfg, env, job_name: str) -> Runtime:
     from megatron_rl.observability import MetricsWriter, init_logger
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
+    from megatron_rl.preemption import MARKER
 
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no INFO lines from gRPC's fork handlers
     device = mdist.resolve_device(cfg.cluster.device, env.local_rank)
@@ -229,15 +265,26 @@ def _become_rank(cfg, env, job_name: str) -> Runtime:
     cfg.run_dir = str(run_path)
     (run_path / "logs").mkdir(parents=True, exist_ok=True)
     init_logger(env.rank, cfg.logging.level, run_path / "logs" / f"rank{env.rank}.log")
+    sys.excepthook = _log_uncaught
     if cfg.logging.level != "DEBUG":  # megatron-core logs whole config objects at INFO
         logging.getLogger("megatron.core").setLevel(logging.WARNING)
     if env.rank == 0:
         _save_config(cfg, run_path)
+        (run_path / MARKER).unlink(missing_ok=True)  # a stop record is about the previous start
     groups = state.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, ep=cfg.parallel.ep,
                               sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.seed, device=device)
-    writer = MetricsWriter(run_path, enabled_tensorboard=cfg.logging.tensorboard, rank=env.rank)
+    writer = MetricsWriter(run_path, enabled_tensorboard=cfg.logging.tensorboard, rank=env.rank,
+                           wandb_init=_wandb_init(cfg, run_path) if cfg.logging.wandb else None)
     logger.info("%s: run directory %s", job_name, run_path)
-    return Runtime(cfg, env, groups, run_path, writer)
+    return Runtime(cfg, env, groups, run_path, writer, device)
+
+
+def _wandb_init(cfg, run_dir: Path) -> dict:
+    from omegaconf import OmegaConf
+
+    return {"project": cfg.logging.wandb_project, "entity": cfg.logging.wandb_entity,
+            "name": cfg.logging.wandb_name or run_dir.name,
+            "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)}
 
 
 def _save_config(cfg, run_dir: Path) -> None:

@@ -210,6 +210,11 @@ def _validate_paths(cfg: TrainConfig) -> None:
             f"model.tokenizer={model.tokenizer} does not exist: give a HF tokenizer directory "
             f"or one of {', '.join(BUILTIN_TOKENIZERS)}"
         )
+    if cfg.logging.wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("logging.wandb=true needs wandb: pip install -e '.[wandb]', or set logging.wandb=false")
     task = cfg.task
     for key in ("path", "eval_path") if task.type == "dataset" else ():
         value = getattr(task, key)

@@ -585,7 +585,14 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write metrics to TensorBoard under run_dir."""
     wandb: bool = False
-    """Also send metrics to Weights & Biases."""
+    """Also send metrics to Weights & Biases (needs `pip install -e '.[wandb]'`; WANDB_MODE=offline
+    on clusters without internet access)."""
+    wandb_project: str = "megatron-rl"
+    """W&B project."""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user); null: the account's default."""
+    wandb_name: Optional[str] = None
+    """W&B run name; null: the run directory's name."""
     log_every: int = 10
     """Optimizer steps between metric logs."""
     progress: bool = True

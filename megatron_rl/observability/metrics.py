@@ -1,4 +1,5 @@
-"""Training metrics sinks: a JSONL file (always) and TensorBoard scalars (optional).
+"""Training metrics sinks: a JSONL file (always), TensorBoard scalars and Weights & Biases
+(each optional).
 
 `run_dir/metrics.jsonl` holds one JSON object per logged step, `{"step": int, <name>: float,
 ...}`, flushed line by line so a killed job loses at most the line being written. It is
@@ -6,6 +7,12 @@ the source of truth for plots (`megatron_rl.observability.plots`) and for tests;
 under `run_dir/tensorboard/` is a view of the same numbers. Only rank 0 writes; on other
 ranks `MetricsWriter` is a no-op so callers need no rank checks. Reducing metrics across
 ranks is the caller's job.
+
+W&B (`logging.wandb=true`): one W&B run per run directory (its id is kept in
+`run_dir/wandb_run_id`, so a resumed or requeued job continues the same W&B run); offline
+clusters set `WANDB_MODE=offline` and `wandb sync` later. W&B keeps the first value logged
+for a step, so steps recomputed after a resume keep their pre-crash values there (the JSONL
+and TensorBoard are rewound).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import json
 import logging
 import math
 import os
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO, Union
@@ -35,14 +43,19 @@ class MetricsWriter:
             is appended to, so a resumed run continues the same file.
         enabled_tensorboard: also write TensorBoard scalars to `run_dir/tensorboard/`.
         rank: global rank; every rank other than 0 writes nothing.
+        wandb_init: keyword arguments of `wandb.init` (project, entity, name, config) to also
+            log to Weights & Biases; None: no W&B.
     """
 
-    def __init__(self, run_dir: PathLike, enabled_tensorboard: bool, rank: int) -> None:
+    def __init__(self, run_dir: PathLike, enabled_tensorboard: bool, rank: int,
+                 wandb_init: Optional[Mapping[str, Any]] = None) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.enabled = rank == 0
         self._file: Optional[TextIO] = None
         self._tb_writer: Any = None  # torch.utils.tensorboard.SummaryWriter, imported lazily
+        self._wandb: Any = None  # a wandb Run, imported lazily
+        self._wandb_next_step = 0  # W&B refuses steps below the ones it has (e.g. after a resume)
         if not self.enabled:
             return
         if enabled_tensorboard:
@@ -57,6 +70,9 @@ class MetricsWriter:
         self._file = open(self.run_dir / METRICS_FILENAME, "a", encoding="utf-8")
         if enabled_tensorboard:
             self._tb_writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIRNAME))
+        if wandb_init is not None:
+            self._wandb = _start_wandb(self.run_dir, wandb_init)
+            self._wandb_next_step = int(getattr(self._wandb, "step", 0) or 0)
         logger.info(
             "metrics -> %s%s",
             self.run_dir / METRICS_FILENAME,
@@ -85,6 +101,9 @@ class MetricsWriter:
         if self._tb_writer is not None:
             for name, value in values.items():
                 self._tb_writer.add_scalar(name, value, global_step=int(step))
+        if self._wandb is not None and int(step) >= self._wandb_next_step:
+            self._wandb.log(values, step=int(step), commit=True)
+            self._wandb_next_step = int(step) + 1
 
     def rewind(self, step: int) -> None:
         """Forget records at `step` and later (a resumed run recomputes them): rewrite
@@ -113,12 +132,26 @@ class MetricsWriter:
         if self._tb_writer is not None:
             self._tb_writer.close()
             self._tb_writer = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+def _start_wandb(run_dir: Path, init: Mapping[str, Any]) -> Any:
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError("logging.wandb=true needs wandb: pip install -e '.[wandb]' (or logging.wandb=false)") from exc
+    id_file = run_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(8)
+    id_file.write_text(run_id + "\n")
+    return wandb.init(dir=str(run_dir), id=run_id, resume="allow", **dict(init))
 
 
 def read_metrics(path: PathLike) -> list[dict[str, float]]:

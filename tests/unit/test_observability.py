@@ -160,3 +160,25 @@ def test_plot_metrics(tmp_path):
         image = matplotlib.image.imread(path)
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     assert not (out_dir / "absent.png").exists()
+
+
+def test_metrics_to_wandb_offline_continue_one_run_across_restarts(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="W&B logging needs wandb (pip install -e '.[wandb]')")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    init = {"project": "megatron-rl-test", "name": "run", "config": {"lr": 1e-3}}
+    writer = MetricsWriter(tmp_path, enabled_tensorboard=False, rank=0, wandb_init=init)
+    for step in range(3):
+        writer.log(step, {"reward/mean": 0.25 * step})
+    run = writer._wandb
+    assert run.summary["reward/mean"] == 0.5 and run.config["lr"] == 1e-3
+    writer.close()
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
+    resumed = MetricsWriter(tmp_path, enabled_tensorboard=False, rank=0, wandb_init=init)
+    assert resumed._wandb.id == run_id  # the restarted job continues the same W&B run
+    resumed.log(3, {"reward/mean": 1.0})
+    assert resumed._wandb.summary["reward/mean"] == 1.0
+    resumed.close()
+    assert wandb.run is None
+    runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 2 and all((r / f"run-{run_id}.wandb").stat().st_size > 0 for r in runs)
