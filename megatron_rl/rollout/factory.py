@@ -45,13 +45,13 @@ def check_engine_config(cfg: Any, world_size: int, local_world_size: int) -> Non
                           f"serves a block of rollout.tp ranks of one node; valid rollout.tp values are "
                           f"{', '.join(map(str, valid))}")
     if r.backend == "sglang":
-        if importlib.util.find_spec("sglang") is None:
-            raise ConfigError(f"rollout.backend=sglang needs sglang, which this Python ({_python()}) cannot "
-                              f"import: {SGLANG_INSTALL_HINT}; or use rollout.backend=hf")
         if r.base_url is not None and world_size != r.tp:
             raise ConfigError(f"rollout.base_url={r.base_url} attaches one server to one block of rollout.tp="
                               f"{r.tp} ranks, but the job has {world_size} ranks: set rollout.tp={world_size} "
                               "(and start the server with that --tp-size) or drop rollout.base_url")
+        if importlib.util.find_spec("sglang") is None:
+            raise ConfigError(f"rollout.backend=sglang needs sglang, which this Python ({_python()}) cannot "
+                              f"import: {SGLANG_INSTALL_HINT}; or use rollout.backend=hf")
     elif getattr(cfg.model, "num_experts", None):
         raise ConfigError("rollout.backend=hf does not support MoE models yet (weight sync sends per-expert "
                           "names that transformers fuses): use rollout.backend=sglang")

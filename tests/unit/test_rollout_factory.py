@@ -1,0 +1,108 @@
+"""`rollout.*` -> engine: the sglang settings, the checks before any work starts, and what
+`make_engine` builds for each backend (no processes; SGLang itself is exercised in
+tests/integration/test_sglang_*.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+
+from megatron_rl.config import ConfigError
+from megatron_rl.config.schema import ModelConfig, RolloutConfig, TrainConfig
+from megatron_rl.rollout.factory import check_engine_config, engine_model_dir, make_engine, sglang_engine_config
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+def rl_config(**rollout) -> TrainConfig:
+    return TrainConfig(mode="rl", run_dir="unused", rollout=RolloutConfig(**rollout))
+
+
+@pytest.mark.parametrize("key,value", [("base_url", "http://h:1"), ("attention_backend", "fa3"),
+                                       ("chunked_prefill_size", 4096), ("disable_radix_cache", True),
+                                       ("kv_cache_dtype", "fp8_e4m3"), ("server_args", {"max_running_requests": 8})])
+def test_sglang_settings_are_refused_with_the_hf_backend(key, value):
+    with pytest.raises(ValueError, match=f"rollout.{key}=.*is an SGLang setting but rollout.backend=hf"):
+        RolloutConfig(backend="hf", **{key: value})
+
+
+@pytest.mark.parametrize("key,value,message", [("log_level", "loud", "allowed values are debug, info"),
+                                               ("base_url", "localhost:30000", "must be an http"),
+                                               ("chunked_prefill_size", 0, "must be >= 1"),
+                                               ("max_total_tokens", 0, "must be >= 1")])
+def test_bad_sglang_settings(key, value, message):
+    with pytest.raises(ValueError, match=f"rollout.{key}=.*{message}"):
+        RolloutConfig(backend="sglang", **{key: value})
+
+
+def test_sglang_engine_arguments_from_the_config():
+    cfg = rl_config(backend="sglang", tp=2, mem_fraction_static=0.4, attention_backend="fa3",
+                    chunked_prefill_size=4096, disable_radix_cache=True, kv_cache_dtype="fp8_e4m3",
+                    log_level="warning", server_args={"max_running_requests": 64, "chunked_prefill_size": 2048})
+    cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16")
+    kwargs = sglang_engine_config(cfg, device_type="cuda", model_path="/run/model", base_gpu_id=4,
+                                  random_seed=7).engine_kwargs()
+    assert kwargs == {"model_path": "/run/model", "tp_size": 2, "base_gpu_id": 4, "dtype": "bfloat16",
+                      "mem_fraction_static": 0.4, "random_seed": 7, "weight_version": "0", "skip_tokenizer_init": True,
+                      "log_level": "warning", "enable_memory_saver": True, "load_format": "dummy",
+                      "attention_backend": "fa3", "disable_radix_cache": True, "kv_cache_dtype": "fp8_e4m3",
+                      "max_running_requests": 64, "chunked_prefill_size": 2048}  # server_args win
+    cpu = sglang_engine_config(rl_config(backend="sglang", max_total_tokens=4096), device_type="cpu",
+                               model_path="/m", base_gpu_id=0, random_seed=0).engine_kwargs()
+    assert cpu["attention_backend"] == "torch_native" and cpu["enable_memory_saver"] is False
+    assert cpu["max_total_tokens"] == 4096 and "base_gpu_id" not in cpu
+    attach = sglang_engine_config(rl_config(backend="sglang", base_url="http://node1:30000"), device_type="cuda",
+                                  model_path=None, base_gpu_id=0, random_seed=0)
+    assert attach.base_url == "http://node1:30000" and attach.model_path is None
+
+
+def test_rollout_tp_must_divide_the_ranks_of_a_node():
+    with pytest.raises(ConfigError, match="rollout.tp=3 does not divide the 4 ranks per node.*values are 1, 2, 4"):
+        check_engine_config(rl_config(tp=3), world_size=8, local_world_size=4)
+    check_engine_config(rl_config(tp=2), world_size=8, local_world_size=4)
+
+
+def test_attach_mode_serves_one_block():
+    with pytest.raises(ConfigError, match="job has 4 ranks: set rollout.tp=4"):
+        check_engine_config(rl_config(backend="sglang", tp=2, base_url="http://h:1"), world_size=4,
+                            local_world_size=4)
+
+
+@pytest.mark.skipif(HAVE_SGLANG, reason="sglang is installed in this venv")
+def test_without_sglang_the_run_stops_before_any_work():
+    from megatron_rl.runtime import load_validated
+    from megatron_rl.train import check_train_config
+
+    with pytest.raises(ConfigError, match="rollout.backend=sglang needs sglang.*tests/integration/sglang/setup.sh"):
+        load_validated(["mode=rl", "rollout=sglang", "task=math"], world_size=1, check=check_train_config)
+
+
+def test_moe_models_need_the_sglang_backend():
+    cfg = rl_config()
+    cfg.model = ModelConfig(family="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
+    with pytest.raises(ConfigError, match="rollout.backend=hf does not support MoE"):
+        check_engine_config(cfg, world_size=1, local_world_size=1)
+
+
+def test_engine_model_dir_holds_the_architecture(tmp_path):
+    from transformers import AutoConfig
+
+    cfg = rl_config(backend="sglang")
+    path = engine_model_dir(cfg, eos_token_id=3, work_dir=tmp_path / "m")
+    hf = AutoConfig.from_pretrained(path)
+    m = cfg.model
+    assert (hf.model_type, hf.num_hidden_layers, hf.hidden_size, hf.intermediate_size, hf.vocab_size) == \
+           (m.family, m.num_layers, m.hidden_size, m.ffn_hidden_size, m.vocab_size)
+    assert hf.eos_token_id == 3
+    assert not list((tmp_path / "m").glob("*.safetensors"))  # weights come by sync
+
+
+def test_hf_backend_builds_one_engine_per_rank(tmp_path):
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    engine = make_engine(rl_config(), None, load_tokenizer("builtin:char"), local_rank=0, local_world_size=1,
+                         work_dir=tmp_path)
+    assert isinstance(engine, HFEngine)
