@@ -98,6 +98,7 @@ def run_rl(rt) -> dict[str, float]:
     bar = tqdm(range(start_step, cfg.num_steps), desc="rl", unit="step", initial=start_step, total=cfg.num_steps,
                disable=not show)
     metrics: dict[str, float] = {}
+    rt.preemption.watch()  # from here SIGUSR1/SIGTERM mean: finish this step, checkpoint, stop
     with logging_redirect_tqdm() if show else contextlib.nullcontext():
         for step in bar:
             start = time.perf_counter()
@@ -109,10 +110,14 @@ def run_rl(rt) -> dict[str, float]:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             if step % cfg.logging.log_every == 0 or step == cfg.num_steps - 1:
                 logger.info(format_step_summary(step, metrics, SUMMARY))
-            parts["checkpoints"].after_step(step + 1, lambda: {"sampler": parts["sampler"].state_dict(),
-                                                                "rl_step": step + 1, "history": history,
-                                                                "reference": parts.get("reference"),
-                                                                "weight_version": parts["controller"].version})
+            def state() -> dict:  # what a checkpoint holds besides model, optimizer and RNG
+                return {"sampler": parts["sampler"].state_dict(), "rl_step": step + 1, "history": history,
+                        "reference": parts.get("reference"), "weight_version": parts["controller"].version}
+
+            parts["checkpoints"].after_step(step + 1, state)
+            if rt.preemption.stop_agreed(step + 1, cfg.num_steps):
+                rt.preemption.save_and_mark(parts["checkpoints"], step + 1, state)
+                break
     finish_rl(rt, parts, history)
     return metrics
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The body of slurm/run.sh and slurm/run_gpu_only.sh: runs in the batch step of the allocation.
+# Finds the checkout and its .venv, then hands over to `python -m megatron_rl.slurm_job run`
+# (exec: the batch step's signals, e.g. `--signal=B:USR1@120`, reach Python directly), which
+# starts the sandbox servers and the training step, requeues on USR1 and names a failed rank.
+# Environment knobs:
+#   MEGATRON_RL_HOME       the checkout (default: $SLURM_SUBMIT_DIR, i.e. submit from the repo root)
+#   PYTHON                 interpreter (default: $MEGATRON_RL_HOME/.venv/bin/python)
+#   MEGATRON_RL_RUN_ROOT   where run directories go (default: $SLURM_SUBMIT_DIR/runs); each job
+#                          gets <root>/<job name>-<job id> unless run_dir=... is an override
+#   MEGATRON_RL_SANDBOX    none = start no sandbox servers (the task needs none or sandbox.address is set)
+#   SANDBOX_SERVER_ARGS    extra arguments for each sandbox server, e.g. "--image=py=/images/py.sif"
+set -euo pipefail
+HOME_DIR=${MEGATRON_RL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
+if [[ ! -f "$HOME_DIR/megatron_rl/slurm_job.py" ]]; then
+  echo "megatron-rl: $HOME_DIR is not a megatron-rl checkout; submit from the repository root or set" \
+       "MEGATRON_RL_HOME=/path/to/megatron-rl (sbatch passes your environment to the job)" >&2
+  exit 2
+fi
+PY=${PYTHON:-$HOME_DIR/.venv/bin/python}
+if [[ ! -x "$PY" ]]; then
+  echo "megatron-rl: no interpreter at $PY; run 'bash launch/setup_env.sh' on a node first or set PYTHON=" >&2
+  exit 2
+fi
+cd "$HOME_DIR"
+export PYTHONUNBUFFERED=1
+args=()
+[[ "${MEGATRON_RL_SANDBOX:-}" == none ]] && args+=(--no-sandbox)
+for a in ${SANDBOX_SERVER_ARGS:-}; do args+=("--server-arg=$a"); done
+exec "$PY" -m megatron_rl.slurm_job run "${args[@]}" -- "$@"

@@ -1,0 +1,363 @@
+"""The batch step of `sbatch slurm/run.sh`: one training run inside one Slurm allocation.
+
+    python -m megatron_rl.slurm_job run [--no-sandbox] -- <hydra overrides>    (the batch step)
+    python -m megatron_rl.slurm_job sandbox --run-dir D --runtime bwrap ...     (one per sandbox node)
+
+`run` validates the config once, makes the run directory (keyed by the job id, so that a
+requeued job finds its checkpoints), starts one sandbox server per node of the CPU component
+of a heterogeneous job (`--het-group=1`), or, without one, per GPU node as an `--overlap` step
+on the spare cores; waits until each has written its discovery file under
+`<run_dir>/sandbox/`; then runs the SPMD training step (`srun --kill-on-bad-exit=1`) and
+  - forwards SIGUSR1 (Slurm's `--signal=B:USR1@<s>` warning goes to the batch step) to the
+    ranks, which finish the step, checkpoint, write `preempted.json` and exit 0; the job then
+    `scontrol requeue`s itself and the next start resumes from that checkpoint;
+  - when a rank dies, names the rank that failed first (from srun's own error line) and the
+    last lines of its log, and exits with srun's status.
+
+Why Python inside the package and not shell in launch/: waiting on two steps while forwarding
+signals, parsing srun's failure lines and polling server health are easier to get right (and
+to unit-test) here; `python -m` runs it with the job's interpreter on every node without
+setting PYTHONPATH. launch/slurm_job.sh and slurm/*.sh stay thin shell around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from megatron_rl.parallel.dist import expand_nodelist
+from megatron_rl.preemption import MARKER, read_marker
+from megatron_rl.runtime import log_tail
+
+logger = logging.getLogger("megatron_rl.slurm_job")
+STOP_FILE = "STOP"  # under <run_dir>/sandbox/: asks the sandbox step to drain and exit (srun would SIGKILL it)
+SRUN_ERROR = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<reason>.+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobLayout:
+    """Which nodes of the allocation train and which serve sandboxes."""
+
+    job_id: str
+    job_name: str
+    restart_count: int
+    het: bool
+    train_nodes: tuple[str, ...]
+    sandbox_nodes: tuple[str, ...]
+    num_train_tasks: int
+
+    def roles(self) -> dict[str, tuple[str, ...]]:
+        """node -> its roles ("train", "sandbox")."""
+        out: dict[str, tuple[str, ...]] = {}
+        for node in (*self.train_nodes, *self.sandbox_nodes):
+            out[node] = tuple(r for r, nodes in (("train", self.train_nodes), ("sandbox", self.sandbox_nodes))
+                              if node in nodes)
+        return out
+
+
+def count_tasks(tasks_per_node: str) -> int:
+    """Total of a Slurm tasks-per-node string: `2(x3),1` -> 7."""
+    total = 0
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise ValueError(f"cannot parse Slurm tasks-per-node {tasks_per_node!r}")
+        total += int(match.group(1)) * int(match.group(2) or 1)
+    return total
+
+
+def job_layout(environ: Mapping[str, str] = os.environ) -> JobLayout:
+    """Read the allocation from the batch step's environment (no scontrol calls)."""
+    if "SLURM_JOB_ID" not in environ:
+        raise RuntimeError("not inside a Slurm job (SLURM_JOB_ID is unset): submit with `sbatch slurm/run.sh`")
+    het = int(environ.get("SLURM_HET_SIZE", "1")) > 1
+    g0 = "_HET_GROUP_0" if het else ""
+    train = tuple(expand_nodelist(environ[f"SLURM_JOB_NODELIST{g0}"]))
+    sandbox = tuple(expand_nodelist(environ["SLURM_JOB_NODELIST_HET_GROUP_1"])) if het else train
+    if f"SLURM_NTASKS{g0}" in environ:
+        ntasks = int(environ[f"SLURM_NTASKS{g0}"])
+    else:
+        ntasks = count_tasks(environ.get(f"SLURM_TASKS_PER_NODE{g0}", "1"))
+    return JobLayout(job_id=environ["SLURM_JOB_ID"], job_name=environ.get("SLURM_JOB_NAME", "megatron-rl"),
+                     restart_count=int(environ.get("SLURM_RESTART_COUNT", "0")), het=het,
+                     train_nodes=train, sandbox_nodes=sandbox, num_train_tasks=ntasks)
+
+
+def run_dir_for(overrides: Sequence[str], layout: JobLayout, environ: Mapping[str, str] = os.environ) -> Path:
+    """`run_dir=` from the overrides, else `<MEGATRON_RL_RUN_ROOT or $SLURM_SUBMIT_DIR/runs>/<name>-<job id>`:
+    the same directory on every start of a requeued job."""
+    for override in reversed(overrides):
+        if override.startswith("run_dir="):
+            return Path(override.split("=", 1)[1]).resolve()
+    root = environ.get("MEGATRON_RL_RUN_ROOT") or str(Path(environ.get("SLURM_SUBMIT_DIR", ".")) / "runs")
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", layout.job_name)
+    return Path(root).resolve() / f"{name}-{layout.job_id}"
+
+
+def first_failure(srun_stderr: Sequence[str]) -> Optional[tuple[int, str, str]]:
+    """(rank, node, reason) of the first task srun reported as failed, e.g. from
+    `srun: error: c1: task 1: Killed`; None when srun reported no task."""
+    for line in srun_stderr:
+        match = SRUN_ERROR.match(line.strip())
+        if match:
+            first = re.match(r"\d+", match.group("tasks")).group(0)
+            return int(first), match.group("node"), match.group("reason")
+    return None
+
+
+def _init_logging(log_file: Path) -> None:
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s slurm_job %(levelname)s %(message)s")
+    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(log_file)):
+        handler.setFormatter(fmt)
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+class BatchStep:
+    """The supervisor of one start of the job (see the module docstring)."""
+
+    def __init__(self, layout: JobLayout, run_dir: Path, overrides: list[str], cfg, sandbox: bool,
+                 sandbox_wait_s: float, server_args: Sequence[str] = ()) -> None:
+        self.layout, self.run_dir, self.overrides, self.cfg = layout, run_dir, overrides, cfg
+        self.use_sandbox, self.sandbox_wait_s, self.server_args = sandbox, sandbox_wait_s, list(server_args)
+        self.train: Optional[subprocess.Popen] = None
+        self.sandbox: Optional[subprocess.Popen] = None
+        self.usr1 = False
+        self.terminating = False
+        self.srun_errors: list[str] = []
+
+    # -- signals -----------------------------------------------------------------------------
+    def _on_usr1(self, signum: int, frame) -> None:
+        self.usr1 = True
+        if self.train is not None and self.train.poll() is None:
+            self.train.send_signal(signal.SIGUSR1)  # srun forwards it to every rank
+
+    def _on_term(self, signum: int, frame) -> None:
+        self.terminating = True  # Slurm signals the ranks itself; forwarding would make it a second signal
+
+    # -- steps -------------------------------------------------------------------------------
+    def _srun_sandbox(self) -> list[str]:
+        sb = self.cfg.sandbox
+        n = len(self.layout.sandbox_nodes)
+        if self.layout.het:
+            where = ["--het-group=1", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1"]
+            capacity = int(os.environ.get("SLURM_CPUS_PER_TASK_HET_GROUP_1", sb.num_workers))
+        else:  # spare cores of the GPU nodes; no GPUs, no memory reservation of its own
+            where = ["--overlap", "--gres=none", "--mem=0", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+                     "--cpus-per-task=1"]
+            capacity = sb.num_workers
+        cmd = ["srun", *where, "--label", "--job-name=sandbox", sys.executable, "-m", "megatron_rl.slurm_job",
+               "sandbox", "--run-dir", str(self.run_dir), "--runtime", sb.runtime, "--capacity", str(capacity)]
+        cmd += ["--allow-unisolated"] if sb.allow_unisolated else []
+        return cmd + [f"--server-arg={a}" for a in self.server_args]
+
+    def _srun_train(self) -> list[str]:
+        where = ["--het-group=0"] if self.layout.het else []
+        return ["srun", *where, "--kill-on-bad-exit=1", "--label", "--mem=0", "--job-name=train", sys.executable,
+                "-m", "megatron_rl.train", "cluster=slurm", *self.overrides, f"run_dir={self.run_dir}"]
+
+    def _start_sandboxes(self) -> bool:
+        from megatron_rl_sandbox.client import discover
+
+        for path in (*(self.run_dir / "sandbox").glob("*.json"), self.run_dir / "sandbox" / STOP_FILE):
+            path.unlink(missing_ok=True)  # left by a start that was killed
+        cmd = self._srun_sandbox()
+        logger.info("sandbox step: %s", " ".join(cmd))
+        self.sandbox = subprocess.Popen(cmd)
+        expected = len(self.layout.sandbox_nodes)
+        deadline = time.monotonic() + self.sandbox_wait_s
+        while len(found := discover(self.run_dir)) < expected:
+            if self.sandbox.poll() is not None or time.monotonic() > deadline:
+                why = (f"exited with {self.sandbox.returncode}" if self.sandbox.poll() is not None
+                       else f"registered {len(found)} of {expected} servers in {self.sandbox_wait_s:.0f}s")
+                logger.error("the sandbox step %s; see %s/logs/sandbox-*.log", why, self.run_dir)
+                return False
+            time.sleep(0.5)
+        logger.info("sandbox servers: %s", ", ".join(found))
+        return True
+
+    def _stop_sandboxes(self) -> None:
+        if self.sandbox is None or self.sandbox.poll() is not None:
+            return
+        # A signal to srun would end the step at once (SIGKILL after KillWait), without draining.
+        (self.run_dir / "sandbox").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "sandbox" / STOP_FILE).touch()
+        try:
+            self.sandbox.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            logger.warning("the sandbox step did not stop within 90 s; cancelling it")
+            self.sandbox.send_signal(signal.SIGTERM)
+            self.sandbox.wait()
+
+    def _run_training(self) -> int:
+        cmd = self._srun_train()
+        logger.info("training step: %s", " ".join(cmd))
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
+        self.train = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
+        if self.usr1:  # the warning came while the sandboxes started
+            self.train.send_signal(signal.SIGUSR1)
+        reader = threading.Thread(target=self._pump_stderr, daemon=True)
+        reader.start()
+        code = self.train.wait()
+        reader.join(timeout=10)
+        return code
+
+    def _pump_stderr(self) -> None:
+        for line in self.train.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if line.startswith("srun: error:"):
+                self.srun_errors.append(line)
+
+    def _report_failure(self, code: int) -> None:
+        failed = first_failure(self.srun_errors)
+        if failed is None:
+            logger.error("the training step failed with exit code %d and srun named no task:\n%s", code,
+                         "".join(self.srun_errors) or "  (no srun error lines)")
+            return
+        rank, node, reason = failed
+        log = self.run_dir / "logs" / f"rank{rank}.log"
+        logger.error("training failed: rank %d on %s failed first (%s); srun stopped the other ranks "
+                     "(--kill-on-bad-exit). Last lines of %s:\n%s", rank, node, reason, log, log_tail(log))
+
+    def run(self) -> int:
+        signal.signal(signal.SIGUSR1, self._on_usr1)
+        signal.signal(signal.SIGTERM, self._on_term)
+        lay = self.layout
+        logger.info("job %s start %d: run directory %s; nodes %s", lay.job_id, lay.restart_count + 1, self.run_dir,
+                    ", ".join(f"{n}={'+'.join(r)}" for n, r in lay.roles().items()))
+        (self.run_dir / MARKER).unlink(missing_ok=True)
+        try:
+            if self.use_sandbox and not self._start_sandboxes():
+                return 1
+            code = self._run_training()
+        finally:
+            self._stop_sandboxes()
+        marker = read_marker(self.run_dir)
+        if code != 0:
+            self._report_failure(code)
+            return code
+        if marker is None:
+            logger.info("training finished; run directory %s", self.run_dir)
+            return 0
+        if marker["signal"] == "SIGUSR1" and not self.terminating:
+            logger.warning("stopped after step %d on SIGUSR1: requeueing job %s to resume from its checkpoint",
+                           marker["steps_done"], lay.job_id)
+            subprocess.run(["scontrol", "requeue", lay.job_id], check=False)
+            return 0
+        logger.warning("stopped after step %d on %s; the next start of this job (same run directory) resumes",
+                       marker["steps_done"], marker["signal"])
+        return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from megatron_rl.config import ConfigError
+    from megatron_rl.runtime import load_validated
+    from megatron_rl.train import check_train_config
+
+    layout = job_layout()
+    overrides = [o for o in args.overrides if o != "--"]
+    run_dir = run_dir_for(overrides, layout)
+    _init_logging(run_dir / "logs" / "job.log")
+    try:  # once here, before any step starts: a bad setting costs seconds, not an allocation's worth
+        cfg = load_validated(["cluster=slurm", *overrides], layout.num_train_tasks, check_train_config)
+    except ConfigError as exc:
+        logger.error("config error: %s", exc)
+        return 2
+    sandbox = not args.no_sandbox and not cfg.sandbox.address
+    return BatchStep(layout, run_dir, overrides, cfg, sandbox, args.sandbox_wait_s, args.server_arg).run()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _health(address: str):
+    import grpc
+
+    from megatron_rl_sandbox.proto import load as load_proto
+
+    pb2, pb2_grpc = load_proto()
+    try:
+        with grpc.insecure_channel(address) as channel:
+            return pb2_grpc.SandboxStub(channel).Health(pb2.HealthRequest(), timeout=2.0)
+    except grpc.RpcError:
+        return None
+
+
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    """One sandbox server on this node, advertised under the node's Slurm name; logs how many
+    executions it has served (the proof that this component computed the rewards)."""
+    from megatron_rl_sandbox.spawn import spawn_server
+
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    run_dir = Path(args.run_dir)
+    _init_logging(run_dir / "logs" / f"sandbox-{node}.log")
+    port = _free_port()
+    name = f"{node}-{os.getpid()}"
+    server_args = ["--address", f"0.0.0.0:{port}", "--advertise", f"{node}:{port}", "--runtime", args.runtime,
+                   "--run-dir", str(run_dir), "--capacity", str(args.capacity), "--name", name]
+    server_args += (["--allow-unisolated"] if args.allow_unisolated else []) + args.server_arg
+    proc, info = spawn_server(server_args, run_dir / "logs" / f"sandbox-server-{node}.log")
+    logger.info("sandbox server %s serving on %s (runtime %s, capacity %d)", name, info["address"], args.runtime,
+                args.capacity)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    served = 0
+    stop_file = run_dir / "sandbox" / STOP_FILE
+    while not stop.wait(args.poll_s) and proc.poll() is None and not stop_file.exists():
+        health = _health(info["address"])
+        if health is not None and health.executions_finished != served:
+            served = health.executions_finished
+            logger.info("sandbox server %s: %d executions served (%d running, %d queued)", name, served,
+                        health.running, health.queued)
+    crashed = proc.poll() is not None
+    if not crashed:
+        proc.terminate()  # drains running calls and removes its discovery file
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    logger.info("sandbox server %s on %s stopped after serving %d executions", name, node, served)
+    return (proc.returncode or 1) if crashed else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.slurm_job", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="the batch step: sandbox servers, training, requeue, failure report")
+    run.add_argument("--no-sandbox", action="store_true", help="start no sandbox servers (task needs none)")
+    run.add_argument("--sandbox-wait-s", type=float, default=300.0, help="how long servers may take to register")
+    run.add_argument("--server-arg", action="append", default=[],
+                     help="extra argument for every sandbox server, e.g. --server-arg=--image=py=/images/py.sif")
+    run.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides for megatron_rl.train")
+    sb = sub.add_parser("sandbox", help="one sandbox server on this node (run by the sandbox step)")
+    sb.add_argument("--run-dir", required=True)
+    sb.add_argument("--runtime", default="bwrap", choices=["bwrap", "apptainer", "process"])
+    sb.add_argument("--capacity", type=int, default=os.cpu_count() or 1)
+    sb.add_argument("--allow-unisolated", action="store_true")
+    sb.add_argument("--server-arg", action="append", default=[], help="passed to megatron_rl_sandbox.server")
+    sb.add_argument("--poll-s", type=float, default=2.0, help="seconds between health polls (for the log)")
+    args = parser.parse_args(argv)
+    return _cmd_run(args) if args.command == "run" else _cmd_sandbox(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
