@@ -17,6 +17,7 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
   apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client >/dev/null 2>&1 \
     || { apt-get update -qq && apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client >/dev/null; }
 fi
+bash "$(dirname "${BASH_SOURCE[0]}")/teardown.sh"  # a cluster left running by an earlier session
 H=$(hostname)
 read -r CPUS RMEM < <(slurmd -C | awk '/^NodeName/{for(i=1;i<=NF;i++){split($i,a,"=");v[a[1]]=a[2]}; print v["CPUs"], v["RealMemory"]}')
 MEM=$(( (RMEM - 512) / 2 ))

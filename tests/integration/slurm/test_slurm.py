@@ -1,0 +1,151 @@
+"""`sbatch --wait slurm/run.sh <overrides>` on a real (single-host) Slurm cluster: a short RL run
+of the small model with 2 training ranks (gloo on CPU) and a het-job CPU component serving the
+sandbox rewards; a USR1 warning that makes the job checkpoint, requeue itself and resume; and a
+killed rank that brings the job down quickly with the rank named."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+REPO = Path(__file__).resolve().parents[3]
+# 2 ranks on c1 (2 fake GPUs), one sandbox server on c2; the #SBATCH sizes of slurm/run.sh are
+# for a real cluster, so each het component's are overridden on the command line (`:` separates).
+GPU_COMPONENT = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--mem=0",
+                 "--time=15"]
+CPU_COMPONENT = ["--nodes=1", "--cpus-per-task=1", "--mem=1G"]
+TINY = ["mode=rl", "cluster.device=cpu", "global_batch_size=32", "rollout.n_samples_per_prompt=8",
+        "rollout.max_new_tokens=16", "task.num_train=256", "task.num_eval=8", "task.eval_every=0",
+        "task.eval_samples=1", "logging.progress=false"]
+
+
+class Job:
+    """One `sbatch --wait` submission running in the background."""
+
+    def __init__(self, env: dict, tmp: Path, script: str, sbatch_args: list[str], overrides: list[str]) -> None:
+        self.env = dict(env, MEGATRON_RL_RUN_ROOT=str(tmp / "runs"), OMP_NUM_THREADS="1")
+        self.output = tmp / "job.out"
+        cmd = ["sbatch", "--wait", "--parsable", f"--output={self.output}", *sbatch_args, script, *overrides]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        line = self.proc.stdout.readline().strip()
+        assert line, self.proc.stderr.read()
+        self.job_id = line.split(";")[0]
+        self.run_dir = tmp / "runs" / f"megatron-rl-{self.job_id}"
+
+    def wait(self, timeout: float = 400) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            subprocess.run(["scancel", self.job_id], env=self.env)
+            raise AssertionError(f"job {self.job_id} did not finish in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.output.read_text() if self.output.exists() else "(no job output)"
+
+    def metrics(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def wait_for_steps(self, num: int, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.metrics()) < num:
+            assert self.proc.poll() is None, f"the job ended early:\n{self.log()[-4000:]}"
+            assert time.monotonic() < deadline, f"no {num} steps within {timeout}s:\n{self.log()[-4000:]}"
+            time.sleep(0.1)
+
+    def state(self) -> str:
+        out = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%T"], env=self.env, capture_output=True,
+                             text=True)
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
+
+
+def _rank_pid(job_id: str, rank: int) -> Optional[int]:
+    """The pid of training rank `rank` of the job (this host runs every node of the cluster)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = dict(item.split("=", 1) for item in (proc / "environ").read_bytes().decode(
+                errors="replace").split("\0") if "=" in item)
+        except OSError:
+            continue
+        if (b"megatron_rl.train" in cmdline and environ.get("SLURM_JOB_ID") == job_id
+                and environ.get("SLURM_PROCID") == str(rank) and "SLURM_STEP_ID" in environ):
+            return int(proc.name)
+    return None
+
+
+def test_het_job_trains_with_rewards_from_the_cpu_component(slurm_env, tmp_path):
+    job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
+              [*TINY, "num_steps=4", "task.sft_warmup_steps=30", "checkpoint.save_every=2"])
+    assert job.wait() == 0, job.log()[-6000:]
+    rows = job.metrics()
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["reward/verifier_calls"] > 0 and r["reward/verifier_errors"] == 0 for r in rows)
+    # The rewards came from the het component's server on c2: its log counts the executions,
+    # and no rank started a server of its own.
+    sandbox_log = (job.run_dir / "logs" / "sandbox-c2.log").read_text()
+    served = [int(n) for n in re.findall(r"stopped after serving (\d+) executions", sandbox_log)]
+    assert served and served[0] > 0, sandbox_log
+    for rank in (0, 1):
+        assert "local sandbox server" not in (job.run_dir / "logs" / f"rank{rank}.log").read_text()
+    log = job.log()
+    assert "nodes c1=train, c2=sandbox" in log and "sandbox servers: c2:" in log
+    assert (job.run_dir / "config.yaml").exists()
+    assert (job.run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert not list((job.run_dir / "sandbox").glob("*.json")), "the server drains and deregisters at the end"
+
+
+def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_env, tmp_path):
+    steps = 10
+    job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
+              [*TINY, f"num_steps={steps}", "checkpoint.save_every=100"])
+    job.wait_for_steps(2)
+    # What `#SBATCH --signal=B:USR1@180` does before the time limit: USR1 to the batch step only.
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job.job_id], env=slurm_env, check=True)
+    deadline = time.monotonic() + 120
+    while "start 2" not in job.log():
+        assert job.proc.poll() is None, job.log()[-6000:]
+        assert time.monotonic() < deadline, job.log()[-6000:]
+        if job.state() == "PENDING":  # Slurm holds a requeued job back ~2 min; not needed here
+            subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], env=slurm_env)
+        time.sleep(0.5)
+    assert job.wait() == 0, job.log()[-6000:]
+    log = job.log()
+    stopped = int(re.search(r"stopped after step (\d+) on SIGUSR1: requeueing", log).group(1))
+    assert 2 <= stopped < steps
+    assert [r["step"] for r in job.metrics()] == list(range(steps)), "every step exactly once"
+    rank0 = (job.run_dir / "logs" / "rank0.log").read_text()
+    assert f"resumed from {job.run_dir}/checkpoints/step_{stopped:08d}" in rank0
+    assert "training finished" in log and not (job.run_dir / "preempted.json").exists()
+
+
+def test_a_killed_rank_ends_the_job_quickly_and_is_named(slurm_env, tmp_path):
+    # GPU nodes only: the sandbox server runs as an --overlap step on c1's spare cores.
+    job = Job(slurm_env, tmp_path, "slurm/run_gpu_only.sh", GPU_COMPONENT, [*TINY, "num_steps=200"])
+    job.wait_for_steps(1)
+    pid = _rank_pid(job.job_id, rank=1)
+    assert pid is not None, "rank 1's process not found"
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    code = job.wait(timeout=120)
+    took = time.monotonic() - killed
+    log = job.log()
+    assert code != 0, log[-4000:]
+    assert took < 60, f"the job took {took:.0f}s to end after rank 1 died"
+    assert re.search(r"training failed: rank 1 on c1 failed first \(Killed\)", log), log[-4000:]
+    assert f"Last lines of {job.run_dir}/logs/rank1.log" in log
+    assert "nodes c1=train+sandbox" in log, "the sandbox step shared the GPU node"
