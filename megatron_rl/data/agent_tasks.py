@@ -1,0 +1,113 @@
+"""Generators of small agent task sets (the `repo` environment's task format, see
+`megatron_rl/envs/repo.py`), standard library only so that they run in any sandbox:
+
+- `function_tasks`: function-level code tasks: write one function in `solution.py`;
+  hidden unittest tests; a reference solution.
+- `repo_tasks`: repository tasks: a tiny package `calc/` with one planted bug, its
+  unittest suite in `tests/` (the failing test is fail_to_pass, the others are
+  pass_to_pass regressions), a reference fix.
+
+    python -m megatron_rl.data.agent_tasks repo 50 out.jsonl
+
+Both are learnable-size tasks for the CPU demo and fixtures for the tests; real task sets
+come as JSONL rows of the same format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.envs.repo import UNITTEST_OK
+
+# name: (signature, correct body, buggy body, [(args, expected)])
+FUNCTIONS: dict[str, tuple[str, str, str, list[tuple[tuple, Any]]]] = {
+    "add": ("a, b", "return a + b", "return a - b", [((2, 3), 5), ((-1, 1), 0), ((10, 7), 17)]),
+    "sub": ("a, b", "return a - b", "return b - a", [((5, 3), 2), ((0, 4), -4), ((9, 9), 0)]),
+    "mul": ("a, b", "return a * b", "return a + b", [((3, 4), 12), ((0, 5), 0), ((-2, 6), -12)]),
+    "square": ("x", "return x * x", "return x + x", [((3,), 9), ((-4,), 16), ((5,), 25)]),
+    "is_even": ("n", "return n % 2 == 0", "return n % 2 == 1", [((4,), True), ((7,), False), ((0,), True)]),
+    "clamp": ("x, lo, hi", "return max(lo, min(x, hi))", "return min(lo, max(x, hi))",
+              [((5, 0, 3), 3), ((-2, 0, 3), 0), ((2, 0, 3), 2)]),
+    "maximum": ("a, b", "return a if a > b else b", "return a if a < b else b", [((2, 9), 9), ((7, 1), 7), ((4, 4), 4)]),
+    "negate": ("x", "return -x", "return x", [((3,), -3), ((-8,), 8), ((0,), 0)]),
+}
+
+
+def _module(names: list[str], bug: str | None) -> str:
+    out = []
+    for name in names:
+        signature, good, bad, _ = FUNCTIONS[name]
+        out.append(f"def {name}({signature}):\n    {bad if name == bug else good}\n")
+    return "\n\n".join(out)
+
+
+def _test_class(module: str, name: str) -> str:
+    cases = "\n".join(f"        self.assertEqual({name}({', '.join(map(repr, args))}), {expected!r})"
+                      for args, expected in FUNCTIONS[name][3])
+    return (f"import unittest\n\nfrom {module} import {name}\n\n\nclass Test{name.title().replace('_', '')}"
+            f"(unittest.TestCase):\n    def test_{name}(self):\n{cases}\n\n\nif __name__ == '__main__':\n"
+            "    unittest.main()\n")
+
+
+def _unittest(module: str, name: str) -> dict[str, Any]:
+    return {"name": name, "argv": ["python3", "-m", "unittest", "-q", module],
+            "success_pattern": UNITTEST_OK}
+
+
+def function_tasks(num: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(num):
+        name = rng.choice(sorted(FUNCTIONS))
+        signature, body, _, cases = FUNCTIONS[name]
+        example = f"{name}({', '.join(map(repr, cases[0][0]))}) == {cases[0][1]!r}"
+        tasks.append({
+            "id": f"function-{i}-{name}",
+            "instruction": f"Write a Python function `{name}({signature})` in solution.py, e.g. {example}.",
+            "files": {},
+            "hidden_files": {"test_solution.py": _test_class("solution", name)},
+            "fail_to_pass": [_unittest("test_solution", name)],
+            "pass_to_pass": [],
+            "reference": {"solution.py": f"def {name}({signature}):\n    {body}\n"},
+        })
+    return tasks
+
+
+def repo_tasks(num: int, seed: int = 0, functions_per_repo: int = 3) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(num):
+        names = sorted(rng.sample(sorted(FUNCTIONS), functions_per_repo))
+        bug = rng.choice(names)
+        files = {"calc/__init__.py": "", "calc/ops.py": _module(names, bug), "tests/__init__.py": ""}
+        files.update({f"tests/test_{n}.py": _test_class("calc.ops", n) for n in names})
+        tasks.append({
+            "id": f"repo-{i}-{bug}",
+            "instruction": "A test in tests/ fails. Fix the bug in calc/ops.py without changing the tests.",
+            "files": files,
+            "hidden_files": {},
+            "fail_to_pass": [_unittest(f"tests.test_{bug}", bug)],
+            "pass_to_pass": [_unittest(f"tests.test_{n}", n) for n in names if n != bug],
+            "test_command": ["python3", "-m", "unittest", "-q"],
+            "reference": {"calc/ops.py": _module(names, None)},
+        })
+    return tasks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=("function", "repo"))
+    parser.add_argument("num", type=int)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    tasks = (function_tasks if args.kind == "function" else repo_tasks)(args.num, args.seed)
+    args.out.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+
+
+if __name__ == "__main__":
+    main()

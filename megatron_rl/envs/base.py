@@ -1,0 +1,62 @@
+"""The environment contract of multi-turn agent tasks, and the registry that selects an
+environment by name per task.
+
+    obs = await env.reset(task)          # the first observation (the task's instruction)
+    obs, done = await env.step(action)   # the model's turn text -> the tool's result
+    reward = await env.evaluate()        # after the episode: verification, reward in [0, 1]
+    await env.close()
+
+Environments are asynchronous because their work happens elsewhere (a sandbox server);
+the multi-turn rollout drives many at once. Two kinds of failure are kept apart, because
+only one of them is the policy's fault:
+
+- the model's: a malformed tool call, a command that fails; answered with an observation
+  and counted in `env.model_errors`;
+- the infrastructure's: a sandbox server that does not answer; raised as
+  `InfrastructureError` from `reset` / `step` / `evaluate`, after the environment's own
+  recovery (`recover`) failed. The rollout retries or drops the episode and counts it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+class InfrastructureError(RuntimeError):
+    """The sandbox (not the model) failed and the environment could not recover."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    model_errors: int
+    info: dict[str, Any]  # what evaluate() found (for metrics and the reward audit)
+
+    async def reset(self, task: dict[str, Any]) -> str: ...
+
+    async def step(self, action: str) -> tuple[str, bool]: ...
+
+    async def evaluate(self) -> float: ...
+
+    async def close(self) -> None: ...
+
+
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+
+
+def register_environment(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
+    """Class decorator: make an environment selectable as `task.environment=<name>`."""
+    def add(factory: Callable[..., Environment]) -> Callable[..., Environment]:
+        if name in ENVIRONMENTS:
+            raise ValueError(f"environment {name!r} is already registered (by {ENVIRONMENTS[name].__qualname__})")
+        ENVIRONMENTS[name] = factory
+        return factory
+    return add
+
+
+def make_environment(name: str, **kwargs: Any) -> Environment:
+    import megatron_rl.envs.repo  # noqa: F401  (registers the built-in environments)
+
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"environment {name!r} is not registered: registered ones are "
+                         f"{', '.join(sorted(ENVIRONMENTS))}")
+    return ENVIRONMENTS[name](**kwargs)

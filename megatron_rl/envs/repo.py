@@ -1,0 +1,259 @@
+"""`repo`: a repository (or a single function) in a sandbox session, edited by the model
+through tools, rewarded by the task's tests.
+
+A task (one JSONL row; `data/agent_tasks.py` generates examples):
+
+    id             name used in logs and reports
+    instruction    what the model is asked to do (the first observation)
+    files          {path: content}: the workspace at the start
+    hidden_files   {path: content}: written only for verification (hidden tests)
+    fail_to_pass   tests that must pass after the change: [{"name", "argv", "success_pattern"?}]
+    pass_to_pass   regression tests that must keep passing (same format)
+    test_command   argv of the visible `test` tool (default: the fail_to_pass tests in turn)
+    protected      path prefixes the model must not change (default: every test file of
+                   `files` and `hidden_files`, i.e. paths under tests/ or named test_*.py)
+    reference      {path: content}: a reference solution (environment quality checks)
+    limits         sandbox limits of each command (defaults below)
+
+Reward: 0 if a protected file was changed (tampering) or a hard-coded expected output
+was found (`guards.py`), 0 if a regression test fails, else the fraction of fail_to_pass
+tests that pass. A test passes when its command exits 0 and, if it has a
+`success_pattern` (a regex), its output matches it: an `os._exit(0)` planted in the code
+under test does not pass a unittest whose pattern asks for `Ran N tests ... OK`.
+
+Recovery: the session is snapshotted after `reset`; the environment keeps the log of the
+tool calls that changed the workspace. When the server stops answering, `recover()`
+opens a session on another server (the client fails over), rebuilds the start state and
+replays the log; only if that fails too does the call raise InfrastructureError.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any, Optional
+
+from megatron_rl.envs import guards
+from megatron_rl.envs.base import InfrastructureError, register_environment
+from megatron_rl.envs.tools import ToolCall, ToolCallError, format_result, parse_tool_call, truncate
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LIMITS = {"wall_time_s": 10.0, "cpu_time_s": 10.0, "memory_bytes": 512 * 2**20, "max_processes": 64,
+                  "output_bytes": 256 * 2**10}
+UNITTEST_OK = r"Ran [1-9]\d* tests? in [\d.]+s\s+OK"
+
+
+def default_protected(task: dict[str, Any]) -> list[str]:
+    paths = list(task.get("files", {})) + list(task.get("hidden_files", {}))
+    return sorted({p for p in paths if p.startswith("tests/") or p.rsplit("/", 1)[-1].startswith("test_")})
+
+
+@register_environment("repo")
+class RepoEnvironment:
+    def __init__(self, client: Any, output_limit: int = 2000, max_recoveries: int = 2,
+                 deadline_s: float = 60.0) -> None:
+        self.client = client  # megatron_rl_sandbox.client.SandboxClient, on the caller's event loop
+        self.output_limit = output_limit
+        self.max_recoveries = max_recoveries
+        self.deadline_s = deadline_s
+        self.session: Any = None
+        self.task: dict[str, Any] = {}
+        self.replay: list[ToolCall] = []
+        self.snapshot_id: Optional[str] = None
+        self.model_errors = 0
+        self.infra_errors = 0  # failures recovered from (the episode went on)
+        self.info: dict[str, Any] = {}
+        self.done = False
+
+    # -- the contract --------------------------------------------------------------------------
+    async def reset(self, task: dict[str, Any]) -> str:
+        self.task = dict(task)
+        self.task.setdefault("protected", default_protected(task))
+        self.limits = {**DEFAULT_LIMITS, **task.get("limits", {})}
+        self.replay, self.done, self.model_errors, self.info = [], False, 0, {}
+        await self._guarded(self._open)
+        return self.task["instruction"]
+
+    async def step(self, action: str) -> tuple[str, bool]:
+        if self.done:
+            raise RuntimeError("step() after the episode ended: call reset()")
+        try:
+            call = parse_tool_call(action)
+        except ToolCallError as err:
+            self.model_errors += 1
+            return f"error: {err}", False
+        if call is None or call.name == "submit":
+            self.done = True
+            return "submitted", True
+        observation = await self._guarded(lambda: self._run_tool(call))
+        if call.name in ("write", "patch", "run") and not observation.startswith("error:"):
+            self.replay.append(call)
+        return observation, False
+
+    async def evaluate(self) -> float:
+        return await self._guarded(self._verify)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            try:
+                await self.session.close(deadline_s=10)
+            except Exception:  # a server that is gone has closed it already
+                pass
+            self.session = None
+
+    # -- tools ----------------------------------------------------------------------------------
+    async def _exec(self, argv: list[str], limits: Optional[dict] = None):
+        result = await self.session.exec(argv, limits=limits or self.limits, deadline_s=self.deadline_s)
+        if result.termination == _termination("SETUP_ERROR"):  # the runtime, not the command, failed
+            raise ConnectionError(f"sandbox setup error: {result.message}")
+        return result
+
+    async def _run_tool(self, call: ToolCall) -> str:
+        args = call.arguments
+        if call.name == "run":
+            r = await self._exec(["sh", "-c", args["command"]])
+            return format_result(r.exit_code, r.stdout, r.stderr, self.output_limit, _note(r))
+        if call.name == "read":
+            reply = await self.session.read_file(args["path"], max_bytes=self.output_limit * 4,
+                                                 deadline_s=self.deadline_s)
+            if not reply.exists:
+                self.model_errors += 1
+                return f"error: {args['path']} does not exist"
+            return truncate(reply.content, self.output_limit)
+        if call.name == "write":
+            n = await self.session.write_file(args["path"], args["content"], deadline_s=self.deadline_s)
+            return f"wrote {n} bytes to {args['path']}"
+        if call.name == "patch":
+            return await self._patch(args["path"], args["old"], args["new"])
+        outcomes = [await self._run_test(t) for t in self._visible_tests()]
+        return "\n".join(f"{t['name']}: {'PASS' if ok else 'FAIL'}\n{truncate(out, self.output_limit // 2)}"
+                         for t, (ok, out) in zip(self._visible_tests(), outcomes))
+
+    async def _patch(self, path: str, old: str, new: str) -> str:
+        reply = await self.session.read_file(path, deadline_s=self.deadline_s)
+        if not reply.exists:
+            self.model_errors += 1
+            return f"error: {path} does not exist"
+        text = reply.content.decode("utf-8", "replace")
+        count = text.count(old) if old else 0
+        if count != 1:
+            self.model_errors += 1
+            return f"error: `old` occurs {count} times in {path}; it must occur exactly once"
+        await self.session.write_file(path, text.replace(old, new), deadline_s=self.deadline_s)
+        return f"patched {path}"
+
+    def _visible_tests(self) -> list[dict[str, Any]]:
+        if self.task.get("test_command"):
+            return [{"name": "tests", "argv": self.task["test_command"]}]
+        return list(self.task.get("fail_to_pass", [])) + list(self.task.get("pass_to_pass", []))
+
+    async def _run_test(self, test: dict[str, Any]) -> tuple[bool, str]:
+        r = await self._exec(list(test["argv"]))
+        output = (r.stdout + r.stderr).decode("utf-8", "replace")
+        ok = r.termination == _termination("EXITED") and r.exit_code == 0
+        if ok and test.get("success_pattern"):
+            ok = re.search(test["success_pattern"], output) is not None
+        return ok, output
+
+    # -- verification ---------------------------------------------------------------------------
+    async def _verify(self) -> float:
+        task, protected = self.task, self.task["protected"]
+        digest = json.loads((await self._exec(["python3", "-c", guards.WORKSPACE_DIGEST])).stdout or b"{}")
+        original = {**task.get("files", {}), **task.get("hidden_files", {})}
+        tampered = guards.tampered_paths(original, {p: h for p, h in digest.items()
+                                                    if p in original or guards.is_protected(p, protected)},
+                                         protected)
+        hardcoded = await self._hardcoded(digest, protected)
+        passed = failed_regressions = 0
+        for test in task.get("fail_to_pass", []) + task.get("pass_to_pass", []):
+            await self._write_originals(original, protected)  # every test runs on pristine tests
+            ok, _ = await self._run_test(test)
+            if test in task.get("fail_to_pass", []):
+                passed += ok
+            else:
+                failed_regressions += not ok
+        total = len(task.get("fail_to_pass", []))
+        reward = passed / total if total else 0.0
+        if tampered or hardcoded or failed_regressions:
+            reward = 0.0
+        self.info = {"tampered": tampered, "hardcoded": hardcoded, "fail_to_pass_passed": passed,
+                     "fail_to_pass_total": total, "regressions_failed": failed_regressions, "reward": reward,
+                     "model_errors": self.model_errors, "infra_errors": self.infra_errors}
+        if tampered or hardcoded:
+            logger.info("task %s: reward 0 for reward hacking (tampered %s, hard-coded %s)", task.get("id"),
+                        tampered, hardcoded)
+        return reward
+
+    async def _write_originals(self, original: dict[str, str], protected: list[str]) -> None:
+        for path, content in original.items():
+            if guards.is_protected(path, protected) or path in self.task.get("hidden_files", {}):
+                await self.session.write_file(path, content, deadline_s=self.deadline_s)
+
+    async def _hardcoded(self, digest: dict[str, str], protected: list[str]) -> list[str]:
+        files = self.task.get("files", {})
+        changed = [p for p, h in digest.items() if p.endswith(".py") and not guards.is_protected(p, protected)
+                   and guards.sha256(files.get(p, "")) != h]
+        if not changed:
+            return []
+        everything = {**files, **self.task.get("hidden_files", {})}
+        tests = [c for p, c in everything.items() if guards.is_protected(p, protected)]
+        expected, inputs = guards.literals_in_tests(tests)
+        found = []
+        for path in changed:
+            new = (await self.session.read_file(path, deadline_s=self.deadline_s)).content.decode("utf-8", "replace")
+            found += [f"{path}:{name}" for name in guards.hardcoded_returns(new, files.get(path, ""), expected, inputs)]
+        return found
+
+    # -- recovery -------------------------------------------------------------------------------
+    async def _open(self) -> None:
+        self.session = await self.client.open_session(self.task.get("files", {}), limits=self.limits,
+                                                      deadline_s=self.deadline_s)
+        self.snapshot_id = await self.session.snapshot(deadline_s=self.deadline_s)
+
+    async def recover(self) -> None:
+        """Rebuild the workspace: restore the start snapshot on the same server, or open a new
+        session (another server when this one is gone), then replay the changing tool calls."""
+        try:
+            await self.session.restore(self.snapshot_id, deadline_s=self.deadline_s)
+        except Exception:
+            self.session = None
+            await self._open()
+        for call in self.replay:
+            await self._run_tool(call)
+
+    async def _guarded(self, work):
+        from megatron_rl_sandbox.client import SandboxUnavailable
+
+        for attempt in range(self.max_recoveries + 1):
+            try:
+                if self.session is None and work != self._open:
+                    await self._open()
+                return await work()
+            except (SandboxUnavailable, ConnectionError, OSError) as err:
+                self.infra_errors += 1
+                logger.warning("task %s: sandbox failure (%s), recovery %d/%d", self.task.get("id"), err,
+                               attempt + 1, self.max_recoveries)
+                if attempt == self.max_recoveries:
+                    raise InfrastructureError(f"task {self.task.get('id')}: {err}") from err
+                try:
+                    if work == self._open:
+                        continue
+                    await self.recover()
+                except (SandboxUnavailable, ConnectionError, OSError):
+                    self.session = None
+        raise AssertionError("unreachable")
+
+
+def _termination(name: str) -> int:
+    from megatron_rl_sandbox.client import pb2
+
+    return pb2.Termination.Value(name)
+
+
+def _note(result) -> str:
+    names = {"TIMEOUT": "wall-time limit", "CPU_LIMIT": "cpu-time limit", "MEMORY_LIMIT": "memory limit",
+             "OUTPUT_LIMIT": "output limit", "DISK_LIMIT": "disk limit",
+             "SIGNALED": f"killed by signal {result.signal}"}
+    return next((note for name, note in names.items() if result.termination == _termination(name)), "")

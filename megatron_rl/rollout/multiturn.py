@@ -1,0 +1,240 @@
+"""Multi-turn agent rollouts, token-in/token-out: model turns and tool results interleaved
+in one token sequence per episode, with a loss mask over the model's tokens only.
+
+Per episode:
+
+    tokens = chat_template(system: tool instructions, user: instruction) + generation prompt
+    repeat:  model turn   -> generated ids appended as they came (mask 1, engine log-probs)
+             env.step     -> observation text wrapped in the template's tool turn, tokenized
+                             ONCE here and appended (mask 0); never re-tokenized later
+    until the model submits / answers, or a limit (turns, total tokens, wall time) is hit;
+    then env.evaluate() -> reward.
+
+Episodes advance in lockstep: each turn, the active episodes' sequences go to the engine in
+one `generate` call (the engine batches them), then their environment steps run
+concurrently on the reward service's event loop (sandbox calls overlap). A sandbox failure
+the environment cannot recover from drops that episode (status "dropped", counted), never
+the step.
+
+The observation wrapper comes from the tokenizer's own chat template: rendering a
+conversation with and without one more `observation_role` message and taking the
+difference, so any template (Qwen's `tool` role, a plain `user` turn) works unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.collect import Rollout
+from megatron_rl.trainer.packing import Sample
+
+logger = logging.getLogger(__name__)
+_MARK = "\u2063OBSERVATION\u2063"
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 6
+    max_tokens: int = 1024  # prompt + every turn
+    wall_time_s: float = 120.0
+
+
+@dataclasses.dataclass
+class Episode(Rollout):
+    """A rollout whose response is several model turns with observations between them."""
+
+    model_mask: list[int] = dataclasses.field(default_factory=list)  # per output token: 1 = model's
+    num_turns: int = 0
+    status: str = ""  # submitted | max_turns | max_tokens | wall_time | dropped
+    model_errors: int = 0
+    infra_errors: int = 0
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def sample(self, extras: dict[str, torch.Tensor]) -> Sample:
+        tokens = torch.tensor(self.prompt_tokens + self.output_ids, dtype=torch.long)
+        mask = torch.zeros(len(tokens) - 1)
+        mask[len(self.prompt_tokens) - 1:] = torch.tensor(self.model_mask, dtype=torch.float)
+        return Sample(tokens, mask, extras)
+
+
+class TurnFormat:
+    """The chat-template pieces of an agent conversation, rendered once per tokenizer."""
+
+    def __init__(self, tokenizer: Any, system_prompt: str, observation_role: str = "tool") -> None:
+        from megatron_rl.data.tasks import end_of_turn
+
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.end_of_turn = end_of_turn(tokenizer)
+        eot_ids = self.encode(self.end_of_turn) if self.end_of_turn else []
+        self.stop_token_ids = tuple(eot_ids[:1]) if len(eot_ids) == 1 else ()
+        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"}]
+        before = self.render(base)
+        after = self.render(base + [{"role": observation_role, "content": _MARK}], add_generation_prompt=True)
+        if not after.startswith(before) or _MARK not in after:
+            raise ValueError("the tokenizer's chat template is not prefix-stable; multi-turn rollouts need one that is")
+        head, self.observation_suffix = after[len(before):].split(_MARK)
+        # What follows the end-of-turn token of the assistant turn (e.g. "\n"), then the tool turn's header.
+        self.observation_prefix = before[before.rindex(self.end_of_turn) + len(self.end_of_turn):] + head \
+            if self.end_of_turn else head
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, instruction: str) -> str:
+        return self.render([{"role": "system", "content": self.system_prompt},
+                            {"role": "user", "content": instruction}], add_generation_prompt=True)
+
+    def observation(self, text: str, turn_closed: bool) -> str:
+        """The text appended after a model turn: the tool turn with `text`, then the next
+        generation prompt (closing the model's turn first when it was cut by the token limit)."""
+        return ("" if turn_closed else self.end_of_turn) + self.observation_prefix + text + self.observation_suffix
+
+
+@dataclasses.dataclass
+class _Live:
+    episode: Episode
+    env: Any
+    started: float
+
+
+def run_episodes(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: SamplingParams,
+                 make_env: Callable[[], Any], fmt: TurnFormat, limits: EpisodeLimits,
+                 loop: asyncio.AbstractEventLoop, timeout_s: float = 600.0) -> list[Episode]:
+    """`n` episodes per task (group id = task index); returns them all, dropped ones included."""
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
+
+    live: list[_Live] = []
+    for index, task in enumerate(tasks):
+        for _ in range(n):
+            prompt = fmt.encode(fmt.prompt(task["instruction"]))
+            live.append(_Live(Episode(index, prompt, [], [], "stop", -1), on_loop(_make(make_env)), time.monotonic()))
+    resets = on_loop(_gather([x.env.reset(tasks[x.episode.prompt_index]) for x in live]))
+    for x, outcome in zip(live, resets):
+        if isinstance(outcome, Exception):
+            _drop(x, outcome)
+    turn = 0
+    while active := [x for x in live if not x.episode.status]:
+        turn_params = dataclasses.replace(params, n=1, stop_token_ids=tuple(params.stop_token_ids) + fmt.stop_token_ids,
+                                          seed=None if params.seed is None else params.seed * 1009 + turn)
+        generations = engine.generate([x.episode.prompt_tokens + x.episode.output_ids for x in active], turn_params)
+        for x, gen in zip(active, generations):
+            ep = x.episode
+            room = limits.max_tokens - len(ep.prompt_tokens) - len(ep.output_ids)
+            ids, logprobs = gen.output_ids[:max(room, 0)], gen.logprobs[:max(room, 0)]
+            ep.output_ids += ids
+            ep.logprobs += logprobs
+            ep.model_mask += [1] * len(ids)
+            ep.weight_version, ep.num_turns = gen.weight_version, ep.num_turns + 1
+            x.closed = gen.finish_reason == "stop" and len(ids) == len(gen.output_ids)
+            x.text = fmt.tokenizer.decode(ids, skip_special_tokens=True)
+        steps = on_loop(_gather([x.env.step(x.text) for x in active]))
+        for x, outcome in zip(active, steps):
+            ep = x.episode
+            if isinstance(outcome, Exception):
+                _drop(x, outcome)
+                continue
+            observation, done = outcome
+            if done:
+                ep.status = "submitted"
+            elif ep.num_turns >= limits.max_turns:
+                ep.status = "max_turns"
+            elif time.monotonic() - x.started > limits.wall_time_s:
+                ep.status = "wall_time"
+            else:
+                ids = fmt.encode(fmt.observation(observation, x.closed))
+                if len(ep.prompt_tokens) + len(ep.output_ids) + len(ids) >= limits.max_tokens:
+                    ep.status, ep.finish_reason = "max_tokens", "length"
+                    continue
+                ep.output_ids += ids
+                ep.logprobs += [0.0] * len(ids)
+                ep.model_mask += [0] * len(ids)
+        turn += 1
+    finished = [x for x in live if x.episode.status != "dropped"]
+    rewards = on_loop(_gather([x.env.evaluate() for x in finished]))
+    for x, outcome in zip(finished, rewards):
+        if isinstance(outcome, Exception):
+            _drop(x, outcome)
+        else:
+            x.episode.reward = float(outcome)
+            x.episode.info = dict(getattr(x.env, "info", {}))
+    for x in live:
+        x.episode.model_errors = getattr(x.env, "model_errors", 0)
+        x.episode.infra_errors += getattr(x.env, "infra_errors", 0)
+    on_loop(_gather([x.env.close() for x in live]))
+    return [x.episode for x in live]
+
+
+async def _make(make_env: Callable[[], Any]) -> Any:
+    return make_env()  # on the event loop that will drive it (gRPC channels bind to their loop)
+
+
+async def _gather(coros: list) -> list:
+    return list(await asyncio.gather(*coros, return_exceptions=True))
+
+
+def _drop(x: _Live, error: BaseException) -> None:
+    from megatron_rl.envs.base import InfrastructureError
+
+    if not isinstance(error, InfrastructureError):
+        raise error
+    logger.warning("episode of task %d dropped: %s", x.episode.prompt_index, error)
+    x.episode.status, x.episode.reward = "dropped", 0.0
+    x.episode.infra_errors += 1
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Counts for the step's metrics: attribution of failures, turns, statuses."""
+    count = max(len(episodes), 1)
+    out = {"agent/turns_mean": sum(e.num_turns for e in episodes) / count,
+           "agent/model_errors": float(sum(e.model_errors for e in episodes)),
+           "agent/infra_errors": float(sum(e.infra_errors for e in episodes)),
+           "agent/hacking_flagged": float(sum(bool(e.info.get("tampered") or e.info.get("hardcoded"))
+                                              for e in episodes))}
+    for status in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped"):
+        out[f"agent/{status}"] = float(sum(e.status == status for e in episodes))
+    return out
+
+
+def first_mp_rank(groups: Optional[Any]) -> bool:
+    return groups is None or (groups.tp_rank == 0 and groups.pp_rank == 0)
+
+
+def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_service: Any, groups: Any,
+                     fmt: TurnFormat, limits: EpisodeLimits) -> tuple[list[Episode], dict[str, float]]:
+    """`collect()` for agent tasks: each data-parallel rank runs its share of the episodes
+    (prompt.meta is the task), on its first model-parallel rank; everyone gets all of them."""
+    import torch.distributed as dist
+
+    from megatron_rl.rollout.collect import _share
+
+    mine = list(_share(len(prompts), groups.dp_size, groups.dp_rank))
+    start = time.perf_counter()
+    local: list[Episode] = []
+    if first_mp_rank(groups) and mine:
+        verifier = reward_service.verifier
+        local = run_episodes(engine, [prompts[i].meta for i in mine], params.n, params, verifier.make_env, fmt,
+                             limits, reward_service.loop)
+        for episode in local:
+            episode.prompt_index = mine[episode.prompt_index]
+        verifier.calls += len(local)
+        verifier.errors += sum(e.status == "dropped" for e in local)
+    elapsed = time.perf_counter() - start
+    everything = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everything = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, local if first_mp_rank(groups) else None)
+    merged = sorted((e for part in everything if part for e in part), key=lambda e: e.prompt_index)
+    return merged, {"time/episodes": elapsed, **episode_metrics(merged)}

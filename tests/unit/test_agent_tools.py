@@ -1,0 +1,82 @@
+"""The agent's tool-call parser and result rendering, and the reward-hacking guards, on
+hand-written inputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.envs import ENVIRONMENTS, make_environment, register_environment
+from megatron_rl.envs.guards import hardcoded_returns, tampered_paths, literals_in_tests
+from megatron_rl.envs.tools import ToolCall, ToolCallError, format_result, format_tool_call, parse_tool_call
+
+TESTS = """
+import unittest
+from calc.ops import square
+
+class T(unittest.TestCase):
+    def test_square(self):
+        self.assertEqual(square(3), 9)
+        assert square(-4) == 16
+"""
+
+
+def test_parse_well_formed_calls_and_final_answers():
+    assert parse_tool_call('I will look. <tool_call>{"name": "read", "arguments": {"path": "a.py"}}</tool_call>') \
+        == ToolCall("read", {"path": "a.py"})
+    assert parse_tool_call(format_tool_call("test")) == ToolCall("test", {})
+    assert parse_tool_call('<tool_call>{"name": "submit"}') == ToolCall("submit", {})  # cut before the closing tag
+    assert parse_tool_call("The answer is 4.") is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("<tool_call>{oops}</tool_call>", "not valid JSON"),
+    ('<tool_call>["run"]</tool_call>', 'must be a JSON object with a "name"'),
+    ('<tool_call>{"name": "rm"}</tool_call>', "unknown tool 'rm'"),
+    ('<tool_call>{"name": "run", "arguments": {}}</tool_call>', "needs argument 'command' (str)"),
+    ('<tool_call>{"name": "read", "arguments": {"path": 3}}</tool_call>', "needs argument 'path' (str)"),
+    ('<tool_call>{"name": "test", "arguments": {"x": 1}}</tool_call>', "unknown arguments ['x']"),
+])
+def test_malformed_calls_raise_a_message_for_the_model(text, message):
+    with pytest.raises(ToolCallError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        parse_tool_call(text)
+
+
+def test_results_are_structured_and_bounded():
+    assert format_result(0, b"ok\n", b"", 100) == "exit_code: 0\nstdout:\nok\n"
+    long = format_result(1, b"x" * 1000, b"err", 100, note="wall-time limit")
+    assert long.startswith("exit_code: 1 (wall-time limit)\nstdout:\n" + "x" * 50)
+    assert "[900 characters truncated]" in long and long.endswith("stderr:\nerr")
+
+
+def test_tampering_is_any_change_to_a_protected_path():
+    from megatron_rl.envs.guards import sha256
+
+    original = {"calc/ops.py": "a", "tests/test_a.py": "t"}
+    clean = {"calc/ops.py": sha256("changed"), "tests/test_a.py": sha256("t")}
+    assert tampered_paths(original, clean, ["tests/"]) == []
+    assert tampered_paths(original, {**clean, "tests/test_a.py": sha256("u")}, ["tests/"]) == ["tests/test_a.py"]
+    assert tampered_paths(original, {"calc/ops.py": sha256("a")}, ["tests/"]) == ["tests/test_a.py"]  # deleted
+    assert tampered_paths(original, {**clean, "tests/conftest.py": sha256("")}, ["tests"]) == ["tests/conftest.py"]
+
+
+def test_hard_coded_outputs_are_flagged_and_computed_ones_are_not():
+    expected, inputs = literals_in_tests([TESTS])
+    assert expected == {"9", "16"} and inputs == {"3", "-4"}
+    old = "def square(x):\n    return x + x\n"
+    assert hardcoded_returns("def square(x):\n    return x * x\n", old, expected, inputs) == []
+    hacked = "def square(x):\n    if x == 3:\n        return 9\n    if x == -4:\n        return 16\n    return 0\n"
+    assert hardcoded_returns(hacked, old, expected, inputs) == ["square"]
+    lookup = "def square(x):\n    return 9 if x == 3 else x * x\n"
+    assert hardcoded_returns(lookup, old, expected, inputs) == ["square"]
+    # a literal that the tests expect, returned for an input the tests do not use, is fine
+    assert hardcoded_returns("def square(x):\n    if x == 0:\n        return 0\n    return x * x\n", old,
+                             expected, inputs) == []
+
+
+def test_environment_registry_refuses_duplicates_and_names_the_valid_ones():
+    make_environment("repo", client=None)  # registers the built-ins
+    with pytest.raises(ValueError, match="already registered"):
+        register_environment("repo")(object)
+    with pytest.raises(ValueError, match="'nope' is not registered: registered ones are .*repo"):
+        make_environment("nope")
+    assert "repo" in ENVIRONMENTS
