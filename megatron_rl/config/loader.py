@@ -80,6 +80,11 @@ def to_typed(cfg: DictConfig) -> TrainConfig:
 
         setup_globals()  # registers ${now:...} when cfg did not come from Hydra
     _check_keys(cfg, TrainConfig, "", [])  # a @hydra.main cfg may carry keys added with "+"
+    for name, domain in (cfg.get("domains") or {}).items():  # "task.type=x" alone would not say which task
+        try:
+            OmegaConf.to_object(domain)
+        except ValueError as exc:
+            raise ConfigError(str(exc).replace("task.", f"domains.{name}.task.")) from exc
     try:
         typed = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -216,7 +221,7 @@ def _validate_paths(cfg: TrainConfig) -> None:
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("logging.wandb=true needs wandb: pip install -e '.[wandb]', or set logging.wandb=false")
     task = cfg.task
-    for key in ("path", "eval_path") if task.type == "dataset" else ():
+    for key in ("path", "eval_path") if task.type in ("dataset", "agent") else ():
         value = getattr(task, key)
         if value is not None and not Path(str(value)).expanduser().exists():
             raise ConfigError(f"task.{key}={format_value(value)} does not exist: give a .jsonl or .parquet file or a "
@@ -394,4 +399,9 @@ def _check_keys(node: DictConfig, schema: Optional[type], prefix: str, overrides
         child = node[key]
         if isinstance(child, DictConfig):
             child_schema = hints.get(str(key))
+            if typing.get_origin(child_schema) is dict:  # dict[str, <dataclass>], e.g. domains
+                for name in child.keys():
+                    if isinstance(child[name], DictConfig):
+                        _check_keys(child[name], typing.get_args(child_schema)[1], f"{full_key}.{name}.", overrides)
+                continue
             _check_keys(child, child_schema if isinstance(child_schema, type) else None, f"{full_key}.", overrides)

@@ -423,8 +423,25 @@ class AlgorithmConfig:
     n_samples_per_prompt groups with reward variance (or dynamic_sampling_max_rounds rounds ran)."""
     dynamic_sampling_max_rounds: int = 4
     """Generation rounds per step at most with dynamic_sampling; a short batch is trained on, and logged."""
+    domain_calibration: str = "none"
+    """Multi-domain runs (`domains`): none (advantages from the raw rewards) or running (each domain's
+    rewards become (r - mean_d) / std_d with that domain's running statistics before the advantage
+    estimator, so that no domain's reward scale dominates; see megatron_rl/algorithms/calibration.py).
+    No effect with advantage_estimator=grpo, which already divides by each group's std."""
+    domain_calibration_momentum: float = 0.1
+    """Weight of the newest step in a domain's running reward statistics (domain_calibration=running);
+    the first 1/momentum updates of a domain are an exact running average (warm-up)."""
+    domain_pause_window: int = 0
+    """Multi-domain runs: RL steps over which a domain's training reward gain and held-out accuracy
+    gain are compared to detect reward hacking; 0 never pauses a domain."""
+    domain_pause_min_reward_gain: float = 0.2
+    """A domain is paused when its training reward (divided by its task.reward_scale) rose by more
+    than this over domain_pause_window steps ..."""
+    domain_pause_max_eval_gain: float = 0.02
+    """... while its held-out accuracy rose by less than this over the same steps."""
 
     OVERLONG_MODES: ClassVar[tuple[str, ...]] = ("none", "filter", "penalty")
+    DOMAIN_CALIBRATIONS: ClassVar[tuple[str, ...]] = ("none", "running")
 
     def __post_init__(self) -> None:
         _check_choice("algorithm.advantage_estimator", self.advantage_estimator, self.ADVANTAGE_ESTIMATORS)
@@ -452,6 +469,11 @@ class AlgorithmConfig:
         _check_min("algorithm.kl_coef", self.kl_coef, 0)
         _check_min("algorithm.entropy_coef", self.entropy_coef, 0)
         _check_min("algorithm.num_inner_updates", self.num_inner_updates, 1)
+        _check_choice("algorithm.domain_calibration", self.domain_calibration, self.DOMAIN_CALIBRATIONS)
+        _check_unit_interval("algorithm.domain_calibration_momentum", self.domain_calibration_momentum,
+                             low_open=True, high_open=False)
+        _check_min("algorithm.domain_pause_window", self.domain_pause_window, 0)
+        _check_min("algorithm.domain_pause_min_reward_gain", self.domain_pause_min_reward_gain, 0)
 
 
 @dataclass
@@ -484,15 +506,33 @@ class TaskConfig:
     """Render prompts with the tokenizer's chat template (user turn + generation prompt); responses
     then end with the template's end-of-turn token, which also stops generation."""
     system_prompt: Optional[str] = None
-    """System message prepended when chat_template=true."""
+    """System message prepended when chat_template=true; for type=agent it replaces the default
+    tool instructions (megatron_rl/envs/tools.py)."""
     reward: str = "auto"
     """Verifier: math (final answer, e.g. \\boxed{}, normalised), exact (exact match), countdown
     (expression executed in the sandbox), tests (the row's tests run in the sandbox: passed/total);
     auto: countdown for type=countdown, tests for dataset rows with a `tests` column, else math."""
     reward_tolerance: float = 1e-6
     """Absolute tolerance of numeric answers (reward=math)."""
+    environment: str = "repo"
+    """type=agent: the environment episodes run in (registered in megatron_rl.envs)."""
+    generator: str = "repo"
+    """type=agent without a path: generated tasks, repo (fix a bug in a small package) or
+    function (write one function); see megatron_rl/data/agent_tasks.py."""
+    max_turns: int = 6
+    """type=agent: model turns per episode at most."""
+    max_episode_tokens: int = 1024
+    """type=agent: prompt + all turns and observations of an episode, in tokens, at most."""
+    episode_wall_time_s: float = 120.0
+    """type=agent: wall time of an episode at most (checked between turns)."""
+    max_observation_chars: int = 2000
+    """type=agent: tool output shown to the model at most (the middle is cut)."""
+    reward_scale: float = 1.0
+    """Multiplier on the verifier's reward (a task whose rewards come on another scale, e.g. points
+    0..10); evaluation divides it back out, so held-out accuracy stays in [0, 1]."""
 
-    TYPES: ClassVar[tuple[str, ...]] = ("countdown", "math", "dataset")
+    TYPES: ClassVar[tuple[str, ...]] = ("countdown", "math", "dataset", "agent")
+    GENERATORS: ClassVar[tuple[str, ...]] = ("repo", "function")
     REWARDS: ClassVar[tuple[str, ...]] = ("auto", "math", "exact", "countdown", "tests")
 
     eval_every: int = 10
@@ -514,14 +554,35 @@ class TaskConfig:
         if self.type == "dataset" and not self.path:
             raise ValueError("task.path=null is invalid for task.type=dataset: set task.path=<file.jsonl|"
                              "file.parquet|saved dataset directory>")
-        allowed = {"countdown": ("auto", "countdown"), "math": ("auto", "math", "exact")}.get(
+        _check_choice("task.generator", self.generator, self.GENERATORS)
+        _check_min("task.max_turns", self.max_turns, 1)
+        _check_min("task.max_episode_tokens", self.max_episode_tokens, 16)
+        _check_min("task.episode_wall_time_s", self.episode_wall_time_s, 0, strict=True)
+        _check_min("task.max_observation_chars", self.max_observation_chars, 16)
+        allowed = {"countdown": ("auto", "countdown"), "math": ("auto", "math", "exact"),
+                   "agent": ("auto",)}.get(
             self.type, ("auto", "math", "exact", "tests"))
         if self.reward not in allowed:
             raise _invalid("task.reward", self.reward, f"task.type={self.type} allows {', '.join(allowed)}")
         _check_min("task.reward_tolerance", self.reward_tolerance, 0)
+        _check_min("task.reward_scale", self.reward_scale, 0, strict=True)
         _check_min("task.num_train", self.num_train, 1)
         _check_min("task.num_eval", self.num_eval, 0)
         _check_min("task.seed", self.seed, 0)
+
+
+@dataclass
+class DomainConfig:
+    """One domain of a multi-domain joint run (`TrainConfig.domains`): a task set and its share of
+    the prompts. The domain's name is its key in `domains`; `weight` is checked by TrainConfig,
+    which knows that name."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The domain's prompts and verifier (its task.reward_scale too). Run-level task settings
+    (eval_every, eval_samples, sft_warmup_steps, sft_warmup_lr) are read from the top-level `task`."""
+    weight: float = 1.0
+    """Mixture weight (> 0): the domain's expected share of each step's prompt groups is
+    weight / (sum of the weights of the domains not paused)."""
 
 
 @dataclass
@@ -672,6 +733,10 @@ class TrainConfig:
     """Use deterministic kernels and fixed reduction order (bitwise reproducible runs)."""
     mode: str = "sft"
     """sft (supervised fine-tuning on task references) or rl (rollouts + policy-gradient update)."""
+    domains: dict[str, DomainConfig] = field(default_factory=dict)
+    """Multi-domain joint RL: {name: {task: ..., weight: ...}} with >= 2 entries; prompts of every
+    domain are mixed by weight, and `task` only gives the run-level settings. Empty: a single-task
+    run on `task`. See docs/rl.md, "Multi-domain joint training"."""
 
     MODES: ClassVar[tuple[str, ...]] = ("sft", "rl")
 
@@ -683,6 +748,36 @@ class TrainConfig:
         _check_min("num_steps", self.num_steps, 1)
         _check_min("global_batch_size", self.global_batch_size, 1)
         _check_min("micro_batch_tokens", self.micro_batch_tokens, 1)
+        self._check_domains()
+
+    def _check_domains(self) -> None:
+        algo = self.algorithm
+        if not self.domains:
+            for key, value, off in (("domain_calibration", algo.domain_calibration, "none"),
+                                    ("domain_pause_window", algo.domain_pause_window, 0)):
+                if value != off:
+                    raise _invalid(f"algorithm.{key}", value, "needs a multi-domain run: set domains "
+                                   f"(e.g. +experiment=joint_countdown_math) or algorithm.{key}={format_value(off)}")
+            return
+        if len(self.domains) < 2:
+            raise _invalid("domains", ",".join(self.domains), "a joint run needs >= 2 domains; for one task "
+                           "set task=<task> and domains={}")
+        if self.mode != "rl":
+            raise _invalid("mode", self.mode, "domains are mixed by the RL loop only; set mode=rl or domains={}")
+        for name, domain in self.domains.items():
+            if not name.replace("_", "").replace("-", "").isalnum():
+                raise _invalid(f"domains.{name}", name, "a domain name (used in metric names) may hold only "
+                               "letters, digits, _ and -")
+            if not domain.weight > 0:
+                raise _invalid(f"domains.{name}.weight", domain.weight, "must be > 0 (drop the domain instead)")
+            if algo.domain_pause_window and domain.task.num_eval < 1:
+                raise _invalid(f"domains.{name}.task.num_eval", domain.task.num_eval,
+                               "pausing (algorithm.domain_pause_window > 0) judges each domain by its held-out "
+                               "accuracy: set it >= 1, or algorithm.domain_pause_window=0")
+        if algo.domain_pause_window and self.task.eval_every < 1:
+            raise _invalid("task.eval_every", self.task.eval_every, "pausing needs evaluations during the run: "
+                           "set task.eval_every >= 1 (<= algorithm.domain_pause_window), or "
+                           "algorithm.domain_pause_window=0")
 
 
 SCHEMAS: dict[str, type] = {

@@ -52,6 +52,21 @@ class RuleVerifier:
         return [math_reward(completion, meta["answer"], self.tol) for meta, completion in items]
 
 
+class ScaledVerifier:
+    """Another verifier's rewards times `task.reward_scale` (a task whose rewards come on another
+    scale); calls, errors, client and the rest are the inner verifier's."""
+
+    def __init__(self, inner: Any, scale: float) -> None:
+        self.inner = inner
+        self.scale = scale
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def score(self, items) -> list[float]:
+        return [reward * self.scale for reward in await self.inner.score(items)]
+
+
 _NAMES = ("Ann", "Bob", "Cy", "Dee", "Eve", "Fay")
 _THINGS = ("pens", "cups", "eggs", "hats", "keys")
 
@@ -112,7 +127,22 @@ class Task:
                 question, answer = _math_problem(rng)
                 out.append(self._prompt(question + "\n", {"answer": answer}, f"\\boxed{{{answer}}}"))
             return out
+        if kind == "agent":
+            return [Prompt(t["instruction"], [], t, "") for t in self._agent_tasks(split)]
         return [self._row_prompt(row, i, split) for i, row in enumerate(self._rows_of(split))]
+
+    def _agent_tasks(self, split: str) -> list[dict[str, Any]]:
+        c = self.cfg
+        if c.path is not None:
+            return self._rows_of(split)
+        from megatron_rl.data import agent_tasks
+
+        generate = agent_tasks.repo_tasks if c.generator == "repo" else agent_tasks.function_tasks
+        return generate(c.num_train if split == "train" else c.num_eval, seed=c.seed * 2 + (split == "eval"))
+
+    @property
+    def is_agent(self) -> bool:
+        return self.cfg.type == "agent"
 
     def _row_prompt(self, row: dict[str, Any], index: int, split: str) -> Prompt:
         c = self.cfg
@@ -141,13 +171,15 @@ class Task:
             return self.cfg.reward
         if self.cfg.type == "countdown":
             return "countdown"
+        if self.cfg.type == "agent":
+            return "environment"
         if self.cfg.type == "dataset" and self._rows_of("train") and "tests" in self._rows_of("train")[0]:
             return "tests"
         return "math"
 
     @property
     def needs_sandbox(self) -> bool:
-        return self.reward_kind in ("countdown", "tests")
+        return self.reward_kind in ("countdown", "tests", "environment")
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -157,7 +189,16 @@ class Task:
         ids = self._encode(self.end_of_turn)
         return (ids[0],) if len(ids) == 1 else ()
 
+    def reward_scale_of(self, meta: dict[str, Any]) -> float:
+        """What the verifier multiplied this prompt's rewards by (task.reward_scale)."""
+        return self.cfg.reward_scale
+
     def verifier_factory(self, sandbox_addresses: list[str]) -> Callable[[], Any]:
+        build = self._verifier_factory(sandbox_addresses)
+        scale = self.cfg.reward_scale
+        return build if scale == 1.0 else (lambda: ScaledVerifier(build(), scale))
+
+    def _verifier_factory(self, sandbox_addresses: list[str]) -> Callable[[], Any]:
         kind = self.reward_kind
         if kind in ("math", "exact"):
             return lambda: RuleVerifier(kind, self.cfg.reward_tolerance)
@@ -167,8 +208,30 @@ class Task:
             from megatron_rl_sandbox.client import SandboxClient
 
             client = SandboxClient(sandbox_addresses, deadline_s=60)
+            if kind == "environment":
+                return EnvironmentHost(client, self.cfg.environment, output_limit=self.cfg.max_observation_chars)
             return CountdownVerifier(client) if kind == "countdown" else TestsVerifier(client)
         return build
+
+
+class EnvironmentHost:
+    """The reward side of agent tasks: holds the sandbox client (on the reward service's event
+    loop) and makes one environment per episode; rewards come from the environments."""
+
+    def __init__(self, client: Any, environment: str, **env_kwargs: Any) -> None:
+        from megatron_rl.envs import make_environment
+
+        self.client, self.environment, self.env_kwargs = client, environment, env_kwargs
+        self.calls = self.errors = 0  # episodes run / dropped
+        make_environment(environment, client=client, **env_kwargs)  # an unknown name fails here, early
+
+    def make_env(self) -> Any:
+        from megatron_rl.envs import make_environment
+
+        return make_environment(self.environment, client=self.client, **self.env_kwargs)
+
+    async def score(self, items) -> list[float]:
+        raise TypeError("agent tasks are scored by their environments (rollout/multiturn.py), not per completion")
 
 
 def end_of_turn(tokenizer: Any) -> str:
