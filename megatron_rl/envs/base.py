@@ -54,8 +54,18 @@ def register_environment(name: str) -> Callable[[Callable[..., Environment]], Ca
 
 
 def make_environment(name: str, **kwargs: Any) -> Environment:
+    """An environment by registered name, or by `package.module:Class` (imported lazily, so a
+    user's environment needs no change to this package)."""
+    import importlib
+
     import megatron_rl.envs.repo  # noqa: F401  (registers the built-in environments)
 
+    if ":" in name and name not in ENVIRONMENTS:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)(**kwargs)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"environment {name!r} cannot be loaded: {err}") from None
     if name not in ENVIRONMENTS:
         raise ValueError(f"environment {name!r} is not registered: registered ones are "
                          f"{', '.join(sorted(ENVIRONMENTS))}")

@@ -80,3 +80,10 @@ def test_environment_registry_refuses_duplicates_and_names_the_valid_ones():
     with pytest.raises(ValueError, match="'nope' is not registered: registered ones are .*repo"):
         make_environment("nope")
     assert "repo" in ENVIRONMENTS
+
+
+def test_environments_by_dotted_path():
+    env = make_environment("megatron_rl.envs.repo:RepoEnvironment", client=None, output_limit=10)
+    assert env.output_limit == 10
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        make_environment("megatron_rl.envs.repo:Nope")
