@@ -288,7 +288,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _health(address: str):
+def sandbox_health(address: str):
+    """The server's HealthReply (serving, running, executions_finished, ...), or None if it is down."""
     import grpc
 
     from megatron_rl_sandbox.proto import load as load_proto
@@ -323,7 +324,7 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     served = 0
     stop_file = run_dir / "sandbox" / STOP_FILE
     while not stop.wait(args.poll_s) and proc.poll() is None and not stop_file.exists():
-        health = _health(info["address"])
+        health = sandbox_health(info["address"])
         if health is not None and health.executions_finished != served:
             served = health.executions_finished
             logger.info("sandbox server %s: %d executions served (%d running, %d queued)", name, served,

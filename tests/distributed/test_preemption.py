@@ -1,0 +1,60 @@
+"""Graceful stop with the local launcher: SIGUSR1 to the launcher reaches both ranks, which agree
+on the step to stop after (one all-reduce), checkpoint it, record `preempted.json` and exit 0;
+the same command then resumes there and runs every remaining step exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 12
+
+
+def _args(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "megatron_rl.train", "mode=rl", "task=math", f"run_dir={run_dir}",
+            f"num_steps={STEPS}", "cluster.nproc=2", "cluster.device=cpu", "global_batch_size=16",
+            "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=16", "task.num_train=64", "task.num_eval=4",
+            "task.eval_every=0", "task.eval_samples=1", "checkpoint.save_every=100", "logging.progress=false"]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_usr1_stops_both_ranks_after_the_same_step_and_the_rerun_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(_args(run_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(_steps(run_dir)) < 2:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # to the launcher only, as a batch system would
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    stopped = marker["steps_done"]
+    assert marker["signal"] == "SIGUSR1" and 2 <= stopped < STEPS
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert re.search(rf"stop requested \(SIGUSR1 on 2 rank\(s\)\): stopping after step {stopped} of", log), rank
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert _steps(run_dir) == list(range(stopped))
+
+    rerun = subprocess.run(_args(run_dir), env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {run_dir}/checkpoints/step_{stopped:08d}" in rerun.stderr
+    assert _steps(run_dir) == list(range(STEPS))
+    assert not (run_dir / "preempted.json").exists()

@@ -1,0 +1,91 @@
+"""The batch step's reading of a Slurm allocation (environment as Slurm 22.05 sets it, copied
+from a real het job), its run directory rule and its parsing of srun's failure lines; and the
+stop flag of `megatron_rl.preemption` in one process."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.parallel.dist import dist_env_from
+from megatron_rl.preemption import Preemption
+from megatron_rl.slurm_job import count_tasks, first_failure, job_layout, run_dir_for
+
+# Batch-step variables of `sbatch --ntasks-per-node=2 --gpus-per-node=2 : --cpus-per-task=1 run.sh`.
+HET_BATCH = {"SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "megatron-rl", "SLURM_HET_SIZE": "2",
+             "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu[01-02]",
+             "SLURM_JOB_NODELIST_HET_GROUP_1": "cpu7", "SLURM_NTASKS_HET_GROUP_0": "16",
+             "SLURM_TASKS_PER_NODE_HET_GROUP_0": "8(x2)", "SLURM_SUBMIT_DIR": "/home/u/megatron-rl"}
+# A training task of the het group 0 step, as srun sets it.
+HET_TASK = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "gpu[01-02]",
+            "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_JOB_ID": "42"}
+
+
+def test_count_tasks():
+    assert count_tasks("2") == 2
+    assert count_tasks("8(x2)") == 16
+    assert count_tasks("2(x3),1") == 7
+    with pytest.raises(ValueError, match="tasks-per-node"):
+        count_tasks("two")
+
+
+def test_het_job_layout_and_roles():
+    layout = job_layout(HET_BATCH)
+    assert layout.het and layout.num_train_tasks == 16 and layout.restart_count == 0
+    assert layout.train_nodes == ("gpu01", "gpu02") and layout.sandbox_nodes == ("cpu7",)
+    assert layout.roles() == {"gpu01": ("train",), "gpu02": ("train",), "cpu7": ("sandbox",)}
+
+
+def test_gpu_only_layout_puts_sandboxes_on_the_gpu_nodes():
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[08-09]", "SLURM_TASKS_PER_NODE": "4(x2)",
+           "SLURM_RESTART_COUNT": "2"}
+    layout = job_layout(env)
+    assert not layout.het and layout.num_train_tasks == 8 and layout.restart_count == 2
+    assert layout.roles() == {"n08": ("train", "sandbox"), "n09": ("train", "sandbox")}
+
+
+def test_layout_outside_slurm_says_how_to_submit():
+    with pytest.raises(RuntimeError, match="sbatch slurm/run.sh"):
+        job_layout({})
+
+
+def test_run_dir_is_keyed_by_job_id_so_a_requeued_job_finds_it(tmp_path):
+    layout = job_layout(HET_BATCH)
+    assert run_dir_for([], layout, HET_BATCH) == Path("/home/u/megatron-rl/runs/megatron-rl-42")
+    assert run_dir_for([], layout, dict(HET_BATCH, MEGATRON_RL_RUN_ROOT=str(tmp_path))) == tmp_path / "megatron-rl-42"
+    assert run_dir_for(["task=math", f"run_dir={tmp_path}/x"], layout) == tmp_path / "x"
+
+
+def test_first_failure_is_the_first_task_srun_names():
+    lines = ["0: step 3 | reward 0.1\n",
+             "srun: error: c1: task 1: Killed\n",
+             "srun: launch/slurm: _step_signal: Terminating StepId=4.0\n",
+             "srun: error: c1: task 0: Terminated\n"]
+    assert first_failure(lines) == (1, "c1", "Killed")
+    assert first_failure(["srun: error: gpu03: tasks 8-15: Exited with exit code 1"]) == (8, "gpu03",
+                                                                                           "Exited with exit code 1")
+    assert first_failure(["srun: error: Unable to create step for job 5: Invalid TRES"]) is None
+
+
+def test_rank_of_a_het_group_task():
+    env = dist_env_from(HET_TASK)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (9, 16, 1, 8)
+    assert env.master_addr == "gpu01" and env.source == "slurm"
+    assert env.master_port == dist_env_from(HET_TASK).master_port  # same on every rank and every requeue
+
+
+def test_a_watched_stop_signal_is_a_request_not_an_exit(tmp_path):
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        stop = Preemption(tmp_path, is_main=True).install()
+        stop.watch()
+        assert not stop.stop_agreed(1, 10)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.stop_agreed(2, 10) and stop.reason == "SIGUSR1"
+        assert not stop.stop_agreed(10, 10), "after the last step there is nothing to stop"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
