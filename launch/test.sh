@@ -5,6 +5,9 @@
 #   - as root with apt: bubblewrap (sandbox runtime) and the Apptainer tier
 #     (tests/integration/apptainer/setup.sh, ~1-2 min the first time, cached afterwards);
 #     set MEGATRON_RL_SKIP_APPTAINER=1 to skip the latter.
+#   - as root with apt: Debian's Slurm (slurmctld, slurmd, slurm-client; ~25 s the first time)
+#     for the Slurm tier, whose session fixture starts a two-node single-host cluster and stops
+#     it at the end (tests/integration/slurm/); set MEGATRON_RL_SKIP_SLURM=1 to skip it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup_env.sh
@@ -19,6 +22,11 @@ if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
   fi
   if [[ "${MEGATRON_RL_SKIP_APPTAINER:-0}" != 1 ]]; then
     bash tests/integration/apptainer/setup.sh || echo "[test.sh] apptainer tier unavailable; its tests will be skipped" >&2
+  fi
+  if [[ "${MEGATRON_RL_SKIP_SLURM:-0}" != 1 ]] && ! command -v slurmctld >/dev/null; then
+    { apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client >/dev/null 2>&1 \
+        || { apt-get update -qq && apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client >/dev/null; }; } \
+      || echo "[test.sh] slurm tier unavailable; its tests will be skipped" >&2
   fi
 fi
 exec .venv/bin/python -m pytest tests -q "$@"
