@@ -174,8 +174,14 @@ def _launch_local(cfg, overrides: list[str], job_name: str) -> None:
     run_dir = _resolved_run_dir(cfg)  # one run dir for all ranks, fixed before they start
     args = [*[o for o in overrides if not o.startswith("run_dir=")], f"run_dir={run_dir}"]
     procs: list[subprocess.Popen] = []
-    for sig in (signal.SIGUSR1, signal.SIGTERM):  # stop requests go to every worker
-        signal.signal(sig, lambda signum, _frame: [p.send_signal(signum) for p in procs if p.poll() is None])
+
+    def forward(signum: int, _frame) -> None:  # stop requests (megatron_rl.preemption) go to every worker
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, forward)
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
