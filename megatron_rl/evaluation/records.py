@@ -1,0 +1,123 @@
+"""Per-sample evaluation records and the metrics computed from them, the same in training-time
+evaluation (`rl_step.evaluate`) and offline evaluation (`python -m megatron_rl.eval`).
+
+A record is one sampled completion of one held-out prompt, as plain JSON data:
+
+    {"prompt": 3, "sample": 1, "domain": "math", "reward": 1.0, "correct": true}
+
+`reward` is the verifier's reward divided by the task's `reward_scale` (so it lies in [0, 1]
+for 0/1 verifiers and partial-credit ones alike) and `correct` is `reward >= 1`. Offline
+evaluation adds `set`, `checkpoint`, `step` and `seed`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from megatron_rl.evaluation.stats import (
+    DEFAULT_RESAMPLES,
+    bootstrap_interval,
+    group_by,
+    mean_pass_at_k,
+    paired_comparison,
+    pass_at_k,
+    t_interval,
+)
+
+
+def records_from_rollouts(prompts: Sequence[Any], rollouts: Sequence[Any],
+                          reward_scale_of: Callable[[Mapping[str, Any]], float]) -> list[dict[str, Any]]:
+    """One record per rollout (objects with `.prompt_index` and `.reward`), in rollout order;
+    `sample` counts the rollouts of each prompt from 0."""
+    seen: dict[int, int] = {}
+    out = []
+    for r in rollouts:
+        meta = prompts[r.prompt_index].meta
+        reward = float(r.reward) / reward_scale_of(meta)
+        sample = seen.get(r.prompt_index, 0)
+        seen[r.prompt_index] = sample + 1
+        out.append({"prompt": int(r.prompt_index), "sample": sample, "domain": str(meta.get("domain", "")),
+                    "reward": reward, "correct": reward >= 1.0})
+    return out
+
+
+def counts_per_prompt(records: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int, int, float]]:
+    """prompt -> (samples, correct samples, summed reward), prompts in first-seen order."""
+    out: dict[int, tuple[int, int, float]] = {}
+    for r in records:
+        n, c, total = out.get(r["prompt"], (0, 0, 0.0))
+        out[r["prompt"]] = (n + 1, c + int(bool(r["correct"])), total + float(r["reward"]))
+    return out
+
+
+def eval_metrics(records: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, float]:
+    """One evaluation's metrics: `accuracy` (mean reward over all samples) and `pass@<k>` for each
+    k (unbiased pass@k per prompt, averaged over prompts)."""
+    if not records:
+        raise ValueError("no evaluation records: the evaluation set is empty")
+    counts = list(counts_per_prompt(records).values())
+    out = {"accuracy": sum(float(r["reward"]) for r in records) / len(records)}
+    for k in ks:
+        out[f"pass@{k}"] = mean_pass_at_k([n for n, _, _ in counts], [c for _, c, _ in counts], k)
+    return out
+
+
+def per_prompt_scores(records: Sequence[Mapping[str, Any]], metric: str) -> dict[int, float]:
+    """prompt -> its score under `metric` with all of its records pooled (every seed): the mean
+    reward for `accuracy`, the unbiased pass@k over all its samples for `pass@<k>`."""
+    counts = counts_per_prompt(records)
+    if metric == "accuracy":
+        return {p: total / n for p, (n, _, total) in counts.items()}
+    k = _k_of(metric)
+    return {p: pass_at_k(n, c, k) for p, (n, c, _) in counts.items()}
+
+
+def _k_of(metric: str) -> int:
+    if not metric.startswith("pass@") or not metric[5:].isdigit():
+        raise ValueError(f"metric={metric!r} is invalid: allowed are accuracy and pass@<k> (e.g. pass@4)")
+    return int(metric[5:])
+
+
+def summarize(records: Sequence[Mapping[str, Any]], ks: Sequence[int], confidence: float = 0.95,
+              num_resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> dict[str, Any]:
+    """One checkpoint on one evaluation set, records of every seed: per metric the mean over
+    seeds with a t interval (sampling noise) and the pooled per-prompt mean with a bootstrap
+    interval over prompts (prompt noise), plus the per-seed values; the same per domain when
+    the records carry more than one domain."""
+    out = _summary(records, ks, confidence, num_resamples, seed)
+    domains = group_by(records, lambda r: r.get("domain", ""))
+    if len(domains) > 1:
+        out["domains"] = {d: _summary(rows, ks, confidence, num_resamples, seed) for d, rows in domains.items()}
+    return out
+
+
+def _summary(records, ks, confidence, num_resamples, seed) -> dict[str, Any]:
+    by_seed = group_by(records, lambda r: r.get("seed", 0))
+    per_seed = {s: eval_metrics(rows, ks) for s, rows in sorted(by_seed.items())}
+    metrics = {}
+    for name in ["accuracy", *(f"pass@{k}" for k in ks)]:
+        values = [m[name] for m in per_seed.values()]
+        scores = list(per_prompt_scores(records, name).values())
+        metrics[name] = {"seeds": t_interval(values, confidence).to_dict(),
+                         "prompts": bootstrap_interval(scores, confidence, num_resamples, seed).to_dict(),
+                         "per_seed": {str(s): m[name] for s, m in per_seed.items()}}
+    counts = counts_per_prompt(records)
+    return {"num_prompts": len(counts), "num_samples": len(records), "num_seeds": len(per_seed),
+            "metrics": metrics}
+
+
+def compare(baseline: Sequence[Mapping[str, Any]], candidate: Sequence[Mapping[str, Any]], ks: Sequence[int],
+            confidence: float = 0.95, num_resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> dict[str, Any]:
+    """`candidate - baseline` per metric, paired by prompt (both evaluated on the same prompts)."""
+    out = {}
+    for name in ["accuracy", *(f"pass@{k}" for k in ks)]:
+        a, b = per_prompt_scores(baseline, name), per_prompt_scores(candidate, name)
+        if set(a) != set(b):
+            raise ValueError(f"the two checkpoints were evaluated on different prompts ({len(a)} vs {len(b)}, "
+                             f"{len(set(a) ^ set(b))} not shared): compare evaluations of the same set")
+        order = sorted(a)
+        out[name] = paired_comparison(np.array([a[p] for p in order]), np.array([b[p] for p in order]),
+                                      confidence, num_resamples, seed).to_dict()
+    return out
