@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from megatron_rl.rollout.base import SamplingParams
-from megatron_rl.rollout.collect import Rollout, collect, pass_at_k
+from megatron_rl.evaluation.records import eval_metrics, records_from_rollouts
+from megatron_rl.rollout.collect import Rollout, collect
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,21 @@ def warm_start(rt, parts: dict) -> None:
         if step % 50 == 0 or step == cfg.task.sft_warmup_steps - 1:
             logger.info("warm start %d/%d: loss %.3f", step + 1, cfg.task.sft_warmup_steps, metrics["loss"])
     logger.info("warm start: %d supervised steps in %.0fs", cfg.task.sft_warmup_steps, time.perf_counter() - start)
+
+
+def _generate(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[list[Rollout], dict[str, float]]:
+    """Completions and rewards: one per sample, or whole multi-turn episodes for agent tasks."""
+    if not parts["task"].is_agent:
+        return collect(parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"]))
+    from megatron_rl.envs.tools import TOOL_INSTRUCTIONS
+    from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, collect_episodes
+
+    task = rt.cfg.task
+    if "turn_format" not in parts:
+        parts["turn_format"] = TurnFormat(parts["tokenizer"], task.system_prompt or TOOL_INSTRUCTIONS)
+    limits = EpisodeLimits(task.max_turns, task.max_episode_tokens, task.episode_wall_time_s)
+    return collect_episodes(parts["engine"], prompts, params, parts["rewards"], rt.groups, parts["turn_format"],
+                            limits)
 
 
 def _advantages(rewards: torch.Tensor, rollouts: list[Rollout], estimator: str) -> torch.Tensor:
@@ -91,8 +107,7 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
         while not rounds.done:
             prompts = [parts["train"][i] for i in parts["sampler"].next_batch(num_groups)]
             params = _sampling(cfg, parts, n, seed=cfg.seed * 100_003 + step + 7919 * rounds.num_rounds)
-            got, timing_round = collect(parts["engine"], prompts, params, parts["rewards"], rt.groups,
-                                        _decode(parts["tokenizer"]))
+            got, timing_round = _generate(rt, parts, prompts, params)
             for key, value in timing_round.items():
                 timing[key] = timing.get(key, 0.0) + value
             groups = [got[g * n:(g + 1) * n] for g in range(len(prompts))]
@@ -113,8 +128,8 @@ def select_samples(cfg, rollouts: list[Rollout], rewards: torch.Tensor) -> tuple
     """Keep mask [N] after the zero-variance and overlong filters, and what each dropped."""
     from megatron_rl.algorithms.filters import overlong, zero_variance_groups
 
-    keep = torch.ones(len(rollouts), dtype=torch.bool)
-    stats = {}
+    keep = torch.tensor([getattr(r, "status", "") != "dropped" for r in rollouts], dtype=torch.bool)
+    stats = {"filter/dropped_episodes": float((~keep).sum())} if not keep.all() else {}
     if cfg.algorithm.filter_zero_variance:
         informative = zero_variance_groups(rewards, torch.tensor([r.prompt_index for r in rollouts]))
         stats["filter/zero_variance_dropped"] = float((~informative).sum())
@@ -137,7 +152,9 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     calls_before, errors_before = getattr(verifier, "calls", 0), getattr(verifier, "errors", 0)
     rollouts, timing = generate_groups(rt, parts, step)
     rewards = _shaped_rewards(cfg, rollouts)
-    advantages = _advantages(rewards, rollouts, cfg.algorithm.advantage_estimator)
+    joint = parts.get("domains")  # multi-domain runs: per-domain calibration before the advantages
+    advantages = _advantages(joint.advantage_rewards(rewards, rollouts) if joint else rewards, rollouts,
+                             cfg.algorithm.advantage_estimator)
     keep, filter_stats = select_samples(cfg, rollouts, rewards)
     samples = [r.sample({"advantages": r.response_extra([float(a)] * len(r.output_ids)),
                          "rollout_logprobs": r.response_extra(r.logprobs)})
@@ -161,6 +178,8 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
                     "weight_version": float(rollouts[0].weight_version) if rollouts else float(controller.version),
                     "reward/verifier_calls": float(getattr(verifier, "calls", 0) - calls_before),
                     "reward/verifier_errors": float(getattr(verifier, "errors", 0) - errors_before)})
+    if joint:
+        metrics.update(joint.step_metrics(step, rollouts, advantages))
     return metrics
 
 
@@ -180,8 +199,8 @@ def _update(cfg, parts: dict, samples: list) -> dict[str, float]:
         trainer.swap_weights(current)
         for s, lp in zip(samples, ref):
             s.extras["ref_logprobs"] = lp
-    mismatch = max(float((s.extras["old_logprobs"] - s.extras["rollout_logprobs"])[s.loss_mask.bool()].abs().max())
-                   for s in samples)
+    mismatch = max((float((s.extras["old_logprobs"] - s.extras["rollout_logprobs"])[s.loss_mask.bool()].abs().max())
+                    for s in samples if s.loss_mask.any()), default=0.0)
     for update in range(cfg.algorithm.num_inner_updates):
         metrics = trainer.train_step(samples, parts["loss_fn"], with_entropy=True)
         if update == 0:  # nothing changed yet: the importance ratio must be 1
@@ -190,20 +209,25 @@ def _update(cfg, parts: dict, samples: list) -> dict[str, float]:
     return metrics
 
 
+def evaluation_records(rt, parts: dict, repeat: int = 0) -> tuple[list[dict[str, Any]], list[Rollout]]:
+    """Per-sample records (megatron_rl/evaluation/records.py) and rollouts of `task.eval_samples`
+    samples for each of `parts["eval"]`, with the current weights. Repeat 0 draws what every
+    training-time evaluation draws; offline evaluation's further seeds are repeats 1, 2, ..."""
+    cfg, prompts = rt.cfg, parts["eval"]
+    params = _sampling(cfg, parts, cfg.task.eval_samples, seed=cfg.seed * 7 + 1 + 7919 * repeat)
+    rollouts, _ = parts["controller"].rollout(lambda: _generate(rt, parts, prompts, params))
+    return records_from_rollouts(prompts, rollouts, parts["task"].reward_scale_of), rollouts
+
+
 def evaluate(rt, parts: dict, step: int) -> dict[str, float]:
     """Mean reward (accuracy) and pass@k on the held-out prompts, with the current weights."""
-    cfg = rt.cfg
     prompts = parts["eval"]
     if not prompts:
         return {}
-    k = cfg.task.eval_samples
-    params = _sampling(cfg, parts, k, seed=cfg.seed * 7 + 1)  # the same draws at every evaluation
-    rollouts, _ = parts["controller"].rollout(lambda: collect(
-        parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"])))
-    correct = [0] * len(prompts)
-    for r in rollouts:
-        correct[r.prompt_index] += int(r.reward >= 1.0)
-    accuracy = sum(r.reward for r in rollouts) / len(rollouts)
-    pass_k = sum(pass_at_k(k, c, k) for c in correct) / len(prompts)
+    k = rt.cfg.task.eval_samples
+    records, rollouts = evaluation_records(rt, parts)  # the same draws at every evaluation
+    found = eval_metrics(records, [k])
+    accuracy, pass_k = found["accuracy"], found[f"pass@{k}"]
     logger.info("eval at step %d: accuracy %.3f, pass@%d %.3f (%d prompts)", step, accuracy, k, pass_k, len(prompts))
-    return {"eval/accuracy": accuracy, "eval/pass@k": pass_k}
+    per_domain = parts["domains"].eval_metrics(step, prompts, rollouts) if parts.get("domains") else {}
+    return {"eval/accuracy": accuracy, "eval/pass@k": pass_k, **per_domain}

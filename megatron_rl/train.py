@@ -35,6 +35,12 @@ def check_train_config(cfg) -> None:
     if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
                           f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}")
+    if cfg.task.type == "agent" and (cfg.rollout.tp > 1 or cfg.task.sft_warmup_steps):
+        raise ConfigError("task.type=agent runs with rollout.tp=1 and task.sft_warmup_steps=0 in this version "
+                          "(episodes are driven from one rank per engine; agent warm-start data is not built yet)")
+    if cfg.task.type == "agent" and cfg.task.max_episode_tokens > cfg.model.max_position_embeddings:
+        raise ConfigError(f"task.max_episode_tokens={cfg.task.max_episode_tokens} must be <= "
+                          f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
     if cfg.algorithm.overlong == "penalty" and cfg.algorithm.overlong_penalty_window > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.overlong_penalty_window={cfg.algorithm.overlong_penalty_window} must be <= "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
@@ -45,16 +51,16 @@ def build(rt):
     from megatron_rl.algorithms.objective import make_policy_loss_fn
     from megatron_rl.checkpoint.manager import CheckpointManager
     from megatron_rl.colocate.controller import ColocationController
-    from megatron_rl.data.sampler import EpochSampler
-    from megatron_rl.data.tasks import Task
+    from megatron_rl.data.domains import make_sampler, make_task
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.rewards.service import RewardService
+    from megatron_rl.rl_domains import make_joint
     from megatron_rl.rollout.factory import make_engine
     from megatron_rl.trainer.core import Trainer, TrainerOptions
 
     cfg = rt.cfg
     tokenizer = load_tokenizer(cfg.model.tokenizer)
-    task = Task(cfg.task, tokenizer)
+    task = make_task(cfg, tokenizer)  # a MultiTask over cfg.domains when set
     trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, TrainerOptions(
         micro_batch_tokens=cfg.micro_batch_tokens, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         deterministic=cfg.deterministic, total_steps=cfg.num_steps * cfg.algorithm.num_inner_updates,
@@ -67,9 +73,10 @@ def build(rt):
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
     rewards = RewardService(task.verifier_factory(addresses))
     train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
+    sampler = make_sampler(task, train_prompts, cfg.seed)
     return dict(tokenizer=tokenizer, task=task, trainer=trainer, engine=engine, controller=controller,
                 rewards=rewards, loss_fn=make_policy_loss_fn(cfg.algorithm), train=train_prompts, eval=eval_prompts,
-                sampler=EpochSampler(len(train_prompts), cfg.seed),
+                sampler=sampler, domains=make_joint(cfg, task, sampler),
                 checkpoints=CheckpointManager(cfg.checkpoint, rt.run_dir, trainer, cfg, cfg.num_steps, tokenizer))
 
 
@@ -89,6 +96,8 @@ def run_rl(rt) -> dict[str, float]:
         start_step, history = 0, {"sft_eval": evaluate(rt, parts, step=0)}
     else:
         parts["sampler"].load_state_dict(resumed["sampler"])
+        if parts["domains"]:
+            parts["domains"].load_state_dict(resumed.get("domains"))
         parts["controller"].version = resumed.get("weight_version", 0)
         start_step, history = resumed["rl_step"], resumed["history"]
         rt.writer.rewind(start_step)
@@ -112,7 +121,8 @@ def run_rl(rt) -> dict[str, float]:
                 logger.info(format_step_summary(step, metrics, SUMMARY))
             def state() -> dict:  # what a checkpoint holds besides model, optimizer and RNG
                 return {"sampler": parts["sampler"].state_dict(), "rl_step": step + 1, "history": history,
-                        "reference": parts.get("reference"), "weight_version": parts["controller"].version}
+                        "reference": parts.get("reference"), "weight_version": parts["controller"].version,
+                        "domains": parts["domains"] and parts["domains"].state_dict()}
 
             parts["checkpoints"].after_step(step + 1, state)
             if rt.preemption.stop_agreed(step + 1, cfg.num_steps):

@@ -31,6 +31,7 @@ class Rollout:
     finish_reason: str
     weight_version: int
     reward: float = 0.0
+    domain: str = ""  # the prompt's meta["domain"] in a multi-domain run, else ""
 
     def sample(self, extras: dict[str, torch.Tensor]) -> Sample:
         tokens = torch.tensor(self.prompt_tokens + self.output_ids, dtype=torch.long)
@@ -69,6 +70,8 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
         gen_time += time.perf_counter() - start
         rollouts = [Rollout(chunk[g.prompt_index], list(prompts[chunk[g.prompt_index]].tokens), g.output_ids,
                             g.logprobs, g.finish_reason, g.weight_version) for g in gens]
+        for r in rollouts:
+            r.domain = prompts[r.prompt_index].meta.get("domain", "")
         if first_mp_rank:
             items = [(prompts[r.prompt_index].meta, decode(r.output_ids)) for r in rollouts]
             pending.append((len(local), reward_service.submit(items)))
@@ -90,13 +93,3 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
         dist.all_gather_object(everything, local if first_mp_rank else None)
     merged = sorted((r for part in everything if part for r in part), key=lambda r: r.prompt_index)
     return merged, {"time/generate_only": gen_time, "time/reward_wait": wait, "reward/timeouts": float(timeouts)}
-
-
-def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
-    if num_samples - num_correct < k:
-        return 1.0
-    prob_fail = 1.0
-    for i in range(num_samples - num_correct + 1, num_samples + 1):
-        prob_fail *= 1.0 - k / i
-    return 1.0 - prob_fail
