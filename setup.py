@@ -43,6 +43,7 @@ setup(
         "tokenizers",
         "datasets>=2.14",  # prompt sources saved with save_to_disk
         "pyarrow",  # Parquet prompt files
+        "datasketch",  # MinHash near-duplicate detection (megatron_rl.quality)
         "tqdm",
         "psutil",  # without it megatron dist_checkpointing.save hangs (its forked writer dies)
         "einops",

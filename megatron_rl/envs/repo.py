@@ -162,9 +162,8 @@ class RepoEnvironment:
         task, protected = self.task, self.task["protected"]
         digest = json.loads((await self._exec(["python3", "-c", guards.WORKSPACE_DIGEST])).stdout or b"{}")
         original = {**task.get("files", {}), **task.get("hidden_files", {})}
-        tampered = guards.tampered_paths(original, {p: h for p, h in digest.items()
-                                                    if p in original or guards.is_protected(p, protected)},
-                                         protected)
+        # Against the start workspace: hidden files are not in it, so one appearing there counts as added.
+        tampered = guards.tampered_paths(task.get("files", {}), digest, protected)
         hardcoded = await self._hardcoded(digest, protected)
         passed = failed_regressions = 0
         for test in task.get("fail_to_pass", []) + task.get("pass_to_pass", []):

@@ -1,0 +1,139 @@
+"""`python -m megatron_rl.quality TASKS.jsonl [options]`: inspect a task set before training.
+
+Per task: solvability (the reference passes), verifier stability (reference and a known-bad
+candidate verified `--reruns` times; flaky = a flip rate > 0), exact and near duplicates,
+contamination against `--eval-set` files, empty or ambiguous descriptions, and with
+`--policy HF_DIR` the policy's pass rate (difficulty bucket; always / never solved
+flagged). Writes to `--out`:
+
+    report.jsonl    one object per task: every measurement and its flags
+    summary.md      counts per flag, difficulty histogram, flaky tasks, duplicate pairs (+ PNGs)
+    filtered.jsonl  the tasks without a blocking flag (see BLOCKING)
+
+Exit code 0 even when tasks are flagged (the report is the output); 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from megatron_rl.quality import checks
+from megatron_rl.quality.report import BLOCKING, write_report
+
+logger = logging.getLogger("megatron_rl.quality")
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megatron_rl.quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("tasks", type=Path, help="task set: .jsonl / .parquet / saved HF dataset")
+    p.add_argument("--out", type=Path, default=None, help="report directory (default: <tasks>.quality/)")
+    p.add_argument("--eval-set", type=Path, action="append", default=[], help="evaluation set to check "
+                   "contamination against (repeatable)")
+    p.add_argument("--reruns", type=int, default=3, help="verifications per candidate (flakiness)")
+    p.add_argument("--policy", type=str, default=None, help="HF checkpoint directory whose pass rate sets difficulty")
+    p.add_argument("--samples", type=int, default=8, help="policy samples per task")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--tokenizer", default="builtin:char")
+    p.add_argument("--runtime", default="bwrap", choices=("bwrap", "apptainer", "process"))
+    p.add_argument("--sandbox", action="append", default=[], help="address of a running sandbox server "
+                   "(repeatable; default: start a local one)")
+    p.add_argument("--ngram", type=int, default=8, help="n of the contamination n-grams")
+    p.add_argument("--contamination-threshold", type=float, default=0.5)
+    p.add_argument("--near-duplicate-threshold", type=float, default=0.8)
+    p.add_argument("--min-words", type=int, default=3, help="descriptions shorter than this are flagged empty")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.reruns < 2:
+        p.error("--reruns must be >= 2 to measure flakiness")
+    for path in [args.tasks, *args.eval_set]:
+        if not path.exists():
+            p.error(f"{path} does not exist")
+    return args
+
+
+def load_tasks(path: Path) -> list[dict[str, Any]]:
+    from megatron_rl.data.sources import read_splits
+
+    return [row for rows in read_splits(path).values() for row in rows]
+
+
+def inspect(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.quality.runner import Runner, policy_engine
+
+    tasks = load_tasks(args.tasks)
+    texts = [checks.task_text(t) for t in tasks]
+    rows = [{"index": i, "id": t.get("id", str(i)), "flags": []} for i, t in enumerate(tasks)]
+    for row, flags in zip(rows, checks.description_flags(tasks, args.min_words)):
+        row["flags"] += flags
+    for later, first in checks.exact_duplicates(texts).items():
+        rows[later]["flags"].append("duplicate")
+        rows[later]["duplicate_of"] = rows[first]["id"]
+    for i, j, similarity in checks.near_duplicates(texts, args.near_duplicate_threshold):
+        if "duplicate" not in rows[j]["flags"]:
+            rows[j]["flags"].append("near_duplicate")
+            rows[j].update(duplicate_of=rows[i]["id"], similarity=similarity)
+    eval_texts = [checks.task_text(t) for path in args.eval_set for t in load_tasks(path)]
+    for row, share in zip(rows, checks.contamination(texts, eval_texts, args.ngram) if eval_texts else []):
+        row["contamination"] = share
+        if share >= args.contamination_threshold:
+            row["flags"].append("contaminated")
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    server, addresses = None, list(args.sandbox)
+    if not addresses:
+        from megatron_rl.rewards.service import start_local_sandbox
+
+        scratch = Path(tempfile.mkdtemp(prefix="quality-"))
+        (scratch / "logs").mkdir()
+        server, address = start_local_sandbox(scratch, args.runtime, allow_unisolated=args.runtime == "process")
+        addresses = [address]
+    runner = Runner(addresses, tokenizer)
+    engine = policy_engine(args.policy, tokenizer) if args.policy else None
+    try:
+        from tqdm import tqdm
+
+        for row, task in tqdm(list(zip(rows, tasks)), desc="quality", unit="task"):
+            good, bad, info = runner.verdicts(task, args.reruns)
+            row.update(reference_rewards=good, bad_rewards=bad, flip_rate=max(checks.flip_rate(good),
+                                                                              checks.flip_rate(bad)))
+            if row["flip_rate"] > 0:
+                row["flags"].append("flaky")
+            elif good and min(good) < 1.0:
+                row["flags"].append("unsolvable")
+                row["reference_info"] = info
+            if bad and max(bad) > 0 and row["flip_rate"] == 0:
+                row["flags"].append("accepts_bad_candidate")
+            if engine is not None:
+                rate = runner.pass_rate(task, engine, args.samples, args.max_new_tokens, args.seed)
+                row.update(pass_rate=rate, difficulty=checks.difficulty_bucket(rate))
+                if row["difficulty"] in ("always", "never"):
+                    row["flags"].append(f"{row['difficulty']}_solved")
+    finally:
+        runner.close()
+        if server is not None:
+            from megatron_rl.rewards.service import stop_local_sandbox
+
+            stop_local_sandbox(server)
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    out = args.out or args.tasks.with_name(args.tasks.name + ".quality")
+    rows = inspect(args)
+    write_report(rows, load_tasks(args.tasks), out)
+    blocked = sum(bool(set(r["flags"]) & BLOCKING) for r in rows)
+    logger.info("%d tasks, %d blocked, %d kept -> %s", len(rows), blocked, len(rows) - blocked, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

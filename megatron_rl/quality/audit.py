@@ -1,0 +1,56 @@
+"""Reward audit: every `logging.audit_every` steps the highest-reward trajectories of the
+step go to `<run_dir>/audit/step_<N>.jsonl` for a human to read, each with the heuristics
+that flag a likely shortcut:
+
+- `test_edit`: the episode changed a protected file (tests, verifier) - from the
+  environment's verification;
+- `hardcoded_output`: a changed function returns an expected literal for a tested input;
+- `suspiciously_short`: a rewarded response much shorter than the step's typical
+  rewarded response (under `short_fraction` of their median length, in model tokens).
+
+A flag is a prompt to look, not a verdict: the first two already zero the reward in the
+`repo` environment, so a flagged high-reward trajectory means a guard was bypassed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+
+def model_tokens(rollout: Any) -> int:
+    mask = getattr(rollout, "model_mask", None)
+    return sum(mask) if mask is not None else len(rollout.output_ids)
+
+
+def flags_of(rollout: Any, typical_length: float, short_fraction: float) -> list[str]:
+    info = getattr(rollout, "info", {}) or {}
+    flags = []
+    if info.get("tampered"):
+        flags.append("test_edit")
+    if info.get("hardcoded"):
+        flags.append("hardcoded_output")
+    if rollout.reward > 0 and typical_length > 0 and model_tokens(rollout) < short_fraction * typical_length:
+        flags.append("suspiciously_short")
+    return flags
+
+
+def audit(step: int, rollouts: Sequence[Any], decode: Callable[[list[int]], str], out_dir: Path,
+          num_samples: int = 8, short_fraction: float = 0.25) -> dict[str, float]:
+    """Write the step's top `num_samples` trajectories by reward (ties: shortest first) with
+    their flags; returns counts for the metrics."""
+    rewarded = [r for r in rollouts if r.reward > 0]
+    typical = statistics.median(model_tokens(r) for r in rewarded) if rewarded else 0.0
+    chosen = sorted(rollouts, key=lambda r: (-r.reward, model_tokens(r)))[:num_samples]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    for r in chosen:
+        records.append({"step": step, "group": r.prompt_index, "reward": r.reward, "model_tokens": model_tokens(r),
+                        "flags": flags_of(r, typical, short_fraction), "prompt": decode(list(r.prompt_tokens)),
+                        "response": decode(list(r.output_ids)), "info": getattr(r, "info", {}) or {}})
+    (out_dir / f"step_{step:08d}.jsonl").write_text("".join(json.dumps(x, default=str) + "\n" for x in records))
+    flagged_all = [flags_of(r, typical, short_fraction) for r in rollouts]
+    return {"audit/flagged": float(sum(bool(f) for f in flagged_all)),
+            "audit/flagged_rewarded": float(sum(bool(f) and r.reward > 0 for f, r in zip(flagged_all, rollouts)))}

@@ -1,0 +1,90 @@
+"""Static task-set checks, the environment pool and the reward audit, on planted inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl.quality import checks
+from megatron_rl.quality.audit import audit
+from megatron_rl.quality.env_pool import EnvPool
+from megatron_rl.rollout.multiturn import Episode
+
+BASE = ("Write a function that returns the sum of the two integers it is given, without using any imports. "
+        "The function must be called add, take exactly two positional arguments, and must not print anything; "
+        "negative numbers and zero are valid inputs and the result is returned as a plain integer value.")
+
+
+def test_exact_duplicates_ignore_case_punctuation_and_spacing():
+    texts = [BASE, "something else entirely", BASE.upper().replace(" ", "   ") + "!!", "x"]
+    assert checks.exact_duplicates(texts) == {2: 0}
+
+
+def test_near_duplicates_catch_small_edits_only():
+    edited = BASE.replace("two integers", "two whole integers")
+    unrelated = "Parse a date string in ISO format and return the weekday name of that date in English."
+    pairs = checks.near_duplicates([BASE, unrelated, edited], threshold=0.6)
+    assert [(i, j) for i, j, _ in pairs] == [(0, 2)]
+    # the estimate is close to the true Jaccard of the 5-shingles, computed by hand here
+    a, b = (checks.ngrams(checks.words(t), 5) for t in (BASE, edited))
+    assert abs(pairs[0][2] - len(a & b) / len(a | b)) < 0.15
+
+
+def test_contamination_is_the_shared_ngram_fraction():
+    eval_text = "intro words here " + BASE
+    shares = checks.contamination([BASE, "a completely different task about sorting lists of strings by length"],
+                                  [eval_text], n=8)
+    assert shares == [1.0, 0.0]
+    half = " ".join(checks.words(BASE)[:10]) + " then print the answer to standard output right away please"
+    tokens = checks.words(half)
+    grams = checks.ngrams(tokens, 8)
+    expected = len(grams & checks.ngrams(checks.words(eval_text), 8)) / len(grams)
+    assert checks.contamination([half], [eval_text], n=8) == [pytest.approx(expected)] and 0 < expected < 1
+
+
+def test_empty_and_ambiguous_descriptions():
+    tasks = [{"prompt": "", "answer": "1"}, {"prompt": "What is it?", "answer": "1"},
+             {"prompt": "What is it?", "answer": "2"}, {"prompt": "Add 2 and 3 please.", "answer": "5"}]
+    assert checks.description_flags(tasks) == [["empty_description"], ["ambiguous"], ["ambiguous"], []]
+
+
+def test_flip_rate_and_difficulty_buckets():
+    assert checks.flip_rate([1, 1, 1, 1]) == 0.0
+    assert checks.flip_rate([1, 0, 1, 1]) == 0.25
+    assert [checks.difficulty_bucket(p) for p in (0.0, 0.1, 0.25, 0.5, 0.8, 1.0)] == \
+        ["never", "hard", "hard", "medium", "easy", "always"]
+
+
+def test_env_pool_retires_trivial_and_flaky_tasks_and_refills_slots():
+    items = ["t0", "t1", "t2"]
+    pool = EnvPool(items, task_id=str, queue=["n0"], trivial_pass_rate=0.9, min_samples=4)
+    for _ in range(4):
+        pool.observe(0, 1.0, "same")  # always solved
+        pool.observe(2, 0.0)
+    pool.observe(1, 1.0, "resp")
+    pool.observe(1, 0.0, "resp")  # the same response scored 1 then 0: flaky
+    changes = pool.gc_and_refresh(step=7)
+    assert [(c["retired"], c["injected"]) for c in changes] == [("t0", "n0")]
+    assert items == ["n0", "t1", "t2"] and "trivial" in changes[0]["why"]
+    assert pool.gc_and_refresh(step=8) == []  # t1 is flaky but the queue is empty: it stays, flagged
+    assert pool.stats[1].retired.startswith("flaky") and pool.metrics()["env_pool/flaky_suspects"] == 1.0
+    state = json.loads(json.dumps(pool.state_dict()))  # travels in a checkpoint
+    again = EnvPool(["t0", "t1", "t2"], task_id=str, queue=["n0"])
+    again.load_state_dict(state, {t: t for t in ("t0", "t1", "t2", "n0")})
+    assert again.items == items and list(again.queue) == [] and again.stats[1].contradictions == 1
+
+
+def _episode(reward, model_tokens, info=None):
+    return Episode(0, [1, 2], [5] * (model_tokens + 3), [0.0] * (model_tokens + 3), "stop", 1, reward,
+                   model_mask=[1] * model_tokens + [0] * 3, info=info or {})
+
+
+def test_audit_flags_shortcuts_among_high_reward_trajectories(tmp_path):
+    rollouts = [_episode(1.0, 40), _episode(1.0, 44), _episode(1.0, 5), _episode(1.0, 42, {"tampered": ["tests/a"]}),
+                _episode(0.0, 40)]
+    counts = audit(3, rollouts, lambda ids: "x" * len(ids), tmp_path, num_samples=4)
+    records = [json.loads(line) for line in (tmp_path / "step_00000003.jsonl").read_text().splitlines()]
+    assert [r["model_tokens"] for r in records] == [5, 40, 42, 44]  # top reward, shortest first
+    assert [r["flags"] for r in records] == [["suspiciously_short"], [], ["test_edit"], []]
+    assert counts == {"audit/flagged": 2.0, "audit/flagged_rewarded": 2.0}
