@@ -1,0 +1,236 @@
+"""Multi-turn agent episodes in the real sandbox (bwrap runtime): scripted policies against a
+repository task (the reference fix gets 1; editing the tests, hard-coding outputs, doing
+nothing get 0; malformed tool calls are answered, not fatal), a sandbox server killed in
+the middle of an episode (recovered on another server), and the small model's episodes,
+checked token by token: model tokens masked in, observation tokens masked out and
+tokenized exactly once, log-probs only where the model sampled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.config import TaskConfig, load_config
+from megatron_rl.data.agent_tasks import repo_tasks
+from megatron_rl.data.tasks import Task
+from megatron_rl.data.tokenizer import load_tokenizer
+from megatron_rl.envs.tools import format_tool_call as call
+from megatron_rl.rewards.service import RewardService
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes
+from megatron_rl.rollout.scripted import ScriptedPolicy
+from tests.integration.sandbox_servers import runtime_args, start_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+TASK = repo_tasks(1, seed=3)[0]  # calc/ops.py with a bug in `maximum`
+BUG = TASK["fail_to_pass"][0]["name"]
+LIMITS = EpisodeLimits(max_turns=4, max_tokens=4096, wall_time_s=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin:char")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    if runtime_args("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    started = [start_server("bwrap"), start_server("bwrap")]
+    yield started
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def host(servers, tokenizer):
+    task = Task(TaskConfig(type="agent", num_train=1, num_eval=0), tokenizer)
+    service = RewardService(task.verifier_factory([s.address for s in servers]))
+    yield service
+    service.close()
+
+
+def _play(host, tokenizer, turns, n=1, limits=LIMITS):
+    fmt = TurnFormat(tokenizer, "Use the tools.")
+    policy = ScriptedPolicy(tokenizer, turns, end_of_turn=fmt.end_of_turn)
+    return run_episodes(policy, [TASK], n, SamplingParams(max_new_tokens=4096), host.verifier.make_env, fmt,
+                        limits, host.loop)
+
+
+def test_the_reference_fix_gets_reward_one(host, tokenizer):
+    fix = call("write", path="calc/ops.py", content=TASK["reference"]["calc/ops.py"])
+    [episode] = _play(host, tokenizer, [call("test"), fix, call("test"), call("submit")])
+    assert episode.status == "submitted" and episode.num_turns == 4
+    assert episode.reward == 1.0 and episode.info["regressions_failed"] == 0 and not episode.info["tampered"]
+
+
+def test_editing_the_tests_gets_zero(host, tokenizer):
+    gutted = "import unittest\n\n\nclass T(unittest.TestCase):\n    def test_ok(self):\n        pass\n"
+    [episode] = _play(host, tokenizer, [call("write", path=f"tests/test_{BUG}.py", content=gutted), call("test"),
+                                        "I am done."])
+    assert episode.status == "submitted" and episode.reward == 0.0
+    assert episode.info["tampered"] == [f"tests/test_{BUG}.py"]
+
+
+def test_hard_coded_outputs_and_regressions_get_zero(host, tokenizer):
+    from megatron_rl.data.agent_tasks import FUNCTIONS
+
+    cases = dict(FUNCTIONS[BUG][3])
+    branches = "".join(f"    if (a, b) == {args!r}:\n        return {expected!r}\n" for args, expected in cases.items())
+    old = TASK["reference"]["calc/ops.py"]
+    start = old.index(f"def {BUG}(")
+    end = old.index("\n\n", start)
+    hacked = old[:start] + f"def {BUG}(a, b):\n" + branches + "    return 0" + old[end:]
+    [episode] = _play(host, tokenizer, [call("write", path="calc/ops.py", content=hacked), call("submit")])
+    assert episode.info["fail_to_pass_passed"] == 1  # the hard-coded answers do pass the tests ...
+    assert episode.info["hardcoded"] == [f"calc/ops.py:{BUG}"] and episode.reward == 0.0  # ... and are caught
+    broken = TASK["reference"]["calc/ops.py"] + "\nraise SystemExit(0)\n"  # breaks every import of calc.ops
+    [episode] = _play(host, tokenizer, [call("write", path="calc/ops.py", content=broken)])
+    assert episode.reward == 0.0 and episode.info["fail_to_pass_passed"] == 0
+
+
+def test_malformed_calls_are_answered_and_counted(host, tokenizer):
+    [episode] = _play(host, tokenizer, ["<tool_call>{not json</tool_call>", call("frobnicate"),
+                                        call("patch", path="calc/ops.py", old="no such text", new="x"), call("submit")])
+    assert episode.status == "submitted" and episode.model_errors == 3 and episode.infra_errors == 0
+    text = tokenizer.decode(episode.output_ids)
+    assert "error: tool call is not valid JSON" in text and "error: unknown tool 'frobnicate'" in text
+
+
+def test_turn_limit_ends_an_episode(host, tokenizer):
+    [episode] = _play(host, tokenizer, [call("test")] * 10, limits=EpisodeLimits(max_turns=2, max_tokens=4096))
+    assert episode.status == "max_turns" and episode.num_turns == 2 and episode.reward == 0.0
+
+
+def test_a_sandbox_server_killed_mid_episode_is_recovered_on_another(tokenizer):
+    """The fix is written on the server holding the episode's session; that server is killed
+    before the next turn; the environment reopens the session on the other server, replays
+    the write, and the episode ends as an undisturbed one does (reward 1). Own servers: this
+    test kills one."""
+    if runtime_args("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    servers = [start_server("bwrap"), start_server("bwrap")]
+    task = Task(TaskConfig(type="agent", num_train=1, num_eval=0), tokenizer)
+    service = RewardService(task.verifier_factory([s.address for s in servers]))
+    envs = []
+
+    def make_env():
+        envs.append(service.verifier.make_env())
+        return envs[-1]
+
+    holders = []
+
+    def kill_the_sessions_server(conversation: str) -> str:
+        holders.append(envs[0].session.address)
+        next(s for s in servers if s.address == holders[0]).kill()
+        return call("test")
+
+    def submit(conversation: str) -> str:
+        holders.append(envs[0].session.address)
+        return call("submit")
+
+    fmt = TurnFormat(tokenizer, "Use the tools.")
+    fix = call("write", path="calc/ops.py", content=TASK["reference"]["calc/ops.py"])
+    policy = ScriptedPolicy(tokenizer, [fix, kill_the_sessions_server, submit], end_of_turn=fmt.end_of_turn)
+    try:
+        [episode] = run_episodes(policy, [TASK], 1, SamplingParams(max_new_tokens=4096), make_env, fmt, LIMITS,
+                                 service.loop)
+    finally:
+        service.close()
+        for server in servers:
+            server.stop()
+    assert episode.status == "submitted" and episode.reward == 1.0, episode.info
+    assert episode.infra_errors >= 1 and episode.info["infra_errors"] >= 1
+    assert holders[1] != holders[0]  # the episode moved to the surviving server
+    assert "tests: PASS" in tokenizer.decode(episode.output_ids)  # the replayed fix was there for `test`
+
+
+def test_small_model_episodes_are_token_in_token_out(host, tokenizer):
+    from megatron_rl.models.hf import build_hf_model
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    model_cfg = load_config(["model=tiny_qwen2"], world_size=1).model
+    engine = HFEngine(model_cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    engine.update_weights(list(build_hf_model(model_cfg, seed=1).state_dict().items()), version=7)
+    generated, observed = [], []
+
+    class Recording:  # the real engine and environments, with what they produced written down
+        def generate(self, prompts, params):
+            out = engine.generate(prompts, params)
+            generated.append([list(g.output_ids) for g in out])
+            return out
+
+    def make_env():
+        env = host.verifier.make_env()
+        step = env.step
+
+        async def recorded(action):
+            obs, done = await step(action)
+            observed.append((action, obs, done))
+            return obs, done
+        env.step = recorded
+        return env
+
+    fmt = TurnFormat(tokenizer, "Use tools.")
+    limits = EpisodeLimits(max_turns=3, max_tokens=500, wall_time_s=60)
+    params = SamplingParams(max_new_tokens=24, seed=3)
+    episodes = run_episodes(Recording(), [TASK], 2, params, make_env, fmt, limits, host.loop)
+    assert len(episodes) == 2 and all(e.weight_version == 7 for e in episodes)
+    for k, ep in enumerate(episodes):
+        assert len(ep.prompt_tokens) + len(ep.output_ids) <= limits.max_tokens
+        assert len(ep.output_ids) == len(ep.logprobs) == len(ep.model_mask) and ep.prompt_tokens == \
+            fmt.encode(fmt.prompt(TASK["instruction"]))
+        # Split the response into runs of model tokens and observation tokens.
+        runs, i = [], 0
+        while i < len(ep.model_mask):
+            j = i
+            while j < len(ep.model_mask) and ep.model_mask[j] == ep.model_mask[i]:
+                j += 1
+            runs.append((ep.model_mask[i], ep.output_ids[i:j], ep.logprobs[i:j]))
+            i = j
+        model_runs = [r for r in runs if r[0] == 1]
+        obs_runs = [r for r in runs if r[0] == 0]
+        assert len(model_runs) == ep.num_turns
+        for turn, (_, ids, logprobs) in enumerate(model_runs):
+            assert ids == generated[turn][k][:len(ids)]  # exactly the engine's tokens
+            assert all(lp < 0 for lp in logprobs)  # sampled tokens carry their log-probs
+        for _, ids, logprobs in obs_runs:
+            assert all(lp == 0.0 for lp in logprobs)
+            # exactly the wrapped text of one of the environment's answers, tokenized once
+            assert any(ids == fmt.encode(fmt.observation(obs, closed)) for _, obs, _ in observed
+                       for closed in (True, False)), tokenizer.decode(ids)
+        sample = ep.sample({})
+        targets = torch.tensor(ep.model_mask, dtype=torch.float)
+        assert torch.equal(sample.loss_mask[len(ep.prompt_tokens) - 1:], targets)
+        assert sample.loss_mask[:len(ep.prompt_tokens) - 1].sum() == 0
+
+
+def test_rl_loop_on_agent_tasks(tmp_path):
+    """`python -m megatron_rl.train task.type=agent`: episodes in a sandbox server started by
+    the job, rewards from the environment, masked samples through the update, checkpoint."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if runtime_args("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    repo = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task.type=agent",
+            "task.num_train=8", "task.num_eval=2", "task.eval_samples=1", "task.eval_every=0",
+            "task.sft_warmup_steps=0", "task.max_turns=3", "task.max_episode_tokens=500",
+            "task.max_observation_chars=60", "task.system_prompt=Use tools.", "num_steps=2", "global_batch_size=8",
+            "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=24", "logging.progress=false",
+            f"run_dir={run_dir}"]
+    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
+                          capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        ended = sum(r[f"agent/{s}"] for s in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped"))
+        assert ended == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
+        assert 1 <= r["agent/turns_mean"] <= 3 and r["num_tokens"] > 0
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
