@@ -147,9 +147,16 @@ def start(argv: Sequence[str], job_name: str, check: Optional[Callable] = None) 
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    return start_with_config(cfg, overrides, job_name)
 
+
+def start_with_config(cfg, argv: Sequence[str], job_name: str) -> Optional[Runtime]:
+    """The rest of `start` for an entry point that built and validated `cfg` itself (offline
+    evaluation reads a run's config.yaml): become a rank, or launch the local workers, which
+    run `python -m <job_name> <argv> run_dir=<cfg.run_dir>`."""
     from megatron_rl.parallel.dist import dist_env_from
 
+    overrides = list(argv)
     env = dist_env_from()
     if cfg.cluster.launcher == "slurm" and env.source == "single":
         print("config error: cluster.launcher=slurm but this process was not started by srun (no SLURM_PROCID/"

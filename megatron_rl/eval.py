@@ -1,0 +1,78 @@
+"""Offline evaluation of a run's checkpoints:
+
+    python -m megatron_rl.eval --run RUN_DIR [--checkpoints all|latest|hf|STEP|DIR ...] [--seeds 3]
+        [--pass-k 1 4] [--regression FILE.jsonl] [--name NAME | --out DIR] [key=value ...]
+
+The run's config.yaml gives model, task, rollout and layout; `key=value` overrides change them
+for the evaluation (samples per prompt: task.eval_samples=8; held-out prompts: task.num_eval=500;
+rollout.temperature=0.7; cluster.nproc=2). Output goes to RUN_DIR/eval/NAME/ (records.jsonl,
+summary.json, comparison.json/.md, report.md, accuracy.png). Logic in megatron_rl/evaluation/;
+see docs/evaluation.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from megatron_rl import runtime
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.eval", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--run", required=True, help="run directory written by `python -m megatron_rl.train`")
+    parser.add_argument("--checkpoints", nargs="+", default=["all"], metavar="CKPT",
+                        help="all (default: every training checkpoint, by step), latest, hf (every HF export), a "
+                             "step number, a checkpoint name or directory; the first one is the baseline")
+    parser.add_argument("--seeds", type=int, default=3, help="sampling seeds per checkpoint (default 3)")
+    parser.add_argument("--pass-k", type=int, nargs="+", default=None, metavar="K",
+                        help="k values of pass@k, each <= task.eval_samples (default: 1 and task.eval_samples)")
+    parser.add_argument("--regression", default=None, metavar="FILE",
+                        help="regression set (JSONL / Parquet / saved dataset, the run's task columns) evaluated "
+                             "on every checkpoint besides the held-out set")
+    parser.add_argument("--name", default=None, help="output under RUN/eval/NAME (default: a timestamp)")
+    parser.add_argument("--out", default=None, help="output directory (instead of RUN/eval/NAME)")
+    parser.add_argument("--confidence", type=float, default=0.95, help="interval level (default 0.95)")
+    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap / permutation resamples")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the run's config")
+    return parser.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from megatron_rl.config import ConfigError
+    from megatron_rl.evaluation.runner import EvalSpec, load_run_config, resolve_checkpoints, run_evaluation
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    out = Path(args.out or Path(args.run) / "eval" / (args.name or time.strftime("%Y%m%d-%H%M%S"))).resolve()
+    try:
+        if args.seeds < 1:
+            raise ConfigError(f"--seeds={args.seeds} is invalid: must be >= 1 (3 or more give intervals)")
+        cfg = load_run_config(args.run, out, args.overrides)
+        n = cfg.task.eval_samples
+        ks = tuple(dict.fromkeys(args.pass_k or [1, n]))
+        if any(not 1 <= k <= n for k in ks):
+            raise ConfigError(f"--pass-k {' '.join(map(str, ks))} is invalid with task.eval_samples={n}: each k "
+                              f"must be in 1..{n}; draw more samples with task.eval_samples=N")
+        checkpoints = resolve_checkpoints(args.run, args.checkpoints)
+    except ValueError as exc:  # ConfigError is one
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    spec = EvalSpec(run=str(Path(args.run).resolve()), checkpoints=checkpoints, out_dir=cfg.run_dir,
+                    num_seeds=args.seeds, ks=ks, regression=args.regression, confidence=args.confidence,
+                    num_resamples=args.resamples)
+    rt = runtime.start_with_config(cfg, argv, "megatron_rl.eval")
+    if rt is None:  # this process launched the local workers, which did the work
+        return
+    try:
+        run_evaluation(rt, spec)
+    finally:
+        runtime.finish(rt)
+
+
+if __name__ == "__main__":
+    main()

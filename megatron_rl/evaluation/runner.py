@@ -1,0 +1,232 @@
+"""Offline evaluation of a run's checkpoints (`python -m megatron_rl.eval`): the run's config,
+the checkpoints to evaluate, and the loop that loads each one into the trainer and samples every
+evaluation set through the same colocated rollout and the same records as training-time
+evaluation (`rl_step.evaluation_records`).
+
+Every rank runs the loop (generation is data-parallel, as in training); rank 0 appends the
+records to `records.jsonl` as each (checkpoint, set, seed) finishes and writes the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+HELD_OUT = "heldout"
+REGRESSION = "regression"
+_STEP_NAME = re.compile(r"step_(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """One set of weights to evaluate: a training checkpoint (`kind="train"`, a step_N directory
+    with meta.json) or an HF export (`kind="hf"`, a directory with config.json)."""
+
+    name: str
+    path: str
+    kind: str
+    step: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """What to evaluate and how; see `megatron_rl/eval.py` for the command line."""
+
+    run: str
+    checkpoints: tuple[Checkpoint, ...]
+    out_dir: str
+    num_seeds: int = 3
+    ks: tuple[int, ...] = (1,)
+    regression: Optional[str] = None
+    confidence: float = 0.95
+    num_resamples: int = 10_000
+
+
+def load_run_config(run: str | Path, out_dir: str | Path, overrides: Sequence[str]):
+    """The run's saved config.yaml with `overrides` (`key=value`) applied, its output moved to
+    `out_dir` and resuming switched off, typed and validated for the world this process is in
+    (torchrun / srun) or will launch (cluster.nproc); raises ConfigError."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megatron_rl.config import ConfigError, to_typed, validate
+    from megatron_rl.config.schema import TrainConfig
+
+    path = Path(run) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--run={run} has no config.yaml: pass the run directory a training job wrote "
+                          "(it holds config.yaml, checkpoints/ and metrics.jsonl)")
+    bad = [o for o in overrides if "=" not in o or o.startswith(("+", "~")) or o.split("=")[0].startswith("-")]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is invalid: evaluation takes key=value overrides of the run's "
+                          "config (e.g. task.eval_samples=8 task.num_eval=100 rollout.temperature=0.7)")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path),
+                              {"run_dir": str(out_dir), "mode": "rl", "checkpoint": {"resume": False},
+                               "logging": {"wandb": False}},
+                              OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{path} with overrides {' '.join(overrides) or '(none)'}: {exc}") from None
+    typed = to_typed(cfg)
+    validate(typed, _world_size(typed))
+    if typed.task.num_eval < 1 and not typed.domains:
+        raise ConfigError(f"task.num_eval={typed.task.num_eval}: the held-out set is empty; set task.num_eval>=1")
+    return typed
+
+
+def _world_size(cfg) -> int:
+    from megatron_rl.parallel.dist import dist_env_from
+
+    env = dist_env_from()
+    if env.source != "single":
+        return env.world_size
+    return cfg.cluster.nproc if cfg.cluster.launcher == "local" else 1
+
+
+def resolve_checkpoints(run: str | Path, selectors: Sequence[str]) -> tuple[Checkpoint, ...]:
+    """Checkpoints named by `selectors`, in the given order, duplicates dropped: `all` (every
+    complete training checkpoint of the run, by step), `latest`, `hf` (every HF export under
+    run/hf), a step number, a checkpoint name (step_00000010) or a directory path."""
+    from megatron_rl.checkpoint.training import find_latest, list_checkpoints
+
+    root = Path(run) / "checkpoints"
+    found: list[Checkpoint] = []
+    for sel in selectors:
+        if sel == "all":
+            found += [_train(p) for _, p in list_checkpoints(root)]
+        elif sel == "latest":
+            latest = find_latest(root)
+            found += [_train(latest)] if latest else []
+        elif sel == "hf":
+            found += [_hf(p) for p in sorted((Path(run) / "hf").glob("step_*")) if (p / "config.json").is_file()]
+        elif sel.isdigit():
+            found.append(_by_path(root / f"step_{int(sel):08d}", sel))
+        elif (root / sel).is_dir():
+            found.append(_by_path(root / sel, sel))
+        else:
+            found.append(_by_path(Path(sel), sel))
+    unique = list({c.path: c for c in found}.values())
+    if not unique:
+        raise ValueError(f"--checkpoints {' '.join(selectors)} found no checkpoint under {root}: train with "
+                         "checkpoint.save_every=N, or pass checkpoint directories")
+    return tuple(unique)
+
+
+def _train(path: Path) -> Checkpoint:
+    meta = json.loads((path / "meta.json").read_text())
+    return Checkpoint(path.name, str(path.resolve()), "train", int(meta["step"]))
+
+
+def _hf(path: Path) -> Checkpoint:
+    match = _STEP_NAME.search(path.name)
+    return Checkpoint(f"hf/{path.name}", str(path.resolve()), "hf", int(match.group(1)) if match else None)
+
+
+def _by_path(path: Path, selector: str) -> Checkpoint:
+    if (path / "meta.json").is_file():
+        return _train(path)
+    if (path / "config.json").is_file():
+        return _hf(path)
+    raise ValueError(f"checkpoint {selector!r} ({path}) is neither a complete training checkpoint (meta.json) "
+                     "nor an HF directory (config.json): allowed are all, latest, hf, a step number, a "
+                     "checkpoint name or a directory")
+
+
+def run_evaluation(rt, spec: EvalSpec) -> dict[str, Any]:
+    """Evaluate every checkpoint on every set for every seed; returns the summary (rank 0 writes
+    records.jsonl and the report under spec.out_dir)."""
+    from tqdm import tqdm
+
+    from megatron_rl.evaluation.report import write_report
+    from megatron_rl.rl_step import evaluation_records
+    from megatron_rl.train import build
+
+    parts = build(rt)
+    parts["domains"] = None  # offline: no domain pausing; per-domain numbers come from the records
+    sets = {HELD_OUT: parts}
+    if spec.regression:
+        sets[REGRESSION] = _regression_parts(rt, parts, spec.regression)
+    out = Path(spec.out_dir)
+    records_path = out / "records.jsonl"
+    if rt.is_main:
+        records_path.unlink(missing_ok=True)
+    bar = tqdm(total=len(spec.checkpoints) * len(sets) * spec.num_seeds, desc="eval", unit="eval",
+               disable=not (rt.is_main and rt.cfg.logging.progress))
+    records: list[dict[str, Any]] = []
+    try:
+        for ckpt in spec.checkpoints:
+            start = time.perf_counter()
+            _load(parts["trainer"], ckpt)
+            found: list[dict[str, Any]] = []
+            for set_name, set_parts in sets.items():
+                for seed in range(spec.num_seeds):
+                    got, _ = evaluation_records(rt, set_parts, repeat=seed)
+                    got = [{"set": set_name, "checkpoint": ckpt.name, "step": ckpt.step, "seed": seed, **r}
+                           for r in got]
+                    if rt.is_main:
+                        with open(records_path, "a") as f:
+                            f.writelines(json.dumps(r) + "\n" for r in got)
+                    found += got
+                    bar.update()
+            records += found
+            logger.info("%s", _one_line(ckpt, found, spec, time.perf_counter() - start))
+    finally:
+        bar.close()
+        for set_parts in sets.values():
+            set_parts["rewards"].close()
+    if not rt.is_main:
+        return {}
+    return write_report(out, records, spec)
+
+
+def _one_line(ckpt: Checkpoint, records: list[dict[str, Any]], spec: EvalSpec, seconds: float) -> str:
+    from megatron_rl.evaluation.records import eval_metrics
+    from megatron_rl.evaluation.stats import group_by, t_interval
+
+    parts = [f"{ckpt.name}" + (f" (step {ckpt.step})" if ckpt.step is not None else "")]
+    for set_name, rows in group_by(records, lambda r: r["set"]).items():
+        per_seed = [eval_metrics(seed_rows, spec.ks) for seed_rows in group_by(rows, lambda r: r["seed"]).values()]
+        shown = []
+        for name in ["accuracy", *(f"pass@{k}" for k in spec.ks)]:
+            ci = t_interval([m[name] for m in per_seed], spec.confidence)
+            shown.append(f"{name} {ci.mean:.3f}" + ("" if ci.n < 2 else f" ±{(ci.high - ci.low) / 2:.3f}"))
+        parts.append(f"{set_name}: " + ", ".join(shown))
+    return " | ".join(parts) + f" | {len(records)} samples, {spec.num_seeds} seeds, {seconds:.0f}s"
+
+
+def _load(trainer, ckpt: Checkpoint) -> None:
+    """The checkpoint's weights into the trainer (a training checkpoint brings its optimizer
+    state along; evaluation never steps it)."""
+    if ckpt.kind == "train":
+        from megatron_rl.checkpoint.training import load_checkpoint
+
+        load_checkpoint(trainer, Path(ckpt.path))
+    else:
+        trainer.load_hf(ckpt.path)
+
+
+def _regression_parts(rt, parts: dict, path: str) -> dict:
+    """The run's parts with the regression set's prompts, task and reward service: the file's
+    rows read with the run's task settings (prompt_key, answer_key, chat_template, ...)."""
+    from megatron_rl import runtime
+    from megatron_rl.data.tasks import Task
+    from megatron_rl.rewards.service import RewardService
+
+    base = rt.cfg.task
+    reward = base.reward if base.reward in ("math", "exact", "tests") else "auto"
+    task_cfg = dataclasses.replace(base, name=REGRESSION, type="dataset", path=path, eval_path=path,
+                                   num_eval=10**9, reward=reward)
+    task = Task(task_cfg, parts["tokenizer"])
+    prompts = task.prompts("eval")
+    if not prompts:
+        raise ValueError(f"the regression set {path} has no rows")
+    addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
+    logger.info("regression set %s: %d prompts, reward %s", path, len(prompts), task.reward_kind)
+    return dict(parts, task=task, eval=prompts, rewards=RewardService(task.verifier_factory(addresses)))
