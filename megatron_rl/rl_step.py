@@ -105,9 +105,12 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
     def run() -> dict[str, float]:
         timing: dict[str, float] = {}
         while not rounds.done:
-            prompts = [parts["train"][i] for i in parts["sampler"].next_batch(num_groups)]
+            indices = parts["sampler"].next_batch(num_groups)
+            prompts = [parts["train"][i] for i in indices]
             params = _sampling(cfg, parts, n, seed=cfg.seed * 100_003 + step + 7919 * rounds.num_rounds)
             got, timing_round = _generate(rt, parts, prompts, params)
+            for r in got:
+                r.source_index = indices[r.prompt_index]
             for key, value in timing_round.items():
                 timing[key] = timing.get(key, 0.0) + value
             groups = [got[g * n:(g + 1) * n] for g in range(len(prompts))]
@@ -180,7 +183,26 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
                     "reward/verifier_errors": float(getattr(verifier, "errors", 0) - errors_before)})
     if joint:
         metrics.update(joint.step_metrics(step, rollouts, advantages))
+    metrics.update(_maintain(rt, parts, step, rollouts))
     return metrics
+
+
+def _maintain(rt, parts: dict, step: int, rollouts: list[Rollout]) -> dict[str, float]:
+    """Environment-pool statistics and refresh (task.pool_refresh_every), the reward audit
+    (logging.audit_every)."""
+    cfg, out = rt.cfg, {}
+    pool = parts.get("env_pool")
+    if pool is not None:
+        for r in rollouts:
+            pool.observe(r.source_index, r.reward, str(hash(tuple(r.output_ids))))
+        if (step + 1) % cfg.task.pool_refresh_every == 0:
+            pool.gc_and_refresh(step)
+        out.update(pool.metrics())
+    if cfg.logging.audit_every and step % cfg.logging.audit_every == 0 and rt.is_main:
+        from megatron_rl.quality.audit import audit
+
+        out.update(audit(step, rollouts, _decode(parts["tokenizer"]), rt.run_dir / "audit", cfg.logging.audit_samples))
+    return out
 
 
 def _update(cfg, parts: dict, samples: list) -> dict[str, float]:

@@ -41,6 +41,8 @@ def check_train_config(cfg) -> None:
     if cfg.task.type == "agent" and cfg.task.max_episode_tokens > cfg.model.max_position_embeddings:
         raise ConfigError(f"task.max_episode_tokens={cfg.task.max_episode_tokens} must be <= "
                           f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    if cfg.domains and cfg.task.pool_refresh_every:
+        raise ConfigError("task.pool_refresh_every > 0 is for single-task runs; set it to 0 with domains")
     if cfg.algorithm.overlong == "penalty" and cfg.algorithm.overlong_penalty_window > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.overlong_penalty_window={cfg.algorithm.overlong_penalty_window} must be <= "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
@@ -53,6 +55,7 @@ def build(rt):
     from megatron_rl.colocate.controller import ColocationController
     from megatron_rl.data.domains import make_sampler, make_task
     from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.quality.env_pool import make_env_pool
     from megatron_rl.rewards.service import RewardService
     from megatron_rl.rl_domains import make_joint
     from megatron_rl.rollout.factory import make_engine
@@ -77,6 +80,7 @@ def build(rt):
     return dict(tokenizer=tokenizer, task=task, trainer=trainer, engine=engine, controller=controller,
                 rewards=rewards, loss_fn=make_policy_loss_fn(cfg.algorithm), train=train_prompts, eval=eval_prompts,
                 sampler=sampler, domains=make_joint(cfg, task, sampler),
+                env_pool=make_env_pool(cfg, task, train_prompts),
                 checkpoints=CheckpointManager(cfg.checkpoint, rt.run_dir, trainer, cfg, cfg.num_steps, tokenizer))
 
 
@@ -98,6 +102,8 @@ def run_rl(rt) -> dict[str, float]:
         parts["sampler"].load_state_dict(resumed["sampler"])
         if parts["domains"]:
             parts["domains"].load_state_dict(resumed.get("domains"))
+        if parts["env_pool"]:
+            parts["env_pool"].load_state_dict(resumed["env_pool"])
         parts["controller"].version = resumed.get("weight_version", 0)
         start_step, history = resumed["rl_step"], resumed["history"]
         rt.writer.rewind(start_step)
@@ -122,7 +128,8 @@ def run_rl(rt) -> dict[str, float]:
             def state() -> dict:  # what a checkpoint holds besides model, optimizer and RNG
                 return {"sampler": parts["sampler"].state_dict(), "rl_step": step + 1, "history": history,
                         "reference": parts.get("reference"), "weight_version": parts["controller"].version,
-                        "domains": parts["domains"] and parts["domains"].state_dict()}
+                        "domains": parts["domains"] and parts["domains"].state_dict(),
+                        "env_pool": parts["env_pool"] and parts["env_pool"].state_dict()}
 
             parts["checkpoints"].after_step(step + 1, state)
             if rt.preemption.stop_agreed(step + 1, cfg.num_steps):

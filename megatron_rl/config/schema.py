@@ -527,6 +527,18 @@ class TaskConfig:
     """type=agent: wall time of an episode at most (checked between turns)."""
     max_observation_chars: int = 2000
     """type=agent: tool output shown to the model at most (the middle is cut)."""
+    pool_refresh_every: int = 0
+    """RL steps between environment-pool refreshes: tasks that became trivial (pool_trivial_pass_rate
+    over pool_min_samples samples) or scored one response differently twice are retired and their
+    slots refilled from the queue (megatron_rl/quality/env_pool.py); 0: off."""
+    pool_queue: int = 0
+    """Generated tasks held in the pool's queue (generated task types; another seed than training)."""
+    pool_queue_path: Optional[str] = None
+    """Or: a file of tasks for the queue, in the format of task.path."""
+    pool_trivial_pass_rate: float = 0.95
+    """Pass rate at which a task counts as trivial."""
+    pool_min_samples: int = 32
+    """Samples of a task needed before it can be called trivial."""
     reward_scale: float = 1.0
     """Multiplier on the verifier's reward (a task whose rewards come on another scale, e.g. points
     0..10); evaluation divides it back out, so held-out accuracy stays in [0, 1]."""
@@ -559,6 +571,11 @@ class TaskConfig:
         _check_min("task.max_episode_tokens", self.max_episode_tokens, 16)
         _check_min("task.episode_wall_time_s", self.episode_wall_time_s, 0, strict=True)
         _check_min("task.max_observation_chars", self.max_observation_chars, 16)
+        _check_min("task.pool_refresh_every", self.pool_refresh_every, 0)
+        _check_min("task.pool_queue", self.pool_queue, 0)
+        _check_unit_interval("task.pool_trivial_pass_rate", self.pool_trivial_pass_rate, low_open=True,
+                             high_open=False)
+        _check_min("task.pool_min_samples", self.pool_min_samples, 1)
         allowed = {"countdown": ("auto", "countdown"), "math": ("auto", "math", "exact"),
                    "agent": ("auto",)}.get(
             self.type, ("auto", "math", "exact", "tests"))
@@ -658,12 +675,19 @@ class LoggingConfig:
     """Optimizer steps between metric logs."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    audit_every: int = 0
+    """RL steps between reward audits: the step's top trajectories with shortcut flags to
+    run_dir/audit/ (megatron_rl/quality/audit.py); 0: off."""
+    audit_samples: int = 8
+    """Trajectories written per audit."""
 
     LEVELS: ClassVar[tuple[str, ...]] = ("DEBUG", "INFO", "WARNING", "ERROR")
 
     def __post_init__(self) -> None:
         _check_choice("logging.level", self.level, self.LEVELS)
         _check_min("logging.log_every", self.log_every, 1)
+        _check_min("logging.audit_every", self.audit_every, 0)
+        _check_min("logging.audit_samples", self.audit_samples, 1)
 
 
 @dataclass

@@ -101,8 +101,10 @@ class EnvPool:
                 "stats": [(list(s.rewards), {k: sorted(v) for k, v in s.verdicts.items()}, s.retired)
                           for s in self.stats], "history": list(self.history)}
 
-    def load_state_dict(self, state: dict[str, Any], catalogue: dict[str, Any]) -> None:
-        """Restore; `catalogue` maps task ids to items (the original items and the queue's)."""
+    def load_state_dict(self, state: dict[str, Any], catalogue: Optional[dict[str, Any]] = None) -> None:
+        """Restore into a pool built as the saved one was (same items and queue at the start);
+        `catalogue` maps task ids to items, by default this pool's items and queue."""
+        catalogue = catalogue or {self.task_id(i): i for i in [*self.items, *self.queue]}
         self.items[:] = [catalogue[t] for t in state["slots"]]
         self.queue = deque(catalogue[t] for t in state["queue"])
         self.stats = []
@@ -112,3 +114,26 @@ class EnvPool:
             stats.verdicts = {k: set(v) for k, v in verdicts.items()}
             self.stats.append(stats)
         self.history = list(state["history"])
+
+
+def make_env_pool(cfg: Any, task: Any, train: list[Any]) -> Optional[EnvPool]:
+    """The run's pool over its training prompts (None when task.pool_refresh_every=0); the
+    queue holds generated tasks of another seed, or task.pool_queue_path's rows."""
+    from megatron_rl.data.tasks import Task
+
+    c = cfg.task
+    if not c.pool_refresh_every:
+        return None
+    queue: list[Any] = []
+    if c.pool_queue_path is not None:
+        queue_cfg = dataclasses.replace(c, path=c.pool_queue_path, eval_path=None, num_eval=0, num_train=10**9)
+        queue = Task(queue_cfg, task.tokenizer).prompts("train")
+    elif c.pool_queue:
+        queue_cfg = dataclasses.replace(c, seed=c.seed + 1000, num_train=c.pool_queue)
+        queue = Task(queue_cfg, task.tokenizer).prompts("train")
+    return EnvPool(train, prompt_id, queue, trivial_pass_rate=c.pool_trivial_pass_rate, min_samples=c.pool_min_samples)
+
+
+def prompt_id(prompt: Any) -> str:
+    """A task's identity: its id when it has one (agent tasks), else its prompt text."""
+    return str(prompt.meta.get("id") or prompt.text) if isinstance(prompt.meta, dict) else prompt.text

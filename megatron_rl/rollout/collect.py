@@ -32,6 +32,7 @@ class Rollout:
     weight_version: int
     reward: float = 0.0
     domain: str = ""  # the prompt's meta["domain"] in a multi-domain run, else ""
+    source_index: int = -1  # index of its prompt in the training prompt list (the sampler's index), if any
 
     def sample(self, extras: dict[str, torch.Tensor]) -> Sample:
         tokens = torch.tensor(self.prompt_tokens + self.output_ids, dtype=torch.long)

@@ -148,3 +148,33 @@ def test_tests_verifier_runs_a_rows_tests_in_the_sandbox(tmp_path):
     finally:
         server.stop()
     assert rewards == [1.0, 0.5, 0.0]
+
+
+def test_env_pool_retires_trivial_tasks_and_the_audit_writes_reviews(tmp_path):
+    """Every prompt's answer is 7: after the warm start the policy solves them, so the pool
+    (refreshed every step) retires them as trivial and injects queued ones; the audit writes
+    the step's top trajectories."""
+    rows = [{"question": f"q{i}:", "answer": 7, "response": "\\boxed{7}"} for i in range(40)]
+    data, queue = tmp_path / "sevens.jsonl", tmp_path / "queue.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    queue.write_text("".join(json.dumps(dict(r, question=f"new{i}:")) + "\n" for i, r in enumerate(rows[:20])))
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math", "task.type=dataset",
+            f"task.path={data}", "task.prompt_key=question", "task.num_eval=4", "task.eval_samples=1",
+            "task.eval_every=0", "task.sft_warmup_steps=30", f"run_dir={run_dir}", "num_steps=3",
+            "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
+            "task.pool_refresh_every=1", f"task.pool_queue_path={queue}", "task.pool_min_samples=4",
+            "task.pool_trivial_pass_rate=0.75", "logging.audit_every=1", "logging.audit_samples=3",
+            "logging.progress=false"]
+    proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows_out = _metrics(run_dir)
+    solved = [r["reward/mean"] for r in rows_out]
+    assert max(solved) >= 0.25, solved  # the warm start taught the constant answer (often)
+    retired = [r["env_pool/retired_total"] for r in rows_out]
+    assert retired == sorted(retired) and retired[-1] > 0 and "env pool: retired" in proc.stderr
+    assert rows_out[-1]["env_pool/queue"] == 20 - retired[-1]
+    audits = sorted((run_dir / "audit").glob("step_*.jsonl"))
+    assert [a.name for a in audits] == ["step_00000000.jsonl", "step_00000001.jsonl", "step_00000002.jsonl"]
+    records = [json.loads(line) for line in audits[-1].read_text().splitlines()]
+    assert len(records) == 3 and [r["reward"] for r in records] == sorted((r["reward"] for r in records), reverse=True)
