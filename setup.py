@@ -38,6 +38,7 @@ setup(
         "hydra-core>=1.3",
         "omegaconf>=2.3",
         "numpy",
+        "scipy",  # evaluation statistics (t quantiles)
         "transformers>=4.51",
         "safetensors",
         "tokenizers",

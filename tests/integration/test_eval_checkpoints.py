@@ -1,0 +1,141 @@
+"""`python -m megatron_rl.eval` on a real run: a few RL steps of the math task (rule rewards, no
+sandbox) with a checkpoint after every step, then two checkpoints evaluated with two seeds on
+the held-out set and a regression file. Every number in the outputs is recomputed here from
+records.jsonl (means, pass@k with math.comb, t intervals from the textbook formula), and seed 0
+of each checkpoint must reproduce the training-time evaluation logged at that step."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+REPO = Path(__file__).resolve().parents[2]
+SAMPLES, NUM_EVAL, SEEDS = 4, 12, 2
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", *args], env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                                     PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _pass_at_k(n: int, c: int, k: int) -> float:
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    run = tmp / "run"
+    _run(["megatron_rl.train", "+experiment=demo_countdown", "task=math", f"run_dir={run}", "num_steps=3",
+          "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
+          "task.sft_warmup_steps=20", f"task.num_eval={NUM_EVAL}", "task.eval_every=1",
+          f"task.eval_samples={SAMPLES}", "checkpoint.save_every=1", "checkpoint.keep_last=5",
+          "logging.progress=false"])
+    regression = tmp / "regression.jsonl"
+    regression.write_text("".join(json.dumps({"prompt": f"Ann has {a} pens and gets {b} more.\n", "answer": a + b})
+                                  + "\n" for a, b in [(3, 4), (2, 2), (5, 1)]))
+    proc = _run(["megatron_rl.eval", "--run", str(run), "--checkpoints", "1", "latest", "--seeds", str(SEEDS),
+                 "--pass-k", "1", "2", str(SAMPLES), "--regression", str(regression), "--name", "check",
+                 "--resamples", "2000"])
+    return run, run / "eval" / "check", proc
+
+
+def test_outputs_and_records(evaluated):
+    _, out, proc = evaluated
+    for name in ("records.jsonl", "summary.json", "comparison.json", "comparison.md", "report.md", "accuracy.png"):
+        assert (out / name).is_file(), name
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * SEEDS * (NUM_EVAL + 3) * SAMPLES
+    assert {r["checkpoint"] for r in records} == {"step_00000001", "step_00000003"}
+    assert {r["set"] for r in records} == {"heldout", "regression"}
+    assert all(0.0 <= r["reward"] <= 1.0 and r["correct"] == (r["reward"] >= 1.0) for r in records)
+    log = proc.stderr + proc.stdout
+    assert "step_00000001 (step 1) | heldout: accuracy" in log and "step_00000003 (step 3) | heldout:" in log
+    report = (out / "report.md").read_text()
+    assert "## Set `regression` (3 prompts" in report and "accuracy.png" in report
+
+
+def _by(records, **where):
+    return [r for r in records if all(r[k] == v for k, v in where.items())]
+
+
+def test_summary_recomputed_from_records(evaluated):
+    _, out, _ = evaluated
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [c["name"] for c in summary["checkpoints"]] == ["step_00000001", "step_00000003"]
+    for ckpt in summary["checkpoints"]:
+        for set_name, got in ckpt["sets"].items():
+            rows = _by(records, checkpoint=ckpt["name"], set=set_name)
+            per_seed_acc, per_seed_pass = [], {k: [] for k in (1, 2, SAMPLES)}
+            for seed in range(SEEDS):
+                seed_rows = _by(rows, seed=seed)
+                per_seed_acc.append(sum(r["reward"] for r in seed_rows) / len(seed_rows))
+                prompts = sorted({r["prompt"] for r in seed_rows})
+                for k in per_seed_pass:
+                    per_seed_pass[k].append(statistics.fmean(
+                        _pass_at_k(SAMPLES, sum(r["correct"] for r in _by(seed_rows, prompt=p)), k) for p in prompts))
+            for name, values in [("accuracy", per_seed_acc), *((f"pass@{k}", v) for k, v in per_seed_pass.items())]:
+                m = got["metrics"][name]
+                assert m["per_seed"] == pytest.approx({str(s): v for s, v in enumerate(values)}, abs=1e-12)
+                mean = statistics.fmean(values)
+                half = 12.7062 * statistics.stdev(values) / math.sqrt(SEEDS)  # t_{0.975, 1}
+                assert m["seeds"]["mean"] == pytest.approx(mean, abs=1e-12)
+                assert m["seeds"]["low"] == pytest.approx(mean - half, abs=1e-3)
+                assert m["seeds"]["high"] == pytest.approx(mean + half, abs=1e-3)
+                assert m["seeds"]["low"] <= mean <= m["seeds"]["high"]
+                assert m["prompts"]["low"] <= m["prompts"]["mean"] <= m["prompts"]["high"]
+            pooled = [sum(r["reward"] for r in _by(rows, prompt=p)) / (SEEDS * SAMPLES)
+                      for p in sorted({r["prompt"] for r in rows})]
+            assert got["metrics"]["accuracy"]["prompts"]["mean"] == pytest.approx(statistics.fmean(pooled))
+
+
+def test_seed_zero_reproduces_training_time_evaluation(evaluated):
+    run, out, _ = evaluated
+    summary = json.loads((out / "summary.json").read_text())
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for ckpt in summary["checkpoints"]:
+        row = next(r for r in logged if r["step"] == ckpt["step"] - 1)  # evaluated after step `step`
+        metrics = ckpt["sets"]["heldout"]["metrics"]
+        assert metrics["accuracy"]["per_seed"]["0"] == pytest.approx(row["eval/accuracy"], abs=1e-12)
+        assert metrics[f"pass@{SAMPLES}"]["per_seed"]["0"] == pytest.approx(row["eval/pass@k"], abs=1e-12)
+
+
+def test_comparison_lists_the_pair(evaluated):
+    _, out, _ = evaluated
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert comparison["baseline"] == "step_00000001"
+    pairs = {(c["set"], c["baseline"], c["candidate"]) for c in comparison["comparisons"]}
+    assert pairs == {(s, "step_00000001", "step_00000003") for s in ("heldout", "regression")}
+    for c in comparison["comparisons"]:
+        means = [statistics.fmean(r["reward"] for r in _by(records, checkpoint=name, set=c["set"]))
+                 for name in (c["baseline"], c["candidate"])]
+        acc = c["metrics"]["accuracy"]
+        assert acc["difference"] == pytest.approx(means[1] - means[0], abs=1e-12)
+        assert acc["low"] <= acc["difference"] <= acc["high"] and 0.0 <= acc["p_value"] <= 1.0
+        assert acc["significant"] == (acc["p_value"] < 0.05)
+        assert set(c["metrics"]) == {"accuracy", "pass@1", "pass@2", f"pass@{SAMPLES}"}
+    assert "| heldout | step_00000003 | accuracy |" in (out / "comparison.md").read_text()
+
+
+def test_bad_arguments_fail_before_any_work(evaluated, tmp_path):
+    run, _, _ = evaluated
+    for args, message in [(["--run", str(tmp_path)], "has no config.yaml"),
+                          (["--run", str(run), "--pass-k", "9"], "--pass-k 9 is invalid"),
+                          (["--run", str(run), "--checkpoints", "7"], "neither a complete training checkpoint"),
+                          (["--run", str(run), "+task.foo=1"], "is invalid: evaluation takes key=value")]:
+        proc = subprocess.run([sys.executable, "-m", "megatron_rl.eval", *args], capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])

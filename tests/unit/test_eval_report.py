@@ -1,0 +1,57 @@
+"""The offline evaluation's files from planted records: two checkpoints, two domains, a
+candidate that solves every prompt the baseline solves and more (so the comparison must call
+it significantly better), and the checkpoint selectors' errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl.evaluation.report import write_report
+from megatron_rl.evaluation.runner import Checkpoint, EvalSpec, resolve_checkpoints
+
+
+def _records(name: str, step: int, solved: set[int], num_prompts: int = 40, seeds: int = 3, samples: int = 2):
+    return [{"set": "heldout", "checkpoint": name, "step": step, "seed": seed, "prompt": p, "sample": s,
+             "domain": "math" if p % 2 else "code", "reward": float(p in solved), "correct": p in solved}
+            for seed in range(seeds) for p in range(num_prompts) for s in range(samples)]
+
+
+def test_report_files_from_planted_records(tmp_path):
+    base, better = set(range(0, 40, 4)), set(range(0, 40, 4)) | set(range(1, 40, 2))
+    records = _records("step_00000010", 10, base) + _records("step_00000020", 20, better)
+    spec = EvalSpec(run="RUN", checkpoints=(Checkpoint("step_00000010", "/a", "train", 10),
+                                            Checkpoint("step_00000020", "/b", "train", 20)),
+                    out_dir=str(tmp_path), num_seeds=3, ks=(1, 2), num_resamples=2000)
+    summary = write_report(tmp_path, records, spec)
+    first = summary["checkpoints"][0]["sets"]["heldout"]
+    assert first["metrics"]["accuracy"]["seeds"]["mean"] == pytest.approx(10 / 40)
+    assert first["domains"]["code"]["metrics"]["accuracy"]["seeds"]["mean"] == pytest.approx(10 / 20)
+    assert first["domains"]["math"]["metrics"]["accuracy"]["seeds"]["mean"] == 0.0
+    comparison = json.loads((tmp_path / "comparison.json").read_text())
+    (c,) = comparison["comparisons"]
+    assert (c["baseline"], c["candidate"]) == ("step_00000010", "step_00000020")
+    acc = c["metrics"]["accuracy"]
+    assert acc["difference"] == pytest.approx(20 / 40) and acc["significant"] and acc["p_value"] < 1e-3
+    report = (tmp_path / "report.md").read_text()
+    assert "### Domain `math`" in report and "### Domain `code`" in report
+    assert "| heldout | step_00000020 | accuracy | +0.500 |" in report
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000
+
+
+def test_checkpoint_selectors(tmp_path):
+    for step in (1, 2):
+        d = tmp_path / "checkpoints" / f"step_{step:08d}"
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text(json.dumps({"step": step}))
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000002")
+    hf = tmp_path / "hf" / "step_00000002"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    names = [c.name for c in resolve_checkpoints(tmp_path, ["latest", "all", "hf", "1"])]
+    assert names == ["step_00000002", "step_00000001", "hf/step_00000002"]  # in order, duplicates dropped
+    with pytest.raises(ValueError, match="neither a complete training checkpoint"):
+        resolve_checkpoints(tmp_path, ["5"])
+    with pytest.raises(ValueError, match="found no checkpoint"):
+        resolve_checkpoints(tmp_path / "empty", ["all"])
