@@ -139,3 +139,35 @@ def test_bad_arguments_fail_before_any_work(evaluated, tmp_path):
         proc = subprocess.run([sys.executable, "-m", "megatron_rl.eval", *args], capture_output=True, text=True,
                               env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
+
+
+def test_multi_domain_run_per_domain_breakdown(tmp_path):
+    """Two dataset domains, one on a 0..10 reward scale: records come back in [0, 1], the summary
+    has both domains, and seed 0 reproduces the training-time per-domain accuracy."""
+    rows = {name: [{"prompt": f"{name.upper()}{i}:", "answer": (i * 7 + seed) % 2 + 1} for i in range(100)]
+            for name, seed in (("a", 0), ("b", 1))}
+    for name, data in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    run = tmp_path / "run"
+    domains = (f"+domains={{a:{{task:{{name:a,type:dataset,path:{tmp_path / 'a.jsonl'},num_eval:6}}}},"
+               f"b:{{task:{{name:b,type:dataset,path:{tmp_path / 'b.jsonl'},num_eval:6,reward_scale:10.0}}}}}}")
+    _run(["megatron_rl.train", "mode=rl", f"run_dir={run}", "num_steps=2", "global_batch_size=32",
+          "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "task.sft_warmup_steps=30",
+          f"task.eval_samples={SAMPLES}", "task.eval_every=1", "checkpoint.save_every=1", "logging.progress=false",
+          domains])
+    _run(["megatron_rl.eval", "--run", str(run), "--seeds", "2", "--name", "domains", "--resamples", "1000"])
+    out = run / "eval" / "domains"
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert {r["domain"] for r in records} == {"a", "b"} and all(0 <= r["reward"] <= 1 for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [c["name"] for c in summary["checkpoints"]] == ["step_00000001", "step_00000002"]
+    for ckpt in summary["checkpoints"]:
+        row = next(r for r in logged if r["step"] == ckpt["step"] - 1)
+        for domain, got in ckpt["sets"]["heldout"]["domains"].items():
+            mine = _by(records, checkpoint=ckpt["name"], domain=domain, seed=0)
+            assert got["metrics"]["accuracy"]["per_seed"]["0"] == pytest.approx(
+                statistics.fmean(r["reward"] for r in mine), abs=1e-12)
+            assert got["metrics"]["accuracy"]["per_seed"]["0"] == pytest.approx(row[f"eval/{domain}/accuracy"],
+                                                                                   abs=1e-12)
+    assert "### Domain `b`" in (out / "report.md").read_text()
