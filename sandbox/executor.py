@@ -39,6 +39,7 @@ class Outcome:
     cpu_time_s: float = 0.0
     max_rss_bytes: int = 0
     message: str = ""
+    queue_wait_s: float = 0.0  # time waited for a slot before it ran (set by the server)
 
 
 class _Capped:

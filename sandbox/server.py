@@ -3,6 +3,9 @@
 - Bounded concurrency: at most `capacity` executions run at once; up to `max_queue` more
   wait; beyond that a call is refused at once with RESOURCE_EXHAUSTED (back-pressure the
   client turns into waiting or failover), never queued without bound.
+- Scheduling: every execution has a priority class (training, evaluation, quality, build);
+  free slots go by weighted fair queueing across classes, with per-class quotas and queue
+  bounds (`scheduler.py`). Health reports queue depth, waits and back-pressure per class.
 - Idempotency: the result of every mutating call is remembered under (method, key); a retry
   with the same key, even while the first is still running, gets the same result and the
   command never runs twice.
@@ -40,6 +43,8 @@ from megatron_rl_sandbox.executor import SETUP_ERROR, Outcome, run_confined
 from megatron_rl_sandbox.limits import Limiter, Limits, detect_limiter
 from megatron_rl_sandbox.proto import load as load_proto
 from megatron_rl_sandbox.runtimes import Runtime, RuntimeError_, make_runtime
+from megatron_rl_sandbox.scheduler import (CLASSES, DEFAULT_CLASS, DEFAULT_WEIGHTS, ClassPolicy, FairScheduler,
+                                           Refused, SlotGate)
 from megatron_rl_sandbox.workspace import Workspace, WorkspaceError, WorkspacePool
 
 pb2, pb2_grpc = load_proto()
@@ -62,6 +67,7 @@ class Session:
     workspace: Workspace
     image: str
     limits: Limits
+    priority_class: str = DEFAULT_CLASS
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -70,19 +76,28 @@ class _Busy(Exception):
     pass
 
 
+def priority_class(value: int, default: str = DEFAULT_CLASS) -> str:
+    """The scheduler's class name for a request's PriorityClass (unset -> `default`)."""
+    if value == pb2.PRIORITY_CLASS_UNSPECIFIED:
+        return default
+    if value not in pb2.PriorityClass.values():
+        raise WorkspaceError(f"unknown priority class {value}; allowed: {', '.join(CLASSES)}")
+    return pb2.PriorityClass.Name(value).lower()
+
+
 class SandboxService(pb2_grpc.SandboxServicer):
     def __init__(self, runtime: Runtime, limiter: Limiter, pool: WorkspacePool, defaults: Limits,
                  maximum: Limits, capacity: int, max_queue: int, max_sessions: int, name: str,
-                 snapshot_dir: Path, remembered: int = 10000) -> None:
+                 snapshot_dir: Path, remembered: int = 10000,
+                 classes: Optional[dict[str, ClassPolicy]] = None) -> None:
         self.runtime, self.limiter, self.pool = runtime, limiter, pool
         self.defaults, self.maximum = defaults, maximum
         self.capacity, self.max_queue, self.max_sessions = capacity, max_queue, max_sessions
         self.name = name
         self.snapshot_dir = snapshot_dir
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-        self._slots = asyncio.Semaphore(capacity)
-        self._running = 0
-        self._queued = 0
+        self.scheduler = FairScheduler(capacity, max_queue, classes)
+        self._gate = SlotGate(self.scheduler)
         self.started = 0
         self.finished = 0
         self.draining = False
@@ -93,22 +108,18 @@ class SandboxService(pb2_grpc.SandboxServicer):
 
     # -- admission and idempotency -----------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def _slot(self):
-        if self._queued >= self.max_queue and self._running >= self.capacity:
-            raise _Busy(f"{self.name}: {self._running} running and {self._queued} queued (max {self.max_queue})")
-        self._queued += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._queued -= 1
-        self._running += 1
-        self.started += 1
-        try:
-            yield
-        finally:
-            self._running -= 1
-            self.finished += 1
-            self._slots.release()
+    async def _slot(self, cls: str):
+        """Wait for a slot of class `cls`; yields the ticket (its wait_s is the queue wait)."""
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                ticket = await stack.enter_async_context(self._gate.slot(cls))
+            except Refused as exc:
+                raise _Busy(f"{self.name}: {exc}") from None
+            self.started += 1
+            try:
+                yield ticket
+            finally:
+                self.finished += 1
 
     async def _once(self, method: str, key: str, context, work: Callable[[], Awaitable[Any]]):
         """Run `work` once per (method, key); duplicates (also concurrent ones) share its result.
@@ -156,23 +167,25 @@ class SandboxService(pb2_grpc.SandboxServicer):
             stdout=outcome.stdout, stderr=outcome.stderr, stdout_truncated=outcome.stdout_truncated,
             stderr_truncated=outcome.stderr_truncated, message=outcome.message, server=self.name,
             usage=pb2.ResourceUsage(wall_time_s=outcome.wall_time_s, cpu_time_s=outcome.cpu_time_s,
-                                    max_rss_bytes=outcome.max_rss_bytes))
+                                    max_rss_bytes=outcome.max_rss_bytes), queue_wait_s=outcome.queue_wait_s)
 
-    async def _run_in(self, workspace: Workspace, image: str, argv, stdin: bytes, env, limits: Limits) -> Outcome:
+    async def _run_in(self, workspace: Workspace, image: str, argv, stdin: bytes, env, limits: Limits,
+                      cls: str) -> Outcome:
         try:
             command = self.runtime.command(image, list(argv), workspace.path, limits, dict(env))
         except RuntimeError_ as exc:
             return Outcome(exit_code=-1, termination=SETUP_ERROR, message=str(exc))
-        async with self._slot():
-            return await run_confined(command, limits, self.limiter, stdin)
+        async with self._slot(cls) as ticket:
+            outcome = await run_confined(command, limits, self.limiter, stdin)
+        return dataclasses.replace(outcome, queue_wait_s=ticket.wait_s)
 
-    async def _one_shot(self, image: str, files, argv, stdin: bytes, env, limits: Limits) -> Outcome:
+    async def _one_shot(self, image: str, files, argv, stdin: bytes, env, limits: Limits, cls: str) -> Outcome:
         try:
             workspace = await asyncio.to_thread(self.pool.acquire, limits.disk_bytes, files)
         except WorkspaceError as exc:
             return Outcome(exit_code=-1, termination=SETUP_ERROR, message=str(exc))
         try:
-            return await self._run_in(workspace, image, argv, stdin, env, limits)
+            return await self._run_in(workspace, image, argv, stdin, env, limits, cls)
         finally:
             await asyncio.to_thread(self.pool.release, workspace)
 
@@ -181,17 +194,17 @@ class SandboxService(pb2_grpc.SandboxServicer):
 
     async def Execute(self, request, context):
         async def work():
-            limits = self._limits(request.limits)
+            limits, cls = self._limits(request.limits), priority_class(request.priority_class)
             return self._result(await self._one_shot(request.image, request.files, request.argv, request.stdin,
-                                                     request.env, limits))
+                                                     request.env, limits, cls))
         return await self._once("Execute", request.idempotency_key, context, work)
 
     async def Verify(self, request, context):
         async def work():
-            limits = self._limits(request.limits)
+            limits, cls = self._limits(request.limits), priority_class(request.priority_class)
 
             async def one(test):
-                outcome = await self._one_shot(request.image, request.files, test.argv, b"", {}, limits)
+                outcome = await self._one_shot(request.image, request.files, test.argv, b"", {}, limits, cls)
                 passed = outcome.termination == "EXITED" and outcome.exit_code == test.expected_exit_code
                 if passed and test.check_stdout:
                     passed = outcome.stdout.rstrip() == test.expected_stdout.rstrip()
@@ -216,13 +229,13 @@ class SandboxService(pb2_grpc.SandboxServicer):
         async def work():
             if len(self.sessions) >= self.max_sessions:
                 raise _Busy(f"{self.name}: {len(self.sessions)} sessions open (max {self.max_sessions})")
-            limits = self._limits(request.limits)
+            limits, cls = self._limits(request.limits), priority_class(request.priority_class)
             image = request.image or self.runtime.default_image()
             if image not in self.runtime.images():
                 raise WorkspaceError(f"image {image!r} is not available; available: "
                                      f"{', '.join(self.runtime.images())}")
             workspace = await asyncio.to_thread(self.pool.acquire, limits.disk_bytes, request.files)
-            session = Session(uuid.uuid4().hex, workspace, image, limits)
+            session = Session(uuid.uuid4().hex, workspace, image, limits, cls)
             self.sessions[session.id] = session
             return pb2.SessionInfo(session_id=session.id, server=self.name)
         return await self._once("Open", request.idempotency_key, context, work)
@@ -231,9 +244,10 @@ class SandboxService(pb2_grpc.SandboxServicer):
         async def work():
             session = self._session(request.session_id)
             limits = self._limits(request.limits, session.limits)
+            cls = priority_class(request.priority_class, session.priority_class)
             async with session.lock:
                 outcome = await self._run_in(session.workspace, session.image, request.argv, request.stdin,
-                                             request.env, limits)
+                                             request.env, limits, cls)
             return self._result(outcome)
         return await self._once("Exec", request.idempotency_key, context, work)
 
@@ -284,11 +298,12 @@ class SandboxService(pb2_grpc.SandboxServicer):
         return await self._once("Close", request.idempotency_key, context, work)
 
     async def Health(self, request, context):
+        classes = [pb2.ClassStats(name=name, **stats) for name, stats in self.scheduler.stats().items()]
         return pb2.HealthReply(serving=not self.draining, runtime=self.runtime.name, limiter=self.limiter.name,
-                               capacity=self.capacity, running=self._running, queued=self._queued,
+                               capacity=self.capacity, running=self.scheduler.running, queued=self.scheduler.queued,
                                max_queue=self.max_queue, executions_started=self.started,
                                executions_finished=self.finished, sessions=len(self.sessions),
-                               address=self.address)
+                               address=self.address, backpressure=self.scheduler.backpressure(), classes=classes)
 
     async def close_all_sessions(self) -> None:
         for session_id in list(self.sessions):
@@ -310,6 +325,32 @@ def _parse_images(values: list[str]) -> dict[str, str]:
     return images
 
 
+def parse_class_values(text: str, cast: type, option: str) -> dict:
+    """`training=4,build=1` -> {"training": 4.0, "build": 1.0}; names must be priority classes."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in CLASSES:
+            raise SystemExit(f"{option} expects class=value pairs with classes from {', '.join(CLASSES)}, "
+                             f"got {item!r}")
+        try:
+            out[name] = cast(value)
+        except ValueError:
+            raise SystemExit(f"{option}: {name}={value!r} is not a {cast.__name__}") from None
+    return out
+
+
+def class_policies(weights: str, quotas: str, max_queues: str) -> dict[str, ClassPolicy]:
+    """Per-class scheduling policy from the --class-* options (unset: default weight, no own limits)."""
+    w = {**DEFAULT_WEIGHTS, **parse_class_values(weights, float, "--class-weights")}
+    q = parse_class_values(quotas, int, "--class-quota")
+    m = parse_class_values(max_queues, int, "--class-max-queue")
+    try:
+        return {c: ClassPolicy(weight=w[c], quota=q.get(c, 0), max_queue=m.get(c, 0)) for c in CLASSES}
+    except ValueError as exc:
+        raise SystemExit(f"sandbox server: {exc}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_rl_sandbox.server", description=__doc__.split("\n\n")[0])
     p.add_argument("--address", default="127.0.0.1:0", help="host:port or unix:/path (port 0 picks one)")
@@ -322,6 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limiter", default="auto", choices=["auto", "cgroup-v1", "cgroup-v2", "rlimit"])
     p.add_argument("--capacity", type=int, default=os.cpu_count() or 1, help="concurrent executions")
     p.add_argument("--max-queue", type=int, default=256, help="waiting executions before refusing")
+    p.add_argument("--class-weights", default=",".join(f"{c}={w:g}" for c, w in DEFAULT_WEIGHTS.items()),
+                   help="weighted fair queueing weights per priority class (unset classes keep their default)")
+    p.add_argument("--class-quota", default="", help="most running executions per class, e.g. build=1,quality=1")
+    p.add_argument("--class-max-queue", default="",
+                   help="most waiting executions per class before refusing (default: --max-queue), e.g. build=64")
     p.add_argument("--max-sessions", type=int, default=512)
     p.add_argument("--prewarm", type=int, default=8, help="ready workspaces kept mounted")
     p.add_argument("--work-dir", default=None, help="where workspaces live (default: a fresh temp dir)")
@@ -336,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None) -> None:
+    classes = class_policies(args.class_weights, args.class_quota, args.class_max_queue)
     if args.runtime == "process":
         runtime = make_runtime("process", allow_unisolated=args.allow_unisolated)
     elif args.runtime == "apptainer":
@@ -350,7 +397,7 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
     pool = WorkspacePool(work_dir / "workspaces", defaults.disk_bytes, prewarm=args.prewarm)
     name = args.name or f"{socket.gethostname()}-{os.getpid()}"
     service = SandboxService(runtime, limiter, pool, defaults, maximum, args.capacity, args.max_queue,
-                             args.max_sessions, name, work_dir / "snapshots")
+                             args.max_sessions, name, work_dir / "snapshots", classes=classes)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 2**20),
                                       ("grpc.max_send_message_length", 256 * 2**20)])
     pb2_grpc.add_SandboxServicer_to_server(service, server)
@@ -363,8 +410,9 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
     service.address = args.advertise or address
     await server.start()
     discovery = _write_discovery(args.run_dir, name, service.address, runtime.name) if args.run_dir else None
-    logger.info("sandbox server %s serving on %s (runtime %s, limiter %s, workspace quota %s, capacity %d)",
-                name, service.address, runtime.name, limiter.name, pool.quota, args.capacity)
+    logger.info("sandbox server %s serving on %s (runtime %s, limiter %s, workspace quota %s, capacity %d, "
+                "classes %s)", name, service.address, runtime.name, limiter.name, pool.quota, args.capacity,
+                {c: dataclasses.asdict(p) for c, p in classes.items()})
     print(json.dumps({"address": service.address, "name": name}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
