@@ -208,8 +208,6 @@ class BatchStep:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", os.environ.get("SLURM_CPUS_PER_TASK", "1"))
         self.train = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
-        if self.usr1:  # the warning came while the sandboxes started
-            self.train.send_signal(signal.SIGUSR1)
         reader = threading.Thread(target=self._pump_stderr, daemon=True)
         reader.start()
         code = self.train.wait()
@@ -234,6 +232,11 @@ class BatchStep:
         logger.error("training failed: rank %d on %s failed first (%s); srun stopped the other ranks "
                      "(--kill-on-bad-exit). Last lines of %s:\n%s", rank, node, reason, log, log_tail(log))
 
+    def _requeue(self, why: str) -> int:
+        logger.warning("%s: requeueing job %s to resume from its last checkpoint", why, self.layout.job_id)
+        subprocess.run(["scontrol", "requeue", self.layout.job_id], check=False)
+        return 0
+
     def run(self) -> int:
         signal.signal(signal.SIGUSR1, self._on_usr1)
         signal.signal(signal.SIGTERM, self._on_term)
@@ -244,21 +247,22 @@ class BatchStep:
         try:
             if self.use_sandbox and not self._start_sandboxes():
                 return 1
+            if self.usr1:  # the warning came while the sandboxes started: no time for a run
+                return self._requeue("SIGUSR1 before training started")
             code = self._run_training()
         finally:
             self._stop_sandboxes()
         marker = read_marker(self.run_dir)
         if code != 0:
             self._report_failure(code)
+            if self.usr1 and not self.terminating:  # e.g. the signal came before the RL loop watched for it
+                return self._requeue(f"the training step ended with {code} after SIGUSR1")
             return code
         if marker is None:
             logger.info("training finished; run directory %s", self.run_dir)
             return 0
         if marker["signal"] == "SIGUSR1" and not self.terminating:
-            logger.warning("stopped after step %d on SIGUSR1: requeueing job %s to resume from its checkpoint",
-                           marker["steps_done"], lay.job_id)
-            subprocess.run(["scontrol", "requeue", lay.job_id], check=False)
-            return 0
+            return self._requeue(f"stopped after step {marker['steps_done']} on SIGUSR1")
         logger.warning("stopped after step %d on %s; the next start of this job (same run directory) resumes",
                        marker["steps_done"], marker["signal"])
         return 0
