@@ -9,11 +9,17 @@ reward, not a hung job.
 Guarantee: a retry reuses the idempotency key, so a server never runs one request twice;
 after a server dies mid-call the request runs on another server, and the caller gets
 exactly one result.
+
+Scheduling: every call carries a priority class (the client's default unless given; session
+calls inherit the session's). `backpressure()` is the servers' queue fill, for a rollout
+scheduler to slow down before calls get refused; `stats()` / `metrics()` give the wait each
+class saw, for the trainer's logs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import random
@@ -25,6 +31,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import grpc
 
 from megatron_rl_sandbox.proto import load as load_proto
+from megatron_rl_sandbox.scheduler import CLASSES, DEFAULT_CLASS, check_class
 
 pb2, pb2_grpc = load_proto()
 logger = logging.getLogger(__name__)
@@ -61,6 +68,43 @@ def make_limits(limits: Optional[Mapping[str, Any]]):
     return pb2.Limits(**(limits or {}))
 
 
+def class_value(name: str) -> int:
+    """The PriorityClass enum value of a class name ("training", "evaluation", "quality", "build")."""
+    return pb2.PriorityClass.Value(check_class(name.lower()).upper())
+
+
+class _ClassWaits:
+    """What one priority class saw from this client, over the last `window` calls."""
+
+    def __init__(self, window: int = 1024) -> None:
+        self.calls = self.timeouts = self.refused = 0
+        self.latency: collections.deque = collections.deque(maxlen=window)
+        self.wait: collections.deque = collections.deque(maxlen=window)
+        self.server_wait: collections.deque = collections.deque(maxlen=window)
+
+    def record(self, latency_s: float, run_s: Optional[float], server_wait_s: Optional[float]) -> None:
+        """`run_s`: execution time the server reported (None: no reply, the whole call was waiting)."""
+        self.calls += 1
+        self.latency.append(latency_s)
+        self.wait.append(max(0.0, latency_s - (run_s or 0.0)))
+        if run_s is None:
+            self.timeouts += 1
+        if server_wait_s is not None:
+            self.server_wait.append(server_wait_s)
+
+    def summary(self) -> dict[str, float]:
+        def mean(xs) -> float:
+            return sum(xs) / len(xs) if xs else 0.0
+
+        ordered = sorted(self.wait)
+        p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else 0.0
+        return {"calls": self.calls, "timeouts": self.timeouts, "refused": self.refused,
+                "latency_mean_s": mean(self.latency), "latency_max_s": max(self.latency, default=0.0),
+                "wait_mean_s": mean(self.wait), "wait_p95_s": p95, "wait_max_s": max(self.wait, default=0.0),
+                "server_wait_mean_s": mean(self.server_wait),
+                "server_wait_max_s": max(self.server_wait, default=0.0)}
+
+
 class _Server:
     def __init__(self, address: str) -> None:
         self.address = address
@@ -68,6 +112,7 @@ class _Server:
         self.stub = pb2_grpc.SandboxStub(self.channel)
         self.healthy = True
         self.load = 0.0
+        self.reply = None  # the last HealthReply
         self.checked = 0.0
         self.down_until = 0.0
 
@@ -78,13 +123,16 @@ class SandboxClient:
     PINNED_UNREACHABLE_ATTEMPTS = 5
 
     def __init__(self, addresses: Sequence[str], deadline_s: float = 120.0, attempt_timeout_s: Optional[float] = None,
-                 health_interval_s: float = 2.0) -> None:
+                 health_interval_s: float = 2.0, priority_class: str = DEFAULT_CLASS) -> None:
         if not addresses:
             raise ValueError("SandboxClient needs at least one server address")
         self.servers = [_Server(a) for a in addresses]
         self.deadline_s = deadline_s
         self.attempt_timeout_s = attempt_timeout_s
         self.health_interval_s = health_interval_s
+        class_value(priority_class)  # validates the name
+        self.priority_class = priority_class.lower()
+        self._waits = {c: _ClassWaits() for c in CLASSES}
 
     @classmethod
     def from_run_dir(cls, run_dir: str | Path, **kwargs: Any) -> "SandboxClient":
@@ -113,8 +161,10 @@ class SandboxClient:
             reply = await server.stub.Health(pb2.HealthRequest(), timeout=2.0)
             server.healthy = reply.serving
             server.load = (reply.running + reply.queued) / max(1, reply.capacity)
+            server.reply = reply
         except grpc.aio.AioRpcError:
             server.healthy = False
+            server.reply = None
 
     async def _ranked(self) -> list[_Server]:
         await asyncio.gather(*(self._refresh(s) for s in self.servers))
@@ -125,7 +175,8 @@ class SandboxClient:
         usable.sort(key=lambda s: s.load)
         return usable + others
 
-    async def _call(self, method: str, request, deadline_s: Optional[float], pinned: Optional[_Server] = None):
+    async def _call(self, method: str, request, deadline_s: Optional[float], pinned: Optional[_Server] = None,
+                    cls: str = DEFAULT_CLASS):
         """Try servers in order of health and load until one answers or the deadline passes."""
         deadline = time.monotonic() + (deadline_s or self.deadline_s)
         last_error: Optional[BaseException] = None
@@ -148,6 +199,8 @@ class SandboxClient:
                     code = exc.code()
                     if code not in _RETRYABLE:
                         raise
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        self._waits[cls].refused += 1
                     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                                 grpc.StatusCode.CANCELLED):
                         server.healthy = False
@@ -162,29 +215,96 @@ class SandboxClient:
                                    f" ({last_error.code().name if isinstance(last_error, grpc.aio.AioRpcError) else 'no reply'})")
 
     # -- one-shot calls ----------------------------------------------------------------------
+    def _class(self, priority_class: Optional[str]) -> str:
+        return check_class(priority_class.lower()) if priority_class else self.priority_class
+
+    async def _exec_call(self, method: str, request, deadline_s: Optional[float], cls: str,
+                         pinned: Optional[_Server] = None):
+        """An Execute/Exec call, its wait recorded under `cls`; raises asyncio.TimeoutError."""
+        start = time.monotonic()
+        try:
+            result = (await self._call(method, request, deadline_s, pinned, cls))[0]
+        except asyncio.TimeoutError:
+            self._waits[cls].record(time.monotonic() - start, None, None)
+            raise
+        self._waits[cls].record(time.monotonic() - start, result.usage.wall_time_s, result.queue_wait_s)
+        return result
+
     async def execute(self, argv: Sequence[str], files: Mapping[str, bytes | str] | Iterable[Any] = (),
                       *, image: str = "", stdin: bytes = b"", env: Optional[Mapping[str, str]] = None,
                       limits: Optional[Mapping[str, Any]] = None, key: Optional[str] = None,
-                      deadline_s: Optional[float] = None):
-        """Run `argv` in a fresh workspace; always returns an ExecResult (TIMEOUT if nobody answered)."""
+                      deadline_s: Optional[float] = None, priority_class: Optional[str] = None):
+        """Run `argv` in a fresh workspace; always returns an ExecResult (TIMEOUT if nobody answered).
+        `priority_class`: training, evaluation, quality or build (default: the client's)."""
+        cls = self._class(priority_class)
         request = pb2.ExecuteRequest(idempotency_key=key or uuid.uuid4().hex, image=image, files=make_files(files),
-                                     argv=list(argv), stdin=stdin, env=dict(env or {}), limits=make_limits(limits))
+                                     argv=list(argv), stdin=stdin, env=dict(env or {}), limits=make_limits(limits),
+                                     priority_class=class_value(cls))
         try:
-            return (await self._call("Execute", request, deadline_s))[0]
+            return await self._exec_call("Execute", request, deadline_s, cls)
         except asyncio.TimeoutError as exc:
             return pb2.ExecResult(exit_code=-1, termination=pb2.TIMEOUT, message=str(exc))
 
     async def verify(self, files: Mapping[str, bytes | str] | Iterable[Any], tests: Sequence[Any], *,
                      image: str = "", limits: Optional[Mapping[str, Any]] = None, key: Optional[str] = None,
-                     deadline_s: Optional[float] = None):
-        """Run tests against a candidate; reward = passed / total (0 with a message on timeout)."""
+                     deadline_s: Optional[float] = None, priority_class: Optional[str] = None):
+        """Run tests against a candidate; reward = passed / total (0 with a message on timeout).
+        The recorded wait is the call's latency minus its longest test (tests run concurrently)."""
+        cls = self._class(priority_class)
         request = pb2.VerifyRequest(idempotency_key=key or uuid.uuid4().hex, image=image, files=make_files(files),
                                     tests=[t if isinstance(t, pb2.TestCase) else pb2.TestCase(**t) for t in tests],
-                                    limits=make_limits(limits))
+                                    limits=make_limits(limits), priority_class=class_value(cls))
+        start = time.monotonic()
         try:
-            return (await self._call("Verify", request, deadline_s))[0]
+            result = (await self._call("Verify", request, deadline_s, cls=cls))[0]
         except asyncio.TimeoutError:
+            self._waits[cls].record(time.monotonic() - start, None, None)
             return pb2.VerifyResult(reward=0.0, passed=0, total=len(tests))
+        self._waits[cls].record(time.monotonic() - start,
+                                max((t.result.usage.wall_time_s for t in result.tests), default=0.0),
+                                max((t.result.queue_wait_s for t in result.tests), default=0.0))
+        return result
+
+    # -- scheduling signals ------------------------------------------------------------------
+    async def backpressure(self, priority_class: Optional[str] = None) -> float:
+        """0 (idle) .. 1 (calls are being refused): the servers' queue fill for `priority_class`
+        (default: the client's), averaged over servers; a server that is down or draining counts
+        as 1. From Health replies at most `health_interval_s` old. A rollout scheduler should
+        submit less while it is high (e.g. pause new sandbox work above 0.8)."""
+        cls = self._class(priority_class)
+        await asyncio.gather(*(self._refresh(s) for s in self.servers))
+        levels = []
+        for server in self.servers:
+            reply = server.reply if server.healthy else None
+            if reply is None:
+                levels.append(1.0)
+                continue
+            per_class = {c.name: c.backpressure for c in reply.classes}
+            levels.append(per_class.get(cls, reply.backpressure))
+        return sum(levels) / len(levels)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per priority class, over this client's recent calls: calls, timeouts, refusals
+        (RESOURCE_EXHAUSTED answers, then retried), latency, wait (latency minus the execution
+        time the server reported: queueing, transfer, workspace set-up; a call nobody answered
+        waited its whole latency) and the server-reported queue wait. Classes never used are left out."""
+        return {c: w.summary() for c, w in self._waits.items() if w.calls or w.refused}
+
+    async def metrics(self, prefix: str = "sandbox") -> dict[str, float]:
+        """`stats()` plus the servers' queue depth, running executions and back-pressure per class
+        (summed / averaged over servers), flattened as `<prefix>/<class>/<name>` for a metrics sink."""
+        out = {f"{prefix}/{c}/{k}": float(v) for c, s in self.stats().items() for k, v in s.items()}
+        await asyncio.gather(*(self._refresh(s) for s in self.servers))
+        replies = [s.reply for s in self.servers if s.healthy and s.reply is not None]
+        for cls in CLASSES:
+            rows = [c for r in replies for c in r.classes if c.name == cls]
+            if rows and any(c.started or c.queued or c.refused for c in rows):
+                out[f"{prefix}/{cls}/server_queued"] = float(sum(c.queued for c in rows))
+                out[f"{prefix}/{cls}/server_running"] = float(sum(c.running for c in rows))
+                out[f"{prefix}/{cls}/server_oldest_wait_s"] = max(c.oldest_wait_s for c in rows)
+                out[f"{prefix}/{cls}/backpressure"] = await self.backpressure(cls)
+        out[f"{prefix}/servers_up"] = float(len(replies))
+        return out
 
     async def health(self) -> dict[str, Any]:
         out = {}
@@ -197,23 +317,28 @@ class SandboxClient:
 
     # -- sessions ----------------------------------------------------------------------------
     async def open_session(self, files: Mapping[str, bytes | str] | Iterable[Any] = (), *, image: str = "",
-                           limits: Optional[Mapping[str, Any]] = None, deadline_s: Optional[float] = None
-                           ) -> "Session":
+                           limits: Optional[Mapping[str, Any]] = None, deadline_s: Optional[float] = None,
+                           priority_class: Optional[str] = None) -> "Session":
+        """A session on the least loaded server; its calls all go there (its state lives there) and
+        run in `priority_class` (default: the client's) unless a call names another."""
+        cls = self._class(priority_class)
         request = pb2.OpenRequest(idempotency_key=uuid.uuid4().hex, image=image, files=make_files(files),
-                                  limits=make_limits(limits))
+                                  limits=make_limits(limits), priority_class=class_value(cls))
         try:
-            info, server = await self._call("Open", request, deadline_s)
+            info, server = await self._call("Open", request, deadline_s, cls=cls)
         except asyncio.TimeoutError as exc:
             raise SandboxUnavailable(str(exc)) from None
-        return Session(self, server, info.session_id)
+        return Session(self, server, info.session_id, cls)
 
 
 class Session:
     """A workspace kept on one server between calls; every call goes to that server.
     Calls raise SandboxUnavailable when the server does not answer within the deadline."""
 
-    def __init__(self, client: SandboxClient, server: _Server, session_id: str) -> None:
+    def __init__(self, client: SandboxClient, server: _Server, session_id: str,
+                 priority_class: str = DEFAULT_CLASS) -> None:
         self.client, self.server, self.id = client, server, session_id
+        self.priority_class = priority_class
 
     @property
     def address(self) -> str:
@@ -221,16 +346,24 @@ class Session:
 
     async def _call(self, method: str, request, deadline_s: Optional[float]):
         try:
-            return (await self.client._call(method, request, deadline_s, pinned=self.server))[0]
+            return (await self.client._call(method, request, deadline_s, pinned=self.server,
+                                            cls=self.priority_class))[0]
         except asyncio.TimeoutError as exc:
             raise SandboxUnavailable(f"session {self.id} on {self.server.address}: {exc}") from None
 
     async def exec(self, argv: Sequence[str], *, stdin: bytes = b"", env: Optional[Mapping[str, str]] = None,
                    limits: Optional[Mapping[str, Any]] = None, key: Optional[str] = None,
-                   deadline_s: Optional[float] = None):
-        return await self._call("Exec", pb2.SessionExecRequest(
+                   deadline_s: Optional[float] = None, priority_class: Optional[str] = None):
+        """Run `argv` in the session's workspace, in the session's class unless `priority_class` is given."""
+        cls = check_class(priority_class.lower()) if priority_class else self.priority_class
+        request = pb2.SessionExecRequest(
             idempotency_key=key or uuid.uuid4().hex, session_id=self.id, argv=list(argv), stdin=stdin,
-            env=dict(env or {}), limits=make_limits(limits)), deadline_s)
+            env=dict(env or {}), limits=make_limits(limits),
+            priority_class=class_value(priority_class) if priority_class else pb2.PRIORITY_CLASS_UNSPECIFIED)
+        try:
+            return await self.client._exec_call("Exec", request, deadline_s, cls, pinned=self.server)
+        except asyncio.TimeoutError as exc:
+            raise SandboxUnavailable(f"session {self.id} on {self.server.address}: {exc}") from None
 
     async def read_file(self, path: str, max_bytes: int = 0, deadline_s: Optional[float] = None):
         return await self._call("ReadFile", pb2.ReadFileRequest(session_id=self.id, path=path, max_bytes=max_bytes),
