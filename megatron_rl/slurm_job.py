@@ -156,8 +156,8 @@ class BatchStep:
             where = ["--het-group=1", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1"]
             capacity = int(os.environ.get("SLURM_CPUS_PER_TASK_HET_GROUP_1", sb.num_workers))
         else:  # spare cores of the GPU nodes; no GPUs, no memory reservation of its own
-            where = ["--overlap", "--gpus-per-node=0", "--mem=0", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
-                     "--cpus-per-task=1"]
+            where = ["--overlap", "--gpus-per-node=0", "--mem=0", f"--nodes={n}", f"--ntasks={n}",
+                     "--ntasks-per-node=1", "--cpus-per-task=1"]
             capacity = sb.num_workers
         cmd = ["srun", *where, "--label", "--job-name=sandbox", sys.executable, "-m", "megatron_rl.slurm_job",
                "sandbox", "--run-dir", str(self.run_dir), "--runtime", sb.runtime, "--capacity", str(capacity)]
