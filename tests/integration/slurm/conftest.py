@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -19,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
-def slurm_env() -> dict[str, str]:
+def slurm_env() -> Iterator[dict[str, str]]:
     """Environment for sbatch/squeue/scontrol against the test cluster (SLURM_CONF set)."""
     if os.environ.get("MEGATRON_RL_SKIP_SLURM") == "1":
         pytest.skip("MEGATRON_RL_SKIP_SLURM=1")
