@@ -1,8 +1,11 @@
 """Triton version of the per-block softmax work of `fused_logprobs` (CUDA only).
 
-NOT YET VALIDATED ON A GPU: written without a GPU and never run; `tests/gpu/test_fused_logprobs_gpu.py`
-checks it against the PyTorch reference (`TorchBlockOps`) and must pass on a GPU machine before
-this backend is trusted. `fused_logprobs(backend="torch")` bypasses it.
+NOT YET VALIDATED ON A GPU: written without a GPU. It has run only in Triton's CPU interpreter
+(TRITON_INTERPRET=1, `tests/unit/test_fused_logprobs.py`), where it equals the PyTorch reference
+in fp32; the interpreter truncates fp32 -> bf16 instead of rounding to nearest, so the bf16
+temperature path is unchecked. `tests/gpu/test_fused_logprobs_gpu.py` checks it against the
+reference (`TorchBlockOps`) on CUDA and must pass on a GPU machine before this backend is
+trusted. `fused_logprobs(backend="torch")` bypasses it.
 
 Structure: `fused_logprobs.py` drives the same double loop over vocabulary and token chunks for
 both backends and computes each block's logits with the same GEMM (cuBLAS on GPU); this module
@@ -18,6 +21,7 @@ triton never import it.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -35,7 +39,7 @@ def _load_logits(row_ptr, cols, mask, temperature, HAS_TEMPERATURE: tl.constexpr
     """fp32 logits of one tile as the naive path sees them; masked lanes are -inf."""
     z = tl.load(row_ptr + cols, mask=mask, other=float("-inf"))
     if HAS_TEMPERATURE:  # z / temperature rounded to z's dtype, as torch divides a bf16 tensor
-        z = (z.to(tl.float32) / temperature).to(row_ptr.dtype.element_ty)
+        z = (z.to(tl.float32) / temperature).to(row_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     return z.to(tl.float32)
 
 
@@ -98,9 +102,9 @@ def _grad_kernel(z_ptr, z_stride, targets_ptr, logz_ptr, entropy_ptr, glp_ptr, g
         g = -p * coef
         if HAS_GLP:
             g = tl.where(cols == target, g + glp, g)
-        g = g.to(z_ptr.dtype.element_ty)
+        g = g.to(z_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         if HAS_TEMPERATURE:
-            g = (g.to(tl.float32) / temperature).to(z_ptr.dtype.element_ty)
+            g = (g.to(tl.float32) / temperature).to(z_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(row_ptr + cols, g, mask=mask)  # masked lanes (nan) are never stored
 
 
@@ -109,7 +113,9 @@ def _block_v(num_cols: int) -> int:
 
 
 def _check_block(z: Tensor) -> None:
-    assert z.is_cuda and z.dim() == 2 and z.stride(1) == 1, "blocks are row-major CUDA tensors"
+    # Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors: used by the unit tests.
+    on_device = z.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    assert on_device and z.dim() == 2 and z.stride(1) == 1, "blocks are row-major CUDA tensors"
 
 
 class TritonBlockOps:

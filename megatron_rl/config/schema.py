@@ -106,6 +106,10 @@ class ModelConfig:
     """Seed of the random initialisation when model.path is null."""
     dtype: str = "float32"
     """Parameter and compute dtype: float32 or bfloat16."""
+    fused_logprobs: bool = True
+    """Log-probs and entropy from the final hidden states and the output weight shard, chunk by
+    chunk (megatron_rl_kernels.fused_logprobs), without forming [tokens, vocab] logits; equal to
+    the naive path (false: logits from the output layer, then log-softmax) up to summation order."""
 
     FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe")
     MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe",)

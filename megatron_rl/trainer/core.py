@@ -15,6 +15,7 @@ Metrics follow the same rule: per-micro-batch contributions, summed over the who
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any, Callable, Optional, Sequence
@@ -24,7 +25,13 @@ import torch.distributed as dist
 
 from megatron_rl.models.gpt import build_model
 from megatron_rl.parallel.state import ParallelGroups
-from megatron_rl.trainer.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_rl.trainer.logprobs import (
+    fused_vocab_parallel_stats,
+    hidden_states_instead_of_logits,
+    output_weight,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+)
 from megatron_rl.trainer.packing import MicroBatch, Sample, pack, packed_shape, split_for_data_parallel
 from megatron_rl.weight_sync.sharding import gather_full_state_dict, load_full_state_dict
 
@@ -226,18 +233,31 @@ class Trainer:
             output = model(mb.input_ids, mb.position_ids, mb.attention_mask)
             return output, loss_func_for(mb)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro),
-            model=[self.model],
-            num_microbatches=len(micro),
-            seq_length=micro[0].seq_len,
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+        # Fused log-probs: the last stage's model returns hidden states, `_target_stats` does the rest.
+        output_hidden = contextlib.nullcontext()
+        if self.model_cfg.fused_logprobs and self.groups.is_last_stage:
+            tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
+            output_hidden = hidden_states_instead_of_logits(self.module, tp_group, self.groups.sequence_parallel)
+        with output_hidden:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro),
+                model=[self.model],
+                num_microbatches=len(micro),
+                seq_length=micro[0].seq_len,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
 
-    def _target_stats(self, mb: MicroBatch, logits: Tensor, with_entropy: bool):
-        logits = logits[0]  # [S, V/tp]
+    def _target_stats(self, mb: MicroBatch, output: Tensor, with_entropy: bool):
+        """(log-probs, entropies) of the row's valid targets from the model output: final hidden
+        states [1, S, h] on the fused path, else vocab-parallel logits [1, S, V/tp]."""
+        if self.model_cfg.fused_logprobs:
+            tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
+            return fused_vocab_parallel_stats(output[0][mb.valid], output_weight(self.module), mb.targets[0][mb.valid],
+                                              tp_group, self.groups.tp_rank, self.options.logprob_temperature,
+                                              with_entropy)
+        logits = output[0]  # [S, V/tp]
         if self.options.logprob_temperature != 1.0:
             logits = logits / self.options.logprob_temperature
         entropy = None

@@ -168,6 +168,37 @@ def test_installed_as_megatron_rl_kernels_not_kernels(tmp_path):
     assert out[1] == "None" or str(REPO) not in out[1]
 
 
+_INTERPRET = r"""
+import torch
+from megatron_rl_kernels.fused_logprobs import TorchBlockOps, _FusedLogprobs
+from megatron_rl_kernels.triton_logprobs import TritonBlockOps
+for temperature in (1.0, 0.7):
+    for with_entropy in (True, False):
+        g = torch.Generator().manual_seed(0)
+        hidden, weight = torch.randn(37, 16, generator=g), torch.randn(101, 16, generator=g) * 0.5
+        targets, g_lp, g_ent = torch.randint(0, 101, (37,), generator=g), torch.randn(37), torch.randn(37)
+        outs = []
+        for ops in (TritonBlockOps(), TorchBlockOps()):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            lp, ent = _FusedLogprobs.apply(h, w, targets, None, 0, temperature, 8, 13, with_entropy, torch.float32, ops)
+            ((lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0)).backward()
+            outs.append([lp.detach(), h.grad, w.grad] + ([ent.detach()] if with_entropy else []))
+        for got, want in zip(*outs):
+            assert torch.allclose(got, want, atol=2e-5), (temperature, with_entropy, (got - want).abs().max())
+"""
+
+
+def test_triton_kernels_in_the_interpreter_equal_the_reference():
+    """The Triton block kernels run by Triton's CPU interpreter (fp32; the interpreter truncates
+    fp32 -> bf16, so bf16 is left to tests/gpu)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("needs triton (pip install triton) for its CPU interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, "-c", _INTERPRET], check=True, env=env, cwd="/")
+
+
 _MEASURE = r"""
 import json, resource, sys, time, torch
 from megatron_rl_kernels import fused_logprobs, naive_logprobs
