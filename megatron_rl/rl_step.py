@@ -66,8 +66,12 @@ def _generate(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[l
     if "turn_format" not in parts:
         parts["turn_format"] = TurnFormat(parts["tokenizer"], task.system_prompt or TOOL_INSTRUCTIONS)
     limits = EpisodeLimits(task.max_turns, task.max_episode_tokens, task.episode_wall_time_s)
+    r = rt.cfg.rollout
+    groups = len(prompts)
+    target = groups - round(groups * r.oversample / (1 + r.oversample)) if r.oversample else None
     return collect_episodes(parts["engine"], prompts, params, parts["rewards"], rt.groups, parts["turn_format"],
-                            limits)
+                            limits, r.agent_scheduler, r.max_concurrent_episodes, target,
+                            parts["controller"].timeline)
 
 
 def _advantages(rewards: torch.Tensor, rollouts: list[Rollout], estimator: str) -> torch.Tensor:
@@ -99,13 +103,14 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
     cfg, algo = rt.cfg, rt.cfg.algorithm
     n = cfg.rollout.n_samples_per_prompt
     num_groups = cfg.global_batch_size // n
+    drawn = num_groups + round(num_groups * cfg.rollout.oversample)  # async agent rollouts cut the extra ones
     rounds = DynamicSampler(num_groups, algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1,
                             has_reward_variance if algo.dynamic_sampling else (lambda rewards: True))
 
     def run() -> dict[str, float]:
         timing: dict[str, float] = {}
         while not rounds.done:
-            indices = parts["sampler"].next_batch(num_groups)
+            indices = parts["sampler"].next_batch(drawn)
             prompts = [parts["train"][i] for i in indices]
             params = _sampling(cfg, parts, n, seed=cfg.seed * 100_003 + step + 7919 * rounds.num_rounds)
             got, timing_round = _generate(rt, parts, prompts, params)
@@ -114,6 +119,9 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
             for key, value in timing_round.items():
                 timing[key] = timing.get(key, 0.0) + value
             groups = [got[g * n:(g + 1) * n] for g in range(len(prompts))]
+            cut = sum(any(getattr(r, "status", "") == "aborted" for r in group) for group in groups)
+            timing["sched/groups_cut"] = timing.get("sched/groups_cut", 0.0) + cut
+            groups = [group for group in groups if not any(getattr(r, "status", "") == "aborted" for r in group)]
             rounds.add_round(groups, [_shaped_rewards(cfg, group) for group in groups])
         return timing
 
@@ -131,7 +139,7 @@ def select_samples(cfg, rollouts: list[Rollout], rewards: torch.Tensor) -> tuple
     """Keep mask [N] after the zero-variance and overlong filters, and what each dropped."""
     from megatron_rl.algorithms.filters import overlong, zero_variance_groups
 
-    keep = torch.tensor([getattr(r, "status", "") != "dropped" for r in rollouts], dtype=torch.bool)
+    keep = torch.tensor([getattr(r, "status", "") not in ("dropped", "aborted") for r in rollouts], dtype=torch.bool)
     stats = {"filter/dropped_episodes": float((~keep).sum())} if not keep.all() else {}
     if cfg.algorithm.filter_zero_variance:
         informative = zero_variance_groups(rewards, torch.tensor([r.prompt_index for r in rollouts]))
@@ -150,9 +158,12 @@ def select_samples(cfg, rollouts: list[Rollout], rewards: torch.Tensor) -> tuple
 def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     from megatron_rl.algorithms.filters import zero_variance_groups
 
+    from megatron_rl.observability.timeline import Timeline
+
     cfg = rt.cfg
     controller, verifier = parts["controller"], parts["rewards"].verifier
     calls_before, errors_before = getattr(verifier, "calls", 0), getattr(verifier, "errors", 0)
+    controller.timeline = timeline = Timeline()  # this step's phases, generation batches, environment waits
     rollouts, timing = generate_groups(rt, parts, step)
     rewards = _shaped_rewards(cfg, rollouts)
     joint = parts.get("domains")  # multi-domain runs: per-domain calibration before the advantages
@@ -165,7 +176,8 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     metrics: dict[str, float] = {}
     start = time.perf_counter()
     if samples:
-        metrics = _update(cfg, parts, samples)
+        with timeline.span("train", "phases"):
+            metrics = _update(cfg, parts, samples)
     else:
         logger.warning("step %d: every sample was filtered out; no update this step", step)
     train_time = time.perf_counter() - start
@@ -184,6 +196,10 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     if joint:
         metrics.update(joint.step_metrics(step, rollouts, advantages))
     metrics.update(_maintain(rt, parts, step, rollouts))
+    if any(e["track"] == "engine" for e in timeline.events):  # the step's engine time, training included
+        metrics["sched/step_engine_busy"] = timeline.busy("engine") / max(time.perf_counter() - timeline.origin, 1e-9)
+    if cfg.logging.trace_every and step % cfg.logging.trace_every == 0 and rt.is_main:
+        timeline.to_chrome_trace(rt.run_dir / "traces" / f"step_{step:08d}.json")
     return metrics
 
 

@@ -37,6 +37,7 @@ class ColocationController:
         self.timings: dict[str, float] = {}
         self.version = 0
         self.last_sync: Optional[SyncStats] = None
+        self.timeline: Any = None  # an observability.timeline.Timeline to record the phases on, if set
 
     def log_memory_plan(self, kv_budget_bytes: Optional[int] = None) -> dict[str, int]:
         plan = self.trainer.memory_plan()
@@ -53,7 +54,10 @@ class ColocationController:
         try:
             yield
         finally:
-            self.timings[f"time/{name}"] = time.perf_counter() - start
+            end = time.perf_counter()
+            self.timings[f"time/{name}"] = end - start
+            if self.timeline is not None:
+                self.timeline.add(name, "phases", start, end)
 
     def rollout(self, generate: Callable[[], T]) -> T:
         """Run `generate()` with the engine holding the trainer's current weights."""

@@ -340,11 +340,27 @@ class RolloutConfig:
     """sglang: any other SGLang ServerArgs field by its SGLang name (e.g. {enable_deterministic_inference:
     true}); overrides everything above."""
 
+    agent_scheduler: str = "lockstep"
+    """Multi-turn (task.type=agent) episodes: lockstep (all episodes advance turn by turn; sampling is
+    reproducible) or async (each episode runs on its own; the engine batches whatever turns are ready
+    while others wait on tools: see megatron_rl/rollout/scheduler.py)."""
+    max_concurrent_episodes: int = 64
+    """agent_scheduler=async: episodes in flight per engine at most."""
+    oversample: float = 0.0
+    """agent_scheduler=async: start this fraction more groups than the batch needs and cut the
+    stragglers once enough groups are complete (their episodes are counted, not trained on)."""
+
     BACKENDS: ClassVar[tuple[str, ...]] = ("hf", "sglang")
+    AGENT_SCHEDULERS: ClassVar[tuple[str, ...]] = ("lockstep", "async")
     LOG_LEVELS: ClassVar[tuple[str, ...]] = ("debug", "info", "warning", "error")
 
     def __post_init__(self) -> None:
         _check_choice("rollout.backend", self.backend, self.BACKENDS)
+        _check_choice("rollout.agent_scheduler", self.agent_scheduler, self.AGENT_SCHEDULERS)
+        _check_min("rollout.max_concurrent_episodes", self.max_concurrent_episodes, 1)
+        _check_min("rollout.oversample", self.oversample, 0)
+        if self.oversample and self.agent_scheduler != "async":
+            raise _invalid("rollout.oversample", self.oversample, "needs rollout.agent_scheduler=async")
         _check_min("rollout.tp", self.tp, 1)
         if self.temperature <= 0:
             raise _invalid(
@@ -684,6 +700,9 @@ class LoggingConfig:
     run_dir/audit/ (megatron_rl/quality/audit.py); 0: off."""
     audit_samples: int = 8
     """Trajectories written per audit."""
+    trace_every: int = 0
+    """RL steps between Chrome traces of a step's timeline (phases, generation batches, environment
+    waits) in run_dir/traces/ (open in https://ui.perfetto.dev); 0: off."""
 
     LEVELS: ClassVar[tuple[str, ...]] = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -692,6 +711,7 @@ class LoggingConfig:
         _check_min("logging.log_every", self.log_every, 1)
         _check_min("logging.audit_every", self.audit_every, 0)
         _check_min("logging.audit_samples", self.audit_samples, 1)
+        _check_min("logging.trace_every", self.trace_every, 0)
 
 
 @dataclass

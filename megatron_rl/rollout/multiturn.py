@@ -127,40 +127,16 @@ def run_episodes(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: S
             _drop(x, outcome)
     turn = 0
     while active := [x for x in live if not x.episode.status]:
-        turn_params = dataclasses.replace(params, n=1, stop_token_ids=tuple(params.stop_token_ids) + fmt.stop_token_ids,
-                                          seed=None if params.seed is None else params.seed * 1009 + turn)
+        turn_params = turn_sampling(params, fmt, None if params.seed is None else params.seed * 1009 + turn)
         generations = engine.generate([x.episode.prompt_tokens + x.episode.output_ids for x in active], turn_params)
         for x, gen in zip(active, generations):
-            ep = x.episode
-            room = limits.max_tokens - len(ep.prompt_tokens) - len(ep.output_ids)
-            ids, logprobs = gen.output_ids[:max(room, 0)], gen.logprobs[:max(room, 0)]
-            ep.output_ids += ids
-            ep.logprobs += logprobs
-            ep.model_mask += [1] * len(ids)
-            ep.weight_version, ep.num_turns = gen.weight_version, ep.num_turns + 1
-            x.closed = gen.finish_reason == "stop" and len(ids) == len(gen.output_ids)
-            x.text = fmt.tokenizer.decode(ids, skip_special_tokens=True)
+            x.closed, x.text = take_turn(x.episode, gen, fmt, limits)
         steps = on_loop(_gather([x.env.step(x.text) for x in active]))
         for x, outcome in zip(active, steps):
-            ep = x.episode
             if isinstance(outcome, Exception):
                 _drop(x, outcome)
                 continue
-            observation, done = outcome
-            if done:
-                ep.status = "submitted"
-            elif ep.num_turns >= limits.max_turns:
-                ep.status = "max_turns"
-            elif time.monotonic() - x.started > limits.wall_time_s:
-                ep.status = "wall_time"
-            else:
-                ids = fmt.encode(fmt.observation(observation, x.closed))
-                if len(ep.prompt_tokens) + len(ep.output_ids) + len(ids) >= limits.max_tokens:
-                    ep.status, ep.finish_reason = "max_tokens", "length"
-                    continue
-                ep.output_ids += ids
-                ep.logprobs += [0.0] * len(ids)
-                ep.model_mask += [0] * len(ids)
+            after_step(x.episode, *outcome, x.closed, fmt, limits, x.started)
         turn += 1
     finished = [x for x in live if x.episode.status != "dropped"]
     rewards = on_loop(_gather([x.env.evaluate() for x in finished]))
@@ -175,6 +151,44 @@ def run_episodes(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: S
         x.episode.infra_errors += getattr(x.env, "infra_errors", 0)
     on_loop(_gather([x.env.close() for x in live]))
     return [x.episode for x in live]
+
+
+def turn_sampling(params: SamplingParams, fmt: TurnFormat, seed: Optional[int]) -> SamplingParams:
+    """One model turn: one sample, stopped by the template's end-of-turn token too."""
+    return dataclasses.replace(params, n=1, stop_token_ids=tuple(params.stop_token_ids) + fmt.stop_token_ids,
+                               seed=seed)
+
+
+def take_turn(ep: Episode, gen: Any, fmt: TurnFormat, limits: EpisodeLimits) -> tuple[bool, str]:
+    """Append a generated turn (cut at the episode's token budget); returns (the turn ended with
+    its stop token, the turn's text for the environment)."""
+    room = max(limits.max_tokens - len(ep.prompt_tokens) - len(ep.output_ids), 0)
+    ids = gen.output_ids[:room]
+    ep.output_ids += ids
+    ep.logprobs += gen.logprobs[:room]
+    ep.model_mask += [1] * len(ids)
+    ep.weight_version, ep.num_turns = gen.weight_version, ep.num_turns + 1
+    return gen.finish_reason == "stop" and len(ids) == len(gen.output_ids), \
+        fmt.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def after_step(ep: Episode, observation: str, done: bool, closed: bool, fmt: TurnFormat, limits: EpisodeLimits,
+               started: float) -> None:
+    """End the episode (status) or append the observation, tokenized once (mask 0)."""
+    if done:
+        ep.status = "submitted"
+    elif ep.num_turns >= limits.max_turns:
+        ep.status = "max_turns"
+    elif time.monotonic() - started > limits.wall_time_s:
+        ep.status = "wall_time"
+    else:
+        ids = fmt.encode(fmt.observation(observation, closed))
+        if len(ep.prompt_tokens) + len(ep.output_ids) + len(ids) >= limits.max_tokens:
+            ep.status, ep.finish_reason = "max_tokens", "length"
+            return
+        ep.output_ids += ids
+        ep.logprobs += [0.0] * len(ids)
+        ep.model_mask += [0] * len(ids)
 
 
 async def _make(make_env: Callable[[], Any]) -> Any:
@@ -213,9 +227,13 @@ def first_mp_rank(groups: Optional[Any]) -> bool:
 
 
 def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_service: Any, groups: Any,
-                     fmt: TurnFormat, limits: EpisodeLimits) -> tuple[list[Episode], dict[str, float]]:
+                     fmt: TurnFormat, limits: EpisodeLimits, scheduler: str = "lockstep", max_concurrency: int = 64,
+                     target_groups: Optional[int] = None, timeline: Any = None
+                     ) -> tuple[list[Episode], dict[str, float]]:
     """`collect()` for agent tasks: each data-parallel rank runs its share of the episodes
-    (prompt.meta is the task), on its first model-parallel rank; everyone gets all of them."""
+    (prompt.meta is the task), on its first model-parallel rank; everyone gets all of them.
+    scheduler="async" runs them concurrently (rollout/scheduler.py); with `target_groups`
+    (over-sampling), the groups still incomplete when that many are done are cut."""
     import torch.distributed as dist
 
     from megatron_rl.rollout.collect import _share
@@ -223,10 +241,19 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
     mine = list(_share(len(prompts), groups.dp_size, groups.dp_rank))
     start = time.perf_counter()
     local: list[Episode] = []
+    stats: dict[str, float] = {}
     if first_mp_rank(groups) and mine:
         verifier = reward_service.verifier
-        local = run_episodes(engine, [prompts[i].meta for i in mine], params.n, params, verifier.make_env, fmt,
-                             limits, reward_service.loop)
+        tasks = [prompts[i].meta for i in mine]
+        if scheduler == "async":
+            from megatron_rl.rollout.scheduler import run_episodes_async
+
+            local_target = None if target_groups is None else -(-target_groups * len(mine) // len(prompts))
+            local, stats = run_episodes_async(engine, tasks, params.n, params, verifier.make_env, fmt, limits,
+                                              reward_service.loop, max_concurrency=max_concurrency,
+                                              target_groups=local_target, timeline=timeline)
+        else:
+            local = run_episodes(engine, tasks, params.n, params, verifier.make_env, fmt, limits, reward_service.loop)
         for episode in local:
             episode.prompt_index = mine[episode.prompt_index]
         verifier.calls += len(local)
@@ -237,4 +264,5 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
         everything = [None] * dist.get_world_size()
         dist.all_gather_object(everything, local if first_mp_rank(groups) else None)
     merged = sorted((e for part in everything if part for e in part), key=lambda e: e.prompt_index)
-    return merged, {"time/episodes": elapsed, **episode_metrics(merged)}
+    local_only = {k: v for k, v in stats.items() if k.startswith("sched/")}  # this rank's engine
+    return merged, {"time/episodes": elapsed, **local_only, **episode_metrics(merged)}

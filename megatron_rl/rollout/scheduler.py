@@ -1,0 +1,202 @@
+"""Asynchronous multi-turn rollouts: every episode is its own task, so while some wait on a
+tool call or a reward the engine generates for the others.
+
+- `BatchingEngine` puts a continuous-batching front end on an engine: episodes `await`
+  single-turn requests; a worker thread takes whatever is queued (up to `max_batch`, after a
+  short linger so that concurrent requests meet), orders it by prompt length (less padding),
+  runs one `generate` call and hands each episode its turn. SGLang batches continuously
+  inside the engine; this front end gives the hf engine the same property and keeps one
+  code path. Time inside `generate` is the engine's busy time.
+- `run_episodes_async` runs up to `max_concurrency` episodes at once (a per-engine limit).
+  Over-sampling with an early cut: with `target_groups`, as soon as that many groups have
+  all their episodes finished, the remaining (straggler) episodes are aborted: their
+  environments are closed, they are returned with status "aborted" and left out of the
+  batch, and counted.
+- Sampling seeds: a batch is seeded from its first request's seed; which requests share a
+  batch depends on timing, so sampled tokens are not reproducible run to run in this mode
+  (the lockstep driver in multiturn.py is, and stays the default).
+
+Every generation batch, environment step and reward lands on the step's `Timeline`
+(engine busy / idle fractions in the metrics, a Chrome trace on request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from megatron_rl.observability.timeline import Timeline
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.multiturn import (Episode, EpisodeLimits, TurnFormat, after_step, episode_metrics,
+                                           take_turn, turn_sampling)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Request:
+    tokens: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+
+
+class BatchingEngine:
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, max_batch: int = 64, linger_s: float = 0.002,
+                 timeline: Optional[Timeline] = None) -> None:
+        self.engine, self.loop, self.max_batch, self.linger_s = engine, loop, max_batch, linger_s
+        self.timeline = timeline or Timeline()
+        self._pending: list[_Request] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.batches = 0
+        self._thread = threading.Thread(target=self._work, name="batching-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, tokens: list[int], params: SamplingParams):
+        request = _Request(list(tokens), params, self.loop.create_future())
+        with self._cond:
+            self._pending.append(request)
+            self._cond.notify()
+        return await request.future
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def _take(self) -> list[_Request]:
+        """The oldest request's compatible requests (same sampling parameters but the seed)."""
+        key = dataclasses.replace(self._pending[0].params, seed=None)
+        batch = [r for r in self._pending if dataclasses.replace(r.params, seed=None) == key][:self.max_batch]
+        taken = {id(r) for r in batch}
+        self._pending = [r for r in self._pending if id(r) not in taken]
+        return sorted(batch, key=lambda r: len(r.tokens))
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._pending:
+                    return
+                full = len(self._pending) >= self.max_batch
+            if not full:
+                time.sleep(self.linger_s)
+            with self._cond:
+                batch = self._take()
+            start = time.perf_counter()
+            try:
+                gens = self.engine.generate([r.tokens for r in batch], batch[0].params)
+                error = None
+            except Exception as exc:  # handed to every waiting episode, never lost in this thread
+                gens, error = [], exc
+            self.timeline.add("generate", "engine", start, time.perf_counter(), batch=len(batch))
+            self.batches += 1
+            for i, r in enumerate(batch):
+                self.loop.call_soon_threadsafe(_settle, r.future, None if error else gens[i], error)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def run_episodes_async(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: SamplingParams,
+                       make_env: Callable[[], Any], fmt: TurnFormat, limits: EpisodeLimits,
+                       loop: asyncio.AbstractEventLoop, max_concurrency: int = 64, max_batch: int = 64,
+                       target_groups: Optional[int] = None, timeline: Optional[Timeline] = None,
+                       timeout_s: float = 3600.0) -> tuple[list[Episode], dict[str, float]]:
+    """`n` episodes per task, concurrently; returns them all (dropped / aborted included) and
+    the scheduling metrics (engine busy fraction, aborted count, episodes' wall time)."""
+    timeline = timeline or Timeline()
+    start = time.perf_counter()
+    episodes = asyncio.run_coroutine_threadsafe(
+        _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_concurrency, max_batch, target_groups,
+                 timeline), loop).result(timeout_s)
+    wall = time.perf_counter() - start
+    busy = timeline.busy("engine", start, start + wall)
+    stats = {"sched/engine_busy": busy / max(wall, 1e-9), "sched/wall_s": wall,
+             "sched/aborted": float(sum(e.status == "aborted" for e in episodes)), **episode_metrics(episodes)}
+    return episodes, stats
+
+
+async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_concurrency, max_batch, target_groups,
+                   timeline) -> list[Episode]:
+    batcher = BatchingEngine(engine, loop, max_batch=max_batch, timeline=timeline)
+    slots = asyncio.Semaphore(max_concurrency)
+    done_per_group = [0] * len(tasks)
+    complete = asyncio.Event()
+    episodes = [Episode(g, fmt.encode(fmt.prompt(task["instruction"])), [], [], "stop", -1)
+                for g, task in enumerate(tasks) for _ in range(n)]
+
+    async def one(k: int, ep: Episode) -> None:
+        async with slots:
+            await _episode(k, ep, tasks[ep.prompt_index], batcher, params, make_env, fmt, limits, timeline)
+        done_per_group[ep.prompt_index] += 1
+        if target_groups is not None and sum(c == n for c in done_per_group) >= target_groups:
+            complete.set()
+
+    runners = [asyncio.ensure_future(one(k, ep)) for k, ep in enumerate(episodes)]
+    everything = asyncio.gather(*runners, return_exceptions=True)
+    try:
+        if target_groups is None:
+            await everything
+        else:
+            waiter = asyncio.ensure_future(complete.wait())
+            await asyncio.wait([everything, waiter], return_when=asyncio.FIRST_COMPLETED)
+            for r in runners:
+                r.cancel()
+            await asyncio.gather(*runners, return_exceptions=True)
+            waiter.cancel()
+    finally:
+        await asyncio.to_thread(batcher.close)
+    for ep, outcome in zip(episodes, [r.exception() if r.done() and not r.cancelled() else None for r in runners]):
+        if outcome is not None:
+            raise outcome
+    for ep in episodes:  # a group cut short is left out whole (its baseline would be biased)
+        if done_per_group[ep.prompt_index] < n or ep.status == "aborted":
+            ep.status, ep.reward = "aborted", 0.0
+    return episodes
+
+
+async def _episode(k: int, ep: Episode, task: dict[str, Any], batcher: BatchingEngine, params: SamplingParams,
+                   make_env: Callable[[], Any], fmt: TurnFormat, limits: EpisodeLimits, timeline: Timeline) -> None:
+    from megatron_rl.envs.base import InfrastructureError
+
+    env, track, started = make_env(), f"episode {k:03d}", time.monotonic()
+    try:
+        with timeline.span("reset", track):
+            await env.reset(task)
+        while not ep.status:
+            seed = None if params.seed is None else params.seed * 1009 + k * 131 + ep.num_turns
+            with timeline.span("generate (queued + batched)", track):
+                gen = await batcher.generate(ep.prompt_tokens + ep.output_ids, turn_sampling(params, fmt, seed))
+            closed, text = take_turn(ep, gen, fmt, limits)
+            with timeline.span("environment", track):
+                observation, done = await env.step(text)
+            after_step(ep, observation, done, closed, fmt, limits, started)
+        with timeline.span("reward", track):
+            ep.reward = float(await env.evaluate())
+        ep.info = dict(getattr(env, "info", {}))
+    except InfrastructureError as err:
+        logger.warning("episode %d of task %d dropped: %s", k, ep.prompt_index, err)
+        ep.status, ep.reward = "dropped", 0.0
+        ep.infra_errors += 1
+    except asyncio.CancelledError:
+        ep.status, ep.reward = "aborted", 0.0  # cut as a straggler: not trained on, counted
+    finally:
+        ep.model_errors = getattr(env, "model_errors", 0)
+        ep.infra_errors += getattr(env, "infra_errors", 0)
+        try:
+            await env.close()
+        except Exception:  # closing a session of a dead server: nothing left to free
+            pass

@@ -1,0 +1,178 @@
+"""Asynchronous episodes (rollout/scheduler.py): generation overlaps environment waits,
+stragglers are cut once enough groups are complete, results equal the lockstep driver's
+on a real sandbox task, and the timeline exports a Chrome trace."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from megatron_rl.data.tokenizer import load_tokenizer
+from megatron_rl.envs import make_environment
+from megatron_rl.observability.timeline import Timeline
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes
+from megatron_rl.rollout.scheduler import run_episodes_async
+from megatron_rl.rollout.scripted import ScriptedPolicy
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+LIMITS = EpisodeLimits(max_turns=8, max_tokens=4096, wall_time_s=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin:char")
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+
+
+class SlowScript(ScriptedPolicy):
+    """A scripted policy whose generate call takes `cost_s` per call (like a model)."""
+
+    def __init__(self, *args, cost_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cost_s, self.calls, self.sizes = cost_s, 0, []
+
+    def generate(self, prompts, params):
+        time.sleep(self.cost_s)
+        self.calls += 1
+        self.sizes.append(len(prompts))
+        return super().generate(prompts, params)
+
+
+def _tasks(num, latency):
+    return [{"id": f"t{i}", "instruction": f"task {i}", "answer": "done", "latency": latency} for i in range(num)]
+
+
+def test_generation_overlaps_environment_waits(tokenizer, loop):
+    fmt = TurnFormat(tokenizer, "sys")
+    policy = SlowScript(tokenizer, ["step", "step", "done"], end_of_turn=fmt.end_of_turn, cost_s=0.05)
+    timeline = Timeline()
+    env = lambda: make_environment("synthetic", min_latency_s=0.2, max_latency_s=0.4, turns=3)  # noqa: E731
+    episodes, stats = run_episodes_async(policy, _tasks(8, 0.3), 2, SamplingParams(max_new_tokens=64), env, fmt,
+                                         LIMITS, loop, max_concurrency=16, timeline=timeline)
+    assert len(episodes) == 16 and all(e.status == "submitted" and e.reward == 1.0 for e in episodes)
+    assert [e.prompt_index for e in episodes] == sorted(e.prompt_index for e in episodes)
+    # Sequentially, 16 episodes x 3 tool calls of >= 0.2 s take >= 9.6 s; concurrently about 3 x 0.4 s.
+    assert stats["sched/wall_s"] < 4.0
+    assert max(policy.sizes) > 1 and policy.calls < 16 * 3  # requests were batched
+    generate = [e for e in timeline.events if e["track"] == "engine"]
+    waiting = [e for e in timeline.events if e["name"] == "environment"]
+    overlaps = [g for g in generate if any(w["start"] < g["start"] < w["end"] for w in waiting)]
+    assert overlaps, "no generation ran while an environment call was pending"
+    trace = json.loads(_trace(timeline))
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"generate", "environment", "reward"}
+
+
+def _trace(timeline):
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    timeline.to_chrome_trace(path)
+    return path.read_text()
+
+
+def test_stragglers_are_cut_when_enough_groups_finished(tokenizer, loop):
+    fmt = TurnFormat(tokenizer, "sys")
+    policy = SlowScript(tokenizer, ["a", "b"], end_of_turn=fmt.end_of_turn, cost_s=0.0)
+    latencies = {0: 0.05, 1: 0.05, 2: 5.0}  # task 2 is the long tail
+
+    class Env:
+        def __init__(self):
+            self.inner = None
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    def make_env():
+        holder = Env()
+
+        async def reset(task):
+            lat = latencies[int(task["id"][1:])]
+            holder.inner = make_environment("synthetic", min_latency_s=lat, max_latency_s=lat, turns=2)
+            return await holder.inner.reset(task)
+        holder.reset = reset
+        return holder
+
+    start = time.monotonic()
+    episodes, stats = run_episodes_async(policy, _tasks(3, 0), 2, SamplingParams(max_new_tokens=16), make_env, fmt,
+                                         LIMITS, loop, target_groups=2)
+    assert time.monotonic() - start < 4.0  # did not wait for the 2 x 5 s straggler
+    assert [e.status for e in episodes] == ["submitted"] * 4 + ["aborted"] * 2
+    assert stats["sched/aborted"] == 2.0
+
+
+def test_async_and_lockstep_agree_on_a_sandbox_task(tokenizer, loop):
+    from megatron_rl.config import TaskConfig
+    from megatron_rl.data.agent_tasks import function_tasks
+    from megatron_rl.data.tasks import Task
+    from megatron_rl.envs.tools import format_tool_call
+    from megatron_rl.rewards.service import RewardService
+    from tests.integration.sandbox_servers import runtime_args, start_server
+
+    if runtime_args("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    server = start_server("bwrap")
+    service = RewardService(Task(TaskConfig(type="agent", num_train=1, num_eval=0), tokenizer)
+                            .verifier_factory([server.address]))
+    try:
+        tasks = function_tasks(3, seed=1)  # three different functions: the instruction tells them apart
+        fmt = TurnFormat(tokenizer, "sys")
+        solve = lambda conv: next(format_tool_call("write", path=p, content=c)  # noqa: E731
+                                  for t in tasks if t["instruction"] in conv for p, c in t["reference"].items())
+        turns = [solve, format_tool_call("test"), format_tool_call("submit")]
+        params = SamplingParams(max_new_tokens=1 << 16)
+        lockstep = run_episodes(ScriptedPolicy(tokenizer, turns, end_of_turn=fmt.end_of_turn), tasks, 2, params,
+                                service.verifier.make_env, fmt, LIMITS, service.loop)
+        concurrent, _ = run_episodes_async(ScriptedPolicy(tokenizer, turns, end_of_turn=fmt.end_of_turn), tasks, 2,
+                                           params, service.verifier.make_env, fmt, LIMITS, service.loop)
+    finally:
+        service.close()
+        server.stop()
+    assert [e.reward for e in lockstep] == [e.reward for e in concurrent] == [1.0] * 6
+    assert [e.output_ids for e in lockstep] == [e.output_ids for e in concurrent]
+    assert [e.model_mask for e in lockstep] == [e.model_mask for e in concurrent]
+
+
+def test_rl_loop_with_async_agent_rollouts_oversampling_and_traces(tmp_path):
+    """task.type=agent with rollout.agent_scheduler=async and 50% over-sampling: every step
+    trains on exactly global_batch_size / n complete groups, the cut groups are counted, and
+    the step's Chrome trace holds the colocation phases, generation batches and episodes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task.type=agent",
+            "task.environment=synthetic", "task.num_train=16", "task.num_eval=0", "task.sft_warmup_steps=0",
+            "task.max_episode_tokens=500", "task.system_prompt=Use tools.", "num_steps=2", "global_batch_size=8",
+            "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=16", "rollout.agent_scheduler=async",
+            "rollout.oversample=0.5", "logging.trace_every=1", "logging.progress=false", "sandbox.runtime=process",
+            "sandbox.allow_unisolated=true", f"run_dir={run_dir}"]
+    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
+                          capture_output=True, text=True, timeout=250)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["filter/kept_samples"] == 8  # 4 complete groups of 2, every step
+        assert r["sched/groups_cut"] == 2 and 0 < r["sched/engine_busy"] <= 1
+    trace = json.loads((run_dir / "traces" / "step_00000001.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {"phases", "engine"} <= names and any(n.startswith("episode") for n in names)
+    phases = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"sync_weights", "generate", "train", "environment", "reward"} <= phases
