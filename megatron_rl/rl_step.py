@@ -71,7 +71,7 @@ def _generate(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[l
     target = groups - round(groups * r.oversample / (1 + r.oversample)) if r.oversample else None
     return collect_episodes(parts["engine"], prompts, params, parts["rewards"], rt.groups, parts["turn_format"],
                             limits, r.agent_scheduler, r.max_concurrent_episodes, target,
-                            parts["controller"].timeline)
+                            parts["controller"].timeline, r.step_deadline_s)
 
 
 def _advantages(rewards: torch.Tensor, rollouts: list[Rollout], estimator: str) -> torch.Tensor:
@@ -139,7 +139,8 @@ def select_samples(cfg, rollouts: list[Rollout], rewards: torch.Tensor) -> tuple
     """Keep mask [N] after the zero-variance and overlong filters, and what each dropped."""
     from megatron_rl.algorithms.filters import overlong, zero_variance_groups
 
-    keep = torch.tensor([getattr(r, "status", "") not in ("dropped", "aborted") for r in rollouts], dtype=torch.bool)
+    lost = ("dropped", "aborted", "deadline")  # sandbox failure, cut straggler, past the step deadline
+    keep = torch.tensor([getattr(r, "status", "") not in lost for r in rollouts], dtype=torch.bool)
     stats = {"filter/dropped_episodes": float((~keep).sum())} if not keep.all() else {}
     if cfg.algorithm.filter_zero_variance:
         informative = zero_variance_groups(rewards, torch.tensor([r.prompt_index for r in rollouts]))
@@ -198,9 +199,28 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     metrics.update(_maintain(rt, parts, step, rollouts))
     if any(e["track"] == "engine" for e in timeline.events):  # the step's engine time, training included
         metrics["sched/step_engine_busy"] = timeline.busy("engine") / max(time.perf_counter() - timeline.origin, 1e-9)
+    metrics.update(_sandbox_metrics(parts))
     if cfg.logging.trace_every and step % cfg.logging.trace_every == 0 and rt.is_main:
         timeline.to_chrome_trace(rt.run_dir / "traces" / f"step_{step:08d}.json")
     return metrics
+
+
+def _sandbox_client(parts: dict) -> Any:
+    return getattr(parts["rewards"].verifier, "client", None)
+
+
+def _sandbox_metrics(parts: dict) -> dict[str, float]:
+    """Queue depth, waits and back-pressure per priority class, from the sandbox client."""
+    import asyncio
+
+    client = _sandbox_client(parts)
+    if client is None or not hasattr(client, "metrics"):
+        return {}
+    try:
+        return asyncio.run_coroutine_threadsafe(client.metrics(), parts["rewards"].loop).result(10)
+    except Exception as err:  # metrics must never stop training
+        logger.debug("sandbox metrics unavailable: %s", err)
+        return {}
 
 
 def _maintain(rt, parts: dict, step: int, rollouts: list[Rollout]) -> dict[str, float]:
@@ -253,7 +273,15 @@ def evaluation_records(rt, parts: dict, repeat: int = 0) -> tuple[list[dict[str,
     training-time evaluation draws; offline evaluation's further seeds are repeats 1, 2, ..."""
     cfg, prompts = rt.cfg, parts["eval"]
     params = _sampling(cfg, parts, cfg.task.eval_samples, seed=cfg.seed * 7 + 1 + 7919 * repeat)
-    rollouts, _ = parts["controller"].rollout(lambda: _generate(rt, parts, prompts, params))
+    client = _sandbox_client(parts)
+    trained_as = getattr(client, "priority_class", None)
+    if trained_as is not None:  # evaluation traffic is its own class at the sandbox (weighted fair queueing)
+        client.priority_class = "evaluation"
+    try:
+        rollouts, _ = parts["controller"].rollout(lambda: _generate(rt, parts, prompts, params))
+    finally:
+        if trained_as is not None:
+            client.priority_class = trained_as
     return records_from_rollouts(prompts, rollouts, parts["task"].reward_scale_of), rollouts
 
 

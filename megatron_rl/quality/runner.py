@@ -53,6 +53,7 @@ class Runner:
         self.fmt = TurnFormat(tokenizer, "Use the tools.")
         host = Task(TaskConfig(type="agent", environment=environment, num_train=1, num_eval=0), tokenizer)
         self.service = RewardService(host.verifier_factory(list(addresses)))
+        self.service.verifier.client.priority_class = "quality"  # below training and evaluation at the sandbox
 
     def close(self) -> None:
         self.service.close()

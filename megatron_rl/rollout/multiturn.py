@@ -52,7 +52,7 @@ class Episode(Rollout):
 
     model_mask: list[int] = dataclasses.field(default_factory=list)  # per output token: 1 = model's
     num_turns: int = 0
-    status: str = ""  # submitted | max_turns | max_tokens | wall_time | dropped
+    status: str = ""  # submitted | max_turns | max_tokens | wall_time | dropped | aborted (cut) | deadline
     model_errors: int = 0
     infra_errors: int = 0
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -217,7 +217,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
            "agent/infra_errors": float(sum(e.infra_errors for e in episodes)),
            "agent/hacking_flagged": float(sum(bool(e.info.get("tampered") or e.info.get("hardcoded"))
                                               for e in episodes))}
-    for status in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped"):
+    for status in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline"):
         out[f"agent/{status}"] = float(sum(e.status == status for e in episodes))
     return out
 
@@ -228,7 +228,7 @@ def first_mp_rank(groups: Optional[Any]) -> bool:
 
 def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_service: Any, groups: Any,
                      fmt: TurnFormat, limits: EpisodeLimits, scheduler: str = "lockstep", max_concurrency: int = 64,
-                     target_groups: Optional[int] = None, timeline: Any = None
+                     target_groups: Optional[int] = None, timeline: Any = None, deadline_s: Optional[float] = None
                      ) -> tuple[list[Episode], dict[str, float]]:
     """`collect()` for agent tasks: each data-parallel rank runs its share of the episodes
     (prompt.meta is the task), on its first model-parallel rank; everyone gets all of them.
@@ -249,9 +249,11 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
             from megatron_rl.rollout.scheduler import run_episodes_async
 
             local_target = None if target_groups is None else -(-target_groups * len(mine) // len(prompts))
+            client = getattr(verifier, "client", None)
             local, stats = run_episodes_async(engine, tasks, params.n, params, verifier.make_env, fmt, limits,
                                               reward_service.loop, max_concurrency=max_concurrency,
-                                              target_groups=local_target, timeline=timeline)
+                                              target_groups=local_target, timeline=timeline, deadline_s=deadline_s,
+                                              backpressure=getattr(client, "backpressure", None))
         else:
             local = run_episodes(engine, tasks, params.n, params, verifier.make_env, fmt, limits, reward_service.loop)
         for episode in local:

@@ -12,6 +12,8 @@ tool call or a reward the engine generates for the others.
   all their episodes finished, the remaining (straggler) episodes are aborted: their
   environments are closed, they are returned with status "aborted" and left out of the
   batch, and counted.
+- A step deadline stops the episodes still running (status "deadline", counted); the
+  sandbox's back-pressure (its queue fill) holds new episodes back while it is high.
 - Sampling seeds: a batch is seeded from its first request's seed; which requests share a
   batch depends on timing, so sampled tokens are not reproducible run to run in this mode
   (the lockstep driver in multiturn.py is, and stays the default).
@@ -114,23 +116,52 @@ def run_episodes_async(engine: Any, tasks: Sequence[dict[str, Any]], n: int, par
                        make_env: Callable[[], Any], fmt: TurnFormat, limits: EpisodeLimits,
                        loop: asyncio.AbstractEventLoop, max_concurrency: int = 64, max_batch: int = 64,
                        target_groups: Optional[int] = None, timeline: Optional[Timeline] = None,
-                       timeout_s: float = 3600.0) -> tuple[list[Episode], dict[str, float]]:
+                       deadline_s: Optional[float] = None, backpressure: Optional[Callable[[], Any]] = None,
+                       max_backpressure: float = 0.8, timeout_s: float = 3600.0
+                       ) -> tuple[list[Episode], dict[str, float]]:
     """`n` episodes per task, concurrently; returns them all (dropped / aborted included) and
-    the scheduling metrics (engine busy fraction, aborted count, episodes' wall time)."""
+    the scheduling metrics (engine busy fraction, aborted count, episodes' wall time).
+
+    `deadline_s`: episodes still running then are stopped (status "deadline") and the step
+    goes on with what completed. `backpressure`: an async callable returning the sandbox's
+    load in [0, 1] (`SandboxClient.backpressure`); no new episode starts while it exceeds
+    `max_backpressure` (episodes already running continue)."""
     timeline = timeline or Timeline()
     start = time.perf_counter()
+    policy = _Admission(target_groups, deadline_s, backpressure, max_backpressure)
     episodes = asyncio.run_coroutine_threadsafe(
-        _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_concurrency, max_batch, target_groups,
+        _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_concurrency, max_batch, policy,
                  timeline), loop).result(timeout_s)
     wall = time.perf_counter() - start
     busy = timeline.busy("engine", start, start + wall)
     stats = {"sched/engine_busy": busy / max(wall, 1e-9), "sched/wall_s": wall,
-             "sched/aborted": float(sum(e.status == "aborted" for e in episodes)), **episode_metrics(episodes)}
+             "sched/aborted": float(sum(e.status == "aborted" for e in episodes)),
+             "sched/deadline": float(sum(e.status == "deadline" for e in episodes)),
+             "sched/backpressure_wait_s": policy.waited_s, **episode_metrics(episodes)}
     return episodes, stats
 
 
-async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_concurrency, max_batch, target_groups,
-                   timeline) -> list[Episode]:
+@dataclasses.dataclass
+class _Admission:
+    target_groups: Optional[int]
+    deadline_s: Optional[float]
+    backpressure: Optional[Callable[[], Any]]
+    max_backpressure: float
+    waited_s: float = 0.0
+
+    async def wait_for_room(self) -> None:
+        if self.backpressure is None:
+            return
+        start, delay = time.perf_counter(), 0.05
+        while await self.backpressure() > self.max_backpressure:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        self.waited_s += time.perf_counter() - start
+
+
+async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_concurrency, max_batch,
+                   policy: _Admission, timeline) -> list[Episode]:
+    target_groups = policy.target_groups
     batcher = BatchingEngine(engine, loop, max_batch=max_batch, timeline=timeline)
     slots = asyncio.Semaphore(max_concurrency)
     done_per_group = [0] * len(tasks)
@@ -140,6 +171,7 @@ async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_co
 
     async def one(k: int, ep: Episode) -> None:
         async with slots:
+            await policy.wait_for_room()
             await _episode(k, ep, tasks[ep.prompt_index], batcher, params, make_env, fmt, limits, timeline)
         done_per_group[ep.prompt_index] += 1
         if target_groups is not None and sum(c == n for c in done_per_group) >= target_groups:
@@ -148,22 +180,25 @@ async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_co
     runners = [asyncio.ensure_future(one(k, ep)) for k, ep in enumerate(episodes)]
     everything = asyncio.gather(*runners, return_exceptions=True)
     try:
-        if target_groups is None:
-            await everything
-        else:
-            waiter = asyncio.ensure_future(complete.wait())
-            await asyncio.wait([everything, waiter], return_when=asyncio.FIRST_COMPLETED)
-            for r in runners:
-                r.cancel()
-            await asyncio.gather(*runners, return_exceptions=True)
-            waiter.cancel()
+        waiter = asyncio.ensure_future(complete.wait())
+        await asyncio.wait([everything, waiter], timeout=policy.deadline_s, return_when=asyncio.FIRST_COMPLETED)
+        late = not everything.done() and not complete.is_set()  # the deadline passed first
+        for r in runners:
+            r.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
+        waiter.cancel()
+        if late:
+            for ep in episodes:
+                if ep.status == "aborted":
+                    ep.status = "deadline"
     finally:
         await asyncio.to_thread(batcher.close)
     for ep, outcome in zip(episodes, [r.exception() if r.done() and not r.cancelled() else None for r in runners]):
         if outcome is not None:
             raise outcome
     for ep in episodes:  # a group cut short is left out whole (its baseline would be biased)
-        if done_per_group[ep.prompt_index] < n or ep.status == "aborted":
+        if target_groups is not None and ep.status != "deadline" and (done_per_group[ep.prompt_index] < n
+                                                                     or ep.status == "aborted"):
             ep.status, ep.reward = "aborted", 0.0
     return episodes
 

@@ -230,7 +230,8 @@ def test_rl_loop_on_agent_tasks(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
-        ended = sum(r[f"agent/{s}"] for s in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped"))
+        ended = sum(r[f"agent/{s}"] for s in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped",
+                                                "aborted", "deadline"))
         assert ended == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
         assert 1 <= r["agent/turns_mean"] <= 3 and r["num_tokens"] > 0
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"

@@ -176,3 +176,36 @@ def test_rl_loop_with_async_agent_rollouts_oversampling_and_traces(tmp_path):
     assert {"phases", "engine"} <= names and any(n.startswith("episode") for n in names)
     phases = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"sync_weights", "generate", "train", "environment", "reward"} <= phases
+
+
+def test_step_deadline_keeps_what_completed_and_backpressure_holds_new_episodes(tokenizer, loop):
+    fmt = TurnFormat(tokenizer, "sys")
+    policy = SlowScript(tokenizer, ["a", "b"], end_of_turn=fmt.end_of_turn, cost_s=0.0)
+
+    def make_env():
+        env = make_environment("synthetic", min_latency_s=0.05, max_latency_s=0.05, turns=2)
+        reset = env.reset
+
+        async def slow_for_task_1(task):
+            if task["id"] == "t1":
+                env.min_latency_s = env.max_latency_s = 10.0
+            return await reset(task)
+        env.reset = slow_for_task_1
+        return env
+
+    start = time.monotonic()
+    episodes, stats = run_episodes_async(policy, _tasks(3, 0), 2, SamplingParams(max_new_tokens=16), make_env, fmt,
+                                         LIMITS, loop, deadline_s=1.5)
+    assert time.monotonic() - start < 4.0
+    assert [e.status for e in episodes] == ["submitted", "submitted", "deadline", "deadline", "submitted",
+                                            "submitted"]
+    assert stats["sched/deadline"] == 2.0 and stats["agent/deadline"] == 2.0
+
+    opened = time.monotonic() + 0.6
+
+    async def backpressure():  # the sandbox reports a full queue for the first 0.6 s
+        return 1.0 if time.monotonic() < opened else 0.1
+
+    episodes, stats = run_episodes_async(policy, _tasks(2, 0), 1, SamplingParams(max_new_tokens=16), make_env, fmt,
+                                         LIMITS, loop, backpressure=backpressure)
+    assert all(e.status == "submitted" for e in episodes) and stats["sched/backpressure_wait_s"] >= 0.5
