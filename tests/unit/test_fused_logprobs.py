@@ -6,9 +6,10 @@ fp32 on fp32 inputs, so tolerances are fp32 rounding of the sums involved: logit
 O(5), a log-sum-exp over V <= 101 terms loses ~1e-6, we allow 2e-5 on log-probs and entropies
 and 1e-4 on gradients (sums over up to T * V terms of O(1)).
 
-The memory test measures peak resident memory in a fresh subprocess per path
-(`resource.getrusage(RUSAGE_SELF).ru_maxrss`, which sees torch's CPU allocations, unlike
-tracemalloc), as the increase over the high-water mark reached after the inputs exist.
+The memory test measures peak resident memory in a fresh subprocess per path: the kernel's
+resident-set high-water mark (VmHWM in /proc/self/status, which sees torch's CPU allocations,
+unlike tracemalloc), reset to the current RSS through /proc/self/clear_refs once the inputs
+exist, minus that RSS.
 """
 
 from __future__ import annotations
@@ -200,20 +201,23 @@ def test_triton_kernels_in_the_interpreter_equal_the_reference():
 
 
 _MEASURE = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
 from megatron_rl_kernels import fused_logprobs, naive_logprobs
 path, T, V, H = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 g = torch.Generator().manual_seed(0)
 hidden = torch.randn(T, H, generator=g).requires_grad_()
 weight = (torch.randn(V, H, generator=g) * 0.1).requires_grad_()
 targets = torch.randint(0, V, (T,), generator=g)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status_kb(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
+open("/proc/self/clear_refs", "w").write("5")  # high-water mark := current RSS
+base = status_kb("VmRSS:")
 start = time.perf_counter()
 fn = fused_logprobs if path == "fused" else naive_logprobs
 lp, ent = fn(hidden, weight, targets, with_entropy=True)
 (lp.sum() + ent.sum()).backward()
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = status_kb("VmHWM:")
 out = dict(extra_bytes=(peak - base) * 1024, seconds=seconds)
 if path == "fused":  # the naive forward, 1024 tokens at a time (rows are independent), for equality
     with torch.no_grad():
@@ -245,7 +249,7 @@ def test_peak_memory_8k_tokens_150k_vocab_is_at_most_a_quarter_of_naive():
         in T (every buffer it holds is [T, V]), scaled to T=8192: the fused peak is far below
         a quarter of that too.
     Equality at full size: fused log-probs and entropies against the naive forward run over
-    1024-token slices (softmax rows are independent, so that is the naive result).
+    1024-token slices (softmax rows are independent, so that is the naive result), within 1e-4.
     """
     T, V, H = 8192, 150_000, 64
     fused = _measure("fused", T, V, H)
@@ -256,4 +260,6 @@ def test_peak_memory_8k_tokens_150k_vocab_is_at_most_a_quarter_of_naive():
     assert 1.8 <= naive_1024["extra_bytes"] / naive_512["extra_bytes"] <= 2.2, (naive_512, naive_1024)
     naive_extrapolated = naive_1024["extra_bytes"] * T / 1024
     assert fused["extra_bytes"] * 4 <= naive_extrapolated
-    assert fused["lp_diff"] < 2e-5 and fused["ent_diff"] < 2e-5, fused
+    # Log-probs and entropies here are ~12 (log 150000) and sum 150000 terms in another order:
+    # fp32 rounding reaches ~2e-5 (seen: entropy 1.9e-5), so 1e-4 (relative ~1e-5).
+    assert fused["lp_diff"] < 1e-4 and fused["ent_diff"] < 1e-4, fused
