@@ -111,13 +111,23 @@ class ModelConfig:
     chunk (megatron_rl_kernels.fused_logprobs), without forming [tokens, vocab] logits; equal to
     the naive path (false: logits from the output layer, then log-softmax) up to summation order."""
 
+    recompute: str = "none"
+    """Activation recomputation (Megatron's recompute_granularity): none, selective (recompute the
+    core attention in the backward pass: the [heads, seq, seq] activations are not kept) or full
+    (recompute whole transformer layers: keeps only each layer's input; see recompute_num_layers)."""
+    recompute_num_layers: int = 1
+    """recompute=full: layers per recomputed block (Megatron's uniform recompute_method)."""
+
     FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+    RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
     MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
     DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
 
     def __post_init__(self) -> None:
         _check_choice("model.family", self.family, self.FAMILIES)
         _check_choice("model.dtype", self.dtype, self.DTYPES)
+        _check_choice("model.recompute", self.recompute, self.RECOMPUTE)
+        _check_min("model.recompute_num_layers", self.recompute_num_layers, 1)
         if not self.tokenizer:
             raise _invalid("model.tokenizer", self.tokenizer, "must be builtin:char or a HF tokenizer directory")
         if self.tokenizer.startswith("builtin:") and self.tokenizer not in BUILTIN_TOKENIZERS:

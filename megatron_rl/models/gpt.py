@@ -72,8 +72,20 @@ def transformer_config(model_cfg: Any, groups: ParallelGroups, *, deterministic:
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
         deterministic_mode=deterministic and on_gpu,
+        **_recompute_fields(model_cfg),
         **_moe_fields(model_cfg, groups),
     )
+
+
+def _recompute_fields(model_cfg: Any) -> dict[str, Any]:
+    """TransformerConfig's activation-recomputation fields for `model.recompute`."""
+    mode = getattr(model_cfg, "recompute", "none")
+    if mode == "none":
+        return {}
+    if mode == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": "uniform",
+            "recompute_num_layers": model_cfg.recompute_num_layers}
 
 
 def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
