@@ -1,0 +1,108 @@
+"""Training-step throughput: tokens/s of `Trainer.train_step` (policy-gradient loss, packed
+micro-batches) for the baseline path (logits from the output layer, then log-softmax) and
+the variants, side by side in the same run, as ratios; MFU on GPU.
+
+    python benchmarks/train_step.py [--model tiny_qwen2] [--samples 32] [--length 256] [--steps 5]
+        [--device cpu|cuda] [--peak-tflops 989]
+
+Variants: fused log-probs (model.fused_logprobs=true), full activation recomputation
+(model.recompute=full). MFU = 6 * parameters * tokens / time / peak (the dense-transformer
+estimate that ignores attention's quadratic term; `--peak-tflops` is the device's dense
+bf16 peak, 989 for an H100/H200 SXM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny_qwen2")
+    p.add_argument("--samples", type=int, default=32)
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--micro-batch-tokens", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (ffn = 3x)")
+    p.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    args = p.parse_args()
+
+    from omegaconf import OmegaConf
+
+    from megatron_rl.algorithms.objective import make_policy_loss_fn
+    from megatron_rl.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.core import Trainer, TrainerOptions
+    from megatron_rl.trainer.packing import Sample
+
+    fields = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model" /
+                                                   f"{args.model}.yaml"))
+    fields = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__ and k != "path"}
+    fields["tokenizer"] = "builtin:char"
+    fields["dtype"] = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.hidden:
+        fields.update(hidden_size=args.hidden, ffn_hidden_size=3 * args.hidden)
+    if args.layers:
+        fields["num_layers"] = args.layers
+    base = ModelConfig(**fields)
+    device = torch.device(args.device)
+    mdist.init_distributed(mdist.dist_env_from({}), device)
+    groups = state.initialize(1, 1, device=device)
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(args.samples):
+        tokens = torch.randint(0, base.vocab_size, (args.length,), generator=gen)
+        n = args.length - 1
+        extras = {"advantages": torch.randn(n, generator=gen), "old_logprobs": torch.full((n,), -5.0),
+                  "rollout_logprobs": torch.full((n,), -5.0)}
+        samples.append(Sample(tokens, torch.ones(n), extras))
+    loss_fn = make_policy_loss_fn(AlgorithmConfig())
+    variants = {"baseline (logits + log-softmax)": dict(fused_logprobs=False),
+                "fused log-probs": dict(fused_logprobs=True),
+                "recompute=full": dict(fused_logprobs=False, recompute="full")}
+    results = {}
+    for name, change in variants.items():
+        cfg = dataclasses.replace(base, **change)
+        trainer = Trainer(cfg, OptimizerConfig(lr=1e-5), groups,
+                          TrainerOptions(micro_batch_tokens=args.micro_batch_tokens))
+        trainer.initialize_weights()
+        params = sum(p.numel() for p in trainer.module.parameters())
+        trainer.train_step(samples, loss_fn)  # warm-up
+        times = []
+        for _ in range(args.steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            trainer.train_step(samples, loss_fn)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        step = statistics.median(times)
+        tokens = args.samples * args.length
+        results[name] = (step, tokens / step, 6 * params * tokens / step / (args.peak_tflops * 1e12))
+        del trainer
+    print(f"{args.model}: {params / 1e6:.1f}M parameters, {args.samples} x {args.length} tokens per step, "
+          f"device {args.device}, {fields['dtype']}, median of {args.steps} steps")
+    base_tps = next(iter(results.values()))[1]
+    for name, (step, tps, mfu) in results.items():
+        line = f"{name:34s} {step * 1e3:9.1f} ms/step {tps:11.0f} tokens/s  x{tps / base_tps:.2f}"
+        if device.type == "cuda":
+            line += f"  MFU {mfu:.1%}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
