@@ -1,7 +1,8 @@
 """The phases of one RL step, the warm start and evaluation, called from `train.py`.
 
 rl_step: sample prompts -> colocated rollout (sync + generate, rewards computed as chunks
-finish; with dynamic sampling, more rounds until enough groups carry a signal) -> reward
+finish; with dynamic sampling, more rounds until enough groups carry a signal; or, with
+rollout.mode=disaggregated, publish weights and take groups from the experience buffer) -> reward
 shaping (overlong penalty) -> group advantages -> sample filters (zero-variance groups,
 overlong responses) -> old log-probs (recomputed or the engine's) -> policy update(s).
 """
@@ -165,7 +166,10 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     controller, verifier = parts["controller"], parts["rewards"].verifier
     calls_before, errors_before = getattr(verifier, "calls", 0), getattr(verifier, "errors", 0)
     controller.timeline = timeline = Timeline()  # this step's phases, generation batches, environment waits
-    rollouts, timing = generate_groups(rt, parts, step)
+    if cfg.rollout.mode == "disaggregated":  # groups from the generators' experience buffer (megatron_rl/disagg/)
+        rollouts, timing = controller.step_rollouts(rt, parts, step)
+    else:
+        rollouts, timing = generate_groups(rt, parts, step)
     rewards = _shaped_rewards(cfg, rollouts)
     joint = parts.get("domains")  # multi-domain runs: per-domain calibration before the advantages
     advantages = _advantages(joint.advantage_rewards(rewards, rollouts) if joint else rewards, rollouts,

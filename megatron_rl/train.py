@@ -29,9 +29,11 @@ def check_train_config(cfg) -> None:
 
     if cfg.mode == "sft":
         return check_sft_config(cfg)
+    from megatron_rl.disagg.controller import check_disaggregated_config
     from megatron_rl.rollout.factory import check_engine_config, job_shape
 
     check_engine_config(cfg, *job_shape(cfg))
+    check_disaggregated_config(cfg)
     if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
                           f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}")
@@ -77,6 +79,10 @@ def build(rt):
     rewards = RewardService(task.verifier_factory(addresses))
     train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
     sampler = make_sampler(task, train_prompts, cfg.seed)
+    if cfg.rollout.mode == "disaggregated":  # generator processes + experience buffer; evaluation stays colocated
+        from megatron_rl.disagg.controller import DisaggregatedController
+
+        controller = DisaggregatedController(rt, controller, train_prompts, sampler, task.stop_token_ids, addresses)
     return dict(tokenizer=tokenizer, task=task, trainer=trainer, engine=engine, controller=controller,
                 rewards=rewards, loss_fn=make_policy_loss_fn(cfg.algorithm), train=train_prompts, eval=eval_prompts,
                 sampler=sampler, domains=make_joint(cfg, task, sampler),
@@ -105,6 +111,8 @@ def run_rl(rt) -> dict[str, float]:
         if parts["env_pool"]:
             parts["env_pool"].load_state_dict(resumed["env_pool"])
         parts["controller"].version = resumed.get("weight_version", 0)
+        if cfg.rollout.mode == "disaggregated":
+            parts["controller"].load_state_dict(resumed.get("disaggregated"))
         start_step, history = resumed["rl_step"], resumed["history"]
         rt.writer.rewind(start_step)
     if cfg.algorithm.kl_coef > 0:  # reference = the policy RL started from (kept in host memory)
@@ -129,7 +137,8 @@ def run_rl(rt) -> dict[str, float]:
                 return {"sampler": parts["sampler"].state_dict(), "rl_step": step + 1, "history": history,
                         "reference": parts.get("reference"), "weight_version": parts["controller"].version,
                         "domains": parts["domains"] and parts["domains"].state_dict(),
-                        "env_pool": parts["env_pool"] and parts["env_pool"].state_dict()}
+                        "env_pool": parts["env_pool"] and parts["env_pool"].state_dict(),
+                        "disaggregated": cfg.rollout.mode == "disaggregated" and parts["controller"].state_dict()}
 
             parts["checkpoints"].after_step(step + 1, state)
             if rt.preemption.stop_agreed(step + 1, cfg.num_steps):
@@ -144,6 +153,8 @@ def finish_rl(rt, parts, history) -> None:
     from megatron_rl.observability.plots import plot_metrics
 
     parts["rewards"].close()
+    if rt.cfg.rollout.mode == "disaggregated":
+        parts["controller"].close()  # stops the generator processes
     if not rt.is_main:
         return
     rows = read_metrics(rt.run_dir / "metrics.jsonl")

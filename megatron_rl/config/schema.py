@@ -362,13 +362,32 @@ class RolloutConfig:
     step_deadline_s: Optional[float] = None
     """agent_scheduler=async: episodes still running this long after the rollout started are stopped
     (status deadline, counted) and the step trains on what completed; null: no deadline."""
+    mode: str = "colocated"
+    """colocated (every rank trains and generates, time-shared) or disaggregated (separate generator
+    processes generate while the trainer trains; experience buffer with algorithm.max_staleness;
+    see megatron_rl/disagg/ and docs/rollout.md, "Disaggregated mode")."""
+    num_generators: int = 1
+    """mode=disaggregated: generator processes, each owning one engine (started by trainer rank 0)."""
+    partial_rollout_tokens: int = 0
+    """mode=disaggregated: generate in chunks of this many tokens and apply a pending weight update
+    between chunks (the sequence continues with the new weights); 0: updates wait for whole requests."""
 
     BACKENDS: ClassVar[tuple[str, ...]] = ("hf", "sglang")
     AGENT_SCHEDULERS: ClassVar[tuple[str, ...]] = ("lockstep", "async")
     LOG_LEVELS: ClassVar[tuple[str, ...]] = ("debug", "info", "warning", "error")
+    MODES: ClassVar[tuple[str, ...]] = ("colocated", "disaggregated")
 
     def __post_init__(self) -> None:
         _check_choice("rollout.backend", self.backend, self.BACKENDS)
+        _check_choice("rollout.mode", self.mode, self.MODES)
+        _check_min("rollout.num_generators", self.num_generators, 1)
+        _check_min("rollout.partial_rollout_tokens", self.partial_rollout_tokens, 0)
+        if self.mode == "colocated":
+            for key, value, off in (("num_generators", self.num_generators, 1),
+                                    ("partial_rollout_tokens", self.partial_rollout_tokens, 0)):
+                if value != off:
+                    raise _invalid(f"rollout.{key}", value, "is a disaggregated-mode setting: set "
+                                   f"rollout.mode=disaggregated or rollout.{key}={format_value(off)}")
         _check_choice("rollout.agent_scheduler", self.agent_scheduler, self.AGENT_SCHEDULERS)
         _check_min("rollout.max_concurrent_episodes", self.max_concurrent_episodes, 1)
         _check_min("rollout.oversample", self.oversample, 0)
@@ -440,6 +459,9 @@ class AlgorithmConfig:
 
     tis_cap: float = 2.0
     """Cap of the truncated importance-sampling weight that corrects rollout/training log-prob mismatch."""
+    max_staleness: int = 1
+    """rollout.mode=disaggregated: a group generated with weight version v (its oldest token) is trained
+    on at trainer version <= v + max_staleness; older groups are dropped (counted). 0 = on-policy."""
     old_logprobs: str = "recompute"
     """recompute (the trainer's forward before the update) or rollout (the engine's log-probs)."""
     loss_norm_len: Optional[int] = None
@@ -491,6 +513,7 @@ class AlgorithmConfig:
         _check_min("algorithm.overlong_penalty", self.overlong_penalty, 0)
         _check_min("algorithm.dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds, 1)
         _check_min("algorithm.tis_cap", self.tis_cap, 1.0)
+        _check_min("algorithm.max_staleness", self.max_staleness, 0)
         if self.loss_agg_mode == "seq_mean_token_sum_norm" and not self.loss_norm_len:
             raise _invalid("algorithm.loss_norm_len", self.loss_norm_len,
                            "loss_agg_mode=seq_mean_token_sum_norm needs a constant length, e.g. rollout.max_new_tokens")

@@ -150,3 +150,50 @@ def all_reduce_cpu_scalars(values: list[float], group: Optional[dist.ProcessGrou
     t = torch.tensor(values, dtype=torch.float64, device=device or "cpu")
     dist.all_reduce(t, group=group)
     return t.tolist()
+
+
+def weight_update_store(host: str, port: int, world_size: int, is_master: bool,
+                        timeout_s: float = 600.0) -> dist.TCPStore:
+    """The rendezvous store of a weight-update group (rank 0, the trainer, hosts it)."""
+    return dist.TCPStore(host, port, world_size, is_master=is_master, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class WeightUpdateGroup:
+    """A process group of its own between the trainer's weight-owning rank (rank 0) and the
+    generator processes of disaggregated mode (ranks 1..G).
+
+    It is built directly on its own TCPStore (a `ProcessGroupGloo` / `ProcessGroupNCCL` object,
+    never registered with torch.distributed), so the default group and Megatron's groups
+    neither see nor wait for it, and a generator process never joins them. gloo on CPU, NCCL
+    on GPU (SGLang's `init_weights_update_group` builds the same kind of group). The NCCL
+    branch is not exercised on this CPU-only machine.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
+                 timeout_s: float = 600.0) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        prefixed = dist.PrefixStore("weight_update_group", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if backend_for(device) == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """In place on every member; blocks until every member has joined this broadcast."""
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self.pg.broadcast([tensor], options).wait()
+
+
+def generator_device(requested: str, index: int, num_local_trainer_ranks: int) -> torch.device:
+    """The device of disaggregated generator `index`: the CPU, or the GPU after the trainer's
+    local ranks (generator i on GPU num_local_trainer_ranks + i, modulo the visible GPUs)."""
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpu = (num_local_trainer_ranks + index) % torch.cuda.device_count()
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)

@@ -144,3 +144,20 @@ def _leader_engine(cfg: Any, groups: Any, tokenizer: Any, block: Any, work_dir: 
                          f"{block.size}: one payload per SGLang TP rank comes from each rank of the block; "
                          f"start the server with --tp-size {block.size} or set rollout.tp={tp_size}")
     return engine
+
+
+def make_standalone_engine(cfg: Any, tokenizer: Any, *, device: Any, index: int, work_dir: Path) -> Any:
+    """One `RolloutEngine` owned by a process outside the trainer's process groups (a
+    disaggregated generator): no block, no collectives; an sglang engine spans rollout.tp GPUs
+    from `device` on, as SGLang's own scheduler processes."""
+    r = cfg.rollout
+    if r.backend == "hf":
+        from megatron_rl.rollout.hf_engine import HFEngine
+
+        return HFEngine(cfg.model, device=device, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+    model_path = None if r.base_url else engine_model_dir(cfg, tokenizer.eos_token_id, work_dir / f"generator{index}")
+    return SGLangEngine(sglang_engine_config(cfg, device_type=device.type, model_path=model_path,
+                                             base_gpu_id=device.index or 0, random_seed=cfg.seed + 7919 * (index + 1)))

@@ -1,0 +1,284 @@
+"""Disaggregated mode, trainer side: generators generate while the trainer trains.
+
+`rollout.mode=disaggregated` swaps the colocation controller for `DisaggregatedController`;
+the RL step is otherwise the colocated one (`rl_step`: the same advantages, filters, old
+log-prob recomputation, truncated-IS loss and update); only where the step's rollouts come
+from changes (`step_rollouts` instead of `generate_groups`). Per step s:
+
+    publish weights v=s to the generators (weight_sync.stream.sync_weights into a BroadcastSink)
+    -> ask for the prompts of step s + max_staleness (the trainer owns the sampler)
+    -> take num_groups groups from the experience buffer (older than v - max_staleness: dropped,
+       counted, their prompts asked for again)
+    -> rl_step trains on them while the generators work on the next steps' prompts
+
+Staleness bound: prompts of step s' are sent only once the trainer has published version
+s' - k (k = algorithm.max_staleness), so every token of them is sampled with a version >= s' - k
+and, trained at step s', is at most k versions old. Groups may still be taken later than
+their step (several generators finish out of order), and `ExperienceBuffer.take` drops
+those beyond k. The buffer holds (k + 1) steps of groups, so generators block (back-pressure)
+rather than run further ahead. With k = 0 generation and training alternate (on-policy).
+
+Version v = the trainer's weights after v RL steps (0: the warm-started model). A group's
+version is that of its oldest token; with partial rollouts (rollout.partial_rollout_tokens)
+a sequence generated across a publish carries both versions, and its rollout log-probs are
+the engine's per token, which the truncated-IS weight (algorithm.tis_cap) corrects against
+the trainer's recomputed old log-probs (algorithm.old_logprobs=recompute is required).
+
+Process picture. On CPU (and one node) trainer rank 0 spawns rollout.num_generators processes
+(multiprocessing 'spawn'; megatron_rl/disagg/generator.py) during start-up, so they load while
+the warm start runs; rank 0 hosts the weight group's TCPStore and talks to them through two
+queues (requests, experience). The other trainer ranks take part in weight sync (TP gather,
+PP stages, as in colocated mode) and get the step's groups from rank 0 by broadcast. On a
+GPU node generator i uses the GPU after the trainer's local ranks (parallel.dist.generator_device),
+so a node of 8 GPUs runs e.g. 6 trainer ranks (`--ntasks-per-node=6`) and 2 generators; the
+weight group is NCCL. Generators on other nodes (separate Slurm tasks joining the same store
+over the network) are not implemented: the store listens on rank 0's loopback address.
+
+Evaluation runs on the trainer's own engine through the colocated controller (the engine is
+built as in colocated mode), with the trainer's current weights.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import multiprocessing
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
+import torch.distributed as dist
+
+from megatron_rl.disagg.buffer import ExperienceBuffer, ExperienceGroup
+from megatron_rl.disagg.events import EventLog
+from megatron_rl.rollout.base import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+STORE_HOST = "127.0.0.1"
+
+
+def check_disaggregated_config(cfg: Any) -> None:
+    """Refuse settings disaggregated mode cannot run (raises ConfigError); colocated: checks
+    that no disaggregated-only setting was changed."""
+    from megatron_rl.config import ConfigError
+
+    r, algo = cfg.rollout, cfg.algorithm
+    if r.mode != "disaggregated":
+        if algo.max_staleness != 1:
+            raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} applies to rollout.mode=disaggregated "
+                              "only: set rollout.mode=disaggregated or drop the override")
+        return
+    if cfg.task.type == "agent":
+        raise ConfigError("rollout.mode=disaggregated does not run task.type=agent yet (multi-turn episodes are "
+                          "driven by the colocated scheduler): use rollout.mode=colocated")
+    if algo.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling=true is not supported with rollout.mode=disaggregated: "
+                          "set algorithm.dynamic_sampling=false (or algorithm.filter_zero_variance=true)")
+    if algo.old_logprobs != "recompute":
+        raise ConfigError(f"algorithm.old_logprobs={algo.old_logprobs} is invalid with rollout.mode=disaggregated: "
+                          "stale rollouts need old_logprobs=recompute so that the truncated-IS weight "
+                          "(algorithm.tis_cap) corrects the rollout/trainer mismatch")
+
+
+class DisaggregatedController:
+    """Publishes weights, sends prompts and takes experience; the colocated controller's place in `parts`."""
+
+    def __init__(self, rt: Any, colocated: Any, train_prompts: list, sampler: Any, stop_token_ids: tuple[int, ...],
+                 sandbox_addresses: list[str]) -> None:
+        from megatron_rl.parallel.dist import free_port, weight_update_store
+
+        cfg = rt.cfg
+        self.cfg, self.colocated, self.trainer = cfg, colocated, colocated.trainer
+        self.prompts, self.sampler, self.stop_token_ids = train_prompts, sampler, tuple(stop_token_ids)
+        self.is_main, self.device = rt.is_main, rt.groups.device
+        self.max_staleness = cfg.algorithm.max_staleness
+        self.num_groups = cfg.global_batch_size // cfg.rollout.n_samples_per_prompt
+        self.version = 0  # the last published version (train.py saves and restores it)
+        self.timings: dict[str, float] = {}
+        self.last_sync: Any = None
+        self._timeline: Any = None
+        self._step = -1
+        self._sink: Any = None
+        self._next_issue_step = 0
+        self._next_request = 0
+        self._in_flight: dict[int, list[int]] = {}  # request id -> source indices not trained on yet
+        self._reissue: list[list[int]] = []  # in-flight prompts of a checkpoint, asked for again first
+        self._wall_offset = time.time() - time.perf_counter()
+        self._closed = False
+        if not self.is_main:
+            return
+        from megatron_rl.disagg.generator import GeneratorSpec, run_generator
+
+        ctx = multiprocessing.get_context("spawn")
+        self.requests = ctx.Queue()
+        self.experience = ctx.Queue(maxsize=(self.max_staleness + 1) * self.num_groups)
+        self.stop = ctx.Event()
+        num = cfg.rollout.num_generators
+        self.store = weight_update_store(STORE_HOST, free_port(), 1 + num, is_master=True)
+        self.events = EventLog(Path(rt.run_dir) / "timeline" / "trainer.jsonl")
+        self.buffer = ExperienceBuffer(self.experience, self.max_staleness)
+        self.procs = []
+        for i in range(num):
+            spec = GeneratorSpec(i, cfg, str(rt.run_dir), STORE_HOST, self.store.port, num, rt.env.local_world_size,
+                                 list(sandbox_addresses))
+            # not daemonic: an sglang engine starts processes of its own; close() (also at exit) stops them
+            proc = ctx.Process(target=run_generator, args=(spec, self.requests, self.experience, self.stop),
+                               name=f"generator{i}")
+            proc.start()
+            self.procs.append(proc)
+        atexit.register(self.close)
+        logger.info("disaggregated rollout: %d generator process(es), max_staleness %d, partial rollouts %s",
+                    num, self.max_staleness, cfg.rollout.partial_rollout_tokens or "off")
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step_rollouts(self, rt: Any, parts: dict, step: int) -> tuple[list, dict[str, float]]:
+        """Publish weights v=step, send prompts up to step + max_staleness, return the step's
+        rollouts (prompt_index = group id) and timing/buffer metrics, on every trainer rank."""
+        self.timings, self._step = {}, step
+        start = time.perf_counter()
+        if self._sink is None and self.is_main:
+            self._connect(step)
+        self.last_sync = self._publish(step)
+        self.timings["time/publish"] = time.perf_counter() - start
+        stats: dict[str, float] = {}
+        kept: list[ExperienceGroup] = []
+        if self.is_main:
+            self._issue_until(step + self.max_staleness)
+            take_start = time.time()
+            kept, stats = self.buffer.take(self.num_groups, step, self._drop, self._check_alive)
+            for group in kept:
+                self._consumed(group)
+                self.events.write("group", group.generated[0], group.generated[1], step=step, version=group.version,
+                                  versions=group.versions, staleness=step - group.version,
+                                  request=group.request_id, generator=group.generator)
+            self.events.write("take", take_start, time.time(), step=step, groups=len(kept))
+            stats["async/generator_version"] = float(max((max(g.versions) for g in kept), default=-1))
+        rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group.rollouts]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            payload = [(rollouts, stats)]
+            dist.broadcast_object_list(payload, src=0)
+            rollouts, stats = payload[0]
+        return rollouts, {**stats, **self.timings}
+
+    def _connect(self, first_version: int) -> None:
+        from megatron_rl.disagg.generator import GO_KEY
+        from megatron_rl.disagg.weights import BroadcastSink
+        from megatron_rl.parallel.dist import WeightUpdateGroup
+
+        start = time.time()
+        self.store.set(GO_KEY, str(first_version))
+        group = WeightUpdateGroup(self.store, 0, 1 + len(self.procs), self.device)
+        self._sink = BroadcastSink(group, self.store)
+        self.events.write("connect", start, time.time(), generators=len(self.procs))
+
+    def _publish(self, version: int) -> Any:
+        from megatron_rl.weight_sync.stream import sync_weights
+
+        start = time.time()
+        stats = sync_weights(self.trainer.module, self.trainer.groups, self.trainer.model_cfg, self._sink, version,
+                             self.colocated.bucket_bytes)
+        self.version = version
+        if self.is_main:
+            self.events.write("publish", start, time.time(), version=version)
+        return stats
+
+    # -- prompts in flight --------------------------------------------------------------------------
+    def _issue_until(self, last_step: int) -> None:
+        while self._reissue:
+            self._request(self._reissue.pop(0))
+        while self._next_issue_step <= last_step:
+            indices = self.sampler.next_batch(self.num_groups)
+            num = len(self.procs)
+            for part in range(num):  # one request per generator (any generator may take any)
+                share = indices[part * len(indices) // num:(part + 1) * len(indices) // num]
+                if share:
+                    self._request(share)
+            self._next_issue_step += 1
+
+    def _request(self, indices: list[int]) -> None:
+        from megatron_rl.disagg.generator import Request
+
+        r, request_id = self.cfg.rollout, self._next_request
+        self._next_request += 1
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_new_tokens, n=r.n_samples_per_prompt,
+                                seed=self.cfg.seed * 100_003 + 7919 * request_id,
+                                stop_token_ids=self.stop_token_ids)
+        prompts = [(list(self.prompts[i].tokens), dict(self.prompts[i].meta)) for i in indices]
+        self._in_flight[request_id] = list(indices)
+        self.requests.put(Request(request_id, list(indices), prompts, params))
+
+    def _consumed(self, group: ExperienceGroup) -> None:
+        remaining = self._in_flight.get(group.request_id, [])
+        index = group.rollouts[0].source_index
+        if index in remaining:
+            remaining.remove(index)
+        if not remaining:
+            self._in_flight.pop(group.request_id, None)
+
+    def _drop(self, group: ExperienceGroup) -> None:
+        self._consumed(group)
+        self._request([group.rollouts[0].source_index])  # the same prompt again, with fresher weights
+
+    def _check_alive(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise RuntimeError(f"generator {i} exited with code {proc.exitcode}: see "
+                                   f"{self.events.path.parents[1] / 'logs' / f'generator{i}.log'}")
+
+    # -- what the RL loop also asks of a controller -------------------------------------------------
+    def rollout(self, generate: Callable[[], T]) -> T:
+        """Evaluation: generate on the trainer's own engine with the current weights (colocated)."""
+        return self.colocated.rollout(generate)
+
+    def metrics(self) -> dict[str, float]:
+        out = dict(self.timings)
+        if self.last_sync is not None:
+            out.update(self.last_sync.metrics())
+        return out
+
+    @property
+    def timeline(self) -> Any:
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, value: Any) -> None:
+        """rl_step sets a new timeline each step: the previous step's training spans go to the log."""
+        self._flush_timeline()
+        self._timeline = value
+
+    def _flush_timeline(self) -> None:
+        if self._timeline is None or not self.is_main or self._closed:
+            return
+        for event in self._timeline.events:
+            if event["name"] == "train":
+                self.events.write("train", event["start"] + self._wall_offset, event["end"] + self._wall_offset,
+                                  step=self._step)
+        self._timeline.events = [e for e in self._timeline.events if e["name"] != "train"]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Prompts sent but not trained on yet are asked for again after a resume."""
+        return {"next_issue_step": self._next_issue_step, "next_request": self._next_request,
+                "in_flight": [list(v) for v in self._in_flight.values() if v]}
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        if state:
+            self._next_issue_step, self._next_request = state["next_issue_step"], state["next_request"]
+            self._reissue = [list(v) for v in state["in_flight"]]
+
+    def close(self) -> None:
+        """Stop the generators (idempotent; also registered to run at exit)."""
+        if self._closed or not self.is_main:
+            return
+        self._flush_timeline()
+        self._closed = True
+        self.stop.set()
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                logger.warning("generator %s did not stop in 30s; terminating it", proc.name)
+                proc.terminate()
+                proc.join(timeout=10)
+        self.events.close()

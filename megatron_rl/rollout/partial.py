@@ -1,0 +1,80 @@
+"""Partial rollouts: generate in chunks of a few tokens so that a weight update can be applied
+while sequences are still unfinished; they then continue with the new weights.
+
+Works with any `RolloutEngine` (token ids in, token ids out): the first chunk samples
+`params.n` completions per prompt with `max_new_tokens = chunk_tokens`; each later chunk
+sends every unfinished sequence back as a prompt (its prompt + what it generated so far,
+`n=1`) for up to `chunk_tokens` more tokens. Between chunks `between_chunks()` runs; the
+disaggregated generator applies a pending weight update there. Every token keeps the
+log-prob and the weight version the engine reported when it sampled it, so a sequence that
+spans an update carries per-token versions (`token_versions`), and the trainer's truncated
+importance-sampling weight (old log-probs recomputed vs these rollout log-probs) corrects for
+the mix. The hf engine prefills the continuation again; SGLang's radix cache would reuse the
+prefix, but a weight update flushes it anyway.
+
+With `chunk_tokens = 0` the request is one `generate` call (no update can land mid-sequence).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from megatron_rl.rollout.base import Generation, SamplingParams
+
+# (start, end, weight_version, num_sequences): one engine call, for the generator's timeline
+ChunkCallback = Callable[[float, float, int, int], None]
+
+
+@dataclasses.dataclass
+class PartialGeneration(Generation):
+    """A `Generation` whose tokens may come from several weight versions (`weight_version`
+    is that of its first token, the oldest)."""
+
+    token_versions: list[int] = dataclasses.field(default_factory=list)  # one per output token
+
+
+def generate_partial(engine: Any, prompts: Sequence[Sequence[int]], params: SamplingParams, chunk_tokens: int,
+                     between_chunks: Callable[[], None] = lambda: None,
+                     on_chunk: Optional[ChunkCallback] = None) -> list[PartialGeneration]:
+    """`params.n` completions per prompt, ordered by prompt then sample, generated in chunks of
+    `chunk_tokens` (0: one call) with `between_chunks()` called between engine calls."""
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 0 (0 generates in one call)")
+    step = chunk_tokens or params.max_new_tokens
+    first = dataclasses.replace(params, max_new_tokens=min(step, params.max_new_tokens))
+    out = [_as_partial(g) for g in _timed(engine, [list(p) for p in prompts], first, on_chunk)]
+    for chunk in range(1, -(-params.max_new_tokens // step)):
+        todo = [i for i, g in enumerate(out) if g.finish_reason == "length"
+                and len(g.output_ids) < params.max_new_tokens]
+        if not todo:
+            break
+        between_chunks()
+        budget = min(step, params.max_new_tokens - min(len(out[i].output_ids) for i in todo))
+        seed = None if params.seed is None else params.seed * 1009 + chunk
+        more = _timed(engine, [list(prompts[out[i].prompt_index]) + out[i].output_ids for i in todo],
+                      dataclasses.replace(params, n=1, max_new_tokens=budget, seed=seed), on_chunk)
+        for i, g in zip(todo, more):
+            keep = params.max_new_tokens - len(out[i].output_ids)  # sequences may differ in length
+            tokens, logprobs = g.output_ids[:keep], g.logprobs[:keep]
+            out[i].output_ids += tokens
+            out[i].logprobs += logprobs
+            out[i].token_versions += [g.weight_version] * len(tokens)
+            stopped = g.finish_reason == "stop" and len(tokens) == len(g.output_ids)
+            out[i].finish_reason = "stop" if stopped else g.finish_reason if g.finish_reason == "abort" else "length"
+    return out
+
+
+def _timed(engine: Any, prompts: list[list[int]], params: SamplingParams,
+           on_chunk: Optional[ChunkCallback]) -> list[Generation]:
+    start = time.time()
+    gens = engine.generate(prompts, params)
+    if on_chunk is not None:
+        on_chunk(start, time.time(), int(engine.weight_version), len(gens))
+    return gens
+
+
+def _as_partial(g: Generation) -> PartialGeneration:
+    return PartialGeneration(g.prompt_index, list(g.output_ids), list(g.logprobs), g.finish_reason,
+                             g.weight_version, [g.weight_version] * len(g.output_ids))
