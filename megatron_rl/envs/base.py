@@ -59,7 +59,7 @@ def make_environment(name: str, **kwargs: Any) -> Environment:
     import importlib
 
     import megatron_rl.envs.repo  # noqa: F401  (registers the built-in environments)
-    import megatron_rl.envs.synthetic  # noqa: F401
+    import megatron_rl.envs.synthetic  # noqa: F401  (registers it)
 
     if ":" in name and name not in ENVIRONMENTS:
         module, _, attr = name.partition(":")

@@ -16,7 +16,6 @@ Exit code 0 even when tasks are flagged (the report is the output); 2 on bad inp
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import tempfile

@@ -23,13 +23,12 @@ import json
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from tests.integration.jobs import run_until_killed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
@@ -127,23 +126,11 @@ def test_first_step_advantages_are_the_raw_ones_over_each_domains_reward_std(run
         assert running[f"domain/{d}/adv_std"] == pytest.approx(none[f"domain/{d}/adv_std"] / std, rel=1e-5)
 
 
-def _run_until_killed(args: list[str], run_dir: Path, lines: int) -> None:
-    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
-    while len(_metrics(run_dir)) < lines:
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "the run made no progress"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def test_a_joint_run_resumes_exactly_after_sigkill(tmp_path, data):
     common = ["checkpoint.save_every=1", "task.eval_every=1", "algorithm.domain_pause_window=2"]
     reference = _run(_args(tmp_path / "reference", data, "running", *common), tmp_path / "reference")
     args = _args(tmp_path / "resumed", data, "running", *common)
-    _run_until_killed(args, tmp_path / "resumed", lines=2)
+    run_until_killed(args, tmp_path / "resumed", lines=2)
     resumed = _run(args, tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(STEPS))
     for want, got in zip(reference, resumed, strict=True):

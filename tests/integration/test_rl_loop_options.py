@@ -13,14 +13,13 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.integration.jobs import run_until_killed
 from tests.integration.sandbox_servers import runtime_args, start_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -89,18 +88,6 @@ def test_dataset_chat_template_dynamic_sampling_and_filters(tmp_path, saved_data
     assert rows[-1]["eval/accuracy"] >= 0.0 and "held-out accuracy" in proc.stderr
 
 
-def _run_until(args: list[str], run_dir: Path, lines: int) -> None:
-    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    deadline = time.monotonic() + 600
-    while len(_metrics(run_dir)) < lines:
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "the run made no progress"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, saved_dataset):
     common = [f"num_steps={STEPS}", "checkpoint.save_every=1", "task.eval_every=2", "algorithm.kl_coef=0.05"]
     reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
@@ -108,7 +95,7 @@ def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, saved_dataset):
                           timeout=800)
     assert done.returncode == 0, done.stderr[-4000:]
     args = _args(resumed_dir, saved_dataset, *common)
-    _run_until(args, resumed_dir, lines=3)  # killed after step 2 was logged, maybe mid-step 3 or mid-save
+    run_until_killed(args, resumed_dir, lines=3)  # killed after step 2 was logged, maybe mid-step 3 or mid-save
     again = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=800)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resumed from" in again.stderr and "warm start 1/" not in again.stderr
