@@ -1,0 +1,159 @@
+"""Disaggregated mode without processes: the staleness bound of the experience buffer, partial
+rollouts across a weight update (against a scripted engine whose outputs are known by hand),
+the timeline overlap measure, and the configuration checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+
+import pytest
+
+from megatron_rl.disagg.buffer import ExperienceBuffer, ExperienceGroup
+from megatron_rl.disagg.events import overlap_seconds
+from megatron_rl.rollout.base import Generation, SamplingParams
+from megatron_rl.rollout.collect import Rollout
+from megatron_rl.rollout.partial import generate_partial
+
+
+def _group(request_id: int, versions: list[list[int]]) -> ExperienceGroup:
+    rollouts = [Rollout(0, [1], [2] * len(v), [0.0] * len(v), "length", v[0], source_index=request_id)
+                for v in versions]
+    return ExperienceGroup(request_id, rollouts, versions, 0, (0.0, 1.0))
+
+
+def test_buffer_drops_groups_older_than_the_bound_and_counts_them():
+    q: queue.Queue = queue.Queue()
+    # trainer version 5, max_staleness 1: versions 4 and 5 are fresh enough, 3 is not;
+    # a group is as old as its oldest token (the [3, 4] group is stale).
+    for request_id, versions in enumerate([[[3, 3]], [[4, 5]], [[3, 4]], [[5]], [[4], [4]]]):
+        q.put(_group(request_id, versions))
+    buffer = ExperienceBuffer(q, max_staleness=1)
+    dropped: list[int] = []
+    kept, stats = buffer.take(3, trainer_version=5, on_drop=lambda g: dropped.append(g.request_id), poll_s=0.01)
+    assert [g.request_id for g in kept] == [1, 3, 4]
+    assert dropped == [0, 2]
+    assert stats["buffer/dropped_stale"] == 2 and buffer.dropped_total == 2
+    assert stats["async/staleness_max"] == 1 and stats["async/staleness_mean"] == pytest.approx(2 / 3)
+    assert stats["async/partial_groups"] == 1  # the [4, 5] group
+    assert stats["buffer/size"] == 0
+
+
+def test_buffer_with_zero_staleness_is_on_policy_and_waits_while_empty():
+    q: queue.Queue = queue.Queue()
+    q.put(_group(0, [[2]]))
+    waits: list[int] = []
+
+    def check_alive() -> None:  # runs while the buffer is empty: supply the missing group
+        waits.append(1)
+        q.put(_group(1, [[3]]))
+
+    kept, stats = ExperienceBuffer(q, 0).take(1, 3, on_drop=lambda g: None, check_alive=check_alive, poll_s=0.01)
+    assert [g.request_id for g in kept] == [1] and waits == [1] and stats["async/staleness_max"] == 0
+
+
+class CountingEngine:
+    """Token t of a sequence is 100 + (its position); stops with token 0 at position `stop_at`
+    of sequences whose prompt starts with 7. Log-prob of a token = -weight_version - 1."""
+
+    def __init__(self, stop_at: int = 5) -> None:
+        self.weight_version = 0
+        self.stop_at = stop_at
+        self.calls: list[tuple[int, int]] = []  # (sequences, max_new_tokens)
+
+    def generate(self, prompts, params: SamplingParams) -> list[Generation]:
+        out = []
+        self.calls.append((len(prompts) * params.n, params.max_new_tokens))
+        for index, prompt in enumerate(prompts):
+            for _ in range(params.n):
+                done = len(prompt) - 2 if prompt[0] == 7 else 0  # prompts here have 2 tokens
+                tokens, reason = [], "length"
+                for pos in range(done, done + params.max_new_tokens):
+                    if prompt[0] == 7 and pos == self.stop_at:
+                        tokens.append(0)
+                        reason = "stop"
+                        break
+                    tokens.append(100 + pos)
+                out.append(Generation(index, tokens, [-self.weight_version - 1.0] * len(tokens), reason,
+                                      self.weight_version))
+        return out
+
+
+def test_partial_rollout_continues_across_a_weight_update_with_per_token_versions():
+    engine = CountingEngine(stop_at=5)
+    calls = []
+
+    def between() -> None:  # the update lands after the first chunk
+        calls.append(engine.weight_version)
+        if len(calls) == 1:
+            engine.weight_version = 1
+
+    params = SamplingParams(max_new_tokens=7, n=2)
+    gens = generate_partial(engine, [[7, 1], [8, 1]], params, chunk_tokens=3, between_chunks=between)
+    assert len(gens) == 4 and [g.prompt_index for g in gens] == [0, 0, 1, 1]
+    stopping, running = gens[0], gens[2]
+    # prompt 7: tokens at positions 0..4, then the stop token at position 5 (chunks of 3: 3 + 3)
+    assert stopping.output_ids == [100, 101, 102, 103, 104, 0] and stopping.finish_reason == "stop"
+    assert stopping.token_versions == [0, 0, 0, 1, 1, 1]
+    assert stopping.logprobs == [-1.0] * 3 + [-2.0] * 3
+    assert stopping.weight_version == 0  # the oldest token's
+    # prompt 8 never stops: 3 + 3 + 1 tokens (the budget), finish "length"
+    assert len(running.output_ids) == 7 and running.finish_reason == "length"
+    assert running.token_versions == [0, 0, 0, 1, 1, 1, 1]
+    assert engine.calls == [(4, 3), (4, 3), (2, 1)]  # the stopped sequences are not continued
+    assert calls == [0, 1]
+
+
+def test_partial_rollouts_off_is_one_engine_call():
+    engine = CountingEngine()
+    gens = generate_partial(engine, [[8, 1]], SamplingParams(max_new_tokens=6, n=3), chunk_tokens=0,
+                            between_chunks=lambda: pytest.fail("no chunk boundary without partial rollouts"))
+    assert engine.calls == [(3, 6)] and all(g.token_versions == [0] * 6 for g in gens)
+
+
+def test_overlap_of_two_timelines_merges_each_side_first():
+    generate = [(0.0, 1.0), (0.5, 2.0), (5.0, 6.0)]
+    train = [(1.5, 3.0), (5.5, 7.0)]
+    assert overlap_seconds(generate, train) == pytest.approx(0.5 + 0.5)
+    assert overlap_seconds(generate, [(3.0, 4.0)]) == 0.0
+
+
+def _cfg(overrides: list[str]):
+    from megatron_rl.config import compose, to_typed
+
+    return to_typed(compose(["+experiment=demo_countdown", "task=math", *overrides]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.partial_rollout_tokens=4"], "rollout.partial_rollout_tokens=4 is invalid: is a disaggregated-mode"),
+    (["rollout.num_generators=2"], "rollout.num_generators=2 is invalid"),
+    (["rollout.mode=remote"], "rollout.mode=remote is invalid: allowed values are colocated, disaggregated"),
+    (["algorithm.max_staleness=-1"], "algorithm.max_staleness=-1 is invalid: must be >= 0"),
+])
+def test_schema_refuses_disaggregated_settings_it_cannot_use(overrides, message):
+    with pytest.raises(Exception, match=message.replace("(", r"\(")):
+        _cfg(overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.max_staleness=2"], "applies to rollout.mode=disaggregated only"),
+    (["rollout.mode=disaggregated", "algorithm.dynamic_sampling=true"], "dynamic_sampling=true is not supported"),
+    (["rollout.mode=disaggregated", "algorithm.old_logprobs=rollout"], "need old_logprobs=recompute"),
+])
+def test_cross_group_checks(overrides, message):
+    from megatron_rl.config import ConfigError
+    from megatron_rl.disagg.controller import check_disaggregated_config
+
+    with pytest.raises(ConfigError, match=message):
+        check_disaggregated_config(_cfg(overrides))
+
+
+def test_disaggregated_defaults_pass_and_colocated_is_the_default():
+    from megatron_rl.disagg.controller import check_disaggregated_config
+
+    cfg = _cfg([])
+    assert cfg.rollout.mode == "colocated" and cfg.rollout.partial_rollout_tokens == 0
+    check_disaggregated_config(cfg)
+    check_disaggregated_config(_cfg(["rollout.mode=disaggregated", "rollout.partial_rollout_tokens=4",
+                                     "algorithm.max_staleness=0"]))
+    assert dataclasses.is_dataclass(cfg.rollout)
