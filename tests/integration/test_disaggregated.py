@@ -129,3 +129,16 @@ def test_two_generators_with_two_steps_of_staleness(tmp_path):
         weights = [e["version"] for e in read_events(run_dir / "timeline" / f"generator{i}.jsonl")
                    if e["event"] == "weights"]
         assert weights == [0, 1, 2, 3]
+
+
+def test_tensor_parallel_trainer_publishes_the_gathered_weights(tmp_path):
+    """Two trainer ranks (parallel.tp=2): both take part in the weight sync (TP all-gather), rank 0
+    broadcasts to the generator, and both train on the groups rank 0 took from the buffer. At
+    staleness 0 the generator's log-probs equal the trainer's, so it got the gathered weights."""
+    run_dir = tmp_path / "run"
+    rows, _ = _run(run_dir, "num_steps=3", "cluster.nproc=2", "parallel.tp=2", "rollout.max_new_tokens=24",
+                   "rollout.partial_rollout_tokens=4", "task.sft_warmup_steps=5")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["async/staleness_max"] == 0 and rows[0]["rollout/logprob_mismatch"] <= 1e-4
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    assert max(r["rollout/logprob_mismatch"] for r in rows[1:]) > 1e-3
