@@ -1,0 +1,32 @@
+"""Checks of a whole run's configuration that span several groups (rollout vs model vs task vs
+algorithm), run by the entry points after the per-group dataclass validation and before any
+process group, model or file exists. Each raises ConfigError with the fix."""
+
+from __future__ import annotations
+
+
+def check_run_config(cfg) -> None:
+    from megatron_rl.config import ConfigError
+    from megatron_rl.sft import check_sft_config
+
+    if cfg.mode == "sft":
+        return check_sft_config(cfg)
+    from megatron_rl.disagg.controller import check_disaggregated_config
+    from megatron_rl.rollout.factory import check_engine_config, job_shape
+
+    check_engine_config(cfg, *job_shape(cfg))
+    check_disaggregated_config(cfg)
+    if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
+        raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
+                          f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}")
+    if cfg.task.type == "agent" and (cfg.rollout.tp > 1 or cfg.task.sft_warmup_steps):
+        raise ConfigError("task.type=agent runs with rollout.tp=1 and task.sft_warmup_steps=0 in this version "
+                          "(episodes are driven from one rank per engine; agent warm-start data is not built yet)")
+    if cfg.task.type == "agent" and cfg.task.max_episode_tokens > cfg.model.max_position_embeddings:
+        raise ConfigError(f"task.max_episode_tokens={cfg.task.max_episode_tokens} must be <= "
+                          f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    if cfg.domains and cfg.task.pool_refresh_every:
+        raise ConfigError("task.pool_refresh_every > 0 is for single-task runs; set it to 0 with domains")
+    if cfg.algorithm.overlong == "penalty" and cfg.algorithm.overlong_penalty_window > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_penalty_window={cfg.algorithm.overlong_penalty_window} must be <= "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
