@@ -76,6 +76,7 @@ import sglang  # noqa: F401
 import megatron.core, hydra  # noqa: F401  (the RL loop's own requirements)
 from megatron_rl.rollout import sglang_engine  # noqa: F401
 import megatron_rl.train  # noqa: F401
+import megatron_rl_kernels.fused_logprobs, megatron_rl_sandbox.client  # noqa: F401  (the checkout's aliases)
 print(f"[sglang-setup] sglang {md.version('sglang')}, torch {torch.__version__}, "
       f"transformers {transformers.__version__}, megatron-core {md.version('megatron-core')}", flush=True)
 PY
