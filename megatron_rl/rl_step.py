@@ -72,7 +72,7 @@ def _generate(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[l
     target = groups - round(groups * r.oversample / (1 + r.oversample)) if r.oversample else None
     return collect_episodes(parts["engine"], prompts, params, parts["rewards"], rt.groups, parts["turn_format"],
                             limits, r.agent_scheduler, r.max_concurrent_episodes, target,
-                            parts["controller"].timeline, r.step_deadline_s)
+                            parts["controller"].timeline, r.step_deadline_s, r.straggler_policy == "partial")
 
 
 def _advantages(rewards: torch.Tensor, rollouts: list[Rollout], estimator: str) -> torch.Tensor:

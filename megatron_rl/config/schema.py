@@ -359,6 +359,10 @@ class RolloutConfig:
     oversample: float = 0.0
     """agent_scheduler=async: start this fraction more groups than the batch needs and cut the
     stragglers once enough groups are complete (their episodes are counted, not trained on)."""
+    straggler_policy: str = "abort"
+    """What the early cut (oversample > 0) does with unfinished episodes: abort (their groups are
+    left out) or partial (kept as partial rollouts, rewarded by verifying the environment as it
+    stands, and trained on)."""
     step_deadline_s: Optional[float] = None
     """agent_scheduler=async: episodes still running this long after the rollout started are stopped
     (status deadline, counted) and the step trains on what completed; null: no deadline."""
@@ -391,6 +395,7 @@ class RolloutConfig:
         _check_choice("rollout.agent_scheduler", self.agent_scheduler, self.AGENT_SCHEDULERS)
         _check_min("rollout.max_concurrent_episodes", self.max_concurrent_episodes, 1)
         _check_min("rollout.oversample", self.oversample, 0)
+        _check_choice("rollout.straggler_policy", self.straggler_policy, ("abort", "partial"))
         if self.step_deadline_s is not None:
             _check_min("rollout.step_deadline_s", self.step_deadline_s, 0, strict=True)
         if self.oversample and self.agent_scheduler != "async":

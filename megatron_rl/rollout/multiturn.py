@@ -52,7 +52,7 @@ class Episode(Rollout):
 
     model_mask: list[int] = dataclasses.field(default_factory=list)  # per output token: 1 = model's
     num_turns: int = 0
-    status: str = ""  # submitted | max_turns | max_tokens | wall_time | dropped | aborted (cut) | deadline
+    status: str = ""  # submitted | max_turns | max_tokens | wall_time | dropped | aborted (cut) | deadline | partial
     model_errors: int = 0
     infra_errors: int = 0
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -217,7 +217,8 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
            "agent/infra_errors": float(sum(e.infra_errors for e in episodes)),
            "agent/hacking_flagged": float(sum(bool(e.info.get("tampered") or e.info.get("hardcoded"))
                                               for e in episodes))}
-    for status in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline"):
+    for status in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline",
+                   "partial"):
         out[f"agent/{status}"] = float(sum(e.status == status for e in episodes))
     return out
 
@@ -228,8 +229,8 @@ def first_mp_rank(groups: Optional[Any]) -> bool:
 
 def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_service: Any, groups: Any,
                      fmt: TurnFormat, limits: EpisodeLimits, scheduler: str = "lockstep", max_concurrency: int = 64,
-                     target_groups: Optional[int] = None, timeline: Any = None, deadline_s: Optional[float] = None
-                     ) -> tuple[list[Episode], dict[str, float]]:
+                     target_groups: Optional[int] = None, timeline: Any = None, deadline_s: Optional[float] = None,
+                     keep_partial: bool = False) -> tuple[list[Episode], dict[str, float]]:
     """`collect()` for agent tasks: each data-parallel rank runs its share of the episodes
     (prompt.meta is the task), on its first model-parallel rank; everyone gets all of them.
     scheduler="async" runs them concurrently (rollout/scheduler.py); with `target_groups`
@@ -253,7 +254,8 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
             local, stats = run_episodes_async(engine, tasks, params.n, params, verifier.make_env, fmt, limits,
                                               reward_service.loop, max_concurrency=max_concurrency,
                                               target_groups=local_target, timeline=timeline, deadline_s=deadline_s,
-                                              backpressure=getattr(client, "backpressure", None))
+                                              backpressure=getattr(client, "backpressure", None),
+                                              keep_partial=keep_partial)
         else:
             local = run_episodes(engine, tasks, params.n, params, verifier.make_env, fmt, limits, reward_service.loop)
         for episode in local:

@@ -11,7 +11,8 @@ tool call or a reward the engine generates for the others.
   Over-sampling with an early cut: with `target_groups`, as soon as that many groups have
   all their episodes finished, the remaining (straggler) episodes are aborted: their
   environments are closed, they are returned with status "aborted" and left out of the
-  batch, and counted.
+  batch, and counted; or, with `keep_partial`, kept as partial rollouts (what they generated
+  so far, rewarded by verifying the environment as it stands; status "partial").
 - A step deadline stops the episodes still running (status "deadline", counted); the
   sandbox's back-pressure (its queue fill) holds new episodes back while it is high.
 - Sampling seeds: a batch is seeded from its first request's seed; which requests share a
@@ -117,7 +118,7 @@ def run_episodes_async(engine: Any, tasks: Sequence[dict[str, Any]], n: int, par
                        loop: asyncio.AbstractEventLoop, max_concurrency: int = 64, max_batch: int = 64,
                        target_groups: Optional[int] = None, timeline: Optional[Timeline] = None,
                        deadline_s: Optional[float] = None, backpressure: Optional[Callable[[], Any]] = None,
-                       max_backpressure: float = 0.8, timeout_s: float = 3600.0
+                       max_backpressure: float = 0.8, keep_partial: bool = False, timeout_s: float = 3600.0
                        ) -> tuple[list[Episode], dict[str, float]]:
     """`n` episodes per task, concurrently; returns them all (dropped / aborted included) and
     the scheduling metrics (engine busy fraction, aborted count, episodes' wall time).
@@ -125,10 +126,12 @@ def run_episodes_async(engine: Any, tasks: Sequence[dict[str, Any]], n: int, par
     `deadline_s`: episodes still running then are stopped (status "deadline") and the step
     goes on with what completed. `backpressure`: an async callable returning the sandbox's
     load in [0, 1] (`SandboxClient.backpressure`); no new episode starts while it exceeds
-    `max_backpressure` (episodes already running continue)."""
+    `max_backpressure` (episodes already running continue). `keep_partial`: stragglers cut at
+    the early cut are kept as partial rollouts (status "partial": what they generated so far,
+    rewarded by their environment's verification at that point) instead of being dropped."""
     timeline = timeline or Timeline()
     start = time.perf_counter()
-    policy = _Admission(target_groups, deadline_s, backpressure, max_backpressure)
+    policy = _Admission(target_groups, deadline_s, backpressure, max_backpressure, keep_partial)
     episodes = asyncio.run_coroutine_threadsafe(
         _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_concurrency, max_batch, policy,
                  timeline), loop).result(timeout_s)
@@ -137,6 +140,7 @@ def run_episodes_async(engine: Any, tasks: Sequence[dict[str, Any]], n: int, par
     stats = {"sched/engine_busy": busy / max(wall, 1e-9), "sched/wall_s": wall,
              "sched/aborted": float(sum(e.status == "aborted" for e in episodes)),
              "sched/deadline": float(sum(e.status == "deadline" for e in episodes)),
+             "sched/partial": float(sum(e.status == "partial" for e in episodes)),
              "sched/backpressure_wait_s": policy.waited_s, **episode_metrics(episodes)}
     return episodes, stats
 
@@ -147,7 +151,9 @@ class _Admission:
     deadline_s: Optional[float]
     backpressure: Optional[Callable[[], Any]]
     max_backpressure: float
+    keep_partial: bool = False
     waited_s: float = 0.0
+    deadline_hit: bool = False
 
     async def wait_for_room(self) -> None:
         if self.backpressure is None:
@@ -172,7 +178,8 @@ async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_co
     async def one(k: int, ep: Episode) -> None:
         async with slots:
             await policy.wait_for_room()
-            await _episode(k, ep, tasks[ep.prompt_index], batcher, params, make_env, fmt, limits, timeline)
+            await _episode(k, ep, tasks[ep.prompt_index], batcher, params, make_env, fmt, limits, timeline,
+                           policy)
         done_per_group[ep.prompt_index] += 1
         if target_groups is not None and sum(c == n for c in done_per_group) >= target_groups:
             complete.set()
@@ -183,6 +190,7 @@ async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_co
         waiter = asyncio.ensure_future(complete.wait())
         await asyncio.wait([everything, waiter], timeout=policy.deadline_s, return_when=asyncio.FIRST_COMPLETED)
         late = not everything.done() and not complete.is_set()  # the deadline passed first
+        policy.deadline_hit = late
         for r in runners:
             r.cancel()
         await asyncio.gather(*runners, return_exceptions=True)
@@ -204,13 +212,16 @@ async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_co
 
 
 async def _episode(k: int, ep: Episode, task: dict[str, Any], batcher: BatchingEngine, params: SamplingParams,
-                   make_env: Callable[[], Any], fmt: TurnFormat, limits: EpisodeLimits, timeline: Timeline) -> None:
+                   make_env: Callable[[], Any], fmt: TurnFormat, limits: EpisodeLimits, timeline: Timeline,
+                   policy: Optional[_Admission] = None) -> None:
     from megatron_rl.envs.base import InfrastructureError
 
     env, track, started = make_env(), f"episode {k:03d}", time.monotonic()
+    reset = False
     try:
         with timeline.span("reset", track):
             await env.reset(task)
+        reset = True
         while not ep.status:
             seed = None if params.seed is None else params.seed * 1009 + k * 131 + ep.num_turns
             with timeline.span("generate (queued + batched)", track):
@@ -228,6 +239,14 @@ async def _episode(k: int, ep: Episode, task: dict[str, Any], batcher: BatchingE
         ep.infra_errors += 1
     except asyncio.CancelledError:
         ep.status, ep.reward = "aborted", 0.0  # cut as a straggler: not trained on, counted
+        keep = policy is not None and policy.keep_partial and not policy.deadline_hit
+        if keep and reset and not ep.info:  # or kept as a partial rollout, verified as it stands
+            try:
+                with timeline.span("reward (partial)", track):
+                    ep.reward = float(await env.evaluate())
+                ep.status, ep.finish_reason, ep.info = "partial", "length", dict(getattr(env, "info", {}))
+            except InfrastructureError:
+                ep.status = "dropped"
     finally:
         ep.model_errors = getattr(env, "model_errors", 0)
         ep.infra_errors += getattr(env, "infra_errors", 0)

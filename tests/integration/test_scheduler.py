@@ -209,3 +209,30 @@ def test_step_deadline_keeps_what_completed_and_backpressure_holds_new_episodes(
     episodes, stats = run_episodes_async(policy, _tasks(2, 0), 1, SamplingParams(max_new_tokens=16), make_env, fmt,
                                          LIMITS, loop, backpressure=backpressure)
     assert all(e.status == "submitted" for e in episodes) and stats["sched/backpressure_wait_s"] >= 0.5
+
+
+def test_stragglers_can_be_kept_as_partial_rollouts(tokenizer, loop):
+    """straggler_policy=partial: the cut episodes keep what they generated, get the reward of
+    their environment as it stands, and their groups stay in the batch."""
+    fmt = TurnFormat(tokenizer, "sys")
+    policy = SlowScript(tokenizer, ["step", "done"], end_of_turn=fmt.end_of_turn, cost_s=0.0)
+
+    def make_env():
+        env = make_environment("synthetic", min_latency_s=0.05, max_latency_s=0.05, turns=2)
+        reset = env.reset
+
+        async def slow_for_task_2(task):
+            if task["id"] == "t2":
+                env.min_latency_s = env.max_latency_s = 5.0
+            return await reset(task)
+        env.reset = slow_for_task_2
+        return env
+
+    start = time.monotonic()
+    episodes, stats = run_episodes_async(policy, _tasks(3, 0), 2, SamplingParams(max_new_tokens=16), make_env, fmt,
+                                         LIMITS, loop, target_groups=2, keep_partial=True)
+    assert time.monotonic() - start < 4.0
+    assert [e.status for e in episodes] == ["submitted"] * 4 + ["partial"] * 2
+    partial = episodes[4:]
+    assert all(e.num_turns == 1 and e.finish_reason == "length" and e.reward == 0.0 for e in partial)
+    assert all(sum(e.model_mask) > 0 for e in partial) and stats["sched/partial"] == 2.0
