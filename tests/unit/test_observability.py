@@ -181,4 +181,5 @@ def test_metrics_to_wandb_offline_continue_one_run_across_restarts(tmp_path, mon
     resumed.close()
     assert wandb.run is None
     runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(runs) == 2 and all((r / f"run-{run_id}.wandb").stat().st_size > 0 for r in runs)
+    # one directory per start, named by the second it started in (two starts in one second share it)
+    assert 1 <= len(runs) <= 2 and all((r / f"run-{run_id}.wandb").stat().st_size > 0 for r in runs)
