@@ -120,9 +120,10 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
             for key, value in timing_round.items():
                 timing[key] = timing.get(key, 0.0) + value
             groups = [got[g * n:(g + 1) * n] for g in range(len(prompts))]
-            cut = sum(any(getattr(r, "status", "") == "aborted" for r in group) for group in groups)
-            timing["sched/groups_cut"] = timing.get("sched/groups_cut", 0.0) + cut
-            groups = [group for group in groups if not any(getattr(r, "status", "") == "aborted" for r in group)]
+            cut = [any(getattr(r, "status", "") == "aborted" for r in group) for group in groups]
+            if cfg.rollout.oversample:
+                timing["sched/groups_cut"] = timing.get("sched/groups_cut", 0.0) + sum(cut)
+            groups = [group for group, was_cut in zip(groups, cut) if not was_cut]
             rounds.add_round(groups, [_shaped_rewards(cfg, group) for group in groups])
         return timing
 
