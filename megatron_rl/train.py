@@ -113,6 +113,7 @@ def run_rl(rt) -> dict[str, float]:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             if step % cfg.logging.log_every == 0 or step == cfg.num_steps - 1:
                 logger.info(format_step_summary(step, metrics, SUMMARY))
+
             def state() -> dict:  # what a checkpoint holds besides model, optimizer and RNG
                 return {"sampler": parts["sampler"].state_dict(), "rl_step": step + 1, "history": history,
                         "reference": parts.get("reference"), "weight_version": parts["controller"].version,

@@ -24,6 +24,7 @@ from megatron_rl.data import countdown
 from megatron_rl.data.countdown import generate_problems
 from megatron_rl.data.sources import load_rows
 
+
 @dataclasses.dataclass
 class Prompt:
     text: str
@@ -240,6 +241,6 @@ def end_of_turn(tokenizer: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("task.chat_template=true but the tokenizer has no chat template")
     marker = "\u2063MEGATRON_RL_END\u2063"
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant",
-                                                                                  "content": marker}], tokenize=False)
+    conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
     return rendered.split(marker, 1)[1].rstrip() if marker in rendered else ""

@@ -100,7 +100,8 @@ def hardcoded_returns(new_source: str, old_source: str, expected: set, inputs: s
         out = set()
         for func in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             for branch in (n for n in ast.walk(func) if isinstance(n, (ast.If, ast.IfExp))):
-                tests_input = any(isinstance(c, ast.Compare) and any(_reprs(x) & inputs for x in c.comparators + [c.left])
+                tests_input = any(isinstance(c, ast.Compare)
+                                  and any(_reprs(x) & inputs for x in c.comparators + [c.left])
                                   for c in ast.walk(branch.test))
                 body = branch.body if isinstance(branch, ast.If) else [branch.body]
                 returns = [n for b in body for n in ast.walk(b) if isinstance(n, ast.Return) and n.value is not None]

@@ -66,7 +66,8 @@ class Runner:
         """(reference rewards, known-bad rewards, details of the first reference run)."""
         kind = task_kind(task)
         if kind == "agent":
-            writes = [format_tool_call("write", path=p, content=c) for p, c in sorted(task.get("reference", {}).items())]
+            reference = sorted(task.get("reference", {}).items())
+            writes = [format_tool_call("write", path=p, content=c) for p, c in reference]
             good = self._episodes(task, writes + [format_tool_call("submit")], reruns)
             bad = self._episodes(task, [format_tool_call("submit")], reruns)
             return [e.reward for e in good], [e.reward for e in bad], good[0].info if good else {}

@@ -205,8 +205,8 @@ async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_co
         if outcome is not None:
             raise outcome
     for ep in episodes:  # a group cut short is left out whole (its baseline would be biased)
-        if target_groups is not None and ep.status != "deadline" and (done_per_group[ep.prompt_index] < n
-                                                                     or ep.status == "aborted"):
+        incomplete = done_per_group[ep.prompt_index] < n or ep.status == "aborted"
+        if target_groups is not None and ep.status != "deadline" and incomplete:
             ep.status, ep.reward = "aborted", 0.0
     return episodes
 
