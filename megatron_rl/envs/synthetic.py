@@ -1,6 +1,7 @@
 """`synthetic`: an environment without a sandbox whose tool calls take a random time, for
 measuring and testing rollout scheduling (benchmarks/scheduling.py). Each step sleeps
 U(min_latency_s, max_latency_s) (seeded by the task and the turn, so reruns wait the same),
+or exactly the task's own `latency_s` when it has one (a planted straggler),
 the episode ends after `turns` steps, and the reward is 1 when the model's last turn
 contains the task's `answer` string (else 0)."""
 
@@ -28,7 +29,8 @@ class SyntheticEnvironment:
     async def step(self, action: str) -> tuple[str, bool]:
         self.turn += 1
         self.last = action
-        await asyncio.sleep(self.rng.uniform(self.min_latency_s, self.max_latency_s))
+        fixed = self.task.get("latency_s")
+        await asyncio.sleep(fixed if fixed is not None else self.rng.uniform(self.min_latency_s, self.max_latency_s))
         return f"tool result {self.turn}", self.turn >= self.turns
 
     async def evaluate(self) -> float:

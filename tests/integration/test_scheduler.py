@@ -51,8 +51,15 @@ class SlowScript(ScriptedPolicy):
         return super().generate(prompts, params)
 
 
-def _tasks(num, latency):
-    return [{"id": f"t{i}", "instruction": f"task {i}", "answer": "done", "latency": latency} for i in range(num)]
+def _tasks(num, latency_s=None):
+    """Synthetic tasks; latency_s {task index: seconds} fixes a task's tool latency (a straggler)."""
+    fixed = latency_s or {}
+    return [{"id": f"t{i}", "instruction": f"task {i}", "answer": "done",
+             **({"latency_s": fixed[i]} if i in fixed else {})} for i in range(num)]
+
+
+def _fast_env():
+    return make_environment("synthetic", min_latency_s=0.05, max_latency_s=0.05, turns=2)
 
 
 def test_generation_overlaps_environment_waits(tokenizer, loop):
@@ -60,7 +67,7 @@ def test_generation_overlaps_environment_waits(tokenizer, loop):
     policy = SlowScript(tokenizer, ["step", "step", "done"], end_of_turn=fmt.end_of_turn, cost_s=0.05)
     timeline = Timeline()
     env = lambda: make_environment("synthetic", min_latency_s=0.2, max_latency_s=0.4, turns=3)  # noqa: E731
-    episodes, stats = run_episodes_async(policy, _tasks(8, 0.3), 2, SamplingParams(max_new_tokens=64), env, fmt,
+    episodes, stats = run_episodes_async(policy, _tasks(8), 2, SamplingParams(max_new_tokens=64), env, fmt,
                                          LIMITS, loop, max_concurrency=16, timeline=timeline)
     assert len(episodes) == 16 and all(e.status == "submitted" and e.reward == 1.0 for e in episodes)
     assert [e.prompt_index for e in episodes] == sorted(e.prompt_index for e in episodes)
@@ -87,28 +94,9 @@ def _trace(timeline):
 def test_stragglers_are_cut_when_enough_groups_finished(tokenizer, loop):
     fmt = TurnFormat(tokenizer, "sys")
     policy = SlowScript(tokenizer, ["a", "b"], end_of_turn=fmt.end_of_turn, cost_s=0.0)
-    latencies = {0: 0.05, 1: 0.05, 2: 5.0}  # task 2 is the long tail
-
-    class Env:
-        def __init__(self):
-            self.inner = None
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    def make_env():
-        holder = Env()
-
-        async def reset(task):
-            lat = latencies[int(task["id"][1:])]
-            holder.inner = make_environment("synthetic", min_latency_s=lat, max_latency_s=lat, turns=2)
-            return await holder.inner.reset(task)
-        holder.reset = reset
-        return holder
-
     start = time.monotonic()
-    episodes, stats = run_episodes_async(policy, _tasks(3, 0), 2, SamplingParams(max_new_tokens=16), make_env, fmt,
-                                         LIMITS, loop, target_groups=2)
+    episodes, stats = run_episodes_async(policy, _tasks(3, {2: 5.0}), 2, SamplingParams(max_new_tokens=16), _fast_env,
+                                         fmt, LIMITS, loop, target_groups=2)  # task 2 is the long tail
     assert time.monotonic() - start < 4.0  # did not wait for the 2 x 5 s straggler
     assert [e.status for e in episodes] == ["submitted"] * 4 + ["aborted"] * 2
     assert stats["sched/aborted"] == 2.0
@@ -182,20 +170,9 @@ def test_step_deadline_keeps_what_completed_and_backpressure_holds_new_episodes(
     fmt = TurnFormat(tokenizer, "sys")
     policy = SlowScript(tokenizer, ["a", "b"], end_of_turn=fmt.end_of_turn, cost_s=0.0)
 
-    def make_env():
-        env = make_environment("synthetic", min_latency_s=0.05, max_latency_s=0.05, turns=2)
-        reset = env.reset
-
-        async def slow_for_task_1(task):
-            if task["id"] == "t1":
-                env.min_latency_s = env.max_latency_s = 10.0
-            return await reset(task)
-        env.reset = slow_for_task_1
-        return env
-
     start = time.monotonic()
-    episodes, stats = run_episodes_async(policy, _tasks(3, 0), 2, SamplingParams(max_new_tokens=16), make_env, fmt,
-                                         LIMITS, loop, deadline_s=1.5)
+    episodes, stats = run_episodes_async(policy, _tasks(3, {1: 10.0}), 2, SamplingParams(max_new_tokens=16),
+                                         _fast_env, fmt, LIMITS, loop, deadline_s=1.5)
     assert time.monotonic() - start < 4.0
     assert [e.status for e in episodes] == ["submitted", "submitted", "deadline", "deadline", "submitted",
                                             "submitted"]
@@ -206,7 +183,7 @@ def test_step_deadline_keeps_what_completed_and_backpressure_holds_new_episodes(
     async def backpressure():  # the sandbox reports a full queue for the first 0.6 s
         return 1.0 if time.monotonic() < opened else 0.1
 
-    episodes, stats = run_episodes_async(policy, _tasks(2, 0), 1, SamplingParams(max_new_tokens=16), make_env, fmt,
+    episodes, stats = run_episodes_async(policy, _tasks(2), 1, SamplingParams(max_new_tokens=16), _fast_env, fmt,
                                          LIMITS, loop, backpressure=backpressure)
     assert all(e.status == "submitted" for e in episodes) and stats["sched/backpressure_wait_s"] >= 0.5
 
@@ -217,20 +194,9 @@ def test_stragglers_can_be_kept_as_partial_rollouts(tokenizer, loop):
     fmt = TurnFormat(tokenizer, "sys")
     policy = SlowScript(tokenizer, ["step", "done"], end_of_turn=fmt.end_of_turn, cost_s=0.0)
 
-    def make_env():
-        env = make_environment("synthetic", min_latency_s=0.05, max_latency_s=0.05, turns=2)
-        reset = env.reset
-
-        async def slow_for_task_2(task):
-            if task["id"] == "t2":
-                env.min_latency_s = env.max_latency_s = 5.0
-            return await reset(task)
-        env.reset = slow_for_task_2
-        return env
-
     start = time.monotonic()
-    episodes, stats = run_episodes_async(policy, _tasks(3, 0), 2, SamplingParams(max_new_tokens=16), make_env, fmt,
-                                         LIMITS, loop, target_groups=2, keep_partial=True)
+    episodes, stats = run_episodes_async(policy, _tasks(3, {2: 5.0}), 2, SamplingParams(max_new_tokens=16),
+                                         _fast_env, fmt, LIMITS, loop, target_groups=2, keep_partial=True)
     assert time.monotonic() - start < 4.0
     assert [e.status for e in episodes] == ["submitted"] * 4 + ["partial"] * 2
     partial = episodes[4:]
