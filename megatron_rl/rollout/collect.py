@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,16 @@ class Rollout:
         out = torch.zeros(len(self.prompt_tokens) + len(self.output_ids) - 1)
         out[len(self.prompt_tokens) - 1:] = torch.as_tensor(values, dtype=torch.float)
         return out
+
+
+def gather_rollouts(local: Optional[list]) -> list:
+    """Every rank gets all the rollouts, ordered by prompt index: each data-parallel group
+    contributes its first model-parallel rank's `local` list (the other ranks pass None)."""
+    everything = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everything = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, local)
+    return sorted((r for part in everything if part for r in part), key=lambda r: r.prompt_index)
 
 
 def _share(num: int, parts: int, index: int) -> range:
@@ -88,9 +98,4 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
         for k, score in enumerate(scores):
             local[offset + k].reward = score
     wait = time.perf_counter() - start
-    everything = [local if first_mp_rank else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everything = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, local if first_mp_rank else None)
-    merged = sorted((r for part in everything if part for r in part), key=lambda r: r.prompt_index)
-    return merged, {"time/generate_only": gen_time, "time/reward_wait": wait, "reward/timeouts": float(timeouts)}
+    return gather_rollouts(local if first_mp_rank else None), {"time/generate_only": gen_time, "time/reward_wait": wait, "reward/timeouts": float(timeouts)}

@@ -107,6 +107,8 @@ class _Live:
     episode: Episode
     env: Any
     started: float
+    closed: bool = True  # the last model turn ended with its stop token
+    text: str = ""  # the last model turn's text, for the environment
 
 
 def run_episodes(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: SamplingParams,
@@ -235,9 +237,7 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
     (prompt.meta is the task), on its first model-parallel rank; everyone gets all of them.
     scheduler="async" runs them concurrently (rollout/scheduler.py); with `target_groups`
     (over-sampling), the groups still incomplete when that many are done are cut."""
-    import torch.distributed as dist
-
-    from megatron_rl.rollout.collect import _share
+    from megatron_rl.rollout.collect import _share, gather_rollouts
 
     mine = list(_share(len(prompts), groups.dp_size, groups.dp_rank))
     start = time.perf_counter()
@@ -263,10 +263,6 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
         verifier.calls += len(local)
         verifier.errors += sum(e.status == "dropped" for e in local)
     elapsed = time.perf_counter() - start
-    everything = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everything = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, local if first_mp_rank(groups) else None)
-    merged = sorted((e for part in everything if part for e in part), key=lambda e: e.prompt_index)
+    merged = gather_rollouts(local if first_mp_rank(groups) else None)
     local_only = {k: v for k, v in stats.items() if k.startswith("sched/")}  # this rank's engine
     return merged, {"time/episodes": elapsed, **local_only, **episode_metrics(merged)}
