@@ -11,7 +11,7 @@ Layout under `<run_dir>/checkpoints/`:
 A save writes into `step_N.tmp/` and renames it only after every rank has finished and
 `meta.json` is on disk, then swaps `latest`; a crash at any point leaves the previous
 checkpoint as the one `find_latest` returns. Model and optimizer state are saved in
-Megatron's reshardable formats, so a checkpoint loads at a different TP/PP/DP/EP layout (RNG
+Megatron's reshardable formats, so a checkpoint loads at a different TP/PP/CP/DP layout (RNG
 states are restored only at the layout that wrote them).
 """
 
@@ -101,8 +101,8 @@ def _sharded_state_dict(trainer, is_loading: bool) -> dict[str, Any]:
 
 
 def _layout(groups) -> dict[str, int]:
-    return {"world_size": groups.world_size, "tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size,
-            "ep": groups.ep_size}
+    return {"world_size": groups.world_size, "tp": groups.tp_size, "pp": groups.pp_size, "cp": groups.cp_size,
+            "dp": groups.dp_size, "ep": groups.ep_size}
 
 
 def _barrier() -> None:
@@ -214,7 +214,7 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
 
     path = Path(path)
     meta = check_compatible(path, trainer.model_cfg)
-    saved_layout = {"ep": 1, **meta["layout"]}  # checkpoints from before expert parallelism
+    saved_layout = {"ep": 1, "cp": 1, **meta["layout"]}  # checkpoints from before expert / context parallelism
     if saved_layout["ep"] != trainer.groups.ep_size:
         # Megatron-core keeps expert parameters in a separate optimizer when ep > 1 and saves a
         # chained optimizer in another structure (optimizer.py:1200-1213); loading across that

@@ -25,6 +25,10 @@ def check_run_config(cfg) -> None:
     if cfg.task.type == "agent" and cfg.task.max_episode_tokens > cfg.model.max_position_embeddings:
         raise ConfigError(f"task.max_episode_tokens={cfg.task.max_episode_tokens} must be <= "
                           f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    if cfg.parallel.cp > 1 and cfg.algorithm.policy_loss == "gspo":
+        raise ConfigError(f"algorithm.policy_loss=gspo takes one importance ratio per sequence, a mean over all "
+                          f"of its tokens, but parallel.cp={cfg.parallel.cp} splits every sequence over ranks: "
+                          "use parallel.cp=1 or another policy loss")
     if cfg.domains and cfg.task.pool_refresh_every:
         raise ConfigError("task.pool_refresh_every > 0 is for single-task runs; set it to 0 with domains")
     if cfg.algorithm.overlong == "penalty" and cfg.algorithm.overlong_penalty_window > cfg.rollout.max_new_tokens:

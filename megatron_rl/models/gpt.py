@@ -4,7 +4,7 @@ One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta, GQA, Q
 bias, Qwen3 QK-norm, tied or untied embeddings, optionally a mixture of SwiGLU experts)
 becomes a Megatron `TransformerConfig` and a `GPTModel` stage for this rank's pipeline
 position. The local layer spec is used on CPU; the Transformer Engine spec when TE is
-importable and the device is a GPU.
+importable and the device is a GPU (`uses_te`).
 Conversion to and from Hugging Face layouts lives in `megatron_rl.weight_sync.families`.
 """
 
@@ -116,7 +116,9 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
     )
 
 
-def layer_spec(model_cfg: Any, use_te: bool):
+def layer_spec(model_cfg: Any, use_te: bool, cp_size: int = 1):
+    """Megatron's TE layer spec, or its local spec (with the all-gather context-parallel
+    attention of `cp_attention` in place of the local attention when cp_size > 1)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -126,7 +128,17 @@ def layer_spec(model_cfg: Any, use_te: bool):
     moe = dict(num_experts=model_cfg.num_experts, moe_grouped_gemm=False)
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.resolved_qk_layernorm, **moe)
-    return get_gpt_layer_local_spec(qk_layernorm=model_cfg.resolved_qk_layernorm, normalization="RMSNorm", **moe)
+    spec = get_gpt_layer_local_spec(qk_layernorm=model_cfg.resolved_qk_layernorm, normalization="RMSNorm", **moe)
+    if cp_size > 1:
+        from megatron_rl.models.cp_attention import AllGatherContextAttention
+
+        spec.submodules.self_attention.submodules.core_attention = AllGatherContextAttention
+    return spec
+
+
+def uses_te(groups: ParallelGroups) -> bool:
+    """Whether `build_model` picks the Transformer Engine spec by default."""
+    return groups.device.type != "cpu" and te_available()
 
 
 def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool = False,
@@ -138,11 +150,11 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
     from megatron.core.models.gpt import GPTModel
 
     if use_te is None:
-        use_te = groups.device.type != "cpu" and te_available()
+        use_te = uses_te(groups)
     config = transformer_config(model_cfg, groups, deterministic=deterministic)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model_cfg, use_te),
+        transformer_layer_spec=layer_spec(model_cfg, use_te, groups.cp_size),
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=groups.is_first_stage,

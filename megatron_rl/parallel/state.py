@@ -26,10 +26,12 @@ class ParallelGroups:
     pp_size: int
     pp_rank: int
     cp_size: int
+    cp_rank: int
     dp_size: int
     dp_rank: int
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup  # ranks that split each packed row between them (context parallel)
     dp_group: dist.ProcessGroup
     dp_cp_group: dist.ProcessGroup
     mp_group: dist.ProcessGroup  # TP x PP: ranks that hold one copy of the model together
@@ -53,6 +55,11 @@ class ParallelGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_first_model_parallel_rank(self) -> bool:
+        """First rank of its TP x PP x CP group: the one that speaks for the group's data-parallel share."""
+        return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
 
 
 def initialize(tp: int, pp: int, cp: int = 1, *, ep: int = 1, sequence_parallel: bool = False,
@@ -93,10 +100,12 @@ def initialize(tp: int, pp: int, cp: int = 1, *, ep: int = 1, sequence_parallel:
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         cp_size=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
         tp_group=ps.get_tensor_model_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
+        cp_group=ps.get_context_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
         mp_group=ps.get_model_parallel_group(),

@@ -2,8 +2,8 @@
 rewards, overlapping reward computation with generation.
 
 Each data-parallel rank generates for its contiguous share of the prompts (ranks of one
-model-parallel group generate identically: same weights, same seed) in chunks; as soon as a
-chunk is generated its rewards are submitted to the reward service, and the next chunk
+model-parallel group, context-parallel ranks included, generate identically: same weights,
+same seed) in chunks; as soon as a chunk is generated its rewards are submitted to the reward service, and the next chunk
 generates meanwhile. The first rank of each model-parallel group contributes its share to
 an all-gather, so every rank ends with the whole batch in prompt order.
 """
@@ -70,7 +70,7 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
     local: list[Rollout] = []
     pending: list[tuple[int, concurrent.futures.Future]] = []
     gen_time = 0.0
-    first_mp_rank = groups.tp_rank == 0 and groups.pp_rank == 0
+    first_mp_rank = groups.is_first_model_parallel_rank
     indices = list(mine)
     step = max(1, -(-len(indices) // num_chunks))
     for chunk_start in range(0, len(indices), step):

@@ -226,7 +226,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
 
 
 def first_mp_rank(groups: Optional[Any]) -> bool:
-    return groups is None or (groups.tp_rank == 0 and groups.pp_rank == 0)
+    return groups is None or groups.is_first_model_parallel_rank
 
 
 def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_service: Any, groups: Any,

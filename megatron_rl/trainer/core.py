@@ -11,6 +11,13 @@ loss, already divided by the global denominator it wants (`LossInputs.num_tokens
 micro-batches and DDP averages gradients over DP ranks, so the trainer multiplies by
 both; the gradient is then that of the sum of contributions, whatever the layout.
 Metrics follow the same rule: per-micro-batch contributions, summed over the whole batch.
+
+Context parallelism (`groups.cp_size > 1`): every packed row is split over the context-
+parallel ranks (`trainer.context_parallel`); each rank's loss covers its own targets, the
+schedule multiplies the loss by cp and DDP averages over data- x context-parallel ranks, so
+the gradient is again that of the global sum. Attention then runs in THD layout
+(`PackedSeqParams`), as it does on every Transformer Engine run: TE's causal attention
+ignores a dense mask, so packed rows need their `cu_seqlens` to keep samples apart.
 """
 
 from __future__ import annotations
@@ -18,13 +25,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.gpt import build_model
+from megatron_rl.models.gpt import build_model, uses_te
 from megatron_rl.parallel.state import ParallelGroups
+from megatron_rl.trainer import context_parallel
 from megatron_rl.trainer.logprobs import (
     fused_vocab_parallel_stats,
     hidden_states_instead_of_logits,
@@ -80,12 +89,11 @@ class Trainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
-        if groups.cp_size > 1:
-            raise ValueError("parallel.cp > 1 is not supported by the trainer yet")
         self.groups = groups
         self.options = options
         self.model_cfg = model_cfg
-        module = build_model(model_cfg, groups, deterministic=options.deterministic)
+        self.use_te = uses_te(groups)
+        module = build_model(model_cfg, groups, deterministic=options.deterministic, use_te=self.use_te)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=options.overlap_grad_reduce,
@@ -209,20 +217,36 @@ class Trainer:
         lengths = [s.tokens.numel() for s in samples]
         shares = split_for_data_parallel(lengths, self.groups.dp_size)
         mine = shares[self.groups.dp_rank]
-        pad_multiple = self.groups.tp_size if self.groups.sequence_parallel else 1
+        cp = self.groups.cp_size
+        # Each rank's share of a row must split evenly over TP ranks under sequence parallelism.
+        segment_multiple = 2 * cp if cp > 1 else 1
+        pad_multiple = math.lcm(segment_multiple, cp * (self.groups.tp_size if self.groups.sequence_parallel else 1))
         min_shape = (0, 0)
         if self.groups.ep_size > 1:
             # Experts exchange tokens across data-parallel ranks once per micro-batch and MoE
             # layer, with equal-size collectives: every rank runs the largest rank's shape.
-            shapes = [packed_shape([lengths[i] for i in share], self.options.micro_batch_tokens, pad_multiple)
-                      for share in shares]
+            shapes = [packed_shape([lengths[i] for i in share], self.options.micro_batch_tokens, pad_multiple,
+                                   segment_multiple) for share in shares]
             min_shape = (max(r for r, _ in shapes), max(n for _, n in shapes))
         micro = pack([samples[i] for i in mine], self.options.micro_batch_tokens, pad_multiple,
-                     self.options.pad_token_id, min_shape=min_shape)
+                     self.options.pad_token_id, min_shape=min_shape, segment_multiple=segment_multiple)
         for mb in micro:  # map row-local sample indices back to global-batch indices
             mb.sample_ids = torch.tensor(mine, dtype=torch.long)[mb.sample_ids]
             mb.sample_indices = [mine[i] for i in mb.sample_indices]
+        if cp > 1:
+            micro = [context_parallel.shard(mb, cp, self.groups.cp_rank, with_mask=not self.use_te) for mb in micro]
         return shares, [mb.to(self.groups.device) for mb in micro]
+
+    def _packed_seq_params(self, mb: MicroBatch):
+        """THD attention parameters of the row (None: dense-mask attention, CPU without CP)."""
+        if not (self.use_te or self.groups.cp_size > 1):
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = mb.cu_seqlens.to(torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                               max_seqlen_kv=longest)
 
     def _run(self, micro: list[MicroBatch], loss_func_for: Callable[[MicroBatch], Callable],
              forward_only: bool) -> list[dict]:
@@ -230,7 +254,8 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+            output = model(mb.input_ids, mb.position_ids, mb.attention_mask,
+                           packed_seq_params=self._packed_seq_params(mb))
             return output, loss_func_for(mb)
 
         # Fused log-probs: the last stage's model returns hidden states, `_target_stats` does the rest.
@@ -244,7 +269,7 @@ class Trainer:
                 data_iterator=iter(micro),
                 model=[self.model],
                 num_microbatches=len(micro),
-                seq_length=micro[0].seq_len,
+                seq_length=micro[0].row_len,  # the schedule divides by cp (and tp under SP)
                 micro_batch_size=1,
                 forward_only=forward_only,
             )
@@ -280,8 +305,14 @@ class Trainer:
                 if not mb.sample_indices:  # a padding row (expert parallelism)
                     return logits.sum() * 0.0, {}
                 lp, ent = self._target_stats(mb, logits, with_entropy)
+                sample_ids = mb.sample_ids
+                if mb.context is not None:  # this rank's targets -> the whole row's
+                    lp = context_parallel.gather_targets(lp, mb.context, self.groups.cp_group)
+                    ent = None if ent is None else context_parallel.gather_targets(ent, mb.context,
+                                                                                  self.groups.cp_group)
+                    sample_ids = mb.context.sample_ids
                 for i in mb.sample_indices:
-                    sel = mb.sample_ids == i
+                    sel = sample_ids == i
                     local[i] = (lp[sel].float().cpu(), None if ent is None else ent[sel].float().cpu())
                 return lp.sum() * 0.0, {}
             return loss_func
@@ -381,8 +412,8 @@ def _share_across_ranks(flat: Tensor, samples: Sequence[Sample], shares: list[li
 def _reduce_metrics(stored: list[dict], groups: ParallelGroups) -> dict[str, float]:
     keys = sorted({k for d in stored for k in d})  # padding rows report no metrics
     local = torch.tensor([sum(float(d[k]) for d in stored if k in d) for k in keys], dtype=torch.float64)
-    if groups.dp_size > 1 and groups.is_last_stage:
-        dist.all_reduce(local, group=groups.dp_group)
+    if groups.dp_size * groups.cp_size > 1 and groups.is_last_stage:
+        dist.all_reduce(local, group=groups.dp_cp_group)  # context-parallel ranks hold parts of each row
     payload = [dict(zip(keys, local.tolist()))]
     if groups.pp_size > 1:
         dist.broadcast_object_list(payload, src=groups.pp_last_rank, group=groups.pp_group)

@@ -9,6 +9,12 @@ collectives must see equal shapes too (expert parallelism exchanges tokens acros
 data-parallel ranks) pass the largest `packed_shape` among them as `min_shape`: rows grow
 to that length, and rows without any sample are appended.
 
+Context parallelism splits every segment of a row (each sample, and the trailing padding)
+into 2 * cp chunks (see `megatron_rl.trainer.context_parallel`): `segment_multiple` = 2 * cp
+pads each sample's slot up to a multiple of it, with padding tokens of the sample's own
+segment placed after its last token (the causal mask keeps them out of the real tokens'
+attention, and they predict nothing).
+
 Alignment: a sample of L tokens predicts L - 1 targets; per-token values that come with
 a sample (loss mask, advantages, old log-probs) have length L - 1, and position j holds
 the value for predicting token j + 1.
@@ -65,10 +71,19 @@ class MicroBatch:
     sample_indices: list[int]
     loss_mask: Tensor  # [T]
     extras: dict[str, Tensor]  # each [T]
+    # Set on a context-parallel rank's shard of a row (`context_parallel.shard`): the
+    # tensors above then describe this rank's positions and targets only.
+    context: Optional["ContextShard"] = None
 
     @property
     def seq_len(self) -> int:
+        """Positions in this micro-batch (a context-parallel shard: this rank's positions)."""
         return self.input_ids.shape[1]
+
+    @property
+    def row_len(self) -> int:
+        """Length of the whole packed row (= `seq_len` without context parallelism)."""
+        return int(self.cu_seqlens[-1])
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -76,7 +91,19 @@ class MicroBatch:
             if isinstance(value, Tensor):
                 moved[key] = value.to(device)
         moved["extras"] = {k: v.to(device) for k, v in self.extras.items()}
+        if self.context is not None:
+            moved["context"] = dataclasses.replace(self.context, target_index=self.context.target_index.to(device),
+                                                   sample_ids=self.context.sample_ids.to(device))
         return MicroBatch(**moved)
+
+
+@dataclasses.dataclass
+class ContextShard:
+    """How a context-parallel rank's targets sit in the whole row's target list."""
+
+    target_index: Tensor  # [T_local] long: position of each local target among the row's targets
+    sample_ids: Tensor  # [T_row] long: sample index of every target of the row
+    num_targets: int  # T_row
 
 
 def assign_rows(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -108,29 +135,34 @@ def _row_length(lengths: Sequence[int], rows: list[list[int]], pad_multiple: int
     return _round_up(max(sum(lengths[i] for i in row) for row in rows), pad_multiple)
 
 
-def packed_shape(lengths: Sequence[int], token_budget: int, pad_multiple: int = 1) -> tuple[int, int]:
+def packed_shape(lengths: Sequence[int], token_budget: int, pad_multiple: int = 1,
+                 segment_multiple: int = 1) -> tuple[int, int]:
     """(number of rows, row length) that `pack` gives samples of these lengths."""
-    rows = assign_rows(lengths, token_budget)
-    return len(rows), _row_length(lengths, rows, pad_multiple)
+    slots = [_round_up(n, segment_multiple) for n in lengths]
+    rows = assign_rows(slots, token_budget)
+    return len(rows), _row_length(slots, rows, pad_multiple)
 
 
 def pack(samples: Sequence[Sample], token_budget: int, pad_multiple: int = 1,
          pad_token_id: int = 0, extras_keys: Optional[Sequence[str]] = None,
-         min_shape: tuple[int, int] = (0, 0)) -> list[MicroBatch]:
+         min_shape: tuple[int, int] = (0, 0), segment_multiple: int = 1) -> list[MicroBatch]:
     """Pack `samples` into micro-batches (see module docstring); at least `min_shape`
-    = (rows, row length), a shape that `packed_shape` returned for some ranks' samples."""
+    = (rows, row length), a shape that `packed_shape` returned for some ranks' samples.
+    `pad_multiple` must be a multiple of `segment_multiple` (so is the trailing padding)."""
+    if pad_multiple % segment_multiple:
+        raise ValueError(f"pad_multiple={pad_multiple} must be a multiple of segment_multiple={segment_multiple}")
     if not samples:
         return []
-    lengths = [s.tokens.numel() for s in samples]
-    rows = assign_rows(lengths, token_budget)
-    seq_len = max(_row_length(lengths, rows, pad_multiple), min_shape[1])
+    slots = [_round_up(s.tokens.numel(), segment_multiple) for s in samples]
+    rows = assign_rows(slots, token_budget)
+    seq_len = max(_row_length(slots, rows, pad_multiple), min_shape[1])
     rows += [[] for _ in range(min_shape[0] - len(rows))]
     keys = list(extras_keys if extras_keys is not None else samples[0].extras.keys())
-    return [_pack_row(samples, row, seq_len, pad_token_id, keys) for row in rows]
+    return [_pack_row(samples, row, seq_len, pad_token_id, keys, segment_multiple) for row in rows]
 
 
 def _pack_row(samples: Sequence[Sample], row: list[int], seq_len: int, pad_token_id: int,
-              keys: list[str]) -> MicroBatch:
+              keys: list[str], segment_multiple: int = 1) -> MicroBatch:
     input_ids = torch.full((seq_len,), pad_token_id, dtype=torch.long)
     targets = torch.full((seq_len,), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros(seq_len, dtype=torch.long)
@@ -141,17 +173,18 @@ def _pack_row(samples: Sequence[Sample], row: list[int], seq_len: int, pad_token
     for seg, i in enumerate(row):
         s = samples[i]
         n = s.tokens.numel()
+        slot = _round_up(n, segment_multiple)
         input_ids[offset:offset + n] = s.tokens
         targets[offset:offset + n - 1] = s.tokens[1:]
-        position_ids[offset:offset + n] = torch.arange(n)
-        segment[offset:offset + n] = seg
+        position_ids[offset:offset + slot] = torch.arange(slot)
+        segment[offset:offset + slot] = seg
         valid.append(torch.arange(offset, offset + n - 1))
         sample_ids.append(torch.full((n - 1,), i, dtype=torch.long))
         masks.append(s.loss_mask.float())
         for k in keys:
             value = s.extras[k]
             extras[k].append(value.expand(n - 1) if value.dim() == 0 else value)
-        offset += n
+        offset += slot
         cu.append(offset)
     if offset < seq_len:
         # Padding forms its own segment so that every row of the mask attends somewhere.

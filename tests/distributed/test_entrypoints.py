@@ -1,6 +1,6 @@
 """The main job as a user runs it: bad settings fail fast and write nothing; a short run
-writes a complete run directory with a falling loss; two ranks (TP=2, local launcher)
-reproduce the single-process metrics."""
+writes a complete run directory with a falling loss; two ranks (TP=2 with sequence parallelism,
+or CP=2; local launcher) reproduce the single-process metrics."""
 
 from __future__ import annotations
 
@@ -85,12 +85,29 @@ def test_main_job_loss_falls(single_run):
     assert metrics[-1]["eval_loss"] < metrics[0]["loss"]
 
 
-def test_two_ranks_reproduce_single_process_metrics(single_run, tmp_path):
-    run_dir = tmp_path / "tp2"
-    proc, _ = _run(["num_steps=12", f"run_dir={run_dir}", "logging.progress=false", "cluster.nproc=2",
-                    "parallel.tp=2", "parallel.sequence_parallel=true"], cwd=tmp_path)
+@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2"]],
+                         ids=["tp2_sp", "cp2"])
+def test_two_ranks_reproduce_single_process_metrics(single_run, tmp_path, layout):
+    run_dir = tmp_path / "run"
+    proc, _ = _run(["num_steps=12", f"run_dir={run_dir}", "logging.progress=false", "cluster.nproc=2", *layout],
+                   cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "logs" / "rank1.log").is_file()
     for got, want in zip(_metrics(run_dir), _metrics(single_run[0]), strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
+
+
+def test_rl_loop_with_context_parallelism(tmp_path):
+    """Two RL steps with CP=2: the trainer's log-probs of the rollouts, computed from rows
+    split over two ranks, equal the rollout engine's (one process, whole sequences)."""
+    run_dir = tmp_path / "run"
+    proc, _ = _run(["mode=rl", "num_steps=2", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
+                    "rollout.max_new_tokens=12", "task.sft_warmup_steps=10", "task.eval_every=0",
+                    "cluster.nproc=2", "parallel.cp=2", f"run_dir={run_dir}", "logging.progress=false"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:
+        assert m["rollout/logprob_mismatch"] < 1e-4, m["rollout/logprob_mismatch"]
+        assert m["ppo_kl_first_update"] == pytest.approx(0.0, abs=1e-6)

@@ -1,8 +1,8 @@
 """Parallel layouts agree with the single-process run of the same model and batch.
 
 One spawned single process gives the reference; one spawned pair of processes runs each
-two-rank layout in turn (TP=2, TP=2 + sequence parallel, PP=2, DP=2, DP=2 with the
-distributed optimizer). Compared per layout: the per-token log-probs of every sample, the
+two-rank layout in turn (TP=2, TP=2 + sequence parallel, PP=2, CP=2, DP=2, DP=2 with the
+distributed optimizer); `test_context_parallel.py` runs the four-rank mixes with CP. Compared per layout: the per-token log-probs of every sample, the
 loss, the gradient norm, and every weight after one Adam step.
 
 Tolerances (fp32): reductions are re-ordered across ranks, so values agree to rounding,
@@ -24,6 +24,7 @@ LAYOUTS = {
     "tp2": dict(tp=2, pp=1, sequence_parallel=False, distopt=False),
     "tp2_sp": dict(tp=2, pp=1, sequence_parallel=True, distopt=False),
     "pp2": dict(tp=1, pp=2, sequence_parallel=False, distopt=False),
+    "cp2": dict(tp=1, pp=1, cp=2, sequence_parallel=False, distopt=False),
     "dp2": dict(tp=1, pp=1, sequence_parallel=False, distopt=False),
     "dp2_distopt": dict(tp=1, pp=1, sequence_parallel=False, distopt=True),
 }
@@ -58,7 +59,8 @@ def _worker(rank: int, world: int, layouts: dict, out_path: str) -> None:
     full = random_state_dict(model_cfg, seed=3)
     results = {}
     for name, layout in layouts.items():
-        groups = state.initialize(layout["tp"], layout["pp"], sequence_parallel=layout["sequence_parallel"])
+        groups = state.initialize(layout["tp"], layout["pp"], layout.get("cp", 1),
+                                  sequence_parallel=layout["sequence_parallel"])
         trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-3, clip_grad=1.0), groups,
                           TrainerOptions(micro_batch_tokens=48, use_distributed_optimizer=layout["distopt"]))
         trainer.load_full_state_dict(full)
