@@ -224,7 +224,9 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size (Megatron's pipeline_model_parallel_size)."""
     cp: int = 1
-    """Context-parallel size (Megatron's context_parallel_size)."""
+    """Context-parallel size (Megatron's context_parallel_size): every packed row is split over cp
+    ranks for sequences too long for one (samples padded to multiples of 2 * cp); not with
+    algorithm.policy_loss=gspo, whose ratio needs a whole sequence on one rank."""
     ep: int = 1
     """Expert-parallel size (Megatron's expert_model_parallel_size): experts are split over ep ranks
     taken from the data-parallel ranks; must divide model.num_experts and world_size / (tp * pp)."""
