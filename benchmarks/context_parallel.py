@@ -54,8 +54,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=600)
     groups = state.initialize(1, 1, world)
     gen = torch.Generator().manual_seed(0)
-    samples = [Sample(torch.randint(0, model_cfg.vocab_size, (args.length,), generator=gen), torch.ones(args.length - 1))
-               for _ in range(args.samples)]
+    samples = [Sample(torch.randint(0, model_cfg.vocab_size, (args.length,), generator=gen),
+                      torch.ones(args.length - 1)) for _ in range(args.samples)]
     trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-5), groups, TrainerOptions(micro_batch_tokens=args.length))
     trainer.initialize_weights()
     trainer.train_step(samples)  # warm-up: optimizer state exists from here on

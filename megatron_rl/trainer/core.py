@@ -307,9 +307,9 @@ class Trainer:
                 lp, ent = self._target_stats(mb, logits, with_entropy)
                 sample_ids = mb.sample_ids
                 if mb.context is not None:  # this rank's targets -> the whole row's
-                    lp = context_parallel.gather_targets(lp, mb.context, self.groups.cp_group)
-                    ent = None if ent is None else context_parallel.gather_targets(ent, mb.context,
-                                                                                  self.groups.cp_group)
+                    cp_group = self.groups.cp_group
+                    lp = context_parallel.gather_targets(lp, mb.context, cp_group)
+                    ent = None if ent is None else context_parallel.gather_targets(ent, mb.context, cp_group)
                     sample_ids = mb.context.sample_ids
                 for i in mb.sample_indices:
                     sel = sample_ids == i
