@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, layouts: dict, out_path: str) -> None:
     full = random_state_dict(model_cfg, seed=3)
     results = {}
     for name, layout in layouts.items():
-        groups = state.initialize(layout["tp"], layout["pp"], ep=layout["ep"],
+        groups = state.initialize(layout["tp"], layout["pp"], layout.get("cp", 1), ep=layout["ep"],
                                   sequence_parallel=layout["sequence_parallel"])
         trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-3, clip_grad=1.0), groups,
                           TrainerOptions(micro_batch_tokens=MICRO_BATCH_TOKENS,
