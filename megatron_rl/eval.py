@@ -3,10 +3,18 @@
     python -m megatron_rl.eval --run RUN_DIR [--checkpoints all|latest|hf|STEP|DIR ...] [--seeds 3]
         [--pass-k 1 4] [--regression FILE.jsonl] [--name NAME | --out DIR] [key=value ...]
 
+and of repeated training runs, from their evaluations (no model is loaded):
+
+    python -m megatron_rl.eval --pool EVAL_DIR ... [--against EVAL_DIR ...] [--step STEP]
+        [--set heldout] [--pass-k 1 4] [--out DIR]
+
 The run's config.yaml gives model, task, rollout and layout; `key=value` overrides change them
 for the evaluation (samples per prompt: task.eval_samples=8; held-out prompts: task.num_eval=500;
 rollout.temperature=0.7; cluster.nproc=2). Output goes to RUN_DIR/eval/NAME/ (records.jsonl,
-summary.json, comparison.json/.md, report.md, accuracy.png). Logic in megatron_rl/evaluation/;
+summary.json, comparison.json/.md, report.md, accuracy.png). `--pool` takes the output
+directories of such evaluations, one per run (runs trained alike with different seeds), and
+writes the mean over runs with its interval (and, with `--against`, the Welch comparison of the
+two groups) to DIR (default ./pooled): pooled.json, pooled.md. Logic in megatron_rl/evaluation/;
 see docs/evaluation.md.
 """
 
@@ -24,7 +32,15 @@ from megatron_rl import runtime
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_rl.eval", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--run", required=True, help="run directory written by `python -m megatron_rl.train`")
+    parser.add_argument("--run", help="run directory written by `python -m megatron_rl.train`")
+    parser.add_argument("--pool", nargs="+", metavar="EVAL_DIR",
+                        help="evaluation directories (RUN/eval/NAME) of repeated runs: one interval over runs")
+    parser.add_argument("--against", nargs="+", metavar="EVAL_DIR",
+                        help="with --pool: a second group of runs, compared with the first (second - first)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="with --pool: the training step to take from each run (default: its latest evaluated)")
+    parser.add_argument("--set", default="heldout", dest="set_name",
+                        help="with --pool: heldout (default) or regression")
     parser.add_argument("--checkpoints", nargs="+", default=["all"], metavar="CKPT",
                         help="all (default: every training checkpoint, by step), latest, hf (every HF export), a "
                              "step number, a checkpoint name or directory; the first one is the baseline")
@@ -48,6 +64,15 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if (args.run is None) == (args.pool is None):
+        print("config error: give either --run RUN_DIR (evaluate a run's checkpoints) or --pool EVAL_DIR ... "
+              "(pool evaluations of repeated runs)", file=sys.stderr)
+        raise SystemExit(2)
+    if args.pool:
+        return pool_main(args)
+    if args.against or args.step is not None:
+        print("config error: --against and --step go with --pool", file=sys.stderr)
+        raise SystemExit(2)
     out = Path(args.out or Path(args.run) / "eval" / (args.name or time.strftime("%Y%m%d-%H%M%S"))).resolve()
     try:
         if args.seeds < 1:
@@ -72,6 +97,35 @@ def main(argv: Sequence[str] | None = None) -> None:
         run_evaluation(rt, spec)
     finally:
         runtime.finish(rt)
+
+
+def pool_main(args: argparse.Namespace) -> None:
+    """`--pool`: read the evaluations, pool per group, write pooled.json / pooled.md, print the table."""
+    import json
+
+    from megatron_rl.evaluation.pooling import load_records, pool_runs, pooled_markdown, samples_per_prompt
+
+    groups = {"pool": args.pool, **({"against": args.against} if args.against else {})}
+    given = [d for dirs in groups.values() for d in dirs]
+    try:
+        if args.overrides or args.regression or args.name or any("=" in d and not Path(d).exists() for d in given):
+            raise ValueError("--pool reads finished evaluations: it takes no key=value overrides, --regression or "
+                             "--name (use --out DIR)")
+        n = min(samples_per_prompt(load_records(d)) for dirs in groups.values() for d in dirs)
+        ks = tuple(dict.fromkeys(args.pass_k or [1, n]))
+        if any(not 1 <= k <= n for k in ks):
+            raise ValueError(f"--pass-k {' '.join(map(str, ks))} is invalid: the evaluations drew {n} samples per "
+                             f"prompt, so each k must be in 1..{n}")
+        result = pool_runs(groups, ks, args.step, args.set_name, args.confidence)
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    out = Path(args.out or "pooled")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pooled.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = pooled_markdown(result)
+    (out / "pooled.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

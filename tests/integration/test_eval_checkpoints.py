@@ -171,3 +171,20 @@ def test_multi_domain_run_per_domain_breakdown(tmp_path):
             assert got["metrics"]["accuracy"]["per_seed"]["0"] == pytest.approx(row[f"eval/{domain}/accuracy"],
                                                                                    abs=1e-12)
     assert "### Domain `b`" in (out / "report.md").read_text()
+
+
+def test_pooling_reads_real_evaluations(evaluated, tmp_path):
+    """`--pool` on this evaluation's output (given twice, as two identical runs): each run value is
+    the summary's seed mean at the latest step, per set; identical runs give a zero-width interval."""
+    _, out, _ = evaluated
+    summary = json.loads((out / "summary.json").read_text())
+    latest = next(c for c in summary["checkpoints"] if c["name"] == "step_00000003")
+    for set_name in ("heldout", "regression"):
+        dest = tmp_path / set_name
+        _run(["megatron_rl.eval", "--pool", str(out), str(out), "--set", set_name, "--out", str(dest)])
+        pooled = json.loads((dest / "pooled.json").read_text())["groups"]["pool"]
+        assert [r["step"] for r in pooled["runs"]] == [3, 3]
+        for metric in ("accuracy", "pass@1", f"pass@{SAMPLES}"):
+            want = latest["sets"][set_name]["metrics"][metric]["seeds"]["mean"]
+            assert pooled["pooled"][metric]["mean"] == pytest.approx(want, abs=1e-12)
+            assert pooled["pooled"][metric]["low"] == pytest.approx(want, abs=1e-12)
