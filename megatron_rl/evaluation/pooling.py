@@ -7,7 +7,7 @@ different seeds (`python -m megatron_rl.eval` in each), every run contributes on
 metric: its accuracy / pass@k at the chosen checkpoint, the mean over its evaluation seeds. The
 pooled value is the mean over runs with a Student-t interval over runs (R - 1 degrees of
 freedom; `stats.t_interval`). Two groups of runs (say, two methods) are compared with Welch's t
-test and interval on their run values: unpaired (the runs are independent) and without assuming
+test and interval on their run values, overall and per domain: unpaired (the runs are independent) and without assuming
 equal variances. Sampling and prompt noise are inside each run value, so they are counted too.
 
     python -m megatron_rl.eval --pool A1/eval/final A2/eval/final A3/eval/final \\
@@ -119,6 +119,11 @@ def pool_runs(groups: dict[str, Sequence[str | Path]], ks: Sequence[int], step: 
         first, second = (out["groups"][g]["runs"] for g in groups)
         out["comparison"] = {m: welch([r["metrics"][m] for r in first], [r["metrics"][m] for r in second],
                                       confidence) for m in names}
+        shared = sorted(set.intersection(*(set(out["groups"][g].get("domains", {})) for g in groups)))
+        if shared:
+            out["domain_comparison"] = {d: {m: welch([r["domains"][d][m] for r in first],
+                                                     [r["domains"][d][m] for r in second], confidence)
+                                            for m in names} for d in shared}
     return out
 
 
@@ -139,8 +144,11 @@ def pooled_markdown(result: dict[str, Any]) -> str:
         first, second = result["groups"]
         lines += [f"## {second} - {first} (Welch)", "", f"| metric | difference | {level} interval | p | significant |",
                   "|---|---:|---|---:|---|"]
-        for metric, c in result["comparison"].items():
-            lines.append(f"| {metric} | {c['difference']:+.3f} | [{c['low']:+.3f}, {c['high']:+.3f}] | "
-                         f"{c['p_value']:.3g} | {'yes' if c['significant'] else 'no'} |")
+        parts = [("", result["comparison"])] + [(f" (domain `{d}`)", by_metric)
+                                                for d, by_metric in result.get("domain_comparison", {}).items()]
+        for label, by_metric in parts:
+            for metric, c in by_metric.items():
+                lines.append(f"| {metric}{label} | {c['difference']:+.3f} | [{c['low']:+.3f}, {c['high']:+.3f}] | "
+                             f"{c['p_value']:.3g} | {'yes' if c['significant'] else 'no'} |")
         lines.append("")
     return "\n".join(lines)

@@ -3,8 +3,9 @@
     summary.json      per checkpoint and set: each metric's mean over seeds with a t interval,
                       the pooled per-prompt mean with a bootstrap interval over prompts, per seed,
                       and the same per domain
-    comparison.json   each checkpoint minus the baseline (the first one), per set and metric:
-    comparison.md     difference, paired bootstrap interval, sign-flip p-value, significant
+    comparison.json   each checkpoint minus the baseline (the first one), per set and metric (and
+    comparison.md     per domain): difference, paired bootstrap interval, sign-flip p-value,
+                      significant
     accuracy.png      accuracy against step with the interval as error bars, one line per set
     report.md         all of it as tables, with the plot
 """
@@ -36,9 +37,14 @@ def write_report(out: Path, records: Sequence[dict[str, Any]], spec: Any) -> dic
     for ckpt in spec.checkpoints[1:]:
         for set_name, rows in group_by(by_ckpt.get(ckpt.name, []), lambda r: r["set"]).items():
             base_rows = [r for r in by_ckpt.get(base.name, []) if r["set"] == set_name]
-            comparisons.append({"set": set_name, "baseline": base.name, "candidate": ckpt.name,
-                                "baseline_step": base.step, "candidate_step": ckpt.step,
-                                "metrics": compare(base_rows, rows, spec.ks, **kw)})
+            entry = {"set": set_name, "baseline": base.name, "candidate": ckpt.name, "baseline_step": base.step,
+                     "candidate_step": ckpt.step, "metrics": compare(base_rows, rows, spec.ks, **kw)}
+            domains = group_by(rows, lambda r: r.get("domain", ""))
+            if len(domains) > 1:  # each domain's prompts paired on their own
+                base_domains = group_by(base_rows, lambda r: r.get("domain", ""))
+                entry["domains"] = {d: compare(base_domains.get(d, []), d_rows, spec.ks, **kw)
+                                    for d, d_rows in sorted(domains.items())}
+            comparisons.append(entry)
     comparison = {"baseline": base.name, "confidence": spec.confidence, "comparisons": comparisons}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "comparison.json").write_text(json.dumps(comparison, indent=2) + "\n")
@@ -62,10 +68,12 @@ def comparison_markdown(comparison: dict[str, Any]) -> str:
              "| set | candidate | metric | difference | interval | p-value | significant |",
              "|---|---|---|---|---|---|---|"]
     for c in comparison["comparisons"]:
-        for name, m in c["metrics"].items():
-            lines.append(f"| {c['set']} | {c['candidate']} | {name} | {m['difference']:+.3f} | "
-                         f"[{m['low']:+.3f}, {m['high']:+.3f}] | {m['p_value']:.3g} | "
-                         f"{'yes' if m['significant'] else 'no'} |")
+        parts = [(c["set"], c["metrics"])] + [(f"{c['set']}, domain `{d}`", m) for d, m in c.get("domains", {}).items()]
+        for label, metrics in parts:
+            for name, m in metrics.items():
+                lines.append(f"| {label} | {c['candidate']} | {name} | {m['difference']:+.3f} | "
+                             f"[{m['low']:+.3f}, {m['high']:+.3f}] | {m['p_value']:.3g} | "
+                             f"{'yes' if m['significant'] else 'no'} |")
     if not comparison["comparisons"]:
         lines.append("| (one checkpoint: nothing to compare) | | | | | | |")
     return "\n".join(lines)

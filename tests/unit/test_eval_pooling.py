@@ -100,12 +100,18 @@ def test_welch_needs_two_runs_a_side_and_handles_constant_groups():
     assert same["difference"] == 0 and same["p_value"] == 1.0 and not same["significant"]
 
 
-def test_domains_are_pooled_per_domain(tmp_path):
-    dirs = [_write(tmp_path, f"r{i}", _records(_run_rewards(i), 5, domains=("math", "code"))) for i in range(2)]
-    result = pool_runs({"pool": dirs}, ks=[1])
+def test_domains_are_pooled_and_compared_per_domain(tmp_path):
+    def dirs(name, seeds):
+        return [_write(tmp_path, f"{name}{i}", _records(_run_rewards(i), 5, domains=("math", "code"))) for i in seeds]
+
+    result = pool_runs({"pool": dirs("a", [0, 1]), "against": dirs("b", [4, 5, 6])}, ks=[1])
     for domain, prompts in (("math", [0, 2]), ("code", [1, 3])):
-        expected = [float(_run_rewards(i)[:, prompts].mean(axis=(1, 2)).mean()) for i in range(2)]
-        assert result["groups"]["pool"]["domains"][domain]["accuracy"]["mean"] == pytest.approx(np.mean(expected))
+        def value(i):
+            return float(_run_rewards(i)[:, prompts].mean(axis=(1, 2)).mean())
+
+        a, b = [value(i) for i in (0, 1)], [value(i) for i in (4, 5, 6)]
+        assert result["groups"]["pool"]["domains"][domain]["accuracy"]["mean"] == pytest.approx(np.mean(a))
+        assert result["domain_comparison"][domain]["accuracy"]["difference"] == pytest.approx(np.mean(b) - np.mean(a))
 
 
 def test_cli_writes_the_pooled_report_and_refuses_bad_input(tmp_path, capsys):

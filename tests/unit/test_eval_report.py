@@ -1,6 +1,7 @@
 """The offline evaluation's files from planted records: two checkpoints, two domains, a
 candidate that solves every prompt the baseline solves and more (so the comparison must call
-it significantly better), and the checkpoint selectors' errors."""
+it significantly better overall and in the domain it gained, not in the other), and the checkpoint
+selectors' errors."""
 
 from __future__ import annotations
 
@@ -34,9 +35,14 @@ def test_report_files_from_planted_records(tmp_path):
     assert (c["baseline"], c["candidate"]) == ("step_00000010", "step_00000020")
     acc = c["metrics"]["accuracy"]
     assert acc["difference"] == pytest.approx(20 / 40) and acc["significant"] and acc["p_value"] < 1e-3
+    # per domain: the candidate gained every math prompt (odd) and the code prompts (even) are unchanged
+    math_acc, code_acc = c["domains"]["math"]["accuracy"], c["domains"]["code"]["accuracy"]
+    assert math_acc["difference"] == pytest.approx(1.0) and math_acc["significant"]
+    assert code_acc["difference"] == 0.0 and not code_acc["significant"]
     report = (tmp_path / "report.md").read_text()
     assert "### Domain `math`" in report and "### Domain `code`" in report
     assert "| heldout | step_00000020 | accuracy | +0.500 |" in report
+    assert "| heldout, domain `math` | step_00000020 | accuracy | +1.000 |" in report
     assert (tmp_path / "accuracy.png").stat().st_size > 1000
 
 
