@@ -228,8 +228,10 @@ class Trainer:
             shapes = [packed_shape([lengths[i] for i in share], self.options.micro_batch_tokens, pad_multiple,
                                    segment_multiple) for share in shares]
             min_shape = (max(r for r, _ in shapes), max(n for _, n in shapes))
+        thd = self.use_te or cp > 1  # attention reads cu_seqlens: no [S, S] mask to build and move
         micro = pack([samples[i] for i in mine], self.options.micro_batch_tokens, pad_multiple,
-                     self.options.pad_token_id, min_shape=min_shape, segment_multiple=segment_multiple)
+                     self.options.pad_token_id, min_shape=min_shape, segment_multiple=segment_multiple,
+                     dense_mask=not thd)
         for mb in micro:  # map row-local sample indices back to global-batch indices
             mb.sample_ids = torch.tensor(mine, dtype=torch.long)[mb.sample_ids]
             mb.sample_indices = [mine[i] for i in mb.sample_indices]

@@ -1,8 +1,9 @@
 """Sequence packing: variable-length samples -> micro-batches of one packed row under a token budget.
 
 Samples are placed first-fit-decreasing into rows of at most `token_budget` tokens. Each
-row carries restarted position ids and a block-diagonal causal mask (local attention on
-CPU), or `cu_seqlens` for THD-format attention (Transformer Engine on GPU). All rows of
+row carries restarted position ids, `cu_seqlens` for THD-format attention (Transformer Engine
+on GPU; context parallelism) and, unless `dense_mask=False`, a block-diagonal causal mask
+(local attention on CPU). All rows of
 one call are padded to the same length, a multiple of `pad_multiple` (tensor-parallel
 size for sequence parallelism), so pipeline stages exchange equal shapes. Ranks whose
 collectives must see equal shapes too (expert parallelism exchanges tokens across
@@ -64,7 +65,7 @@ class MicroBatch:
     input_ids: Tensor  # [1, S]
     position_ids: Tensor  # [1, S]
     targets: Tensor  # [1, S]
-    attention_mask: Tensor  # [1, 1, S, S] bool, True = masked out
+    attention_mask: Optional[Tensor]  # [1, 1, S, S] bool, True = masked out; None: THD attention
     cu_seqlens: Tensor  # [n+1] int32 (THD attention)
     valid: Tensor  # [T] long
     sample_ids: Tensor  # [T] long
@@ -145,10 +146,11 @@ def packed_shape(lengths: Sequence[int], token_budget: int, pad_multiple: int = 
 
 def pack(samples: Sequence[Sample], token_budget: int, pad_multiple: int = 1,
          pad_token_id: int = 0, extras_keys: Optional[Sequence[str]] = None,
-         min_shape: tuple[int, int] = (0, 0), segment_multiple: int = 1) -> list[MicroBatch]:
+         min_shape: tuple[int, int] = (0, 0), segment_multiple: int = 1, dense_mask: bool = True) -> list[MicroBatch]:
     """Pack `samples` into micro-batches (see module docstring); at least `min_shape`
     = (rows, row length), a shape that `packed_shape` returned for some ranks' samples.
-    `pad_multiple` must be a multiple of `segment_multiple` (so is the trailing padding)."""
+    `pad_multiple` must be a multiple of `segment_multiple` (so is the trailing padding).
+    `dense_mask=False` leaves out the [S, S] mask (attention that reads `cu_seqlens` instead)."""
     if pad_multiple % segment_multiple:
         raise ValueError(f"pad_multiple={pad_multiple} must be a multiple of segment_multiple={segment_multiple}")
     if not samples:
@@ -158,11 +160,11 @@ def pack(samples: Sequence[Sample], token_budget: int, pad_multiple: int = 1,
     seq_len = max(_row_length(slots, rows, pad_multiple), min_shape[1])
     rows += [[] for _ in range(min_shape[0] - len(rows))]
     keys = list(extras_keys if extras_keys is not None else samples[0].extras.keys())
-    return [_pack_row(samples, row, seq_len, pad_token_id, keys, segment_multiple) for row in rows]
+    return [_pack_row(samples, row, seq_len, pad_token_id, keys, segment_multiple, dense_mask) for row in rows]
 
 
 def _pack_row(samples: Sequence[Sample], row: list[int], seq_len: int, pad_token_id: int,
-              keys: list[str], segment_multiple: int = 1) -> MicroBatch:
+              keys: list[str], segment_multiple: int = 1, dense_mask: bool = True) -> MicroBatch:
     input_ids = torch.full((seq_len,), pad_token_id, dtype=torch.long)
     targets = torch.full((seq_len,), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros(seq_len, dtype=torch.long)
@@ -191,13 +193,16 @@ def _pack_row(samples: Sequence[Sample], row: list[int], seq_len: int, pad_token
         segment[offset:] = len(row)
         position_ids[offset:] = torch.arange(seq_len - offset)
         cu.append(seq_len)
-    same = segment.unsqueeze(0) == segment.unsqueeze(1)
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    mask = None
+    if dense_mask:
+        same = segment.unsqueeze(0) == segment.unsqueeze(1)
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+        mask = ~(same & causal).view(1, 1, seq_len, seq_len)
     return MicroBatch(
         input_ids=input_ids.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
         targets=targets.unsqueeze(0),
-        attention_mask=~(same & causal).view(1, 1, seq_len, seq_len),
+        attention_mask=mask,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         valid=_cat(valid, torch.long),
         sample_ids=_cat(sample_ids, torch.long),

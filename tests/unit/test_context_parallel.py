@@ -76,3 +76,13 @@ def test_gspo_with_context_parallelism_is_refused_before_any_work():
     with pytest.raises(ConfigError, match="parallel.cp=2 splits every sequence"):
         check_train_config(cfg)
     check_train_config(load_config(["mode=rl", "parallel.cp=2"], world_size=2))  # other losses are fine
+
+
+def test_rows_for_thd_attention_carry_no_dense_mask():
+    samples = _samples([7, 13])
+    (dense,) = pack(samples, token_budget=64, pad_multiple=4, segment_multiple=4)
+    (thd,) = pack(samples, token_budget=64, pad_multiple=4, segment_multiple=4, dense_mask=False)
+    assert thd.attention_mask is None and dense.attention_mask.shape == (1, 1, 24, 24)  # slots 8 + 16
+    assert torch.equal(thd.cu_seqlens, dense.cu_seqlens) and torch.equal(thd.input_ids, dense.input_ids)
+    part = shard(thd, 2, 1, with_mask=False)
+    assert part.attention_mask is None and part.seq_len == 12
