@@ -9,6 +9,8 @@ overlong responses) -> old log-probs (recomputed or the engine's) -> policy upda
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -36,7 +38,8 @@ def _sampling(cfg, parts: dict, n: int, seed: int) -> SamplingParams:
 
 
 def warm_start(rt, parts: dict) -> None:
-    """Supervised steps on the task's reference answers (`task.sft_warmup_steps`)."""
+    """Supervised steps on the task's reference answers (`task.sft_warmup_steps`); for agent
+    tasks, on the verified reference episodes (`reference_episodes`)."""
     from megatron_rl.config.schema import OptimizerConfig
     from megatron_rl.sft import prompt_response_sample
 
@@ -44,7 +47,10 @@ def warm_start(rt, parts: dict) -> None:
     if cfg.task.sft_warmup_steps == 0:
         return
     trainer, tok = parts["trainer"], parts["tokenizer"]
-    samples = [prompt_response_sample(tok, p.text, p.reference) for p in parts["train"]]
+    if parts["task"].is_agent:
+        samples = [e.sample({}) for e in reference_episodes(rt, parts)]
+    else:
+        samples = [prompt_response_sample(tok, p.text, p.reference) for p in parts["train"]]
     trainer.reset_optimizer(OptimizerConfig(lr=cfg.task.sft_warmup_lr), cfg.task.sft_warmup_steps)
     generator = torch.Generator().manual_seed(cfg.seed)
     start = time.perf_counter()
@@ -56,22 +62,76 @@ def warm_start(rt, parts: dict) -> None:
     logger.info("warm start: %d supervised steps in %.0fs", cfg.task.sft_warmup_steps, time.perf_counter() - start)
 
 
+def reference_episodes(rt, parts: dict) -> list:
+    """The training tasks' reference solutions played through their environments by a scripted
+    policy (`envs.repo.reference_turns`: write each reference file, submit), under the run's
+    episode limits and `rollout.max_new_tokens` per turn, kept when the environment verifies
+    them (reward 1): episodes whose samples train the model's turns only, never the observations.
+    Rank 0 plays them (one sandbox episode per task) and hands them to every rank."""
+    from megatron_rl.envs.repo import reference_turns
+    from megatron_rl.rollout.multiturn import run_episodes
+    from megatron_rl.rollout.scripted import ScriptedPolicy
+
+    payload: list[Any] = [None]
+    if rt.is_main:
+        tasks = [p.meta for p in parts["train"] if p.meta.get("reference")]
+        if not tasks:
+            raise ValueError("task.sft_warmup_steps > 0 on agent tasks needs tasks with a `reference` solution; "
+                             "these have none: set task.sft_warmup_steps=0")
+        fmt = _turn_format(rt, parts)
+        params = SamplingParams(max_new_tokens=rt.cfg.rollout.max_new_tokens)
+
+        def play(task: dict) -> list:  # one scripted policy per task: instructions need not be unique
+            policy = ScriptedPolicy(parts["tokenizer"], reference_turns(task), end_of_turn=fmt.end_of_turn)
+            return run_episodes(policy, [task], 1, params, parts["rewards"].verifier.make_env, fmt,
+                                _episode_limits(rt.cfg.task), parts["rewards"].loop)
+
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # the sandbox's own limits bound the load
+            episodes = [e for found in pool.map(play, tasks) for e in found]
+        verified = [e for e in episodes if e.reward >= 1.0]
+        counts = collections.Counter(e.status for e in episodes)
+        ends = ", ".join(f"{status} {n}" for status, n in sorted(counts.items()))
+        logger.info("warm start: %d of %d reference episodes verified (episode ends: %s; %.0fs)", len(verified),
+                    len(tasks), ends, time.perf_counter() - start)
+        if not verified:
+            raise RuntimeError(f"no reference episode was verified (episode ends: {ends}): check "
+                               "task.max_turns, task.max_episode_tokens and rollout.max_new_tokens against the "
+                               "reference solutions, and `python -m megatron_rl.quality` on the task set")
+        payload = [verified]
+    if rt.groups.world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def _turn_format(rt, parts: dict):
+    from megatron_rl.envs.tools import TOOL_INSTRUCTIONS
+    from megatron_rl.rollout.multiturn import TurnFormat
+
+    if "turn_format" not in parts:
+        parts["turn_format"] = TurnFormat(parts["tokenizer"], rt.cfg.task.system_prompt or TOOL_INSTRUCTIONS)
+    return parts["turn_format"]
+
+
+def _episode_limits(task):
+    from megatron_rl.rollout.multiturn import EpisodeLimits
+
+    return EpisodeLimits(task.max_turns, task.max_episode_tokens, task.episode_wall_time_s)
+
+
 def _generate(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[list[Rollout], dict[str, float]]:
     """Completions and rewards: one per sample, or whole multi-turn episodes for agent tasks."""
     if not parts["task"].is_agent:
         return collect(parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"]))
-    from megatron_rl.envs.tools import TOOL_INSTRUCTIONS
-    from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, collect_episodes
+    from megatron_rl.rollout.multiturn import collect_episodes
 
-    task = rt.cfg.task
-    if "turn_format" not in parts:
-        parts["turn_format"] = TurnFormat(parts["tokenizer"], task.system_prompt or TOOL_INSTRUCTIONS)
-    limits = EpisodeLimits(task.max_turns, task.max_episode_tokens, task.episode_wall_time_s)
     r = rt.cfg.rollout
     groups = len(prompts)
     target = groups - round(groups * r.oversample / (1 + r.oversample)) if r.oversample else None
-    return collect_episodes(parts["engine"], prompts, params, parts["rewards"], rt.groups, parts["turn_format"],
-                            limits, r.agent_scheduler, r.max_concurrent_episodes, target,
+    return collect_episodes(parts["engine"], prompts, params, parts["rewards"], rt.groups, _turn_format(rt, parts),
+                            _episode_limits(rt.cfg.task), r.agent_scheduler, r.max_concurrent_episodes, target,
                             parts["controller"].timeline, r.step_deadline_s, r.straggler_policy == "partial")
 
 

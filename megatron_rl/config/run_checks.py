@@ -19,9 +19,9 @@ def check_run_config(cfg) -> None:
     if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
                           f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}")
-    if cfg.task.type == "agent" and (cfg.rollout.tp > 1 or cfg.task.sft_warmup_steps):
-        raise ConfigError("task.type=agent runs with rollout.tp=1 and task.sft_warmup_steps=0 in this version "
-                          "(episodes are driven from one rank per engine; agent warm-start data is not built yet)")
+    if cfg.task.type == "agent" and cfg.rollout.tp > 1:
+        raise ConfigError("task.type=agent runs with rollout.tp=1 in this version (episodes are driven from one "
+                          "rank per engine)")
     if cfg.task.type == "agent" and cfg.task.max_episode_tokens > cfg.model.max_position_embeddings:
         raise ConfigError(f"task.max_episode_tokens={cfg.task.max_episode_tokens} must be <= "
                           f"model.max_position_embeddings={cfg.model.max_position_embeddings}")

@@ -617,7 +617,8 @@ class TaskConfig:
     eval_samples: int = 4
     """Samples per held-out prompt at evaluation (pass@k uses k = this)."""
     sft_warmup_steps: int = 0
-    """Supervised steps on the task's reference answers before RL (a warm start; 0: none)."""
+    """Supervised steps on the task's reference answers before RL (a warm start; 0: none). Agent
+    tasks: on their reference solutions played through the environment and verified."""
     sft_warmup_lr: float = 1e-3
     """Learning rate of the warm start."""
 

@@ -12,7 +12,8 @@ A task (one JSONL row; `data/agent_tasks.py` generates examples):
     test_command   argv of the visible `test` tool (default: the fail_to_pass tests in turn)
     protected      path prefixes the model must not change (default: every test file of
                    `files` and `hidden_files`, i.e. paths under tests/ or named test_*.py)
-    reference      {path: content}: a reference solution (environment quality checks)
+    reference      {path: content}: a reference solution (environment quality checks, the
+                   agent warm start: `reference_turns`)
     limits         sandbox limits of each command (defaults below)
 
 Reward: 0 if a protected file was changed (tampering) or a hard-coded expected output
@@ -36,13 +37,21 @@ from typing import Any, Optional
 
 from megatron_rl.envs import guards
 from megatron_rl.envs.base import InfrastructureError, register_environment
-from megatron_rl.envs.tools import ToolCall, ToolCallError, format_result, parse_tool_call, truncate
+from megatron_rl.envs.tools import ToolCall, ToolCallError, format_result, format_tool_call, parse_tool_call, truncate
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LIMITS = {"wall_time_s": 10.0, "cpu_time_s": 10.0, "memory_bytes": 512 * 2**20, "max_processes": 64,
                   "output_bytes": 256 * 2**10}
 UNITTEST_OK = r"Ran [1-9]\d* tests? in [\d.]+s\s+OK"
+
+
+def reference_turns(task: dict[str, Any]) -> list[str]:
+    """The model turns that play a task's reference solution: write each reference file (in
+    path order), then submit."""
+    writes = [format_tool_call("write", path=path, content=content)
+              for path, content in sorted(task.get("reference", {}).items())]
+    return writes + [format_tool_call("submit")]
 
 
 def default_protected(task: dict[str, Any]) -> list[str]:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 from typing import Any, Optional, Sequence
 
+from megatron_rl.envs.repo import reference_turns
 from megatron_rl.envs.tools import format_tool_call
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes
@@ -66,9 +67,7 @@ class Runner:
         """(reference rewards, known-bad rewards, details of the first reference run)."""
         kind = task_kind(task)
         if kind == "agent":
-            reference = sorted(task.get("reference", {}).items())
-            writes = [format_tool_call("write", path=p, content=c) for p, c in reference]
-            good = self._episodes(task, writes + [format_tool_call("submit")], reruns)
+            good = self._episodes(task, reference_turns(task), reruns)
             bad = self._episodes(task, [format_tool_call("submit")], reruns)
             return [e.reward for e in good], [e.reward for e in bad], good[0].info if good else {}
         if kind == "tests":

@@ -235,3 +235,30 @@ def test_rl_loop_on_agent_tasks(tmp_path):
         assert ended == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
         assert 1 <= r["agent/turns_mean"] <= 3 and r["num_tokens"] > 0
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+def test_agent_warm_start_on_verified_reference_episodes(tmp_path):
+    """`task.sft_warmup_steps` on agent tasks: each training task's reference solution is played
+    through its environment (write, submit) and verified before the supervised steps train on
+    those episodes (model turns only); the warm-start loss falls."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if runtime_args("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    repo = Path(__file__).resolve().parents[2]
+    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task.type=agent",
+            "task.num_train=8", "task.num_eval=2", "task.eval_samples=1", "task.eval_every=0",
+            "task.sft_warmup_steps=20", "task.max_turns=4", "task.max_episode_tokens=500",
+            "task.max_observation_chars=60", "task.system_prompt=Use tools.", "num_steps=1", "global_batch_size=8",
+            "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=300", "logging.progress=false",
+            f"run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
+                          capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "warm start: 8 of 8 reference episodes verified (episode ends: submitted 8" in proc.stderr
+    losses = [float(x) for x in re.findall(r"warm start \d+/20: loss ([\d.]+)", proc.stderr)]
+    assert len(losses) == 2 and losses[1] < 0.8 * losses[0], losses
