@@ -247,8 +247,9 @@ class Trainer:
 
         cu = mb.cu_seqlens.to(torch.int32)
         longest = int((cu[1:] - cu[:-1]).max())
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                               max_seqlen_kv=longest)
+        # Segments are already padded (to 2 * cp under context parallelism): padded = actual bounds.
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                               cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
 
     def _run(self, micro: list[MicroBatch], loss_func_for: Callable[[MicroBatch], Callable],
              forward_only: bool) -> list[dict]:
