@@ -1,4 +1,4 @@
-"""`sbatch --wait slurm/run.sh <overrides>` on a real (single-host) Slurm cluster: a short RL run
+"""`sbatch slurm/run.sh <overrides>` on a real (single-host) Slurm cluster: a short RL run
 of the small model with 2 training ranks (gloo on CPU) and a het-job CPU component serving the
 sandbox rewards; a USR1 warning that makes the job checkpoint, requeue itself and resume; and a
 killed rank that brings the job down quickly with the rank named."""
@@ -29,25 +29,52 @@ TINY = ["mode=rl", "cluster.device=cpu", "global_batch_size=32", "rollout.n_samp
 
 
 class Job:
-    """One `sbatch --wait` submission running in the background."""
+    """One `sbatch` submission, followed by job id (`scontrol show job`) rather than with
+    `sbatch --wait`. While Slurm requeues a job, its state reads as a finished one (e.g.
+    CANCELLED) for a moment before it is PENDING again, which ended `sbatch --wait` early under
+    load; so a job counts as finished only once its state has stayed finished for `SETTLE_S`."""
+
+    SETTLE_S = 5.0
+
+    FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE", "PREEMPTED"}
 
     def __init__(self, env: dict, tmp: Path, script: str, sbatch_args: list[str], overrides: list[str]) -> None:
         self.env = dict(env, MEGATRON_RL_RUN_ROOT=str(tmp / "runs"), OMP_NUM_THREADS="1")
         self.output = tmp / "job.out"
-        cmd = ["sbatch", "--wait", "--parsable", f"--output={self.output}", *sbatch_args, script, *overrides]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
-        line = self.proc.stdout.readline().strip()
-        assert line, self.proc.stderr.read()
-        self.job_id = line.split(";")[0]
+        cmd = ["sbatch", "--parsable", f"--output={self.output}", *sbatch_args, script, *overrides]
+        proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True)
+        assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+        self.job_id = proc.stdout.strip().split(";")[0]
         self.run_dir = tmp / "runs" / f"megatron-rl-{self.job_id}"
 
+    def _show(self) -> dict[str, str]:
+        """`scontrol show job` fields of the job (of its first component, which runs the batch script)."""
+        out = subprocess.run(["scontrol", "-o", "show", "job", self.job_id], env=self.env, capture_output=True,
+                             text=True).stdout.splitlines()
+        return dict(field.split("=", 1) for field in (out[0] if out else "").split() if "=" in field)
+
+    def state(self) -> str:
+        return self._show().get("JobState", "")
+
+    def finished(self) -> bool:
+        """Whether the job has finished: its state is a finished one and stays so for SETTLE_S."""
+        settle = time.monotonic() + self.SETTLE_S
+        while self.state() in self.FINISHED:
+            if time.monotonic() > settle:
+                return True
+            time.sleep(0.2)
+        return False
+
     def wait(self, timeout: float = 400) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            subprocess.run(["scancel", self.job_id], env=self.env)
-            raise AssertionError(f"job {self.job_id} did not finish in {timeout}s:\n{self.log()}")
+        """The batch script's exit code once the job has finished."""
+        deadline = time.monotonic() + timeout
+        while not self.finished():
+            if time.monotonic() > deadline:
+                subprocess.run(["scancel", self.job_id], env=self.env)
+                raise AssertionError(f"job {self.job_id} did not finish in {timeout}s:\n{self.log()}")
+            time.sleep(0.5)
+        return int(self._show().get("ExitCode", "1:0").split(":")[0])
 
     def log(self) -> str:
         return self.output.read_text() if self.output.exists() else "(no job output)"
@@ -61,14 +88,9 @@ class Job:
     def wait_for_steps(self, num: int, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
         while len(self.metrics()) < num:
-            assert self.proc.poll() is None, f"the job ended early:\n{self.log()[-4000:]}"
+            assert not self.finished(), f"the job ended early:\n{self.log()[-4000:]}"
             assert time.monotonic() < deadline, f"no {num} steps within {timeout}s:\n{self.log()[-4000:]}"
             time.sleep(0.1)
-
-    def state(self) -> str:
-        out = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%T"], env=self.env, capture_output=True,
-                             text=True)
-        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
 
 
 def _rank_pid(job_id: str, rank: int) -> Optional[int]:
@@ -118,7 +140,7 @@ def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_en
     subprocess.run(["scancel", "--batch", "--signal=USR1", job.job_id], env=slurm_env, check=True)
     deadline = time.monotonic() + 120
     while "start 2" not in job.log():
-        assert job.proc.poll() is None, job.log()[-6000:]
+        assert not job.finished(), job.log()[-6000:]
         assert time.monotonic() < deadline, job.log()[-6000:]
         if job.state() == "PENDING":  # Slurm holds a requeued job back ~2 min; not needed here
             subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], env=slurm_env)
