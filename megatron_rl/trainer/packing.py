@@ -3,12 +3,11 @@
 Samples are placed first-fit-decreasing into rows of at most `token_budget` tokens. Each
 row carries restarted position ids, `cu_seqlens` for THD-format attention (Transformer Engine
 on GPU; context parallelism) and, unless `dense_mask=False`, a block-diagonal causal mask
-(local attention on CPU). All rows of
-one call are padded to the same length, a multiple of `pad_multiple` (tensor-parallel
-size for sequence parallelism), so pipeline stages exchange equal shapes. Ranks whose
-collectives must see equal shapes too (expert parallelism exchanges tokens across
-data-parallel ranks) pass the largest `packed_shape` among them as `min_shape`: rows grow
-to that length, and rows without any sample are appended.
+(local attention on CPU). All rows of one call are padded to the same length, a multiple of
+`pad_multiple` (tensor-parallel size for sequence parallelism), so pipeline stages exchange
+equal shapes. Ranks whose collectives must see equal shapes too (expert parallelism exchanges
+tokens across data-parallel ranks) pass the largest `packed_shape` among them as `min_shape`:
+rows grow to that length, and rows without any sample are appended.
 
 Context parallelism splits every segment of a row (each sample, and the trailing padding)
 into 2 * cp chunks (see `megatron_rl.trainer.context_parallel`): `segment_multiple` = 2 * cp
