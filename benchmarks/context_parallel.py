@@ -38,19 +38,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from omegaconf import OmegaConf
-
-    from megatron_rl.config.schema import ModelConfig, OptimizerConfig
+    from megatron_rl.config import load_config
+    from megatron_rl.config.schema import OptimizerConfig
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
     from megatron_rl.trainer.core import Trainer, TrainerOptions
     from megatron_rl.trainer.packing import Sample
 
-    fields = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model" /
-                                                   f"{args.model}.yaml"))
-    fields = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__ and k != "path"}
-    fields.update(tokenizer="builtin:char", dtype="float32", max_position_embeddings=max(args.length, 2048))
-    model_cfg = ModelConfig(**fields)
+    model_cfg = load_config([f"model={args.model}", "model.dtype=float32",
+                             f"model.max_position_embeddings={max(args.length, 2048)}"], world_size=1).model
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=600)
     groups = state.initialize(1, 1, world)
     gen = torch.Generator().manual_seed(0)
