@@ -103,7 +103,7 @@ def pool_main(args: argparse.Namespace) -> None:
     """`--pool`: read the evaluations, pool per group, write pooled.json / pooled.md, print the table."""
     import json
 
-    from megatron_rl.evaluation.pooling import load_records, pool_runs, pooled_markdown, samples_per_prompt
+    from megatron_rl.evaluation.pooling import pool_runs, pooled_markdown
 
     groups = {"pool": args.pool, **({"against": args.against} if args.against else {})}
     given = [d for dirs in groups.values() for d in dirs]
@@ -111,12 +111,7 @@ def pool_main(args: argparse.Namespace) -> None:
         if args.overrides or args.regression or args.name or any("=" in d and not Path(d).exists() for d in given):
             raise ValueError("--pool reads finished evaluations: it takes no key=value overrides, --regression or "
                              "--name (use --out DIR)")
-        n = min(samples_per_prompt(load_records(d)) for dirs in groups.values() for d in dirs)
-        ks = tuple(dict.fromkeys(args.pass_k or [1, n]))
-        if any(not 1 <= k <= n for k in ks):
-            raise ValueError(f"--pass-k {' '.join(map(str, ks))} is invalid: the evaluations drew {n} samples per "
-                             f"prompt, so each k must be in 1..{n}")
-        result = pool_runs(groups, ks, args.step, args.set_name, args.confidence)
+        result = pool_runs(groups, args.pass_k, args.step, args.set_name, args.confidence)
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

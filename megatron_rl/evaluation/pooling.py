@@ -96,14 +96,21 @@ def welch(baseline: Sequence[float], candidate: Sequence[float], confidence: flo
             "alpha": 1 - confidence, "method": "welch-t"}
 
 
-def pool_runs(groups: dict[str, Sequence[str | Path]], ks: Sequence[int], step: Optional[int] = None,
-              set_name: str = HELD_OUT, confidence: float = 0.95) -> dict[str, Any]:
+def pool_runs(groups: dict[str, Sequence[str | Path]], ks: Optional[Sequence[int]] = None,
+              step: Optional[int] = None, set_name: str = HELD_OUT, confidence: float = 0.95) -> dict[str, Any]:
     """Per group: each run's value and the mean over runs with its t interval (overall and per
-    domain); with two groups, the second minus the first per metric (Welch)."""
+    domain); with two groups, the second minus the first per metric (Welch). `ks` of pass@k:
+    each at most the samples per prompt the evaluations drew (n); default 1 and n."""
+    records = {d: load_records(d) for dirs in groups.values() for d in dirs}  # each file read once
+    n = min(samples_per_prompt(r) for r in records.values())
+    ks = tuple(dict.fromkeys(ks or [1, n]))
+    if any(not 1 <= k <= n for k in ks):
+        raise ValueError(f"--pass-k {' '.join(map(str, ks))} is invalid: the evaluations drew {n} samples per "
+                         f"prompt, so each k must be in 1..{n}")
     names = ["accuracy", *(f"pass@{k}" for k in ks)]
     out: dict[str, Any] = {"set": set_name, "confidence": confidence, "groups": {}}
     for group, dirs in groups.items():
-        runs = [{"eval_dir": str(d), **run_value(load_records(d), ks, step, set_name)} for d in dirs]
+        runs = [{"eval_dir": str(d), **run_value(records[d], ks, step, set_name)} for d in dirs]
         pooled = {m: t_interval([r["metrics"][m] for r in runs], confidence).to_dict() for m in names}
         entry: dict[str, Any] = {"runs": runs, "pooled": pooled}
         domains = sorted({d for r in runs for d in r.get("domains", {})})
