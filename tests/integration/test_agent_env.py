@@ -205,10 +205,8 @@ def test_small_model_episodes_are_token_in_token_out(host, tokenizer):
         assert sample.loss_mask[:len(ep.prompt_tokens) - 1].sum() == 0
 
 
-def test_rl_loop_on_agent_tasks(tmp_path):
-    """`python -m megatron_rl.train task.type=agent`: episodes in a sandbox server started by
-    the job, rewards from the environment, masked samples through the update, checkpoint."""
-    import json
+def _agent_job(run_dir, *extra: str):
+    """The main job on 8 generated agent tasks with a local sandbox server; `extra` overrides."""
     import os
     import subprocess
     import sys
@@ -217,16 +215,24 @@ def test_rl_loop_on_agent_tasks(tmp_path):
     if runtime_args("bwrap") is None:
         pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
     repo = Path(__file__).resolve().parents[2]
-    run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task.type=agent",
             "task.num_train=8", "task.num_eval=2", "task.eval_samples=1", "task.eval_every=0",
-            "task.sft_warmup_steps=0", "task.max_turns=3", "task.max_episode_tokens=500",
-            "task.max_observation_chars=60", "task.system_prompt=Use tools.", "num_steps=2", "global_batch_size=8",
-            "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=24", "logging.progress=false",
-            f"run_dir={run_dir}"]
+            "task.max_episode_tokens=500", "task.max_observation_chars=60", "task.system_prompt=Use tools.",
+            "global_batch_size=8", "rollout.n_samples_per_prompt=4", "logging.progress=false", f"run_dir={run_dir}",
+            *extra]
     proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_rl_loop_on_agent_tasks(tmp_path):
+    """`python -m megatron_rl.train task.type=agent`: episodes in a sandbox server started by
+    the job, rewards from the environment, masked samples through the update, checkpoint."""
+    import json
+
+    run_dir = tmp_path / "run"
+    _agent_job(run_dir, "task.sft_warmup_steps=0", "task.max_turns=3", "num_steps=2", "rollout.max_new_tokens=24")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
@@ -241,24 +247,10 @@ def test_agent_warm_start_on_verified_reference_episodes(tmp_path):
     """`task.sft_warmup_steps` on agent tasks: each training task's reference solution is played
     through its environment (write, submit) and verified before the supervised steps train on
     those episodes (model turns only); the warm-start loss falls."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    if runtime_args("bwrap") is None:
-        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
-    repo = Path(__file__).resolve().parents[2]
-    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task.type=agent",
-            "task.num_train=8", "task.num_eval=2", "task.eval_samples=1", "task.eval_every=0",
-            "task.sft_warmup_steps=20", "task.max_turns=4", "task.max_episode_tokens=500",
-            "task.max_observation_chars=60", "task.system_prompt=Use tools.", "num_steps=1", "global_batch_size=8",
-            "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=300", "logging.progress=false",
-            f"run_dir={tmp_path / 'run'}"]
-    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
-                          capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _agent_job(tmp_path / "run", "task.sft_warmup_steps=20", "task.max_turns=4", "num_steps=1",
+                      "rollout.max_new_tokens=300")
     assert "warm start: 8 of 8 reference episodes verified (episode ends: submitted 8" in proc.stderr
     losses = [float(x) for x in re.findall(r"warm start \d+/20: loss ([\d.]+)", proc.stderr)]
     assert len(losses) == 2 and losses[1] < 0.8 * losses[0], losses
