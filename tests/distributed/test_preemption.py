@@ -47,9 +47,11 @@ def test_usr1_stops_both_ranks_after_the_same_step_and_the_rerun_resumes(tmp_pat
     marker = json.loads((run_dir / "preempted.json").read_text())
     stopped = marker["steps_done"]
     assert marker["signal"] == "SIGUSR1" and 2 <= stopped < STEPS
+    # Both ranks stop after the same step. How many of them had the signal by the agreeing
+    # all-reduce is timing (the launcher forwards it to one rank, then the other), so 1 or 2.
     for rank in (0, 1):
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()
-        assert re.search(rf"stop requested \(SIGUSR1 on 2 rank\(s\)\): stopping after step {stopped} of", log), rank
+        assert re.search(rf"stop requested \(SIGUSR1 on [12] rank\(s\)\): stopping after step {stopped} of", log), rank
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
     assert _steps(run_dir) == list(range(stopped))
 
