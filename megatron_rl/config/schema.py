@@ -61,7 +61,7 @@ class ModelConfig:
     name: str = "tiny_qwen2"
     """Display name used in logs and run metadata."""
     family: str = "qwen2"
-    """Architecture family: llama, qwen2, qwen3 or qwen3_moe; selects the HF <-> Megatron weight converter."""
+    """Architecture family: llama, qwen2, qwen3, qwen3_moe or mixtral; selects the HF <-> Megatron weight converter."""
     path: Optional[str] = None
     """HF checkpoint directory with config.json; null builds the model from the fields below with random init."""
     tokenizer: str = "builtin:char"
@@ -71,7 +71,8 @@ class ModelConfig:
     hidden_size: int = 128
     """Width of the residual stream."""
     ffn_hidden_size: int = 352
-    """Inner width of the SwiGLU MLP (for qwen3_moe: HF's intermediate_size, unused by its expert layers)."""
+    """Inner width of the SwiGLU MLP (for qwen3_moe: HF's intermediate_size, unused by its expert layers;
+    for mixtral, which has no dense MLP: equal to moe_ffn_hidden_size, HF's intermediate_size)."""
     num_attention_heads: int = 4
     """Number of query heads."""
     num_query_groups: int = 2
@@ -89,17 +90,19 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     """Share the input embedding and output projection weights."""
     qkv_bias: Optional[bool] = None
-    """Bias on the Q/K/V projections; null means the family default (qwen2: true, others: false)."""
+    """Bias on the Q/K/V projections; null means the family default (qwen2: true, others: false; mixtral: never)."""
     qk_layernorm: Optional[bool] = None
-    """RMSNorm on queries and keys per head; null means the family default (qwen3, qwen3_moe: true, others: false)."""
+    """RMSNorm on queries and keys per head; null means the family default (qwen3, qwen3_moe: true, others: false;
+    mixtral: never)."""
     num_experts: Optional[int] = None
-    """Routed experts in every MoE layer (HF num_experts); null means a dense model. Only family qwen3_moe."""
+    """Routed experts in every MoE layer (HF num_experts, num_local_experts); null means a dense model.
+    Only families qwen3_moe and mixtral."""
     moe_ffn_hidden_size: Optional[int] = None
     """Inner width of each expert's SwiGLU MLP (HF moe_intermediate_size); required with num_experts."""
     moe_router_topk: int = 2
     """Experts each token is routed to (HF num_experts_per_tok)."""
     moe_norm_topk_prob: bool = True
-    """Renormalise the top-k routing probabilities to sum to 1 (HF norm_topk_prob)."""
+    """Renormalise the top-k routing probabilities to sum to 1 (HF norm_topk_prob; mixtral always does)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of Megatron's per-layer load-balancing loss (aux_loss); 0 disables it."""
     init_seed: int = 1234
@@ -118,9 +121,9 @@ class ModelConfig:
     recompute_num_layers: int = 1
     """recompute=full: layers per recomputed block (Megatron's uniform recompute_method)."""
 
-    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
     RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
-    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
+    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral")
     DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
 
     def __post_init__(self) -> None:
@@ -186,9 +189,27 @@ class ModelConfig:
         if self.moe_router_topk == 1 and self.moe_norm_topk_prob:
             # Megatron refuses a softmax over the top-1 logit (its gradient is zero):
             # megatron/core/transformer/transformer_config.py:1641.
+            fix = "topk >= 2" if self.family == "mixtral" else "set model.moe_norm_topk_prob=false or topk >= 2"
             raise _invalid("model.moe_router_topk", 1, "with model.moe_norm_topk_prob=true every routing weight "
-                           "is 1 and Megatron-core refuses it; set model.moe_norm_topk_prob=false or topk >= 2")
+                           f"is 1 and Megatron-core refuses it; {fix}")
         _check_min("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0)
+        if self.family == "mixtral":
+            self._check_mixtral()
+
+    def _check_mixtral(self) -> None:
+        """What MixtralForCausalLM cannot express: its attention has no bias and no QK-norm, its
+        router always renormalises the top k, and HF's intermediate_size is the expert width."""
+        for key in ("qkv_bias", "qk_layernorm"):
+            if getattr(self, key):
+                raise _invalid(f"model.{key}", True, f"Mixtral attention has no {key.replace('_', ' ')}; "
+                               f"set model.{key}=false or null")
+        if not self.moe_norm_topk_prob:
+            raise _invalid("model.moe_norm_topk_prob", False, "Mixtral always renormalises the top-k routing "
+                           "weights; set model.moe_norm_topk_prob=true")
+        if self.ffn_hidden_size != self.moe_ffn_hidden_size:
+            raise _invalid("model.ffn_hidden_size", self.ffn_hidden_size,
+                           "Mixtral has no dense MLP and one intermediate_size, the expert width: set "
+                           f"model.ffn_hidden_size={self.moe_ffn_hidden_size} (= model.moe_ffn_hidden_size)")
 
     @property
     def is_moe(self) -> bool:
@@ -373,7 +394,14 @@ class RolloutConfig:
     processes generate while the trainer trains; experience buffer with algorithm.max_staleness;
     see megatron_rl/disagg/ and docs/rollout.md, "Disaggregated mode")."""
     num_generators: int = 1
-    """mode=disaggregated: generator processes, each owning one engine (started by trainer rank 0)."""
+    """mode=disaggregated: generator processes, each owning one engine."""
+    generator_nodes: int = 0
+    """mode=disaggregated: 0 = trainer rank 0 starts the generators on its own node; N > 0 = they run
+    on N other nodes (under Slurm the last N nodes of the GPU component, num_generators / N per node,
+    one GPU each; elsewhere start them with `python -m megatron_rl.disagg.generator --run-dir RUN_DIR`)."""
+    generator_timeout_s: float = 300.0
+    """mode=disaggregated: the trainer stops with an error when a generator has not connected this long
+    after the trainer started, or has sent no heartbeat for this long (it beats every 2 s)."""
     partial_rollout_tokens: int = 0
     """mode=disaggregated: generate in chunks of this many tokens and apply a pending weight update
     between chunks (the sequence continues with the new weights); 0: updates wait for whole requests."""
@@ -388,8 +416,15 @@ class RolloutConfig:
         _check_choice("rollout.mode", self.mode, self.MODES)
         _check_min("rollout.num_generators", self.num_generators, 1)
         _check_min("rollout.partial_rollout_tokens", self.partial_rollout_tokens, 0)
+        _check_min("rollout.generator_nodes", self.generator_nodes, 0)
+        _check_min("rollout.generator_timeout_s", self.generator_timeout_s, 0, strict=True)
+        if self.generator_nodes and self.num_generators % self.generator_nodes:
+            raise _invalid("rollout.num_generators", self.num_generators,
+                           f"must be a multiple of rollout.generator_nodes={self.generator_nodes} "
+                           "(the same number of generators on every generator node)")
         if self.mode == "colocated":
             for key, value, off in (("num_generators", self.num_generators, 1),
+                                    ("generator_nodes", self.generator_nodes, 0),
                                     ("partial_rollout_tokens", self.partial_rollout_tokens, 0)):
                 if value != off:
                     raise _invalid(f"rollout.{key}", value, "is a disaggregated-mode setting: set "

@@ -1,4 +1,4 @@
-"""Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense and Qwen3-MoE families.
+"""Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense and Qwen3-MoE / Mixtral families.
 
 One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta, GQA, Qwen2 QKV
 bias, Qwen3 QK-norm, tied or untied embeddings, optionally a mixture of SwiGLU experts)
@@ -92,9 +92,9 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
     """TransformerConfig's mixture-of-experts fields (none for a dense model).
 
     HF's Qwen3-MoE router takes a softmax over all experts, keeps the top k and renormalises
-    them when `norm_topk_prob`: Megatron's softmax score function over the top-k logits
-    (`moe_router_pre_softmax=False`) is the same distribution; without renormalisation it is
-    the softmax over all experts, then top k (`moe_router_pre_softmax=True`).
+    them when `norm_topk_prob` (Mixtral's always does): Megatron's softmax score function over
+    the top-k logits (`moe_router_pre_softmax=False`) is the same distribution; without
+    renormalisation it is the softmax over all experts, then top k (`moe_router_pre_softmax=True`).
     """
     if not model_cfg.is_moe:
         return {}

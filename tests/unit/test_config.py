@@ -141,6 +141,7 @@ def test_checkpoint_model_takes_user_path(hf_checkpoint: Path) -> None:
         ("tiny_llama", False, False, 32, False),
         ("tiny_qwen3", False, True, 32, True),
         ("tiny_qwen3_moe", False, True, 32, True),
+        ("tiny_mixtral", False, False, 32, False),
     ],
 )
 def test_family_defaults(option: str, qkv_bias: bool, qk_layernorm: bool, head_dim: int, tied: bool) -> None:
@@ -219,6 +220,15 @@ INVALID_CASES = [
     (["model=tiny_qwen3_moe", "parallel.ep=2", "parallel.pp=2"], 2,
      ["parallel.ep=2", "world_size=2", "valid parallel.ep values are 1"]),
     (["model=tiny_qwen3_moe", "parallel.tp=2"], 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    (["model=tiny_mixtral", "model.num_experts=null"], 1, ["model.num_experts=null", "mixtral"]),
+    (["model=tiny_mixtral", "model.qkv_bias=true"], 1, ["model.qkv_bias=true", "Mixtral attention"]),
+    (["model=tiny_mixtral", "model.qk_layernorm=true"], 1, ["model.qk_layernorm=true", "Mixtral attention"]),
+    (["model=tiny_mixtral", "model.moe_norm_topk_prob=false"], 1,
+     ["model.moe_norm_topk_prob=false", "set model.moe_norm_topk_prob=true"]),
+    (["model=tiny_mixtral", "model.ffn_hidden_size=352"], 1,
+     ["model.ffn_hidden_size=352", "model.ffn_hidden_size=64"]),
+    (["model=tiny_mixtral", "model.moe_router_topk=1"], 1, ["model.moe_router_topk=1", "topk >= 2"]),
+    (["model=tiny_mixtral", "parallel.ep=3"], 3, ["parallel.ep=3", "model.num_experts=4", "1, 2, 4"]),
 ]
 
 

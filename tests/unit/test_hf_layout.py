@@ -16,7 +16,11 @@ FAMILIES = {
     "qwen3": ModelConfig(family="qwen3", tie_word_embeddings=True, num_layers=2, head_dim=48),
     "qwen3_moe": ModelConfig(family="qwen3_moe", tie_word_embeddings=False, num_layers=2, head_dim=48,
                              num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
+    "mixtral": ModelConfig(family="mixtral", tie_word_embeddings=False, num_layers=2, ffn_hidden_size=48,
+                           num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
 }
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+HF_MOE_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe."}  # where each family's checkpoint keeps it
 
 
 def test_every_registered_family_is_covered():
@@ -102,12 +106,14 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
         arch_from_hf_config(tmp_path)
 
 
-def test_experts_match_transformers_fused_tensors():
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_experts_match_transformers_fused_tensors(family):
     """Megatron's expert weights are exactly `transformers`' in-memory (fused) ones: its forward takes
-    gate, up = (x @ gate_up_proj[e].T).chunk(2), as Megatron's SwiGLU does with linear_fc1."""
-    cfg = FAMILIES["qwen3_moe"]
+    gate, up = (x @ gate_up_proj[e].T).chunk(2), as Megatron's SwiGLU does with linear_fc1 (for
+    Mixtral transformers fuses w1 and w3, and holds `block_sparse_moe` as `mlp`)."""
+    cfg = FAMILIES[family]
     model = build_hf_model(cfg, seed=0)
-    meg = get_converter("qwen3_moe").hf_to_megatron(hub_state_dict(model), cfg)
+    meg = get_converter(family).hf_to_megatron(hub_state_dict(model), cfg)
     for i, layer in enumerate(model.model.layers):
         m = f"decoder.layers.{i}.mlp."
         assert torch.equal(meg[m + "router.weight"], layer.mlp.gate.weight)
@@ -117,18 +123,21 @@ def test_experts_match_transformers_fused_tensors():
             assert torch.equal(meg[expert + "linear_fc2.weight"], layer.mlp.experts.down_proj[e])
 
 
-def test_an_expert_parallel_rank_reads_only_its_experts():
-    cfg = FAMILIES["qwen3_moe"]
-    conv = get_converter("qwen3_moe")
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_an_expert_parallel_rank_reads_only_its_experts(family):
+    cfg = FAMILIES[family]
+    conv = get_converter(family)
+    block = "." + HF_MOE_BLOCK[family]
     names = conv.hf_names(cfg, [1], False, True, experts=range(2, 4))
-    experts = {n.split(".mlp.experts.")[1].split(".")[0] for n in names if ".mlp.experts." in n}
-    assert experts == {"2", "3"} and "model.layers.1.mlp.gate.weight" in names
+    experts = {n.split(block + "experts.")[1].split(".")[0] for n in names if block + "experts." in n}
+    assert experts == {"2", "3"} and f"model.layers.1{block}gate.weight" in names
+    assert len([n for n in names if block + "experts." in n]) == 2 * 3  # gate, up, down of each
     hf = hub_state_dict(build_hf_model(cfg, seed=0))
     meg = conv.hf_to_megatron({n: hf[n] for n in names}, cfg)
     assert {n for n in meg if ".local_experts." in n} == {
         f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc{k}.weight" for e in (2, 3) for k in (1, 2)}
     back = conv.megatron_to_hf(meg, cfg)
-    assert {n for n in back if ".mlp." in n} == {n for n in names if ".mlp." in n}
+    assert {n for n in back if block in n} == {n for n in names if block in n}
 
 
 @pytest.mark.parametrize(("key", "value"), [("mlp_only_layers", [1]), ("decoder_sparse_step", 2),
@@ -139,3 +148,27 @@ def test_unsupported_moe_layouts_are_refused_naming_the_file(tmp_path, key, valu
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=rf"config.json: {key}="):
         arch_from_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize(("key", "value"), [("sliding_window", 4096), ("router_jitter_noise", 0.01),
+                                            ("num_local_experts", 0)])
+def test_unsupported_mixtral_configs_are_refused_naming_the_file(tmp_path, key, value):
+    cfg = get_converter("mixtral").config_dict(FAMILIES["mixtral"])
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"config.json: {key}="):
+        arch_from_hf_config(tmp_path)
+
+
+def test_mixtral_config_maps_intermediate_size_to_the_expert_width(tmp_path):
+    """Mixtral's config.json has one width, the experts': it becomes moe_ffn_hidden_size (and
+    ffn_hidden_size, which has no dense MLP to size), and routing is always renormalised."""
+    from transformers import MixtralConfig
+
+    MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2).save_pretrained(tmp_path)
+    arch = arch_from_hf_config(tmp_path)
+    assert (arch["family"], arch["num_experts"], arch["moe_router_topk"]) == ("mixtral", 3, 2)
+    assert arch["moe_ffn_hidden_size"] == arch["ffn_hidden_size"] == 24
+    assert arch["moe_norm_topk_prob"] is True and arch["qkv_bias"] is False and arch["qk_layernorm"] is False
+    ModelConfig(**arch)  # a valid architecture

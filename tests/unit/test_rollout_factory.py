@@ -79,11 +79,33 @@ def test_without_sglang_the_run_stops_before_any_work():
         load_validated(["mode=rl", "rollout=sglang", "task=math"], world_size=1, check=check_train_config)
 
 
-def test_moe_models_need_the_sglang_backend():
+MOE_MODELS = {"qwen3_moe": ModelConfig(family="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64),
+              "mixtral": ModelConfig(family="mixtral", num_experts=4, moe_ffn_hidden_size=64, ffn_hidden_size=64)}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_MODELS))
+def test_moe_models_need_the_sglang_backend(family):
+    from megatron_rl.rollout.hf_engine import HFEngine
+
     cfg = rl_config()
-    cfg.model = ModelConfig(family="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64)
+    cfg.model = MOE_MODELS[family]
     with pytest.raises(ConfigError, match="rollout.backend=hf does not support MoE"):
         check_engine_config(cfg, world_size=1, local_world_size=1)
+    with pytest.raises(ValueError, match="rollout.backend=hf does not support MoE"):
+        HFEngine(cfg.model)  # a disaggregated generator builds one without check_engine_config
+
+
+@pytest.mark.parametrize("family", sorted(MOE_MODELS))
+def test_engine_model_dir_holds_the_moe_architecture(tmp_path, family):
+    """What SGLang starts an MoE model from: transformers reads back the experts and their width."""
+    from transformers import AutoConfig
+
+    cfg = rl_config(backend="sglang")
+    cfg.model = MOE_MODELS[family]
+    hf = AutoConfig.from_pretrained(engine_model_dir(cfg, eos_token_id=3, work_dir=tmp_path / "m"))
+    width = hf.intermediate_size if family == "mixtral" else hf.moe_intermediate_size
+    assert (hf.model_type, hf.num_experts_per_tok, width) == (family, 2, 64)
+    assert getattr(hf, "num_local_experts", getattr(hf, "num_experts", None)) == 4
 
 
 def test_engine_model_dir_holds_the_architecture(tmp_path):
