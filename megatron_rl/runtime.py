@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,11 @@ def sandbox_addresses(rt: Runtime, timeout_s: float = 120.0) -> list[str]:
     return found
 
 
-def load_validated(overrides: Sequence[str], world_size: int, check: Optional[Callable] = None):
-    """Compose + type the config, fill the architecture from `model.path`, validate, then run
-    the entry point's own `check(cfg)` (which raises ConfigError)."""
+def load_validated(overrides: Sequence[str], world_size: int | Callable[[Any], int],
+                   check: Optional[Callable] = None):
+    """Compose + type the config, fill the architecture from `model.path`, validate for
+    `world_size` ranks (or `world_size(cfg)`, when the config decides how many of the job's
+    tasks train), then run the entry point's own `check(cfg)` (which raises ConfigError)."""
     from megatron_rl.config import ConfigError, compose, to_typed, validate
 
     cfg = to_typed(compose(overrides))
@@ -99,8 +101,11 @@ def load_validated(overrides: Sequence[str], world_size: int, check: Optional[Ca
             raise ConfigError(f"model.path={path}: {Path(path) / 'config.json'} is a {arch['family']} model but "
                               f"model.family={cfg.model.family}; pick the matching model config "
                               f"(e.g. model=tiny_{arch['family']}) or set model.family={arch['family']}")
-        cfg.model = dataclasses.replace(cfg.model, **arch)
-    validate(cfg, world_size)
+        try:
+            cfg.model = dataclasses.replace(cfg.model, **arch)
+        except ValueError as exc:  # an architecture this build cannot run (e.g. rope scaling Megatron fixes)
+            raise ConfigError(f"model.path={path}: {Path(path) / 'config.json'}: {exc}") from None
+    validate(cfg, world_size(cfg) if callable(world_size) else world_size)
     if check is not None:
         check(cfg)
     return cfg

@@ -85,6 +85,17 @@ class ModelConfig:
     """Longest sequence (prompt + response) the model is built for."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
+    rope_scaling_factor: Optional[float] = None
+    """Llama 3.1 RoPE scaling (HF rope_scaling with rope_type llama3): frequencies whose wavelength exceeds
+    rope_scaling_original_max_position_embeddings / rope_scaling_low_freq_factor are divided by this
+    factor, those between that and the high-frequency bound interpolated; null means plain RoPE."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """Llama 3.1 RoPE scaling: HF low_freq_factor. Megatron-core fixes it at 1 (see _check_rope_scaling)."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """Llama 3.1 RoPE scaling: HF high_freq_factor. Megatron-core fixes it at 4."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """Llama 3.1 RoPE scaling: HF original_max_position_embeddings (the pre-training context). Megatron-core
+    fixes it at 8192."""
     norm_eps: float = 1e-6
     """Epsilon of the RMSNorm layers."""
     tie_word_embeddings: bool = True
@@ -125,6 +136,12 @@ class ModelConfig:
     RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
     MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral")
     DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
+    # Megatron-core's GPTModel passes only the factor on to RotaryEmbedding._apply_scaling, whose
+    # other parameters keep Llama 3.1's values (megatron/core/models/common/embeddings/
+    # rotary_pos_embedding.py:92-98 in megatron-core 0.16).
+    ROPE_SCALING_FIXED: ClassVar[dict[str, float]] = {
+        "rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
+        "rope_scaling_original_max_position_embeddings": 8192}
 
     def __post_init__(self) -> None:
         _check_choice("model.family", self.family, self.FAMILIES)
@@ -162,7 +179,24 @@ class ModelConfig:
         _check_min("model.rope_theta", self.rope_theta, 0, strict=True)
         _check_min("model.norm_eps", self.norm_eps, 0, strict=True)
         _check_min("model.init_seed", self.init_seed, 0)
+        self._check_rope_scaling()
         self._check_moe()
+
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling_factor is None:
+            for key, default in self.ROPE_SCALING_FIXED.items():
+                if getattr(self, key) != default:
+                    raise _invalid(f"model.{key}", getattr(self, key), "only applies with Llama 3.1 rope scaling; "
+                                   "set model.rope_scaling_factor, or leave this at its default "
+                                   f"{format_value(default)}")
+            return
+        _check_min("model.rope_scaling_factor", self.rope_scaling_factor, 1)
+        for key, fixed in self.ROPE_SCALING_FIXED.items():
+            if getattr(self, key) != fixed:
+                raise _invalid(f"model.{key}", getattr(self, key),
+                               f"Megatron-core applies Llama 3.1 rope scaling with {key.removeprefix('rope_scaling_')}"
+                               f"={format_value(fixed)} fixed (RotaryEmbedding._apply_scaling); only "
+                               f"{format_value(fixed)} is supported")
 
     def _check_moe(self) -> None:
         moe_family = self.family in self.MOE_FAMILIES

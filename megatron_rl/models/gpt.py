@@ -1,8 +1,8 @@
 """Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense and Qwen3-MoE / Mixtral families.
 
-One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta, GQA, Qwen2 QKV
-bias, Qwen3 QK-norm, tied or untied embeddings, optionally a mixture of SwiGLU experts)
-becomes a Megatron `TransformerConfig` and a `GPTModel` stage for this rank's pipeline
+One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta and Llama 3.1 scaling,
+GQA, Qwen2 QKV bias, Qwen3 QK-norm, tied or untied embeddings, optionally a mixture of SwiGLU
+experts) becomes a Megatron `TransformerConfig` and a `GPTModel` stage for this rank's pipeline
 position. The local layer spec is used on CPU; the Transformer Engine spec when TE is
 importable and the device is a GPU (`uses_te`).
 Conversion to and from Hugging Face layouts lives in `megatron_rl.weight_sync.families`.
@@ -163,5 +163,8 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
         share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model_cfg.rope_theta),
+        # Llama 3.1 scaling; its other parameters are Megatron's fixed ones, which ModelConfig enforces.
+        rope_scaling=model_cfg.rope_scaling_factor is not None,
+        rope_scaling_factor=model_cfg.rope_scaling_factor or 8.0,
     )
     return model.to(groups.device)

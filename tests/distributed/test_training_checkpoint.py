@@ -202,6 +202,10 @@ def test_mismatched_architecture_names_the_checkpoint_and_field(tmp_path):
     with pytest.raises(ValueError, match=rf"checkpoint {tmp_path} was written for model.hidden_size=256, "
                                          r"this run has model.hidden_size=128"):
         check_compatible(tmp_path, ModelConfig())
+    # rope scaling changes no weight's shape, only what the trained weights mean
+    (tmp_path / "meta.json").write_text(json.dumps({"config": {"model": {"rope_scaling_factor": 8.0}}}))
+    with pytest.raises(ValueError, match=r"model.rope_scaling_factor=8.0, this run has model.rope_scaling_factor=None"):
+        check_compatible(tmp_path, ModelConfig())
 
 
 def _moe_setup(ep):

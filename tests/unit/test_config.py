@@ -229,6 +229,15 @@ INVALID_CASES = [
      ["model.ffn_hidden_size=352", "model.ffn_hidden_size=64"]),
     (["model=tiny_mixtral", "model.moe_router_topk=1"], 1, ["model.moe_router_topk=1", "topk >= 2"]),
     (["model=tiny_mixtral", "parallel.ep=3"], 3, ["parallel.ep=3", "model.num_experts=4", "1, 2, 4"]),
+    (["model.rope_scaling_factor=0.5"], 1, ["model.rope_scaling_factor=0.5", ">= 1"]),
+    (["model.rope_scaling_factor=8", "model.rope_scaling_low_freq_factor=2"], 1,
+     ["model.rope_scaling_low_freq_factor=2", "low_freq_factor=1 fixed", "only 1 is supported"]),
+    (["model.rope_scaling_factor=8", "model.rope_scaling_high_freq_factor=8"], 1,
+     ["model.rope_scaling_high_freq_factor=8", "high_freq_factor=4 fixed"]),
+    (["model.rope_scaling_factor=8", "model.rope_scaling_original_max_position_embeddings=4096"], 1,
+     ["model.rope_scaling_original_max_position_embeddings=4096", "only 8192 is supported"]),
+    (["model.rope_scaling_high_freq_factor=8"], 1,
+     ["model.rope_scaling_high_freq_factor=8", "only applies with Llama 3.1 rope scaling"]),
 ]
 
 

@@ -172,3 +172,49 @@ def test_mixtral_config_maps_intermediate_size_to_the_expert_width(tmp_path):
     assert arch["moe_ffn_hidden_size"] == arch["ffn_hidden_size"] == 24
     assert arch["moe_norm_topk_prob"] is True and arch["qkv_bias"] is False and arch["qk_layernorm"] is False
     ModelConfig(**arch)  # a valid architecture
+
+
+LLAMA_3_1 = ModelConfig(family="llama", tie_word_embeddings=False, num_layers=2, rope_theta=500000.0,
+                        rope_scaling_factor=8.0, max_position_embeddings=16384)
+ROPE_FIELDS = ("rope_theta", "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+               "rope_scaling_original_max_position_embeddings")
+
+
+@pytest.mark.parametrize("writer", ["config_dict", "transformers"])
+def test_llama3_rope_scaling_round_trips(tmp_path, writer):
+    """Ours (rope_scaling, the pre-5.0 spelling) and what transformers 5 writes from it (rope_parameters)."""
+    from megatron_rl.models.hf import hf_config
+
+    if writer == "config_dict":
+        (tmp_path / "config.json").write_text(json.dumps(get_converter("llama").config_dict(LLAMA_3_1)))
+    else:
+        hf_config(LLAMA_3_1).save_pretrained(tmp_path)
+        saved = json.loads((tmp_path / "config.json").read_text())
+        assert saved["rope_parameters"]["rope_type"] == "llama3" and saved["rope_parameters"]["factor"] == 8.0
+    arch = arch_from_hf_config(tmp_path)
+    assert {k: arch[k] for k in ROPE_FIELDS} == {k: getattr(LLAMA_3_1, k) for k in ROPE_FIELDS}
+    assert arch["rope_scaling_factor"] == 8.0  # not the default
+
+
+def test_llama_3_1_config_json_as_published(tmp_path):
+    """The rope entries of meta-llama/Llama-3.1-8B's config.json (written by transformers 4.43)."""
+    cfg = get_converter("llama").config_dict(FAMILIES["llama"])
+    cfg.update(rope_theta=500000.0, max_position_embeddings=131072, rope_scaling={
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3"})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = arch_from_hf_config(tmp_path)
+    assert (arch["rope_theta"], arch["rope_scaling_factor"]) == (500000.0, 8.0)
+    ModelConfig(**arch)  # Megatron-core can build it
+
+
+def test_rope_scaling_megatron_cannot_apply_is_refused_naming_file_and_field(tmp_path):
+    from megatron_rl.config import ConfigError
+    from megatron_rl.runtime import load_validated
+
+    cfg = get_converter("llama").config_dict(LLAMA_3_1)
+    cfg["rope_scaling"]["original_max_position_embeddings"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"config.json: model.rope_scaling_original_max_position_embeddings=4096 "
+                                          r"is invalid: .*only 8192 is supported"):
+        load_validated(["model=tiny_llama", f"model.path={tmp_path}"], world_size=1)

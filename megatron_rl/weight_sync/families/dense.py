@@ -1,5 +1,6 @@
 """The dense decoder layout shared by Llama, Qwen2 and Qwen3: HF <-> Megatron tensor mapping,
-HF config <-> architecture fields. Families subclass it and change only what differs.
+HF config <-> architecture fields (RoPE: default, or Llama 3.1's `llama3` scaling; others are
+refused). Families subclass it and change only what differs.
 
 Megatron fuses Q, K and V into one `linear_qkv` whose rows are grouped per KV group:
 [q (heads_per_group * head_dim), k (head_dim), v (head_dim)] x groups; and SwiGLU's gate and
@@ -68,6 +69,7 @@ class DenseDecoderConverter:
             "rope_theta": arch.rope_theta,
             "rms_norm_eps": arch.norm_eps,
             "tie_word_embeddings": arch.tie_word_embeddings,
+            **self._rope_scaling_dict(arch),
             "hidden_act": "silu",
             "bos_token_id": eos_token_id,
             "eos_token_id": eos_token_id,
@@ -75,13 +77,37 @@ class DenseDecoderConverter:
             "attention_dropout": 0.0,
         }
 
+    @staticmethod
+    def _rope_scaling_dict(arch: Any) -> dict[str, Any]:
+        """HF's `rope_scaling` entry (the pre-5.0 spelling, which transformers 5 still reads)."""
+        if arch.rope_scaling_factor is None:
+            return {}
+        return {"rope_scaling": {
+            "rope_type": "llama3", "factor": arch.rope_scaling_factor,
+            "low_freq_factor": arch.rope_scaling_low_freq_factor,
+            "high_freq_factor": arch.rope_scaling_high_freq_factor,
+            "original_max_position_embeddings": arch.rope_scaling_original_max_position_embeddings}}
+
+    @staticmethod
+    def _rope_scaling_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+        """ModelConfig's rope_scaling_* fields from `rope_scaling` (transformers < 5) or
+        `rope_parameters` (transformers >= 5, which also holds rope_theta there)."""
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            return {"rope_scaling_factor": None}
+        if rope_type != "llama3":
+            raise ValueError(f"{where}: rope_scaling={rope} is not supported (only default RoPE and "
+                             "rope_type=llama3, Llama 3.1's scaling)")
+        return {"rope_scaling_factor": float(rope["factor"]),
+                "rope_scaling_low_freq_factor": float(rope["low_freq_factor"]),
+                "rope_scaling_high_freq_factor": float(rope["high_freq_factor"]),
+                "rope_scaling_original_max_position_embeddings": int(rope["original_max_position_embeddings"])}
+
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
         """ModelConfig field values from a config.json (`where` names it in errors)."""
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (only silu)")
-        rope_scaling = hf.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"{where}: rope_scaling={rope_scaling} is not supported yet (only default RoPE)")
         heads = hf["num_attention_heads"]
         theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         return {
@@ -95,6 +121,7 @@ class DenseDecoderConverter:
             "vocab_size": hf["vocab_size"],
             "max_position_embeddings": hf.get("max_position_embeddings", 4096),
             "rope_theta": float(theta),
+            **self._rope_scaling_fields(hf, where),
             "norm_eps": hf.get("rms_norm_eps", 1e-6),
             "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "qkv_bias": bool(hf.get("attention_bias", False)),

@@ -1,5 +1,6 @@
-"""Llama (2 / 3 without rope scaling): optional attention bias from `attention_bias`; MLP bias
-is refused (no checkpoint of interest uses it and Megatron's SwiGLU here has none)."""
+"""Llama (2, 3, and 3.1 with its rope scaling, read by `dense.py` for every family): optional
+attention bias from `attention_bias`; MLP bias is refused (no checkpoint of interest uses it and
+Megatron's SwiGLU here has none)."""
 
 from __future__ import annotations
 
