@@ -1,0 +1,149 @@
+"""Mixtral and Llama 3.1 (rope-scaled) checkpoints written by `transformers` itself: the architecture
+read from their config.json, loaded into Megatron (single process; Mixtral also at EP=2 and PP=2,
+the rope-scaled Llama also at CP=2), gives the log-probs and entropies `transformers` computes, and
+the export loads back into `transformers` bit-exactly with the same config.
+
+Tolerance 2e-5 (fp32), as in test_moe_parity.py; observed differences are ~1e-6.
+
+Llama 3.1 scaling changes only frequencies with wavelengths above 2048 positions
+(original_max_position_embeddings 8192 / high_freq_factor 4, both fixed in Megatron-core), whose
+rotation over a few hundred tokens is small; with `transformers`' initialisation (std 0.02) the
+attention is then nearly uniform and blind to it. The checkpoint's Q and K projections are
+therefore scaled by 8 (sharper attention), and a guard test checks that `transformers` without
+the scaling differs from it by far more than the tolerance: a Megatron run that ignored the
+scaling would fail the comparison.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_spawned
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+CHECKPOINTS = {
+    "mixtral": dict(family="mixtral", num_layers=4, tie_word_embeddings=False, ffn_hidden_size=64, num_experts=4,
+                    moe_ffn_hidden_size=64, moe_router_topk=2),
+    "llama3_1": dict(family="llama", num_layers=4, tie_word_embeddings=False, rope_theta=500000.0,
+                     rope_scaling_factor=8.0, max_position_embeddings=16384),
+}
+LAYOUTS = {"tp1": dict(tp=1, pp=1, cp=1, ep=1), "ep2": dict(tp=1, pp=1, cp=1, ep=2),
+           "pp2": dict(tp=1, pp=2, cp=1, ep=1), "cp2": dict(tp=1, pp=1, cp=2, ep=1)}
+CASES = [("mixtral", "tp1"), ("mixtral", "ep2"), ("mixtral", "pp2"), ("llama3_1", "tp1"), ("llama3_1", "cp2")]
+LENGTHS = (300, 77, 180)
+TOL = 2e-5
+
+
+def _sequences():
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 128, (n,), generator=gen) for n in LENGTHS]
+
+
+def _worker(rank: int, world: int, ckpt_root: str, cases: list, out_root: str) -> None:
+    from megatron_rl.checkpoint.hf import arch_from_hf_config, export_hf
+    from megatron_rl.config.schema import ModelConfig, OptimizerConfig
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.core import Trainer, TrainerOptions
+    from megatron_rl.trainer.packing import Sample
+
+    mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
+    results = {}
+    for name, layout in cases:
+        path = Path(ckpt_root) / name
+        cfg = ModelConfig(**arch_from_hf_config(path), path=str(path))  # as runtime.load_validated does
+        par = LAYOUTS[layout]
+        groups = state.initialize(par["tp"], par["pp"], par["cp"], ep=par["ep"])
+        trainer = Trainer(cfg, OptimizerConfig(), groups, TrainerOptions(micro_batch_tokens=320))
+        trainer.initialize_weights()
+        samples = [Sample(s, torch.ones(len(s) - 1)) for s in _sequences()]
+        results[(name, layout)] = trainer.forward_logprobs(samples, with_entropy=True)
+        export_hf(trainer.module, groups, cfg, Path(out_root) / f"{name}-{layout}")
+        state.destroy()
+    if rank == 0:
+        torch.save(results, Path(out_root) / f"logprobs-{world}.pt")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.models.hf import build_hf_model
+
+    root = tmp_path_factory.mktemp("hf")
+    for name, fields in CHECKPOINTS.items():
+        model = build_hf_model(ModelConfig(**fields), seed=21)
+        if name == "llama3_1":
+            with torch.no_grad():
+                for layer in model.model.layers:  # sharper attention: see the module docstring
+                    layer.self_attn.q_proj.weight.mul_(8.0)
+                    layer.self_attn.k_proj.weight.mul_(8.0)
+        model.save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out")
+    run_spawned(_worker, 1, str(checkpoints), [c for c in CASES if c[1] == "tp1"], str(out))
+    run_spawned(_worker, 2, str(checkpoints), [c for c in CASES if c[1] != "tp1"], str(out))
+    return out, {k: v for world in (1, 2) for k, v in torch.load(out / f"logprobs-{world}.pt").items()}
+
+
+def _hf_logprobs(path, **config_overrides):
+    """Per-sequence (log-probs, entropies) from transformers, in float64 after the logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, **config_overrides)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    out = []
+    for seq in _sequences():
+        with torch.no_grad():
+            logp = torch.log_softmax(model(seq[None]).logits[0, :-1].double(), -1)
+        out.append((logp.gather(-1, seq[1:, None])[:, 0], -(logp.exp() * logp).sum(-1)))
+    return out
+
+
+@pytest.mark.parametrize(("name", "layout"), CASES)
+def test_megatron_logprobs_match_transformers(checkpoints, results, name, layout):
+    _, runs = results
+    logprobs, entropies = runs[(name, layout)]
+    for got_lp, got_ent, (lp, ent) in zip(logprobs, entropies, _hf_logprobs(checkpoints / name), strict=True):
+        assert (got_lp.double() - lp).abs().max() <= TOL, (got_lp.double() - lp).abs().max()
+        assert (got_ent.double() - ent).abs().max() <= TOL
+
+
+def test_rope_scaling_changes_the_reference(checkpoints):
+    """Guards the llama3_1 comparison: transformers without the scaling is far from it."""
+    theta = CHECKPOINTS["llama3_1"]["rope_theta"]
+    scaled = _hf_logprobs(checkpoints / "llama3_1")
+    plain = _hf_logprobs(checkpoints / "llama3_1", rope_parameters={"rope_type": "default", "rope_theta": theta})
+    assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(scaled, plain)) > 100 * TOL
+
+
+@pytest.mark.parametrize(("name", "layout"), CASES)
+def test_export_round_trip_is_bit_exact(checkpoints, results, name, layout):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.checkpoint.hf import arch_from_hf_config
+
+    out, _ = results
+    exported = out / f"{name}-{layout}"
+    original = AutoModelForCausalLM.from_pretrained(checkpoints / name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    assert type(loaded) is type(original)
+    want, got = original.state_dict(), loaded.state_dict()
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    assert arch_from_hf_config(exported) == arch_from_hf_config(checkpoints / name)
+    written = json.loads((exported / "config.json").read_text())
+    if name == "llama3_1":
+        assert written["rope_parameters"] == json.loads((checkpoints / name / "config.json").read_text())[
+            "rope_parameters"]
+    else:
+        assert (written["model_type"], written["num_local_experts"], written["intermediate_size"]) == ("mixtral", 4, 64)
