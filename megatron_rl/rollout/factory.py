@@ -52,9 +52,6 @@ def check_engine_config(cfg: Any, world_size: int, local_world_size: int) -> Non
         if importlib.util.find_spec("sglang") is None:
             raise ConfigError(f"rollout.backend=sglang needs sglang, which this Python ({_python()}) cannot "
                               f"import: {SGLANG_INSTALL_HINT}; or use rollout.backend=hf")
-    elif getattr(cfg.model, "num_experts", None):
-        raise ConfigError("rollout.backend=hf does not support MoE models yet (weight sync sends per-expert "
-                          "names that transformers fuses): use rollout.backend=sglang")
 
 
 def _python() -> str:

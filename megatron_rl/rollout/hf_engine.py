@@ -2,7 +2,9 @@
 
 It is the CPU default and the numerical reference for the other backends. Weights arrive
 from the trainer as HF-named tensors (weight sync), so the engine starts from whatever
-architecture the config describes and never loads a checkpoint itself. Releasing the
+architecture the config describes and never loads a checkpoint itself; where `transformers`
+holds weights differently in memory (fused experts), the family's converter says which slice
+each hub tensor fills (`hf_memory_slot`). Releasing the
 "weights" tag really frees them (the module moves to the meta device); after resuming they
 hold garbage until the next weight update, exactly like SGLang's memory saver.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -25,19 +27,18 @@ logger = logging.getLogger(__name__)
 class HFEngine:
     def __init__(self, model_cfg: Any, *, device: str | torch.device = "cpu", eos_token_id: int = 0,
                  pad_token_id: int = 0, max_batch_size: int = 256) -> None:
-        from megatron_rl.models.hf import build_hf_model
-
-        if getattr(model_cfg, "num_experts", None):
-            # transformers fuses experts in memory while weight sync sends the checkpoint's
-            # per-expert names; the hf backend does not translate between them yet.
-            raise ValueError("rollout.backend=hf does not support MoE models yet; use rollout.backend=sglang")
         from megatron_rl.models.gpt import torch_dtype
+        from megatron_rl.models.hf import build_hf_model
+        from megatron_rl.weight_sync.families import get_converter
 
         self.device = torch.device(device)
         # the trainer's dtype: weight sync then copies without converting
         self.model = build_hf_model(model_cfg, seed=0, eos_token_id=eos_token_id).to(
             self.device, torch_dtype(model_cfg.dtype))
         self.model.generation_config.pad_token_id = pad_token_id
+        self.model_cfg = model_cfg
+        # Weight sync sends the hub layout; transformers may hold it differently (fused experts).
+        self._converter = get_converter(model_cfg.family)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -58,10 +59,12 @@ class HFEngine:
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied lm_head included
         buffers = dict(self.model.named_buffers())
         for name, tensor in named_tensors:
-            target = params.get(name, buffers.get(name))
+            held, index = self._converter.hf_memory_slot(name, self.model_cfg)
+            target = params.get(held, buffers.get(held))
             if target is None:
                 raise ValueError(f"weight update names {name!r}, which the {type(self.model).__name__} "
                                  f"engine does not have")
+            target = target[index]
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight update {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the engine expects {tuple(target.shape)}")
@@ -71,7 +74,10 @@ class HFEngine:
             self._weights_valid = True
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The weights in the hub layout (the names and shapes weight sync sends)."""
+        from megatron_rl.models.hf import hub_state_dict
+
+        return {k: v.detach().clone() for k, v in hub_state_dict(self.model).items()}
 
     # -- memory -------------------------------------------------------------------------------
     def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:

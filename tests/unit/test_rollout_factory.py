@@ -84,15 +84,32 @@ MOE_MODELS = {"qwen3_moe": ModelConfig(family="qwen3_moe", num_experts=4, moe_ff
 
 
 @pytest.mark.parametrize("family", sorted(MOE_MODELS))
-def test_moe_models_need_the_sglang_backend(family):
+def test_hf_engine_takes_moe_weights_in_the_hub_layout(family):
+    """Weight sync sends per-expert hub tensors (`experts.{e}.w1`, ...); transformers holds the
+    experts fused. After an update from another model's hub state dict the engine holds that
+    model's weights and computes its logits."""
+    import torch
+
+    from megatron_rl.models.hf import build_hf_model, hub_state_dict
     from megatron_rl.rollout.hf_engine import HFEngine
 
     cfg = rl_config()
     cfg.model = MOE_MODELS[family]
-    with pytest.raises(ConfigError, match="rollout.backend=hf does not support MoE"):
-        check_engine_config(cfg, world_size=1, local_world_size=1)
-    with pytest.raises(ValueError, match="rollout.backend=hf does not support MoE"):
-        HFEngine(cfg.model)  # a disaggregated generator builds one without check_engine_config
+    check_engine_config(cfg, world_size=1, local_world_size=1)
+    source = build_hf_model(cfg.model, seed=7)
+    sent = hub_state_dict(source)
+    assert any(".experts.3." in k for k in sent)  # per-expert names, not transformers' fused ones
+    engine = HFEngine(cfg.model)
+    before = engine.model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    assert not torch.equal(before, source.model.layers[0].mlp.experts.gate_up_proj)  # a real update follows
+    engine.update_weights(sorted(sent.items(), reverse=True), version=1)  # any order, one tensor at a time
+    held = engine.hf_state_dict()
+    assert sorted(held) == sorted(sent)
+    for key, value in sent.items():
+        assert torch.equal(held[key], value), key
+    tokens = torch.tensor([[5, 9, 2, 40, 7, 7, 3]])
+    with torch.no_grad():
+        assert torch.equal(engine.model(tokens).logits, source(tokens).logits)
 
 
 @pytest.mark.parametrize("family", sorted(MOE_MODELS))

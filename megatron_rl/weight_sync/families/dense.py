@@ -224,6 +224,11 @@ class DenseDecoderConverter:
         return {h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
                 h + "mlp.down_proj.weight": meg[m + "mlp.linear_fc2.weight"]}
 
+    def hf_memory_slot(self, name: str, arch: Any) -> tuple[str, tuple]:
+        """Where the hub-layout tensor `name` lives in a `transformers` model in memory: (parameter
+        name, index into that parameter). The dense layout is held as written."""
+        return name, ()
+
     def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
         """Shapes the architecture implies, for checking a checkpoint before loading it."""
         hidden, hd = arch.hidden_size, arch.resolved_head_dim

@@ -68,6 +68,27 @@ class SparseMoeLayout:
             out[dst + f"{down}.weight"] = meg[src + "linear_fc2.weight"]
         return out
 
+    def hf_memory_slot(self, name: str, arch: Any) -> tuple[str, tuple]:
+        """transformers >= 5 holds every family's block as `mlp.` in memory, the router as
+        `mlp.gate.weight` and the experts fused: `mlp.experts.gate_up_proj` [E, 2I, H] (each
+        expert's [gate; up]) and `mlp.experts.down_proj` [E, H, I]. A hub expert tensor is one
+        slice of those, so weight updates can be copied in piece by piece."""
+        match = re.match(r"^(model\.layers\.\d+\.)" + re.escape(self.hf_moe_block)
+                         + r"(?:gate|experts\.(\d+)\.(\w+))\.weight$", name)
+        if match is None:
+            return name, ()
+        layer, expert, projection = match.groups()
+        if expert is None:
+            return layer + "mlp.gate.weight", ()
+        gate, up, down = self.hf_expert_projections
+        e, width = int(expert), arch.moe_ffn_hidden_size
+        if projection == down:
+            return layer + "mlp.experts.down_proj", (e,)
+        if projection not in (gate, up):
+            raise ValueError(f"{name}: unknown expert projection {projection!r} (expected {gate}, {up} or {down})")
+        rows = slice(0, width) if projection == gate else slice(width, 2 * width)
+        return layer + "mlp.experts.gate_up_proj", (e, rows)
+
     def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
         names = list(names)
         shapes = super().expected_hf_shapes(arch, names)  # type: ignore[misc]  (the dense converter's)
