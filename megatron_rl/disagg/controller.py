@@ -24,15 +24,19 @@ a sequence generated across a publish carries both versions, and its rollout log
 the engine's per token, which the truncated-IS weight (algorithm.tis_cap) corrects against
 the trainer's recomputed old log-probs (algorithm.old_logprobs=recompute is required).
 
-Process picture. On CPU (and one node) trainer rank 0 spawns rollout.num_generators processes
+Process picture. Trainer rank 0 hosts the hub (megatron_rl/disagg/channel.py: request and
+experience queues, stop event, heartbeats, served over TCP) and the weight group's TCPStore.
+With rollout.generator_nodes=0 it spawns rollout.num_generators processes itself
 (multiprocessing 'spawn'; megatron_rl/disagg/generator.py) during start-up, so they load while
-the warm start runs; rank 0 hosts the weight group's TCPStore and talks to them through two
-queues (requests, experience). The other trainer ranks take part in weight sync (TP gather,
-PP stages, as in colocated mode) and get the step's groups from rank 0 by broadcast. On a
-GPU node generator i uses the GPU after the trainer's local ranks (parallel.dist.generator_device),
-so a node of 8 GPUs runs e.g. 6 trainer ranks (`--ntasks-per-node=6`) and 2 generators; the
-weight group is NCCL. Generators on other nodes (separate Slurm tasks joining the same store
-over the network) are not implemented: the store listens on rank 0's loopback address.
+the warm start runs; on a GPU node generator i uses the GPU after the trainer's local ranks
+(parallel.dist.generator_device), so a node of 8 GPUs runs e.g. 6 trainer ranks
+(`--ntasks-per-node=6`) and 2 generators. With rollout.generator_nodes=N > 0 the generators are
+separate processes on other nodes (the Slurm job runs them as a step of their own on the last N
+nodes, one per GPU) that find the hub through `<run_dir>/disagg/hub.json` and join the store
+at rank 0's address; the trainer waits for them and stops with an error naming the generator
+when one falls silent for rollout.generator_timeout_s. The other trainer ranks take part in
+weight sync (TP gather, PP stages, as in colocated mode) and get the step's groups from rank 0
+by broadcast. The weight group is gloo on CPU, NCCL on GPU.
 
 Evaluation runs on the trainer's own engine through the colocated controller (the engine is
 built as in colocated mode), with the trainer's current weights.
@@ -44,6 +48,7 @@ import atexit
 import dataclasses
 import logging
 import multiprocessing
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
@@ -56,7 +61,7 @@ from megatron_rl.rollout.base import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-STORE_HOST = "127.0.0.1"
+LOOPBACK = "127.0.0.1"
 
 
 def check_disaggregated_config(cfg: Any) -> None:
@@ -109,28 +114,37 @@ class DisaggregatedController:
         self._closed = False
         if not self.is_main:
             return
-        from megatron_rl.disagg.generator import GeneratorSpec, run_generator
+        from megatron_rl.disagg.channel import Hub
+        from megatron_rl.disagg.generator import GeneratorSpec, run_local_generator
 
-        ctx = multiprocessing.get_context("spawn")
-        self.requests = ctx.Queue()
-        self.experience = ctx.Queue(maxsize=(self.max_staleness + 1) * self.num_groups)
-        self.stop = ctx.Event()
-        num = cfg.rollout.num_generators
-        self.store = weight_update_store(STORE_HOST, free_port(), 1 + num, is_master=True)
+        num, external = cfg.rollout.num_generators, cfg.rollout.generator_nodes > 0
+        # one node: everything on the loopback; other nodes: the address the trainer ranks rendezvous at
+        host = _reachable_host(rt.env.master_addr) if external else LOOPBACK
+        self.store = weight_update_store(host, free_port(), 1 + num, is_master=True)
+        local_ranks = 0 if external else rt.env.local_world_size
+        specs = [GeneratorSpec(i, cfg, str(rt.run_dir), host, self.store.port, num, local_ranks,
+                               list(sandbox_addresses)) for i in range(num)]
+        self.hub = Hub(specs, (self.max_staleness + 1) * self.num_groups, host, cfg.rollout.generator_timeout_s)
         self.events = EventLog(Path(rt.run_dir) / "timeline" / "trainer.jsonl")
-        self.buffer = ExperienceBuffer(self.experience, self.max_staleness)
+        self.buffer = ExperienceBuffer(self.hub.experience, self.max_staleness)
         self.procs = []
-        for i in range(num):
-            spec = GeneratorSpec(i, cfg, str(rt.run_dir), STORE_HOST, self.store.port, num, rt.env.local_world_size,
-                                 list(sandbox_addresses))
-            # not daemonic: an sglang engine starts processes of its own; close() (also at exit) stops them
-            proc = ctx.Process(target=run_generator, args=(spec, self.requests, self.experience, self.stop),
-                               name=f"generator{i}")
-            proc.start()
-            self.procs.append(proc)
+        if external:
+            path = self.hub.publish(rt.run_dir)
+            logger.info("disaggregated rollout: waiting for %d generator(s) started separately "
+                        "(`python -m megatron_rl.disagg.generator --run-dir %s`); hub %s:%d, written to %s",
+                        num, rt.run_dir, *self.hub.address, path)
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            for i in range(num):
+                # not daemonic: an sglang engine starts processes of its own; close() (also at exit) stops them
+                proc = ctx.Process(target=run_local_generator, args=(i, *self.hub.address, self.hub.key),
+                                   name=f"generator{i}")
+                proc.start()
+                self.procs.append(proc)
         atexit.register(self.close)
-        logger.info("disaggregated rollout: %d generator process(es), max_staleness %d, partial rollouts %s",
-                    num, self.max_staleness, cfg.rollout.partial_rollout_tokens or "off")
+        logger.info("disaggregated rollout: %d generator process(es)%s, max_staleness %d, partial rollouts %s",
+                    num, f" on {cfg.rollout.generator_nodes} other node(s)" if external else "",
+                    self.max_staleness, cfg.rollout.partial_rollout_tokens or "off")
 
     # -- the step ---------------------------------------------------------------------------------
     def step_rollouts(self, rt: Any, parts: dict, step: int) -> tuple[list, dict[str, float]]:
@@ -168,17 +182,27 @@ class DisaggregatedController:
         from megatron_rl.parallel.dist import WeightUpdateGroup
 
         start = time.time()
+        while not self.hub.all_ready():  # a generator failing or falling silent while it loads raises here
+            self._check_alive()
+            time.sleep(0.2)
         self.store.set(GO_KEY, str(first_version))
-        group = WeightUpdateGroup(self.store, 0, 1 + len(self.procs), self.device)
+        num = len(self.hub.specs)
+        group = WeightUpdateGroup(self.store, 0, 1 + num, self.device)
         self._sink = BroadcastSink(group, self.store)
-        self.events.write("connect", start, time.time(), generators=len(self.procs))
+        self.events.write("connect", start, time.time(), generators=num)
 
     def _publish(self, version: int) -> Any:
         from megatron_rl.weight_sync.stream import sync_weights
 
         start = time.time()
-        stats = sync_weights(self.trainer.module, self.trainer.groups, self.trainer.model_cfg, self._sink, version,
-                             self.colocated.bucket_bytes)
+        try:
+            stats = sync_weights(self.trainer.module, self.trainer.groups, self.trainer.model_cfg, self._sink,
+                                 version, self.colocated.bucket_bytes)
+        except RuntimeError as exc:  # the weight group lost a member: say which generator it was
+            if not self.is_main:
+                raise
+            raise RuntimeError(f"publishing weights v{version} to the generators failed ({self.hub.describe()}; "
+                               f"logs under {self.events.path.parents[1] / 'logs'}): {exc}") from exc
         self.version = version
         if self.is_main:
             self.events.write("publish", start, time.time(), version=version)
@@ -190,7 +214,7 @@ class DisaggregatedController:
             self._request(self._reissue.pop(0))
         while self._next_issue_step <= last_step:
             indices = self.sampler.next_batch(self.num_groups)
-            num = len(self.procs)
+            num = len(self.hub.specs)
             for part in range(num):  # one request per generator (any generator may take any)
                 share = indices[part * len(indices) // num:(part + 1) * len(indices) // num]
                 if share:
@@ -208,7 +232,7 @@ class DisaggregatedController:
                                 stop_token_ids=self.stop_token_ids)
         prompts = [(list(self.prompts[i].tokens), dict(self.prompts[i].meta)) for i in indices]
         self._in_flight[request_id] = list(indices)
-        self.requests.put(Request(request_id, list(indices), prompts, params))
+        self.hub.requests.put(Request(request_id, list(indices), prompts, params))
 
     def _consumed(self, group: ExperienceGroup) -> None:
         remaining = self._in_flight.get(group.request_id, [])
@@ -227,6 +251,7 @@ class DisaggregatedController:
             if not proc.is_alive():
                 raise RuntimeError(f"generator {i} exited with code {proc.exitcode}: see "
                                    f"{self.events.path.parents[1] / 'logs' / f'generator{i}.log'}")
+        self.hub.check()
 
     # -- what the RL loop also asks of a controller -------------------------------------------------
     def rollout(self, generate: Callable[[], T]) -> T:
@@ -274,11 +299,23 @@ class DisaggregatedController:
             return
         self._flush_timeline()
         self._closed = True
-        self.stop.set()
+        self.hub.stop.set()
         for proc in self.procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 logger.warning("generator %s did not stop in 30s; terminating it", proc.name)
                 proc.terminate()
                 proc.join(timeout=10)
+        left = self.hub.wait_stopped(0 if self.procs else 30)
+        if left:
+            logger.warning("generator(s) %s did not confirm stopping within 30s", left)
+        self.hub.close()
         self.events.close()
+
+
+def _reachable_host(master_addr: str) -> str:
+    """An address of this node that other nodes reach: the rendezvous address of the trainer
+    ranks (rank 0 runs here), or this host's name when that is a loopback address."""
+    if master_addr.startswith("127.") or master_addr in ("localhost", "::1"):
+        return socket.gethostname()
+    return master_addr

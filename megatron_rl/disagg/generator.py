@@ -14,19 +14,31 @@ computed as in `rollout.collect`: the decoded response and the prompt's meta go 
 
 Every engine call, weight update, scoring and blocked put is written to
 `<run_dir>/timeline/generator<i>.jsonl`; the log goes to `<run_dir>/logs/generator<i>.log`.
-On CPU trainer rank 0 starts the generators with multiprocessing 'spawn'; see
-megatron_rl/disagg/controller.py for the process picture on a GPU cluster.
+Requests, experience and the stop signal come over the trainer's hub (megatron_rl/disagg/channel.py).
+With `rollout.generator_nodes=0` trainer rank 0 starts the generators (multiprocessing 'spawn');
+otherwise they are started separately, on any node that reaches the trainer:
+
+    python -m megatron_rl.disagg.generator --run-dir RUN_DIR [--index I]
+
+(the Slurm job's generator step does this on the last rollout.generator_nodes nodes; the index
+defaults to SLURM_PROCID, the GPU to SLURM_LOCALID). See megatron_rl/disagg/controller.py for
+the process picture.
 """
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import queue
+import socket
+import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from megatron_rl.disagg.buffer import ExperienceGroup
 from megatron_rl.disagg.events import EventLog
@@ -44,7 +56,7 @@ class GeneratorSpec:
     store_host: str
     store_port: int
     num_generators: int
-    num_local_trainer_ranks: int
+    num_local_trainer_ranks: int  # on the trainer's node: the GPUs before this generator's (0 elsewhere)
     sandbox_addresses: list[str]
 
 
@@ -62,39 +74,79 @@ class _Stopped(Exception):
     pass
 
 
-def run_generator(spec: GeneratorSpec, requests: Any, experience: Any, stop: Any) -> None:
-    """The process's main function (multiprocessing target)."""
+def run_local_generator(index: int, host: str, port: int, key: bytes) -> None:
+    """Target of the generators trainer rank 0 spawns on its own node."""
+    from megatron_rl.disagg.channel import connect
+
+    run_generator(connect(host, port, key), index, local_index=index)
+
+
+def run_generator(hub: Any, index: int, local_index: int) -> None:
+    """The generator's main function: `hub` is its proxy of the trainer's `channel.Endpoint`;
+    `local_index` picks the device among the GPUs of this node left to generators."""
     from megatron_rl.data.domains import make_task
     from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.disagg.weights import WeightReceiver
+    from megatron_rl.disagg.channel import heartbeat
     from megatron_rl.observability import init_logger
-    from megatron_rl.parallel.dist import WeightUpdateGroup, generator_device, weight_update_store
+    from megatron_rl.parallel.dist import generator_device
     from megatron_rl.rewards.service import RewardService
     from megatron_rl.rollout.factory import make_standalone_engine
 
+    spec: GeneratorSpec = hub.spec(index)
     cfg, run_dir = spec.cfg, Path(spec.run_dir)
-    init_logger(spec.index + 1, cfg.logging.level, run_dir / "logs" / f"generator{spec.index}.log")
-    device = generator_device(cfg.cluster.device, spec.index, spec.num_local_trainer_ranks)
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
-    task = make_task(cfg, tokenizer)
-    engine = make_standalone_engine(cfg, tokenizer, device=device, index=spec.index, work_dir=run_dir)
-    rewards = RewardService(task.verifier_factory(spec.sandbox_addresses))
-    events = EventLog(run_dir / "timeline" / f"generator{spec.index}.jsonl")
+    init_logger(index + 1, cfg.logging.level, run_dir / "logs" / f"generator{index}.log")
+    device = generator_device(cfg.cluster.device, local_index, spec.num_local_trainer_ranks)
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    hub.join(index, {"host": host, "pid": os.getpid(), "device": str(device)})
+    beating = threading.Event()
+    heartbeat(hub, index, beating)
+    logger.info("generator %d of %d on %s (pid %d, %s), trainer at %s", index, spec.num_generators, host,
+                os.getpid(), device, spec.store_host)
+    error = None
+    try:
+        tokenizer = load_tokenizer(cfg.model.tokenizer)
+        task = make_task(cfg, tokenizer)
+        engine = make_standalone_engine(cfg, tokenizer, device=device, index=index, work_dir=run_dir)
+        rewards = RewardService(task.verifier_factory(spec.sandbox_addresses))
+        events = EventLog(run_dir / "timeline" / f"generator{index}.jsonl")
+        try:
+            _loop(spec, index, hub, engine, rewards, tokenizer, device, events)
+        finally:
+            rewards.close()
+            events.close()
+            engine.shutdown()
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        logger.exception("generator %d failed", index)
+        raise
+    finally:
+        beating.set()
+        try:
+            hub.stopped(index, error)  # a failure reaches the trainer at once, not after the heartbeat timeout
+        except (OSError, EOFError):
+            pass  # the trainer has gone already
+
+
+def _loop(spec: GeneratorSpec, index: int, hub: Any, engine: Any, rewards: Any, tokenizer: Any, device: Any,
+          events: EventLog) -> None:
+    from megatron_rl.disagg.weights import WeightReceiver
+    from megatron_rl.parallel.dist import WeightUpdateGroup, weight_update_store
+
     world = 1 + spec.num_generators
     store = weight_update_store(spec.store_host, spec.store_port, world, is_master=False)
+    hub.ready(index)
     while not store.check([GO_KEY]):  # the trainer's warm start runs meanwhile
-        if stop.is_set():
+        if hub.stopping():
             return
         time.sleep(0.2)
-    group = WeightUpdateGroup(store, spec.index + 1, world, device)
+    group = WeightUpdateGroup(store, index + 1, world, device)
     receiver = WeightReceiver(group, store, engine,
                               on_update=lambda v, s, e: events.write("weights", s, e, version=v))
     receiver.receive(int(store.get(GO_KEY)))
-    logger.info("generator %d ready on %s with weights v%d", spec.index, device, receiver.version)
-    experience.cancel_join_thread()  # at shutdown, groups nobody will train on may be dropped
+    logger.info("generator %d ready on %s with weights v%d", index, device, receiver.version)
 
     def between_chunks() -> None:
-        if stop.is_set():
+        if hub.stopping():
             raise _Stopped
         receiver.poll()
 
@@ -102,24 +154,21 @@ def run_generator(spec: GeneratorSpec, requests: Any, experience: Any, stop: Any
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     try:
-        while not stop.is_set():
+        while not hub.stopping():
             receiver.poll()
             try:
-                request = requests.get(timeout=0.05)
+                request = hub.get_request(timeout=0.05)
             except queue.Empty:
                 continue
-            for item in _serve(spec, request, engine, rewards, decode, between_chunks, events):
-                _put(experience, item, receiver, stop, events)
+            for item in _serve(spec, index, request, engine, rewards, decode, between_chunks, events):
+                _put(hub, item, receiver, events)
     except _Stopped:
         pass
     finally:
-        logger.info("generator %d stops at weights v%d", spec.index, receiver.version)
-        rewards.close()
-        events.close()
-        engine.shutdown()
+        logger.info("generator %d stops at weights v%d", index, receiver.version)
 
 
-def _serve(spec: GeneratorSpec, request: Request, engine: Any, rewards: Any, decode, between_chunks,
+def _serve(spec: GeneratorSpec, index: int, request: Request, engine: Any, rewards: Any, decode, between_chunks,
            events: EventLog) -> list[ExperienceGroup]:
     from megatron_rl.rollout.collect import Rollout
     from megatron_rl.rollout.partial import generate_partial
@@ -143,20 +192,48 @@ def _serve(spec: GeneratorSpec, request: Request, engine: Any, rewards: Any, dec
         rollouts = [Rollout(p, list(tokens), g.output_ids, g.logprobs, g.finish_reason, g.weight_version,
                             reward=float(score), domain=meta.get("domain", ""),
                             source_index=request.source_indices[p]) for g, score in mine]
-        out.append(ExperienceGroup(request.request_id, rollouts, [g.token_versions for g, _ in mine], spec.index,
+        out.append(ExperienceGroup(request.request_id, rollouts, [g.token_versions for g, _ in mine], index,
                                    (start, end)))
     return out
 
 
-def _put(experience: Any, item: ExperienceGroup, receiver: Any, stop: Any, events: EventLog) -> None:
+def _put(hub: Any, item: ExperienceGroup, receiver: Any, events: EventLog) -> None:
     """Put one group into the buffer; while it is full, keep applying weight updates."""
     start = time.time()
-    while not stop.is_set():
+    while not hub.stopping():
         try:
-            experience.put(item, timeout=0.1)
+            hub.put_experience(item, timeout=0.1)
         except queue.Full:
             receiver.poll()
             continue
         if time.time() - start > 0.1:
             events.write("buffer_full", start, time.time(), request=item.request_id)
         return
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """A generator started separately (rollout.generator_nodes > 0): connect with the run
+    directory's hub file and serve until the trainer stops."""
+    from megatron_rl.disagg.channel import connect_from_file
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.disagg.generator", description=main.__doc__)
+    parser.add_argument("--run-dir", required=True, help="the training run's directory (shared with the trainer)")
+    parser.add_argument("--index", type=int, default=int(os.environ.get("SLURM_PROCID", "0")),
+                        help="this generator's index in [0, rollout.num_generators) (default: $SLURM_PROCID)")
+    parser.add_argument("--local-index", type=int, default=int(os.environ.get("SLURM_LOCALID", "0")),
+                        help="picks this node's GPU (default: $SLURM_LOCALID)")
+    parser.add_argument("--wait-s", type=float, default=1800.0,
+                        help="how long to wait for the trainer's hub (the trainer loads its model first)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s generator %(levelname)s %(message)s")
+    hub = connect_from_file(args.run_dir, args.wait_s)
+    num = hub.spec(0).num_generators
+    if not 0 <= args.index < num:
+        logger.error("--index %d: the trainer expects %d generator(s) (rollout.num_generators)", args.index, num)
+        return 2
+    run_generator(hub, args.index, args.local_index)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

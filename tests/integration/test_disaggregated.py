@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -142,3 +143,78 @@ def test_tensor_parallel_trainer_publishes_the_gathered_weights(tmp_path):
     assert rows[0]["async/staleness_max"] == 0 and rows[0]["rollout/logprob_mismatch"] <= 1e-4
     assert all(r["async/staleness_max"] <= 1 for r in rows)
     assert max(r["rollout/logprob_mismatch"] for r in rows[1:]) > 1e-3
+
+
+def _trainer_args(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math",
+            "task.sft_warmup_steps=5", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
+            "task.num_eval=8", "task.eval_samples=1", "task.eval_every=0", "algorithm.num_inner_updates=1",
+            "checkpoint.save_every=0", "checkpoint.save_at_end=false", "logging.progress=false",
+            "rollout.mode=disaggregated", "rollout.generator_nodes=1", "rollout.max_new_tokens=24",
+            f"run_dir={run_dir}", *extra]
+
+
+def _start_generator(run_dir: Path, env: dict, index: int = 0) -> subprocess.Popen:
+    """A generator started on its own, as the Slurm generator step (or a user on another node) does:
+    not a child of the trainer; it finds the trainer through the run directory."""
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl.disagg.generator", "--run-dir", str(run_dir),
+                             "--index", str(index), "--wait-s", "300"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_generator_started_separately_joins_through_the_run_directory(tmp_path):
+    """rollout.generator_nodes=1: the trainer starts no generator; it writes the hub file and waits.
+    A generator process started separately (before the trainer is up: it waits for the file)
+    connects, receives every weight version and serves the run's groups; both exit 0."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    generator = _start_generator(run_dir, env)
+    trainer = subprocess.run(_trainer_args(run_dir, "num_steps=3"), env=env, capture_output=True, text=True,
+                             timeout=500)
+    out, _ = generator.communicate(timeout=120)
+    assert trainer.returncode == 0, trainer.stderr[-4000:]
+    assert generator.returncode == 0, out[-4000:]
+    assert "waiting for 1 generator(s) started separately" in trainer.stderr
+    hub_file = run_dir / "disagg" / "hub.json"
+    assert oct(hub_file.stat().st_mode & 0o777) == "0o600"
+    assert json.loads(hub_file.read_text())["host"] not in ("127.0.0.1", "localhost")  # reachable from others
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["rollout/logprob_mismatch"] <= 1e-4  # the separately started generator got the trainer's weights
+    events = read_events(run_dir / "timeline" / "generator0.jsonl")
+    assert [e["version"] for e in events if e["event"] == "weights"] == [0, 1, 2]
+    groups = [e for e in read_events(run_dir / "timeline" / "trainer.jsonl") if e["event"] == "group"]
+    assert len(groups) == 3 * 4 and {g["generator"] for g in groups} == {0}
+    log = (run_dir / "logs" / "generator0.log").read_text()
+    assert f"pid {generator.pid}" in log and "generator 0 stops at weights v2" in log
+
+
+def test_a_generator_that_dies_stops_the_trainer_with_its_name(tmp_path):
+    """A generator killed (SIGKILL: no goodbye) mid-run: the trainer stops with an error naming it
+    once its heartbeat has been missing for rollout.generator_timeout_s, instead of waiting forever."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    generator = _start_generator(run_dir, env)
+    trainer = subprocess.Popen(_trainer_args(run_dir, "num_steps=50", "rollout.generator_timeout_s=15"), env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+            assert trainer.poll() is None and time.monotonic() < deadline, "no training step"
+            time.sleep(0.2)
+        generator.kill()
+        killed = time.monotonic()
+        _, err = trainer.communicate(timeout=120)
+        waited = time.monotonic() - killed
+    finally:
+        for proc in (trainer, generator):
+            if proc.poll() is None:
+                proc.kill()
+    assert trainer.returncode != 0
+    # Killed while the trainer waited for groups: found by its missing heartbeat; killed just
+    # before a publish: the weight broadcast fails at once and the error says who went silent.
+    heartbeat = "generator 0 on" in err and "has sent no heartbeat" in err and "generator_timeout_s=15" in err
+    broadcast = "publishing weights" in err and re.search(r"generator 0 on \S+: last heartbeat \d+s ago", err)
+    assert heartbeat or broadcast, err[-3000:]
+    assert waited < 90 and (broadcast or waited >= 15)
+    assert "did not confirm stopping" not in err  # a dead generator is not waited for

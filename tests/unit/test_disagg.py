@@ -129,6 +129,10 @@ def _cfg(overrides: list[str]):
     (["rollout.num_generators=2"], "rollout.num_generators=2 is invalid"),
     (["rollout.mode=remote"], "rollout.mode=remote is invalid: allowed values are colocated, disaggregated"),
     (["algorithm.max_staleness=-1"], "algorithm.max_staleness=-1 is invalid: must be >= 0"),
+    (["rollout.generator_nodes=1"], "rollout.generator_nodes=1 is invalid: is a disaggregated-mode setting"),
+    (["rollout.mode=disaggregated", "rollout.generator_nodes=2", "rollout.num_generators=3"],
+     "rollout.num_generators=3 is invalid: must be a multiple of rollout.generator_nodes=2"),
+    (["rollout.mode=disaggregated", "rollout.generator_timeout_s=0"], "rollout.generator_timeout_s=0"),
 ])
 def test_schema_refuses_disaggregated_settings_it_cannot_use(overrides, message):
     with pytest.raises(Exception, match=message.replace("(", r"\(")):

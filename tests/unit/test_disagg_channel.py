@@ -1,0 +1,162 @@
+"""The control channel of disaggregated mode (megatron_rl/disagg/channel.py): the hub's queues,
+stop event, specs and heartbeats, reached through the TCP proxies generators use."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import socket
+import stat
+import threading
+import time
+
+import pytest
+
+from megatron_rl.disagg import channel
+from megatron_rl.disagg.channel import Hub, connect, connect_from_file, heartbeat, hub_path
+
+
+@dataclasses.dataclass
+class _Spec:
+    index: int
+    name: str
+
+
+@pytest.fixture
+def hub():
+    h = Hub([_Spec(0, "a"), _Spec(1, "b")], experience_size=2, host="127.0.0.1", timeout_s=5.0)
+    yield h
+    h.close()
+
+
+def _non_loopback_address() -> str | None:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: picks the interface of the default route
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
+def test_queues_stop_and_specs_through_the_endpoint(hub):
+    conn = connect(*hub.address, hub.key)
+    hub.requests.put({"request": 1})
+    assert conn.get_request(timeout=1) == {"request": 1}
+    with pytest.raises(queue.Empty):
+        conn.get_request(timeout=0.05)
+    conn.put_experience("g0", timeout=0.1)
+    conn.put_experience("g1", timeout=0.1)
+    with pytest.raises(queue.Full):  # bounded: the buffer's back-pressure reaches the generator
+        conn.put_experience("g2", timeout=0.1)
+    assert [hub.experience.get_nowait(), hub.experience.get_nowait()] == ["g0", "g1"]
+    assert conn.spec(1) == _Spec(1, "b")
+    assert not conn.stopping()
+    hub.stop.set()
+    assert conn.stopping()
+
+
+def test_a_loopback_hub_listens_on_the_loopback_only(hub):
+    assert hub._server.address[0] == "127.0.0.1"
+    other = _non_loopback_address()
+    if other is not None:
+        with pytest.raises(OSError):
+            connect(other, hub.address[1], hub.key)
+
+
+def test_a_hub_for_other_nodes_is_reachable_at_its_network_address():
+    other = _non_loopback_address()
+    if other is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    h = Hub([_Spec(0, "a")], 1, other, 5.0)
+    try:
+        conn = connect(*h.address, h.key)
+        h.requests.put(7)
+        assert h.address[0] == other and conn.get_request(timeout=1) == 7
+    finally:
+        h.close()
+
+
+def test_the_wrong_key_is_refused(hub):
+    from multiprocessing import AuthenticationError
+
+    with pytest.raises(AuthenticationError):
+        connect(*hub.address, b"x" * 32)
+
+
+def test_hub_file_is_owner_only_and_connects(hub, tmp_path):
+    path = hub.publish(tmp_path)
+    assert path == hub_path(tmp_path) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    conn = connect_from_file(tmp_path, wait_s=5)
+    hub.requests.put("x")
+    assert conn.get_request(timeout=1) == "x"
+
+
+def test_connecting_waits_for_the_file_and_gives_up_on_a_stale_one(hub, tmp_path):
+    def later() -> None:
+        time.sleep(0.5)
+        hub.publish(tmp_path)
+
+    threading.Thread(target=later).start()
+    start = time.monotonic()
+    connect_from_file(tmp_path, wait_s=10, poll_s=0.1)
+    assert time.monotonic() - start >= 0.5
+    other = tmp_path / "other"  # a file whose hub has gone (a port nobody listens on)
+    hub_path(other).parent.mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    hub_path(other).write_text(f'{{"host": "127.0.0.1", "port": {dead_port}, "key": "00", "num_generators": 1}}')
+    with pytest.raises(TimeoutError, match="ConnectionRefusedError"):
+        connect_from_file(other, wait_s=1, poll_s=0.1)
+
+
+def test_check_names_a_generator_that_never_joined_or_fell_silent(hub):
+    now = hub.started
+    hub.check(now + 4)  # nobody joined yet, within the timeout
+    with pytest.raises(RuntimeError, match="generator 0 has not connected within rollout.generator_timeout_s=5s"):
+        hub.check(now + 6)
+    conn = connect(*hub.address, hub.key)
+    conn.join(0, {"host": "node7"})
+    conn.join(1, {"host": "node8"})
+    joined_at = time.monotonic()
+    hub.check(joined_at + 4)
+    conn.beat(1)
+    with pytest.raises(RuntimeError, match="generator 0 on node7 has sent no heartbeat"):
+        hub.check(joined_at + 5.5)  # generator 1 beat later; generator 0 only joined
+    assert not hub.all_ready()
+    conn.ready(0)
+    assert not hub.all_ready()
+    conn.ready(1)  # counts as a beat too
+    ready_at = time.monotonic()
+    assert hub.all_ready()
+    conn.stopped(0)  # a generator that said it stopped is not waited for
+    hub.check(ready_at + 4.9)
+    with pytest.raises(RuntimeError, match="generator 1 on node8"):
+        hub.check(ready_at + 5.5)
+
+
+def test_heartbeat_thread_keeps_a_generator_alive_and_stop_is_waited_for(hub, monkeypatch):
+    monkeypatch.setattr(channel, "HEARTBEAT_S", 0.1)
+    conn = connect(*hub.address, hub.key)
+    conn.join(0, {"host": "here"})
+    until = threading.Event()
+    heartbeat(conn, 0, until)
+    first = hub.registry.snapshot()[1][0]
+    time.sleep(0.5)
+    assert hub.registry.snapshot()[1][0] > first + 0.2
+    until.set()
+    hub.stop.set()
+    assert hub.wait_stopped(0.2) == [0]
+    conn.stopped(0)
+    assert hub.wait_stopped(0.2) == []
+
+
+def test_a_generator_that_reports_a_failure_stops_the_trainer_at_once(hub):
+    conn = connect(*hub.address, hub.key)
+    conn.join(1, {"host": "node8"})
+    conn.stopped(1, "RuntimeError: CUDA out of memory")
+    with pytest.raises(RuntimeError, match=r"generator 1 on node8 failed: RuntimeError: CUDA out of memory"):
+        hub.check(hub.started)  # no timeout involved
+    assert "generator 0: never connected" in hub.describe() and "generator 1 on node8: stopped" in hub.describe()
