@@ -2,12 +2,16 @@
 
     python -m megatron_rl.slurm_job run [--no-sandbox] -- <hydra overrides>    (the batch step)
     python -m megatron_rl.slurm_job sandbox --run-dir D --runtime bwrap ...     (one per sandbox node)
+    python -m megatron_rl.disagg.generator --run-dir D                         (one per generator GPU)
 
 `run` validates the config once, makes the run directory (keyed by the job id, so that a
 requeued job finds its checkpoints), starts one sandbox server per node of the CPU component
 of a heterogeneous job (`--het-group=1`), or, without one, per GPU node as an `--overlap` step
 on the spare cores; waits until each has written its discovery file under
-`<run_dir>/sandbox/`; then runs the SPMD training step (`srun --kill-on-bad-exit=1`) and
+`<run_dir>/sandbox/`; with `rollout.mode=disaggregated rollout.generator_nodes=N` it starts the
+generator step on the last N nodes of the GPU component (rollout.num_generators / N tasks per
+node; they connect to trainer rank 0 through `<run_dir>/disagg/hub.json`) and trains on the
+others; then runs the SPMD training step (`srun --kill-on-bad-exit=1`) and
   - forwards SIGUSR1 (Slurm's `--signal=B:USR1@<s>` warning goes to the batch step) to the
     ranks, which finish the step, checkpoint, write `preempted.json` and exit 0; the job then
     `scontrol requeue`s itself and the next start resumes from that checkpoint;
@@ -47,7 +51,7 @@ SRUN_ERROR = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+
 
 @dataclasses.dataclass(frozen=True)
 class JobLayout:
-    """Which nodes of the allocation train and which serve sandboxes."""
+    """Which nodes of the allocation train, generate (disaggregated mode) and serve sandboxes."""
 
     job_id: str
     job_name: str
@@ -56,14 +60,33 @@ class JobLayout:
     train_nodes: tuple[str, ...]
     sandbox_nodes: tuple[str, ...]
     num_train_tasks: int
+    generator_nodes: tuple[str, ...] = ()
 
     def roles(self) -> dict[str, tuple[str, ...]]:
-        """node -> its roles ("train", "sandbox")."""
+        """node -> its roles ("train", "generate", "sandbox")."""
+        named = (("train", self.train_nodes), ("generate", self.generator_nodes), ("sandbox", self.sandbox_nodes))
         out: dict[str, tuple[str, ...]] = {}
-        for node in (*self.train_nodes, *self.sandbox_nodes):
-            out[node] = tuple(r for r, nodes in (("train", self.train_nodes), ("sandbox", self.sandbox_nodes))
-                              if node in nodes)
+        for node in (*self.train_nodes, *self.generator_nodes, *self.sandbox_nodes):
+            out[node] = tuple(r for r, nodes in named if node in nodes)
         return out
+
+    def with_generator_nodes(self, num: int) -> "JobLayout":
+        """The last `num` nodes of the GPU component generate, the others train (raises ValueError
+        when that leaves no node to train on or the GPU component's tasks are uneven over its nodes)."""
+        if num == 0:
+            return self
+        nodes = self.train_nodes
+        if num >= len(nodes):
+            raise ValueError(f"rollout.generator_nodes={num} leaves no node to train on: the job's GPU component "
+                             f"has {len(nodes)} node(s); ask for more nodes (--nodes) or fewer generator nodes")
+        if self.num_train_tasks % len(nodes):
+            raise ValueError(f"rollout.generator_nodes={num} needs the same number of tasks on every node "
+                             f"(--ntasks-per-node); the GPU component has {self.num_train_tasks} tasks on "
+                             f"{len(nodes)} nodes")
+        per_node = self.num_train_tasks // len(nodes)
+        sandbox = self.sandbox_nodes if self.het else nodes
+        return dataclasses.replace(self, train_nodes=nodes[:-num], generator_nodes=nodes[-num:],
+                                   sandbox_nodes=sandbox, num_train_tasks=per_node * (len(nodes) - num))
 
 
 def count_tasks(tasks_per_node: str) -> int:
@@ -131,10 +154,13 @@ class BatchStep:
 
     def __init__(self, layout: JobLayout, run_dir: Path, overrides: list[str], cfg, sandbox: bool,
                  sandbox_wait_s: float, server_args: Sequence[str] = ()) -> None:
+        if not sandbox:  # no sandbox step: no node has that role
+            layout = dataclasses.replace(layout, sandbox_nodes=())
         self.layout, self.run_dir, self.overrides, self.cfg = layout, run_dir, overrides, cfg
         self.use_sandbox, self.sandbox_wait_s, self.server_args = sandbox, sandbox_wait_s, list(server_args)
         self.train: Optional[subprocess.Popen] = None
         self.sandbox: Optional[subprocess.Popen] = None
+        self.generators: Optional[subprocess.Popen] = None
         self.usr1 = False
         self.terminating = False
         self.srun_errors: list[str] = []
@@ -165,9 +191,47 @@ class BatchStep:
         return cmd + [f"--server-arg={a}" for a in self.server_args]
 
     def _srun_train(self) -> list[str]:
-        where = ["--het-group=0"] if self.layout.het else []
+        lay = self.layout
+        where = ["--het-group=0"] if lay.het else []
+        if lay.generator_nodes:  # the other nodes of the GPU component generate
+            n = len(lay.train_nodes)
+            where += [f"--nodes={n}", f"--nodelist={','.join(lay.train_nodes)}", f"--ntasks={lay.num_train_tasks}",
+                      f"--ntasks-per-node={lay.num_train_tasks // n}"]
         return ["srun", *where, "--kill-on-bad-exit=1", "--label", "--mem=0", "--job-name=train", sys.executable,
                 "-m", "megatron_rl.train", "cluster=slurm", *self.overrides, f"run_dir={self.run_dir}"]
+
+    def _srun_generators(self) -> list[str]:
+        lay, num = self.layout, self.cfg.rollout.num_generators
+        n = len(lay.generator_nodes)
+        where = ["--het-group=0"] if lay.het else []
+        where += [f"--nodes={n}", f"--nodelist={','.join(lay.generator_nodes)}", f"--ntasks={num}",
+                  f"--ntasks-per-node={num // n}"]
+        return ["srun", *where, "--label", "--mem=0", "--job-name=generate", sys.executable, "-m",
+                "megatron_rl.disagg.generator", "--run-dir", str(self.run_dir)]
+
+    def _start_generators(self) -> None:
+        """Start the generator step; the generators wait for the trainer's hub file (a file left by
+        an earlier start of the job is removed first), so nothing is waited for here."""
+        from megatron_rl.disagg.channel import hub_path
+
+        hub_path(self.run_dir).unlink(missing_ok=True)
+        cmd = self._srun_generators()
+        logger.info("generator step: %s", " ".join(cmd))
+        self.generators = subprocess.Popen(cmd)
+
+    def _stop_generators(self) -> None:
+        """They stop when the trainer does; a step still running after 60 s is cancelled."""
+        if self.generators is None:
+            return
+        try:
+            code = self.generators.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            logger.warning("the generator step did not stop within 60 s of training; cancelling it")
+            self.generators.send_signal(signal.SIGTERM)
+            code = self.generators.wait()
+        if code != 0:
+            logger.warning("the generator step ended with exit code %d; see %s/logs/generator*.log", code,
+                           self.run_dir)
 
     def _start_sandboxes(self) -> bool:
         from megatron_rl_sandbox.client import discover
@@ -249,8 +313,11 @@ class BatchStep:
                 return 1
             if self.usr1:  # the warning came while the sandboxes started: no time for a run
                 return self._requeue("SIGUSR1 before training started")
+            if lay.generator_nodes:
+                self._start_generators()
             code = self._run_training()
         finally:
+            self._stop_generators()
             self._stop_sandboxes()
         marker = read_marker(self.run_dir)
         if code != 0:
@@ -277,11 +344,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     overrides = [o for o in args.overrides if o != "--"]
     run_dir = run_dir_for(overrides, layout)
     _init_logging(run_dir / "logs" / "job.log")
+
+    def train_tasks(cfg) -> int:  # the training ranks: the GPU component's, less those of generator nodes
+        try:
+            return layout.with_generator_nodes(cfg.rollout.generator_nodes).num_train_tasks
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
     try:  # once here, before any step starts: a bad setting costs seconds, not an allocation's worth
-        cfg = load_validated(["cluster=slurm", *overrides], layout.num_train_tasks, check_train_config)
+        cfg = load_validated(["cluster=slurm", *overrides], train_tasks, check_train_config)
     except ConfigError as exc:
         logger.error("config error: %s", exc)
         return 2
+    layout = layout.with_generator_nodes(cfg.rollout.generator_nodes)
     sandbox = not args.no_sandbox and not cfg.sandbox.address
     return BatchStep(layout, run_dir, overrides, cfg, sandbox, args.sandbox_wait_s, args.server_arg).run()
 

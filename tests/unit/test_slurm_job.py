@@ -47,6 +47,23 @@ def test_gpu_only_layout_puts_sandboxes_on_the_gpu_nodes():
     assert layout.roles() == {"n08": ("train", "sandbox"), "n09": ("train", "sandbox")}
 
 
+def test_generator_nodes_are_the_last_nodes_of_the_gpu_component():
+    layout = job_layout({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[01-04]", "SLURM_TASKS_PER_NODE": "8(x4)"})
+    split = layout.with_generator_nodes(1)
+    assert split.train_nodes == ("n01", "n02", "n03") and split.generator_nodes == ("n04",)
+    assert split.num_train_tasks == 24  # 8 ranks on each training node
+    assert split.roles()["n04"] == ("generate", "sandbox") and split.roles()["n01"] == ("train", "sandbox")
+    assert layout.with_generator_nodes(0) == layout
+    het = job_layout(HET_BATCH).with_generator_nodes(1)
+    assert het.train_nodes == ("gpu01",) and het.generator_nodes == ("gpu02",) and het.num_train_tasks == 8
+    assert het.sandbox_nodes == ("cpu7",)
+    with pytest.raises(ValueError, match="rollout.generator_nodes=4 leaves no node to train on"):
+        layout.with_generator_nodes(4)
+    uneven = job_layout({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[01-02]", "SLURM_TASKS_PER_NODE": "3,2"})
+    with pytest.raises(ValueError, match="same number of tasks on every node"):
+        uneven.with_generator_nodes(1)
+
+
 def test_layout_outside_slurm_says_how_to_submit():
     with pytest.raises(RuntimeError, match="sbatch slurm/run.sh"):
         job_layout({})

@@ -171,3 +171,27 @@ def test_a_killed_rank_ends_the_job_quickly_and_is_named(slurm_env, tmp_path):
     assert re.search(r"training failed: rank 1 on c1 failed first \(Killed\)", log), log[-4000:]
     assert f"Last lines of {job.run_dir}/logs/rank1.log" in log
     assert "nodes c1=train+sandbox" in log, "the sandbox step shared the GPU node"
+
+
+def test_disaggregated_generator_runs_on_a_node_of_its_own(slurm_env, tmp_path):
+    """rollout.generator_nodes=1 on a two-node job: the training step runs on c1 only, the
+    generator step on c2, and the generator reaches trainer rank 0 over the network (the hub
+    and the weight group at c1's address, found through the run directory)."""
+    env = dict(slurm_env, MEGATRON_RL_SANDBOX="none")  # math rewards are rules: no sandbox
+    nodes = ["--partition=debug", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1",
+             "--mem=0", "--time=15"]
+    job = Job(env, tmp_path, "slurm/run_gpu_only.sh", nodes,
+              [*TINY, "task=math", "num_steps=3", "task.sft_warmup_steps=5", "rollout.mode=disaggregated",
+               "rollout.generator_nodes=1", "checkpoint.save_every=0"])
+    assert job.wait() == 0, job.log()[-6000:]
+    log = job.log()
+    assert "nodes c1=train, c2=generate" in log
+    assert re.search(r"training step: srun .*--nodelist=c1 --ntasks=1", log), log[-4000:]
+    assert re.search(r"generator step: srun .*--nodelist=c2 --ntasks=1", log), log[-4000:]
+    assert [r["step"] for r in job.metrics()] == [0, 1, 2]
+    assert job.metrics()[0]["rollout/logprob_mismatch"] <= 1e-4  # the generator has the trainer's weights
+    generator = (job.run_dir / "logs" / "generator0.log").read_text()
+    assert "generator 0 of 1 on c2" in generator and "trainer at c1" in generator
+    assert "generator 0 stops at weights v2" in generator
+    assert re.search(r"waiting for 1 generator\(s\) started separately .* hub c1:\d+",
+                     (job.run_dir / "logs" / "rank0.log").read_text())
