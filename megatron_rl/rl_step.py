@@ -39,18 +39,26 @@ def _sampling(cfg, parts: dict, n: int, seed: int) -> SamplingParams:
 
 def warm_start(rt, parts: dict) -> None:
     """Supervised steps on the task's reference answers (`task.sft_warmup_steps`); for agent
-    tasks, on the verified reference episodes (`reference_episodes`)."""
+    tasks, on the verified reference episodes (`reference_episodes`); a joint run takes both,
+    each domain its own way."""
     from megatron_rl.config.schema import OptimizerConfig
     from megatron_rl.sft import prompt_response_sample
 
     cfg = rt.cfg
     if cfg.task.sft_warmup_steps == 0:
         return
-    trainer, tok = parts["trainer"], parts["tokenizer"]
-    if parts["task"].is_agent:
-        samples = [e.sample({}) for e in reference_episodes(rt, parts)]
+    trainer, tok, task = parts["trainer"], parts["tokenizer"], parts["task"]
+    if task.is_agent:
+        samples = [e.sample({}) for e in reference_episodes(rt, parts, parts["train"], cfg.task,
+                                                            parts["rewards"].verifier)]
     else:
-        samples = [prompt_response_sample(tok, p.text, p.reference) for p in parts["train"]]
+        agents = getattr(task, "agent_domains", ())
+        samples = [prompt_response_sample(tok, p.text, p.reference) for p in parts["train"]
+                   if p.meta.get("domain") not in agents]
+        for name in agents:
+            mine = [p for p in parts["train"] if p.meta["domain"] == name]
+            samples += [e.sample({}) for e in reference_episodes(rt, parts, mine, task.tasks[name].cfg,
+                                                                 parts["rewards"].verifier.verifiers[name], name)]
     trainer.reset_optimizer(OptimizerConfig(lr=cfg.task.sft_warmup_lr), cfg.task.sft_warmup_steps)
     generator = torch.Generator().manual_seed(cfg.seed)
     start = time.perf_counter()
@@ -62,40 +70,42 @@ def warm_start(rt, parts: dict) -> None:
     logger.info("warm start: %d supervised steps in %.0fs", cfg.task.sft_warmup_steps, time.perf_counter() - start)
 
 
-def reference_episodes(rt, parts: dict) -> list:
-    """The training tasks' reference solutions played through their environments by a scripted
-    policy (`envs.repo.reference_turns`: write each reference file, submit), under the run's
-    episode limits and `rollout.max_new_tokens` per turn, kept when the environment verifies
-    them (reward 1): episodes whose samples train the model's turns only, never the observations.
-    Rank 0 plays them (one sandbox episode per task) and hands them to every rank."""
+def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any, domain: str = "") -> list:
+    """The reference solutions of the agent tasks `prompts` (of the task `task_cfg`, whose
+    environments `host.make_env` makes) played through their environments by a scripted policy
+    (`envs.repo.reference_turns`: write each reference file, submit), under the task's episode
+    limits and `rollout.max_new_tokens` per turn, kept when the environment verifies them (full
+    reward, task.reward_scale): episodes whose samples train the model's turns only, never the
+    observations. Rank 0 plays them (one sandbox episode per task) and hands them to every rank."""
     from megatron_rl.envs.repo import reference_turns
     from megatron_rl.rollout.multiturn import run_episodes
     from megatron_rl.rollout.scripted import ScriptedPolicy
 
     payload: list[Any] = [None]
+    what = f"domain {domain}" if domain else "task"
     if rt.is_main:
-        tasks = [p.meta for p in parts["train"] if p.meta.get("reference")]
+        tasks = [p.meta for p in prompts if p.meta.get("reference")]
         if not tasks:
-            raise ValueError("task.sft_warmup_steps > 0 on agent tasks needs tasks with a `reference` solution; "
-                             "these have none: set task.sft_warmup_steps=0")
-        fmt = _turn_format(rt, parts)
+            raise ValueError(f"task.sft_warmup_steps > 0 on agent tasks needs tasks with a `reference` solution; "
+                             f"the {what}'s have none: set task.sft_warmup_steps=0")
+        fmt = _turn_format(rt, parts, task_cfg, domain)
         params = SamplingParams(max_new_tokens=rt.cfg.rollout.max_new_tokens)
 
         def play(task: dict) -> list:  # one scripted policy per task: instructions need not be unique
             policy = ScriptedPolicy(parts["tokenizer"], reference_turns(task), end_of_turn=fmt.end_of_turn)
-            return run_episodes(policy, [task], 1, params, parts["rewards"].verifier.make_env, fmt,
-                                _episode_limits(rt.cfg.task), parts["rewards"].loop)
+            return run_episodes(policy, [task], 1, params, host.make_env, fmt, _episode_limits(task_cfg),
+                                parts["rewards"].loop)
 
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # the sandbox's own limits bound the load
             episodes = [e for found in pool.map(play, tasks) for e in found]
-        verified = [e for e in episodes if e.reward >= 1.0]
+        verified = [e for e in episodes if e.reward >= task_cfg.reward_scale]
         counts = collections.Counter(e.status for e in episodes)
         ends = ", ".join(f"{status} {n}" for status, n in sorted(counts.items()))
-        logger.info("warm start: %d of %d reference episodes verified (episode ends: %s; %.0fs)", len(verified),
-                    len(tasks), ends, time.perf_counter() - start)
+        logger.info("warm start: %d of %d reference episodes verified%s (episode ends: %s; %.0fs)", len(verified),
+                    len(tasks), f" in domain {domain}" if domain else "", ends, time.perf_counter() - start)
         if not verified:
-            raise RuntimeError(f"no reference episode was verified (episode ends: {ends}): check "
+            raise RuntimeError(f"no reference episode of the {what} was verified (episode ends: {ends}): check "
                                "task.max_turns, task.max_episode_tokens and rollout.max_new_tokens against the "
                                "reference solutions, and `python -m megatron_rl.quality` on the task set")
         payload = [verified]
@@ -106,13 +116,14 @@ def reference_episodes(rt, parts: dict) -> list:
     return payload[0]
 
 
-def _turn_format(rt, parts: dict):
+def _turn_format(rt, parts: dict, task_cfg: Any, domain: str = ""):
     from megatron_rl.envs.tools import TOOL_INSTRUCTIONS
     from megatron_rl.rollout.multiturn import TurnFormat
 
-    if "turn_format" not in parts:
-        parts["turn_format"] = TurnFormat(parts["tokenizer"], rt.cfg.task.system_prompt or TOOL_INSTRUCTIONS)
-    return parts["turn_format"]
+    formats = parts.setdefault("turn_formats", {})
+    if domain not in formats:
+        formats[domain] = TurnFormat(parts["tokenizer"], task_cfg.system_prompt or TOOL_INSTRUCTIONS)
+    return formats[domain]
 
 
 def _episode_limits(task):
@@ -121,18 +132,68 @@ def _episode_limits(task):
     return EpisodeLimits(task.max_turns, task.max_episode_tokens, task.episode_wall_time_s)
 
 
+@dataclasses.dataclass
+class _DomainRewards:
+    """What `collect_episodes` needs of the reward service, for one agent domain of a joint run."""
+
+    verifier: Any  # the domain's environment host
+    loop: Any
+
+
 def _generate(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[list[Rollout], dict[str, float]]:
-    """Completions and rewards: one per sample, or whole multi-turn episodes for agent tasks."""
-    if not parts["task"].is_agent:
+    """Completions and rewards: one per sample, or whole multi-turn episodes for agent tasks;
+    a joint run with agent domains does both (`_generate_domains`)."""
+    task = parts["task"]
+    if getattr(task, "agent_domains", ()):
+        return _generate_domains(rt, parts, prompts, params)
+    if not task.is_agent:
         return collect(parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"]))
+    return _episodes(rt, parts, prompts, params, rt.cfg.task, parts["rewards"])
+
+
+def _episodes(rt, parts: dict, prompts: list, params: SamplingParams, task_cfg: Any, rewards: Any,
+              domain: str = "") -> tuple[list[Rollout], dict[str, float]]:
     from megatron_rl.rollout.multiturn import collect_episodes
 
     r = rt.cfg.rollout
     groups = len(prompts)
     target = groups - round(groups * r.oversample / (1 + r.oversample)) if r.oversample else None
-    return collect_episodes(parts["engine"], prompts, params, parts["rewards"], rt.groups, _turn_format(rt, parts),
-                            _episode_limits(rt.cfg.task), r.agent_scheduler, r.max_concurrent_episodes, target,
-                            parts["controller"].timeline, r.step_deadline_s, r.straggler_policy == "partial")
+    return collect_episodes(parts["engine"], prompts, params, rewards, rt.groups,
+                            _turn_format(rt, parts, task_cfg, domain), _episode_limits(task_cfg), r.agent_scheduler,
+                            r.max_concurrent_episodes, target, parts["controller"].timeline, r.step_deadline_s,
+                            r.straggler_policy == "partial")
+
+
+def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[list[Rollout], dict[str, float]]:
+    """A joint run with agent domains: the single-turn domains' prompts in one `collect`, then
+    each agent domain's episodes with its own environments, turn format and episode limits, one
+    after the other on the same engine (every rank runs the same sequence: both paths hold
+    collectives). Rollouts come back in prompt order; an agent domain's episode metrics are
+    logged under `domain/<name>/`, time spent is summed."""
+    task, rewards = parts["task"], parts["rewards"]
+    agents = task.agent_domains
+    shares: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        domain = p.meta["domain"]
+        shares.setdefault(domain if domain in agents else "", []).append(i)
+    out: list[Rollout] = []
+    timing: dict[str, float] = {}
+    for domain, index in shares.items():
+        mine = [prompts[i] for i in index]
+        if not domain:
+            got, stats = collect(parts["engine"], mine, params, rewards, rt.groups, _decode(parts["tokenizer"]))
+        else:
+            view = _DomainRewards(rewards.verifier.verifiers[domain], rewards.loop)
+            got, stats = _episodes(rt, parts, mine, params, task.tasks[domain].cfg, view, domain)
+            stats = {(k if k.startswith("time/") else f"domain/{domain}/{k}"): v for k, v in stats.items()}
+        for r in got:
+            r.prompt_index = index[r.prompt_index]
+            r.domain = prompts[r.prompt_index].meta["domain"]
+        out += got
+        for key, value in stats.items():
+            timing[key] = timing.get(key, 0.0) + value
+    out.sort(key=lambda r: r.prompt_index)  # stable: a group's samples keep their order
+    return out, timing
 
 
 def _advantages(rewards: torch.Tensor, rollouts: list[Rollout], estimator: str) -> torch.Tensor:

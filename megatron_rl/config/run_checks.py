@@ -19,12 +19,19 @@ def check_run_config(cfg) -> None:
     if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
                           f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}")
-    if cfg.task.type == "agent" and cfg.rollout.tp > 1:
-        raise ConfigError("task.type=agent runs with rollout.tp=1 in this version (episodes are driven from one "
-                          "rank per engine)")
-    if cfg.task.type == "agent" and cfg.task.max_episode_tokens > cfg.model.max_position_embeddings:
-        raise ConfigError(f"task.max_episode_tokens={cfg.task.max_episode_tokens} must be <= "
-                          f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    agents = {"task": cfg.task} if cfg.task.type == "agent" and not cfg.domains else {}
+    agents.update({f"domains.{name}.task": d.task for name, d in cfg.domains.items() if d.task.type == "agent"})
+    for where, task in agents.items():
+        if cfg.rollout.tp > 1:
+            raise ConfigError(f"{where}.type=agent runs with rollout.tp=1 in this version (episodes are driven from "
+                              "one rank per engine)")
+        if task.max_episode_tokens > cfg.model.max_position_embeddings:
+            raise ConfigError(f"{where}.max_episode_tokens={task.max_episode_tokens} must be <= "
+                              f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    if cfg.domains and agents and cfg.rollout.oversample:
+        raise ConfigError(f"rollout.oversample={cfg.rollout.oversample} cuts straggling agent episodes, but in a joint "
+                          f"run the single-turn domains' groups would overfill the batch: set rollout.oversample=0 "
+                          f"(agent domains: {', '.join(agents)})")
     if cfg.parallel.cp > 1 and cfg.algorithm.policy_loss == "gspo":
         raise ConfigError(f"algorithm.policy_loss=gspo takes one importance ratio per sequence, a mean over all "
                           f"of its tokens, but parallel.cp={cfg.parallel.cp} splits every sequence over ranks: "

@@ -7,6 +7,9 @@ factories `train.py` calls (`make_task`, `make_sampler`), which give back the si
 domain's prompts, concatenated in the order of `domains`, each prompt's `meta["domain"]`
 naming its domain), `needs_sandbox`, `stop_token_ids`, `verifier_factory(addresses)` (a
 verifier that sends each item to its own domain's verifier) and `reward_scale_of(meta)`.
+Agent domains (`task.type=agent`) are listed in `agent_domains`: their prompts are tasks for
+an environment, played as multi-turn episodes by the RL step (`rl_step._generate`), and their
+entry of `DomainVerifier.verifiers` is the domain's environment host, not a scorer.
 """
 
 from __future__ import annotations
@@ -69,10 +72,6 @@ class MultiTask:
     """The joint task of a multi-domain run: one `Task` per domain (`domains: {name: DomainConfig}`)."""
 
     def __init__(self, domains: Mapping[str, Any], tokenizer: Any) -> None:
-        agents = [name for name, d in domains.items() if getattr(d.task, "type", "") == "agent"]
-        if agents:
-            raise ValueError(f"domains {', '.join(agents)}: agent tasks (multi-turn episodes) cannot be a domain of "
-                             "a joint run yet; use single-turn task types or run them alone")
         self.tasks = {name: Task(d.task, tokenizer) for name, d in domains.items()}
         self.weights = {name: float(d.weight) for name, d in domains.items()}
 
@@ -86,7 +85,12 @@ class MultiTask:
 
     @property
     def is_agent(self) -> bool:
-        return False  # refused in __init__
+        """False: a joint run is not one agent task (its agent domains are `agent_domains`)."""
+        return False
+
+    @property
+    def agent_domains(self) -> tuple[str, ...]:
+        return tuple(name for name, task in self.tasks.items() if task.is_agent)
 
     @property
     def needs_sandbox(self) -> bool:

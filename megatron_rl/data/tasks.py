@@ -67,6 +67,21 @@ class ScaledVerifier:
     async def score(self, items) -> list[float]:
         return [reward * self.scale for reward in await self.inner.score(items)]
 
+    def make_env(self) -> Any:
+        """Agent tasks: the inner host's environment, whose `evaluate()` reward is scaled too."""
+        return _ScaledEnvironment(self.inner.make_env(), self.scale)
+
+
+class _ScaledEnvironment:
+    def __init__(self, inner: Any, scale: float) -> None:
+        self.inner, self.scale = inner, scale
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def evaluate(self) -> float:
+        return float(await self.inner.evaluate()) * self.scale
+
 
 _NAMES = ("Ann", "Bob", "Cy", "Dee", "Eve", "Fay")
 _THINGS = ("pens", "cups", "eggs", "hats", "keys")

@@ -75,9 +75,9 @@ def check_disaggregated_config(cfg: Any) -> None:
             raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} applies to rollout.mode=disaggregated "
                               "only: set rollout.mode=disaggregated or drop the override")
         return
-    if cfg.task.type == "agent":
-        raise ConfigError("rollout.mode=disaggregated does not run task.type=agent yet (multi-turn episodes are "
-                          "driven by the colocated scheduler): use rollout.mode=colocated")
+    if cfg.task.type == "agent" or any(d.task.type == "agent" for d in cfg.domains.values()):
+        raise ConfigError("rollout.mode=disaggregated does not run task.type=agent yet, alone or as a domain "
+                          "(multi-turn episodes are driven by the colocated scheduler): use rollout.mode=colocated")
     if algo.dynamic_sampling:
         raise ConfigError("algorithm.dynamic_sampling=true is not supported with rollout.mode=disaggregated: "
                           "set algorithm.dynamic_sampling=false (or algorithm.filter_zero_variance=true)")

@@ -254,3 +254,49 @@ def test_agent_warm_start_on_verified_reference_episodes(tmp_path):
     assert "warm start: 8 of 8 reference episodes verified (episode ends: submitted 8" in proc.stderr
     losses = [float(x) for x in re.findall(r"warm start \d+/20: loss ([\d.]+)", proc.stderr)]
     assert len(losses) == 2 and losses[1] < 0.8 * losses[0], losses
+
+
+def test_an_agent_domain_trains_beside_a_single_turn_domain(tmp_path):
+    """A joint run with an agent domain (generated function tasks, episodes in the sandbox,
+    task.reward_scale=2) beside a rule-verified math domain, mixed 1:1: the warm start plays and
+    verifies the agent domain's reference episodes (a full reward is 2 there: the scale reaches
+    the environments' rewards) next to math's reference answers; each RL step holds both domains'
+    groups, the agent domain's as episodes (turns, statuses under domain/code/), and evaluation
+    reports both on the 0..1 scale."""
+    import json
+    import re
+
+    if runtime_args("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    domains = ("+domains={math:{task:{type:math,num_train:32,num_eval:2}},"
+               "code:{task:{type:agent,generator:function,num_train:8,num_eval:2,reward_scale:2,max_turns:4,"
+               "max_episode_tokens:500,max_observation_chars:60,system_prompt:'Use tools.'}}}")
+    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", domains,
+            "task.eval_samples=1", "task.eval_every=2", "task.sft_warmup_steps=10", "num_steps=2",
+            "global_batch_size=16", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=300",
+            "logging.progress=false", "checkpoint.save_every=0", f"run_dir={run_dir}"]
+    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
+                          capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = re.search(r"warm start: (\d+) of 8 reference episodes verified in domain code", proc.stderr)
+    assert found and int(found.group(1)) >= 6, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["domain/math/count"] == r["domain/code/count"] == 8  # 2 groups of 4 each
+        ended = sum(r[f"domain/code/agent/{s}"] for s in ("submitted", "max_turns", "max_tokens", "wall_time",
+                                                          "dropped"))
+        assert ended == 8 and r["domain/code/agent/dropped"] == 0
+        assert 1 <= r["domain/code/agent/turns_mean"] <= 4
+        assert 0 <= r["domain/code/reward_mean"] <= 2 and 0 <= r["domain/math/reward_mean"] <= 1
+        assert not any(k.startswith("agent/") for k in r)  # episode metrics are the agent domain's
+    final = rows[-1]
+    assert 0 <= final["eval/code/accuracy"] <= 1 and 0 <= final["eval/math/accuracy"] <= 1
+    assert final["eval/accuracy"] == pytest.approx((final["eval/code/accuracy"] + final["eval/math/accuracy"]) / 2)
