@@ -61,7 +61,8 @@ class ModelConfig:
     name: str = "tiny_qwen2"
     """Display name used in logs and run metadata."""
     family: str = "qwen2"
-    """Architecture family: llama, qwen2, qwen3, qwen3_moe or mixtral; selects the HF <-> Megatron weight converter."""
+    """Architecture family: llama, qwen2, qwen3, qwen3_moe, mixtral or qwen2_moe; selects the HF <-> Megatron
+    weight converter."""
     path: Optional[str] = None
     """HF checkpoint directory with config.json; null builds the model from the fields below with random init."""
     tokenizer: str = "builtin:char"
@@ -71,8 +72,8 @@ class ModelConfig:
     hidden_size: int = 128
     """Width of the residual stream."""
     ffn_hidden_size: int = 352
-    """Inner width of the SwiGLU MLP (for qwen3_moe: HF's intermediate_size, unused by its expert layers;
-    for mixtral, which has no dense MLP: equal to moe_ffn_hidden_size, HF's intermediate_size)."""
+    """Inner width of the SwiGLU MLP (for qwen3_moe and qwen2_moe: HF's intermediate_size, unused by their
+    expert layers; for mixtral, which has no dense MLP: equal to moe_ffn_hidden_size, HF's intermediate_size)."""
     num_attention_heads: int = 4
     """Number of query heads."""
     num_query_groups: int = 2
@@ -101,19 +102,25 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     """Share the input embedding and output projection weights."""
     qkv_bias: Optional[bool] = None
-    """Bias on the Q/K/V projections; null means the family default (qwen2: true, others: false; mixtral: never)."""
+    """Bias on the Q/K/V projections; null means the family default (qwen2: true, others: false; mixtral: never;
+    qwen2_moe: always)."""
     qk_layernorm: Optional[bool] = None
     """RMSNorm on queries and keys per head; null means the family default (qwen3, qwen3_moe: true, others: false;
-    mixtral: never)."""
+    mixtral, qwen2_moe: never)."""
     num_experts: Optional[int] = None
     """Routed experts in every MoE layer (HF num_experts, num_local_experts); null means a dense model.
-    Only families qwen3_moe and mixtral."""
+    Only families qwen3_moe, mixtral and qwen2_moe."""
     moe_ffn_hidden_size: Optional[int] = None
     """Inner width of each expert's SwiGLU MLP (HF moe_intermediate_size); required with num_experts."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Inner width of the shared expert's SwiGLU MLP (HF shared_expert_intermediate_size), which every token
+    passes through besides its routed experts, scaled by a sigmoid gate. Required for qwen2_moe, the only
+    family with a shared expert; null for the others."""
     moe_router_topk: int = 2
     """Experts each token is routed to (HF num_experts_per_tok)."""
     moe_norm_topk_prob: bool = True
-    """Renormalise the top-k routing probabilities to sum to 1 (HF norm_topk_prob; mixtral always does)."""
+    """Renormalise the top-k routing probabilities to sum to 1 (HF norm_topk_prob; mixtral always does;
+    qwen2_moe checkpoints usually do not)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of Megatron's per-layer load-balancing loss (aux_loss); 0 disables it."""
     init_seed: int = 1234
@@ -132,9 +139,9 @@ class ModelConfig:
     recompute_num_layers: int = 1
     """recompute=full: layers per recomputed block (Megatron's uniform recompute_method)."""
 
-    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
     RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
-    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral")
+    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe")
     DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
     # Megatron-core's GPTModel passes only the factor on to RotaryEmbedding._apply_scaling, whose
     # other parameters keep Llama 3.1's values (megatron/core/models/common/embeddings/
@@ -204,9 +211,10 @@ class ModelConfig:
             if moe_family:
                 raise _invalid("model.num_experts", None, f"model.family={self.family} is a mixture of experts: "
                                "set model.num_experts and model.moe_ffn_hidden_size")
-            if self.moe_ffn_hidden_size is not None:
-                raise _invalid("model.moe_ffn_hidden_size", self.moe_ffn_hidden_size,
-                               "only applies with model.num_experts; set model.moe_ffn_hidden_size=null")
+            for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+                if getattr(self, key) is not None:
+                    raise _invalid(f"model.{key}", getattr(self, key),
+                                   f"only applies with model.num_experts; set model.{key}=null")
             return
         if not moe_family:
             raise _invalid("model.num_experts", self.num_experts,
@@ -227,8 +235,29 @@ class ModelConfig:
             raise _invalid("model.moe_router_topk", 1, "with model.moe_norm_topk_prob=true every routing weight "
                            f"is 1 and Megatron-core refuses it; {fix}")
         _check_min("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0)
+        if self.family == "qwen2_moe":
+            self._check_qwen2_moe()
+        elif self.moe_shared_expert_intermediate_size is not None:
+            raise _invalid("model.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
+                           f"model.family={self.family} has no shared expert (only qwen2_moe has); "
+                           "set model.moe_shared_expert_intermediate_size=null")
         if self.family == "mixtral":
             self._check_mixtral()
+
+    def _check_qwen2_moe(self) -> None:
+        """Qwen2-MoE layers as Qwen2MoeForCausalLM builds them: Q/K/V bias, no QK-norm, and a gated
+        shared expert beside the routed ones."""
+        if self.moe_shared_expert_intermediate_size is None:
+            raise _invalid("model.moe_shared_expert_intermediate_size", None,
+                           "model.family=qwen2_moe has a shared expert in every layer: set it to its width "
+                           "(HF shared_expert_intermediate_size)")
+        _check_min("model.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size, 1)
+        if self.qkv_bias is False:
+            raise _invalid("model.qkv_bias", False, "Qwen2-MoE attention always has Q/K/V bias; "
+                           "set model.qkv_bias=true or null")
+        if self.qk_layernorm:
+            raise _invalid("model.qk_layernorm", True, "Qwen2-MoE attention has no qk layernorm; "
+                           "set model.qk_layernorm=false or null")
 
     def _check_mixtral(self) -> None:
         """What MixtralForCausalLM cannot express: its attention has no bias and no QK-norm, its
@@ -253,7 +282,7 @@ class ModelConfig:
     @property
     def resolved_qkv_bias(self) -> bool:
         """qkv_bias with the family default applied."""
-        return self.qkv_bias if self.qkv_bias is not None else self.family == "qwen2"
+        return self.qkv_bias if self.qkv_bias is not None else self.family in ("qwen2", "qwen2_moe")
 
     @property
     def resolved_qk_layernorm(self) -> bool:

@@ -1,10 +1,10 @@
-"""Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense and Qwen3-MoE / Mixtral families.
+"""Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense and Qwen3-MoE / Mixtral / Qwen2-MoE families.
 
 One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta and Llama 3.1 scaling,
 GQA, Qwen2 QKV bias, Qwen3 QK-norm, tied or untied embeddings, optionally a mixture of SwiGLU
-experts) becomes a Megatron `TransformerConfig` and a `GPTModel` stage for this rank's pipeline
-position. The local layer spec is used on CPU; the Transformer Engine spec when TE is
-importable and the device is a GPU (`uses_te`).
+experts, with Qwen2-MoE's gated shared expert) becomes a Megatron `TransformerConfig` and a
+`GPTModel` stage for this rank's pipeline position. The local layer spec is used on CPU; the
+Transformer Engine spec when TE is importable and the device is a GPU (`uses_te`).
 Conversion to and from Hugging Face layouts lives in `megatron_rl.weight_sync.families`.
 """
 
@@ -95,6 +95,8 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
     them when `norm_topk_prob` (Mixtral's always does): Megatron's softmax score function over
     the top-k logits (`moe_router_pre_softmax=False`) is the same distribution; without
     renormalisation it is the softmax over all experts, then top k (`moe_router_pre_softmax=True`).
+    Qwen2-MoE's shared expert is Megatron's `SharedExpertMLP`; its gate, sigmoid(x @ gate_weight.T)
+    times the shared output, is `moe_shared_expert_gate` (transformer/moe/shared_experts.py:55-61, 125-131).
     """
     if not model_cfg.is_moe:
         return {}
@@ -113,6 +115,8 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
         # (token_dispatcher.py:445, 871-895); the all-gather one is plain collectives.
         moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
         expert_model_parallel_size=groups.ep_size,
+        moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=model_cfg.moe_shared_expert_intermediate_size is not None,  # Qwen2-MoE's always is
     )
 
 

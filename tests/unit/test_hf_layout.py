@@ -18,9 +18,13 @@ FAMILIES = {
                              num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
     "mixtral": ModelConfig(family="mixtral", tie_word_embeddings=False, num_layers=2, ffn_hidden_size=48,
                            num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
+    # three different widths (dense 352, experts 48, shared expert 40), so that no two can be confused
+    "qwen2_moe": ModelConfig(family="qwen2_moe", tie_word_embeddings=False, num_layers=2, num_experts=4,
+                             moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=40, moe_router_topk=2,
+                             moe_norm_topk_prob=False),
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
-HF_MOE_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe."}  # where each family's checkpoint keeps it
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+HF_MOE_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", "qwen2_moe": "mlp."}  # where each keeps it
 
 
 def test_every_registered_family_is_covered():
@@ -148,6 +152,60 @@ def test_unsupported_moe_layouts_are_refused_naming_the_file(tmp_path, key, valu
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=rf"config.json: {key}="):
         arch_from_hf_config(tmp_path)
+
+
+def test_shared_expert_matches_transformers_modules():
+    """Megatron's shared expert is `transformers`' `mlp.shared_expert` ([gate; up] fused like a dense
+    SwiGLU) and its gate_weight the [1, H] weight of `mlp.shared_expert_gate`."""
+    cfg = FAMILIES["qwen2_moe"]
+    model = build_hf_model(cfg, seed=0)
+    meg = get_converter("qwen2_moe").hf_to_megatron(hub_state_dict(model), cfg)
+    for i, layer in enumerate(model.model.layers):
+        m = f"decoder.layers.{i}.mlp.shared_experts."
+        shared = layer.mlp.shared_expert
+        assert torch.equal(meg[m + "linear_fc1.weight"], torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+        assert torch.equal(meg[m + "linear_fc2.weight"], shared.down_proj.weight)
+        assert torch.equal(meg[m + "gate_weight"], layer.mlp.shared_expert_gate.weight)
+        assert meg[m + "linear_fc1.weight"].shape == (2 * 40, cfg.hidden_size)
+
+
+def test_every_expert_parallel_rank_reads_the_shared_expert():
+    cfg = FAMILIES["qwen2_moe"]
+    shared = {"model.layers.1.mlp.shared_expert_gate.weight"} | {
+        f"model.layers.1.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}
+    for experts in (range(0, 2), range(2, 4)):
+        assert shared <= get_converter("qwen2_moe").hf_names(cfg, [1], False, True, experts=experts)
+
+
+@pytest.mark.parametrize(("key", "value"), [("mlp_only_layers", [1]), ("decoder_sparse_step", 2),
+                                            ("shared_expert_intermediate_size", 0), ("num_experts", 0),
+                                            ("qkv_bias", False), ("use_sliding_window", True)])
+def test_unsupported_qwen2_moe_configs_are_refused_naming_the_file(tmp_path, key, value):
+    cfg = get_converter("qwen2_moe").config_dict(FAMILIES["qwen2_moe"])
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"config.json: {key}="):
+        arch_from_hf_config(tmp_path)
+
+
+def test_qwen2_moe_config_in_the_transformers_4_spelling(tmp_path):
+    """Qwen1.5-MoE's config.json as transformers 4 wrote it: rope_theta at the top level, no qkv_bias
+    key (the bias was unconditional), norm_topk_prob false; every layer sparse with a shared expert."""
+    written = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_act": "silu",
+               "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 4, "vocab_size": 96, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+               "rope_theta": 1000000.0, "tie_word_embeddings": False, "use_sliding_window": False,
+               "sliding_window": 32768, "decoder_sparse_step": 1, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 176, "num_experts_per_tok": 4, "num_experts": 6,
+               "norm_topk_prob": False, "router_aux_loss_coef": 0.001}
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    arch = arch_from_hf_config(tmp_path)
+    assert (arch["family"], arch["num_experts"], arch["moe_router_topk"]) == ("qwen2_moe", 6, 4)
+    assert (arch["ffn_hidden_size"], arch["moe_ffn_hidden_size"], arch["moe_shared_expert_intermediate_size"]) == (
+        176, 32, 176)
+    assert arch["qkv_bias"] is True and arch["qk_layernorm"] is False and arch["moe_norm_topk_prob"] is False
+    assert arch["rope_theta"] == 1000000.0
+    ModelConfig(**arch)  # a valid architecture
 
 
 @pytest.mark.parametrize(("key", "value"), [("sliding_window", 4096), ("router_jitter_noise", 0.01),

@@ -80,7 +80,9 @@ def test_without_sglang_the_run_stops_before_any_work():
 
 
 MOE_MODELS = {"qwen3_moe": ModelConfig(family="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64),
-              "mixtral": ModelConfig(family="mixtral", num_experts=4, moe_ffn_hidden_size=64, ffn_hidden_size=64)}
+              "mixtral": ModelConfig(family="mixtral", num_experts=4, moe_ffn_hidden_size=64, ffn_hidden_size=64),
+              "qwen2_moe": ModelConfig(family="qwen2_moe", num_experts=4, moe_ffn_hidden_size=64,
+                                       moe_shared_expert_intermediate_size=96, moe_norm_topk_prob=False)}
 
 
 @pytest.mark.parametrize("family", sorted(MOE_MODELS))
@@ -123,6 +125,8 @@ def test_engine_model_dir_holds_the_moe_architecture(tmp_path, family):
     width = hf.intermediate_size if family == "mixtral" else hf.moe_intermediate_size
     assert (hf.model_type, hf.num_experts_per_tok, width) == (family, 2, 64)
     assert getattr(hf, "num_local_experts", getattr(hf, "num_experts", None)) == 4
+    if family == "qwen2_moe":
+        assert (hf.shared_expert_intermediate_size, hf.norm_topk_prob) == (96, False)
 
 
 def test_engine_model_dir_holds_the_architecture(tmp_path):

@@ -1,0 +1,114 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (Q/K/V bias) with, in place of every
+MLP, a mixture of SwiGLU experts plus one shared SwiGLU expert that every token passes through,
+scaled per token by a sigmoid gate.
+
+HF on disk: the routed experts as in `SparseMoeLayout` (`moe.py`: `mlp.gate.weight`,
+`mlp.experts.{e}.{gate,up,down}_proj.weight`); the shared expert as
+`mlp.shared_expert.{gate,up,down}_proj.weight` (width `shared_expert_intermediate_size`) and its
+gate as `mlp.shared_expert_gate.weight` [1, H] (a Linear without bias). Megatron (`SharedExpertMLP`
+with `moe_shared_expert_gate=True`): `mlp.shared_experts.linear_fc1.weight` = [gate; up],
+`linear_fc2.weight` = down, `mlp.shared_experts.gate_weight` [1, H]; its output
+`sigmoid(x @ gate_weight.T) * shared_mlp(x)` is added to the routed experts' output, as in HF.
+The shared expert is a dense MLP split over tensor-parallel ranks and replicated over expert-parallel
+ones; the gate is replicated everywhere.
+
+Routing (softmax over all experts, top-k, renormalised only when `norm_topk_prob`, which defaults
+to false here) is Megatron's softmax router with `moe_router_pre_softmax=not norm_topk_prob`.
+Refused: dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step` != 1),
+sliding-window attention, and `qkv_bias=false` (every released Qwen2-MoE model has the bias).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from megatron_rl.weight_sync.families import register
+from megatron_rl.weight_sync.families.moe import SparseMoeLayout
+from megatron_rl.weight_sync.families.qwen2 import Qwen2Converter
+
+Tensor = torch.Tensor
+
+
+@register
+class Qwen2MoeConverter(SparseMoeLayout, Qwen2Converter):
+    family = "qwen2_moe"
+    model_type = "qwen2_moe"
+    architecture = "Qwen2MoeForCausalLM"
+
+    def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
+        cfg = super().config_dict(arch, eos_token_id)
+        cfg.update(
+            num_experts=arch.num_experts,
+            num_experts_per_tok=arch.moe_router_topk,
+            moe_intermediate_size=arch.moe_ffn_hidden_size,
+            shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+            norm_topk_prob=arch.moe_norm_topk_prob,
+            router_aux_loss_coef=arch.moe_aux_loss_coeff,
+            qkv_bias=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+        )
+        return cfg
+
+    def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
+        if hf.get("mlp_only_layers"):
+            raise ValueError(f"{where}: mlp_only_layers={hf['mlp_only_layers']} is not supported "
+                             "(dense MLP layers between MoE layers); only mlp_only_layers=[] is")
+        if hf.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"{where}: decoder_sparse_step={hf['decoder_sparse_step']} is not supported "
+                             "(dense MLP layers between MoE layers); only decoder_sparse_step=1 is")
+        if not hf.get("qkv_bias", True):  # transformers < 5 always builds the bias and writes no key
+            raise ValueError(f"{where}: qkv_bias=false is not supported; Qwen2-MoE attention has Q/K/V bias")
+        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if not num_experts:
+            raise ValueError(f"{where}: num_experts={num_experts!r}: a qwen2_moe checkpoint needs experts")
+        shared = hf.get("shared_expert_intermediate_size")
+        if not shared:
+            raise ValueError(f"{where}: shared_expert_intermediate_size={shared!r}: Qwen2-MoE layers always "
+                             "have a shared expert, whose width this must give")
+        arch = super().arch_from_config(hf, where)
+        arch.update(
+            num_experts=num_experts,
+            moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            moe_shared_expert_intermediate_size=shared,
+            moe_router_topk=hf["num_experts_per_tok"],
+            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),  # transformers' default
+        )
+        return arch
+
+    # -- one layer's MLP: the routed experts (SparseMoeLayout) and the shared expert -----------
+    def mlp_hf_names(self, arch: Any, prefix: str, experts: Optional[Iterable[int]] = None) -> set[str]:
+        shared = prefix + "mlp.shared_expert"
+        return super().mlp_hf_names(arch, prefix, experts) | {shared + "_gate.weight"} | {
+            f"{shared}.{p}_proj.weight" for p in ("gate", "up", "down")}
+
+    def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
+        out = super().mlp_to_megatron(hf, h, m, arch)
+        src, dst = h + "mlp.shared_expert", m + "mlp.shared_experts."
+        out[dst + "linear_fc1.weight"] = torch.cat([hf[src + ".gate_proj.weight"], hf[src + ".up_proj.weight"]], dim=0)
+        out[dst + "linear_fc2.weight"] = hf[src + ".down_proj.weight"]
+        out[dst + "gate_weight"] = hf[src + "_gate.weight"]
+        return out
+
+    def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
+        out = super().mlp_to_hf(meg, h, m, arch)
+        src, dst = m + "mlp.shared_experts.", h + "mlp.shared_expert"
+        out[dst + ".gate_proj.weight"], out[dst + ".up_proj.weight"] = meg[src + "linear_fc1.weight"].chunk(2, dim=0)
+        out[dst + ".down_proj.weight"] = meg[src + "linear_fc2.weight"]
+        out[dst + "_gate.weight"] = meg[src + "gate_weight"]
+        return out
+
+    def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        names = list(names)
+        shapes = super().expected_hf_shapes(arch, names)
+        hidden, width = arch.hidden_size, arch.moe_shared_expert_intermediate_size
+        for n in names:
+            if n.endswith(".mlp.shared_expert_gate.weight"):
+                shapes[n] = (1, hidden)
+            elif ".mlp.shared_expert." in n:
+                shapes[n] = (hidden, width) if n.endswith("down_proj.weight") else (width, hidden)
+        return shapes
