@@ -1,7 +1,8 @@
-"""Mixtral and Llama 3.1 (rope-scaled) checkpoints written by `transformers` itself: the architecture
-read from their config.json, loaded into Megatron (single process; Mixtral also at EP=2 and PP=2,
-the rope-scaled Llama also at CP=2), gives the log-probs and entropies `transformers` computes, and
-the export loads back into `transformers` bit-exactly with the same config.
+"""Mixtral, Qwen2-MoE and Llama 3.1 (rope-scaled) checkpoints written by `transformers` itself: the
+architecture read from their config.json, loaded into Megatron (single process; Mixtral also at EP=2
+and PP=2, Qwen2-MoE at EP=2 and at TP=2 with sequence parallelism, the rope-scaled Llama at CP=2),
+gives the log-probs and entropies `transformers` computes, and the export loads back into
+`transformers` bit-exactly with the same config.
 
 Tolerance 2e-5 (fp32), as in test_moe_parity.py; observed differences are ~1e-6.
 
@@ -12,6 +13,10 @@ attention is then nearly uniform and blind to it. The checkpoint's Q and K proje
 therefore scaled by 8 (sharper attention), and a guard test checks that `transformers` without
 the scaling differs from it by far more than the tolerance: a Megatron run that ignored the
 scaling would fail the comparison.
+
+Qwen2-MoE adds a shared expert scaled by sigmoid(x @ w_gate) and routes without renormalising the
+top-k weights; a guard test checks that fixing the gate at 0.5 or renormalising moves
+`transformers`' log-probs by far more than the tolerance, so neither can go unnoticed.
 """
 
 from __future__ import annotations
@@ -31,10 +36,15 @@ CHECKPOINTS = {
                     moe_ffn_hidden_size=64, moe_router_topk=2),
     "llama3_1": dict(family="llama", num_layers=4, tie_word_embeddings=False, rope_theta=500000.0,
                      rope_scaling_factor=8.0, max_position_embeddings=16384),
+    "qwen2_moe": dict(family="qwen2_moe", num_layers=4, tie_word_embeddings=False, num_experts=4,
+                      moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=96, moe_router_topk=2,
+                      moe_norm_topk_prob=False),
 }
 LAYOUTS = {"tp1": dict(tp=1, pp=1, cp=1, ep=1), "ep2": dict(tp=1, pp=1, cp=1, ep=2),
-           "pp2": dict(tp=1, pp=2, cp=1, ep=1), "cp2": dict(tp=1, pp=1, cp=2, ep=1)}
-CASES = [("mixtral", "tp1"), ("mixtral", "ep2"), ("mixtral", "pp2"), ("llama3_1", "tp1"), ("llama3_1", "cp2")]
+           "pp2": dict(tp=1, pp=2, cp=1, ep=1), "cp2": dict(tp=1, pp=1, cp=2, ep=1),
+           "tp2_sp": dict(tp=2, pp=1, cp=1, ep=1)}  # Megatron-core runs MoE layers at TP > 1 only with SP
+CASES = [("mixtral", "tp1"), ("mixtral", "ep2"), ("mixtral", "pp2"), ("llama3_1", "tp1"), ("llama3_1", "cp2"),
+         ("qwen2_moe", "tp1"), ("qwen2_moe", "ep2"), ("qwen2_moe", "tp2_sp")]
 LENGTHS = (300, 77, 180)
 TOL = 2e-5
 
@@ -58,7 +68,7 @@ def _worker(rank: int, world: int, ckpt_root: str, cases: list, out_root: str) -
         path = Path(ckpt_root) / name
         cfg = ModelConfig(**arch_from_hf_config(path), path=str(path))  # as runtime.load_validated does
         par = LAYOUTS[layout]
-        groups = state.initialize(par["tp"], par["pp"], par["cp"], ep=par["ep"])
+        groups = state.initialize(par["tp"], par["pp"], par["cp"], ep=par["ep"], sequence_parallel=par["tp"] > 1)
         trainer = Trainer(cfg, OptimizerConfig(), groups, TrainerOptions(micro_batch_tokens=320))
         trainer.initialize_weights()
         samples = [Sample(s, torch.ones(len(s) - 1)) for s in _sequences()]
@@ -125,6 +135,22 @@ def test_rope_scaling_changes_the_reference(checkpoints):
     assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(scaled, plain)) > 100 * TOL
 
 
+def test_shared_expert_gate_and_routing_change_the_reference(checkpoints, tmp_path):
+    """Guards the qwen2_moe comparison: transformers with the shared expert's gate fixed at
+    sigmoid(0) = 0.5, or with renormalised top-k weights, is far from the checkpoint's."""
+    from transformers import AutoModelForCausalLM
+
+    reference = _hf_logprobs(checkpoints / "qwen2_moe")
+    model = AutoModelForCausalLM.from_pretrained(checkpoints / "qwen2_moe", dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.shared_expert_gate.weight.zero_()
+    model.save_pretrained(tmp_path / "gate_fixed")
+    variants = [_hf_logprobs(tmp_path / "gate_fixed"), _hf_logprobs(checkpoints / "qwen2_moe", norm_topk_prob=True)]
+    for variant in variants:
+        assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(reference, variant)) > 100 * TOL
+
+
 @pytest.mark.parametrize(("name", "layout"), CASES)
 def test_export_round_trip_is_bit_exact(checkpoints, results, name, layout):
     from transformers import AutoModelForCausalLM
@@ -145,5 +171,9 @@ def test_export_round_trip_is_bit_exact(checkpoints, results, name, layout):
     if name == "llama3_1":
         assert written["rope_parameters"] == json.loads((checkpoints / name / "config.json").read_text())[
             "rope_parameters"]
+    elif name == "qwen2_moe":
+        widths = (written["moe_intermediate_size"], written["shared_expert_intermediate_size"])
+        assert (written["model_type"], written["num_experts"], widths, written["norm_topk_prob"]) == (
+            "qwen2_moe", 4, (64, 96), False)
     else:
         assert (written["model_type"], written["num_local_experts"], written["intermediate_size"]) == ("mixtral", 4, 64)

@@ -1,9 +1,10 @@
 """Weight sync from Megatron into the hf rollout engine and the colocated phase order.
 
 After a sync at TP=1, TP=2 and PP=2 (and of a Mixtral mixture of experts at EP=2, whose experts
-transformers holds fused while the sync sends them one by one) the engine holds exactly the
-trainer's weights (bit-exact against an HF export), and the engine's log-probs of its sampled tokens equal Megatron's
-recomputed log-probs (fp32; bound 1e-4, observed ~5e-7), so the first update's importance
+transformers holds fused while the sync sends them one by one, and of a Qwen2-MoE at TP=2 with
+sequence parallelism, whose shared expert is split over the TP ranks) the engine holds exactly the
+trainer's weights (bit-exact against an HF export), and the engine's log-probs of its sampled
+tokens equal Megatron's recomputed log-probs (fp32; bound 1e-4, observed ~5e-7), so the first update's importance
 ratio is 1. The colocation controller runs its phases in the documented order, the engine
 really gives up its weights between rollouts, and versions advance per sync.
 """
@@ -19,14 +20,19 @@ from tests.distributed.launcher import run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-LAYOUTS = {"tp1": (1, 1, 1, 1), "tp2": (2, 1, 1, 2), "pp2": (1, 2, 1, 2), "mixtral_ep2": (1, 1, 2, 2)}  # tp pp ep world
+LAYOUTS = {"tp1": (1, 1, 1, 1), "tp2": (2, 1, 1, 2), "pp2": (1, 2, 1, 2), "mixtral_ep2": (1, 1, 2, 2),
+           "qwen2_moe_tp2_sp": (2, 1, 1, 2)}  # tp pp ep world
 MODELS = {"mixtral_ep2": dict(family="mixtral", ffn_hidden_size=64, num_experts=4, moe_ffn_hidden_size=64,
-                              tie_word_embeddings=False)}
+                              tie_word_embeddings=False),
+          "qwen2_moe_tp2_sp": dict(family="qwen2_moe", num_experts=4, moe_ffn_hidden_size=64,
+                                   moe_shared_expert_intermediate_size=96, moe_norm_topk_prob=False,
+                                   tie_word_embeddings=False)}
+SEQUENCE_PARALLEL = {"qwen2_moe_tp2_sp"}  # Megatron-core trains MoE layers at TP > 1 only with SP
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
 TEMPERATURE = 0.7
 
 
-def _worker(rank, world, tp, pp, ep, model, out):
+def _worker(rank, world, tp, pp, ep, sequence_parallel, model, out):
     from megatron_rl.colocate.controller import ColocationController
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
     from megatron_rl.parallel import dist as mdist
@@ -38,7 +44,7 @@ def _worker(rank, world, tp, pp, ep, model, out):
     from megatron_rl.weight_sync.families import get_converter
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
-    groups = state.initialize(tp, pp, ep=ep)
+    groups = state.initialize(tp, pp, ep=ep, sequence_parallel=sequence_parallel)
     model_cfg = ModelConfig(num_layers=4, **model)
     trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-2), groups,
                       TrainerOptions(micro_batch_tokens=256, logprob_temperature=TEMPERATURE))
@@ -96,7 +102,8 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("sync")
     got = {}
     for name, (tp, pp, ep, world) in LAYOUTS.items():
-        run_spawned(_worker, world, tp, pp, ep, MODELS.get(name, {}), str(out / f"{name}.pt"))
+        run_spawned(_worker, world, tp, pp, ep, name in SEQUENCE_PARALLEL, MODELS.get(name, {}),
+                    str(out / f"{name}.pt"))
         got[name] = torch.load(out / f"{name}.pt", weights_only=False)
     return got
 
