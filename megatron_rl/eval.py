@@ -1,7 +1,7 @@
 """Offline evaluation of a run's checkpoints:
 
     python -m megatron_rl.eval --run RUN_DIR [--checkpoints all|latest|hf|STEP|DIR ...] [--seeds 3]
-        [--pass-k 1 4] [--regression FILE.jsonl] [--name NAME | --out DIR] [key=value ...]
+        [--pass-k 1 4] [--regression FILE.jsonl | task=NAME,...] [--name NAME | --out DIR] [key=value ...]
 
 and of repeated training runs, from their evaluations (no model is loaded):
 
@@ -47,9 +47,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=3, help="sampling seeds per checkpoint (default 3)")
     parser.add_argument("--pass-k", type=int, nargs="+", default=None, metavar="K",
                         help="k values of pass@k, each <= task.eval_samples (default: 1 and task.eval_samples)")
-    parser.add_argument("--regression", default=None, metavar="FILE",
-                        help="regression set (JSONL / Parquet / saved dataset, the run's task columns) evaluated "
-                             "on every checkpoint besides the held-out set")
+    parser.add_argument("--regression", default=None, metavar="FILE|task=NAME,...",
+                        help="regression set evaluated on every checkpoint besides the held-out set: a file "
+                             "(JSONL / Parquet / saved dataset, the run's task columns) or a task config, "
+                             "task=NAME[,key=value...] (the eval split of conf/task/NAME.yaml with those task "
+                             "fields, e.g. task=math,num_eval=200,seed=7 or task=math,type=agent,generator=function)")
     parser.add_argument("--name", default=None, help="output under RUN/eval/NAME (default: a timestamp)")
     parser.add_argument("--out", default=None, help="output directory (instead of RUN/eval/NAME)")
     parser.add_argument("--confidence", type=float, default=0.95, help="interval level (default 0.95)")
@@ -60,7 +62,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     from megatron_rl.config import ConfigError
-    from megatron_rl.evaluation.runner import EvalSpec, load_run_config, resolve_checkpoints, run_evaluation
+    from megatron_rl.evaluation.runner import (
+        EvalSpec,
+        load_run_config,
+        regression_task_config,
+        resolve_checkpoints,
+        run_evaluation,
+    )
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -84,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise ConfigError(f"--pass-k {' '.join(map(str, ks))} is invalid with task.eval_samples={n}: each k "
                               f"must be in 1..{n}; draw more samples with task.eval_samples=N")
         checkpoints = resolve_checkpoints(args.run, args.checkpoints)
+        if args.regression:
+            regression = regression_task_config(args.regression)
+            if regression is None and not Path(args.regression).exists():
+                raise ConfigError(f"--regression {args.regression}: no such file (a task config is task=NAME,...)")
     except ValueError as exc:  # ConfigError is one
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -88,7 +88,7 @@ def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any,
         if not tasks:
             raise ValueError(f"task.sft_warmup_steps > 0 on agent tasks needs tasks with a `reference` solution; "
                              f"the {what}'s have none: set task.sft_warmup_steps=0")
-        fmt = _turn_format(rt, parts, task_cfg, domain)
+        fmt = _turn_format(parts, task_cfg)
         params = SamplingParams(max_new_tokens=rt.cfg.rollout.max_new_tokens)
 
         def play(task: dict) -> list:  # one scripted policy per task: instructions need not be unique
@@ -116,14 +116,16 @@ def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any,
     return payload[0]
 
 
-def _turn_format(rt, parts: dict, task_cfg: Any, domain: str = ""):
+def _turn_format(parts: dict, task_cfg: Any):
+    """The agent task's chat-template pieces (one per system prompt, kept in `parts`)."""
     from megatron_rl.envs.tools import TOOL_INSTRUCTIONS
     from megatron_rl.rollout.multiturn import TurnFormat
 
     formats = parts.setdefault("turn_formats", {})
-    if domain not in formats:
-        formats[domain] = TurnFormat(parts["tokenizer"], task_cfg.system_prompt or TOOL_INSTRUCTIONS)
-    return formats[domain]
+    system = task_cfg.system_prompt or TOOL_INSTRUCTIONS
+    if system not in formats:
+        formats[system] = TurnFormat(parts["tokenizer"], system)
+    return formats[system]
 
 
 def _episode_limits(task):
@@ -148,18 +150,19 @@ def _generate(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[l
         return _generate_domains(rt, parts, prompts, params)
     if not task.is_agent:
         return collect(parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"]))
-    return _episodes(rt, parts, prompts, params, rt.cfg.task, parts["rewards"])
+    return _episodes(rt, parts, prompts, params, task.cfg, parts["rewards"])
 
 
-def _episodes(rt, parts: dict, prompts: list, params: SamplingParams, task_cfg: Any, rewards: Any,
-              domain: str = "") -> tuple[list[Rollout], dict[str, float]]:
+def _episodes(rt, parts: dict, prompts: list, params: SamplingParams, task_cfg: Any,
+              rewards: Any) -> tuple[list[Rollout], dict[str, float]]:
+    """Agent task `task_cfg`'s prompts played as episodes (its turn format and episode limits)."""
     from megatron_rl.rollout.multiturn import collect_episodes
 
     r = rt.cfg.rollout
     groups = len(prompts)
     target = groups - round(groups * r.oversample / (1 + r.oversample)) if r.oversample else None
     return collect_episodes(parts["engine"], prompts, params, rewards, rt.groups,
-                            _turn_format(rt, parts, task_cfg, domain), _episode_limits(task_cfg), r.agent_scheduler,
+                            _turn_format(parts, task_cfg), _episode_limits(task_cfg), r.agent_scheduler,
                             r.max_concurrent_episodes, target, parts["controller"].timeline, r.step_deadline_s,
                             r.straggler_policy == "partial")
 
@@ -184,7 +187,7 @@ def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams) ->
             got, stats = collect(parts["engine"], mine, params, rewards, rt.groups, _decode(parts["tokenizer"]))
         else:
             view = _DomainRewards(rewards.verifier.verifiers[domain], rewards.loop)
-            got, stats = _episodes(rt, parts, mine, params, task.tasks[domain].cfg, view, domain)
+            got, stats = _episodes(rt, parts, mine, params, task.tasks[domain].cfg, view)
             stats = {(k if k.startswith("time/") else f"domain/{domain}/{k}"): v for k, v in stats.items()}
         for r in got:
             r.prompt_index = index[r.prompt_index]

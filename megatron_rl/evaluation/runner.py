@@ -212,21 +212,47 @@ def _load(trainer, ckpt: Checkpoint) -> None:
         trainer.load_hf(ckpt.path)
 
 
-def _regression_parts(rt, parts: dict, path: str) -> dict:
-    """The run's parts with the regression set's prompts, task and reward service: the file's
-    rows read with the run's task settings (prompt_key, answer_key, chat_template, ...)."""
+def regression_task_config(spec: str) -> Optional[Any]:
+    """The TaskConfig of a regression set given as a task config, `task=NAME[,key=value...]`
+    (conf/task/NAME.yaml with those fields changed, e.g. `task=math,num_eval=200,seed=7`); None
+    when `spec` is a file. Raises ConfigError naming the problem."""
+    from megatron_rl.config import ConfigError, compose, to_typed
+
+    if not spec.startswith("task="):
+        return None
+    items = [item.strip() for item in spec.split(",") if item.strip()]
+    bad = [item for item in items if "=" not in item]
+    if bad:
+        raise ConfigError(f"--regression {spec}: {bad[0]!r} is not key=value (the form is task=NAME,key=value,...)")
+    name = items[0].split("=", 1)[1]
+    try:
+        cfg = to_typed(compose([f"task={name}", *(f"task.{item}" for item in items[1:])]))
+    except ConfigError as exc:
+        raise ConfigError(f"--regression {spec}: {exc}") from None
+    if cfg.task.num_eval == 0:
+        raise ConfigError(f"--regression {spec}: task.num_eval=0 gives no prompts; set num_eval=N")
+    return cfg.task
+
+
+def _regression_parts(rt, parts: dict, spec: str) -> dict:
+    """The run's parts with the regression set's prompts, task and reward service: a file's rows
+    read with the run's task settings (prompt_key, answer_key, chat_template, ...), or the eval
+    split of a task config (`regression_task_config`: generated problems, an agent task set)
+    with its own verifier."""
     from megatron_rl import runtime
     from megatron_rl.data.tasks import Task
     from megatron_rl.rewards.service import RewardService
 
-    base = rt.cfg.task
-    reward = base.reward if base.reward in ("math", "exact", "tests") else "auto"
-    task_cfg = dataclasses.replace(base, name=REGRESSION, type="dataset", path=path, eval_path=path,
-                                   num_eval=10**9, reward=reward)
+    task_cfg = regression_task_config(spec)
+    if task_cfg is None:
+        base = rt.cfg.task
+        reward = base.reward if base.reward in ("math", "exact", "tests") else "auto"
+        task_cfg = dataclasses.replace(base, name=REGRESSION, type="dataset", path=spec, eval_path=spec,
+                                       num_eval=10**9, reward=reward)
     task = Task(task_cfg, parts["tokenizer"])
     prompts = task.prompts("eval")
     if not prompts:
-        raise ValueError(f"the regression set {path} has no rows")
+        raise ValueError(f"the regression set {spec} has no rows")
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
-    logger.info("regression set %s: %d prompts, reward %s", path, len(prompts), task.reward_kind)
+    logger.info("regression set %s: %d prompts, reward %s", spec, len(prompts), task.reward_kind)
     return dict(parts, task=task, eval=prompts, rewards=RewardService(task.verifier_factory(addresses)))
