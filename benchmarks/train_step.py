@@ -39,25 +39,25 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
     args = p.parse_args()
 
-    from omegaconf import OmegaConf
-
     from megatron_rl.algorithms.objective import make_policy_loss_fn
-    from megatron_rl.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config.schema import AlgorithmConfig, OptimizerConfig
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
     from megatron_rl.trainer.core import Trainer, TrainerOptions
     from megatron_rl.trainer.packing import Sample
 
-    fields = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model" /
-                                                   f"{args.model}.yaml"))
-    fields = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__ and k != "path"}
-    fields["tokenizer"] = "builtin:char"
-    fields["dtype"] = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    # the architecture of conf/model/<model>.yaml with random weights: no checkpoint, no tokenizer files
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    overrides = [f"model={args.model}", "model.path=null", "model.tokenizer=builtin:char", f"model.dtype={dtype}"]
     if args.hidden:
-        fields.update(hidden_size=args.hidden, ffn_hidden_size=3 * args.hidden)
+        overrides += [f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={3 * args.hidden}"]
     if args.layers:
-        fields["num_layers"] = args.layers
-    base = ModelConfig(**fields)
+        overrides.append(f"model.num_layers={args.layers}")
+    try:
+        base = load_config(overrides, world_size=1).model
+    except ConfigError as exc:
+        p.error(str(exc))
     device = torch.device(args.device)
     mdist.init_distributed(mdist.dist_env_from({}), device)
     groups = state.initialize(1, 1, device=device)
@@ -95,7 +95,7 @@ def main() -> None:
         results[name] = (step, tokens / step, 6 * params * tokens / step / (args.peak_tflops * 1e12))
         del trainer
     print(f"{args.model}: {params / 1e6:.1f}M parameters, {args.samples} x {args.length} tokens per step, "
-          f"device {args.device}, {fields['dtype']}, median of {args.steps} steps")
+          f"device {args.device}, {base.dtype}, median of {args.steps} steps")
     base_tps = next(iter(results.values()))[1]
     for name, (step, tps, mfu) in results.items():
         line = f"{name:34s} {step * 1e3:9.1f} ms/step {tps:11.0f} tokens/s  x{tps / base_tps:.2f}"

@@ -29,20 +29,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from omegaconf import OmegaConf
-
-    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.config import ConfigError, load_config
     from megatron_rl.models.gpt import build_model
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
     from megatron_rl.rollout.hf_engine import HFEngine
     from megatron_rl.weight_sync.stream import sync_weights
 
-    fields = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/model" / f"{args.model}.yaml"))
-    fields = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__ and k != "path"}
-    fields["tokenizer"] = "builtin:char"
-    fields["dtype"] = "float32"  # the CPU path trains in fp32; engine and trainer then agree
-    model_cfg = ModelConfig(**fields)
+    # the architecture of conf/model/<model>.yaml with random weights; float32: the CPU path trains
+    # in fp32, so engine and trainer agree
+    try:
+        model_cfg = load_config([f"model={args.model}", "model.path=null", "model.tokenizer=builtin:char",
+                                 "model.dtype=float32"], world_size=1).model
+    except ConfigError as exc:
+        parser.error(str(exc))
     mdist.init_distributed(mdist.dist_env_from({}), torch.device("cpu"))
     groups = state.initialize(1, 1)
     start = time.perf_counter()
