@@ -22,9 +22,6 @@ def check_run_config(cfg) -> None:
     agents = {"task": cfg.task} if cfg.task.type == "agent" and not cfg.domains else {}
     agents.update({f"domains.{name}.task": d.task for name, d in cfg.domains.items() if d.task.type == "agent"})
     for where, task in agents.items():
-        if cfg.rollout.tp > 1:
-            raise ConfigError(f"{where}.type=agent runs with rollout.tp=1 in this version (episodes are driven from "
-                              "one rank per engine)")
         if task.max_episode_tokens > cfg.model.max_position_embeddings:
             raise ConfigError(f"{where}.max_episode_tokens={task.max_episode_tokens} must be <= "
                               f"model.max_position_embeddings={cfg.model.max_position_embeddings}")

@@ -225,6 +225,31 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     return out
 
 
+def _episode_share(engine: Any, num_prompts: int, groups: Any) -> tuple[bool, list[int], Any]:
+    """(whether this rank plays episodes, which prompts, the engine it drives them with).
+
+    One engine per rank (rollout.tp=1): its data-parallel share, on its first model-parallel
+    rank. An engine shared by a block of ranks (`rollout.spmd.BlockEngine`, rollout.tp > 1):
+    the block's leader plays the shares of every first model-parallel rank of its block on its
+    own engine, and the block's other ranks none. An episode's turns are calls that come as the
+    environment answers, not rounds the whole block takes part in, so one rank drives each
+    engine; every prompt is still played exactly once (each rank is in one block).
+    """
+    from megatron_rl.rollout.collect import _share
+
+    block = getattr(engine, "block", None)
+    if block is None or block.size == 1:
+        return first_mp_rank(groups), list(_share(num_prompts, groups.dp_size, groups.dp_rank)), engine
+    import torch.distributed as dist
+
+    members: list[Any] = [None] * block.size
+    dist.all_gather_object(members, (groups.dp_rank, first_mp_rank(groups)), group=block.group)
+    if not block.is_leader:
+        return False, [], None
+    dp_ranks = sorted({dp for dp, first in members if first})
+    return True, [i for dp in dp_ranks for i in _share(num_prompts, groups.dp_size, dp)], engine.engine
+
+
 def first_mp_rank(groups: Optional[Any]) -> bool:
     return groups is None or groups.is_first_model_parallel_rank
 
@@ -235,15 +260,17 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
                      keep_partial: bool = False) -> tuple[list[Episode], dict[str, float]]:
     """`collect()` for agent tasks: each data-parallel rank runs its share of the episodes
     (prompt.meta is the task), on its first model-parallel rank; everyone gets all of them.
-    scheduler="async" runs them concurrently (rollout/scheduler.py); with `target_groups`
-    (over-sampling), the groups still incomplete when that many are done are cut."""
-    from megatron_rl.rollout.collect import _share, gather_rollouts
+    With an engine shared by a block of ranks (rollout.tp > 1) its leader plays the block's
+    shares (`_episode_share`). scheduler="async" runs them concurrently (rollout/scheduler.py);
+    with `target_groups` (over-sampling), the groups still incomplete when that many are done
+    are cut."""
+    from megatron_rl.rollout.collect import gather_rollouts
 
-    mine = list(_share(len(prompts), groups.dp_size, groups.dp_rank))
+    plays, mine, engine = _episode_share(engine, len(prompts), groups)
     start = time.perf_counter()
     local: list[Episode] = []
     stats: dict[str, float] = {}
-    if first_mp_rank(groups) and mine:
+    if plays and mine:
         verifier = reward_service.verifier
         tasks = [prompts[i].meta for i in mine]
         if scheduler == "async":
@@ -263,6 +290,6 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
         verifier.calls += len(local)
         verifier.errors += sum(e.status == "dropped" for e in local)
     elapsed = time.perf_counter() - start
-    merged = gather_rollouts(local if first_mp_rank(groups) else None)
+    merged = gather_rollouts(local if plays else None)
     local_only = {k: v for k, v in stats.items() if k.startswith("sched/")}  # this rank's engine
     return merged, {"time/episodes": elapsed, **local_only, **episode_metrics(merged)}

@@ -300,3 +300,25 @@ def test_an_agent_domain_trains_beside_a_single_turn_domain(tmp_path):
     final = rows[-1]
     assert 0 <= final["eval/code/accuracy"] <= 1 and 0 <= final["eval/math/accuracy"] <= 1
     assert final["eval/accuracy"] == pytest.approx((final["eval/code/accuracy"] + final["eval/math/accuracy"]) / 2)
+
+
+@pytest.mark.parametrize("layout", [["parallel.tp=1"], ["parallel.tp=2"]], ids=["dp2", "tp2"])
+def test_agent_episodes_on_an_engine_shared_by_two_ranks(tmp_path, layout):
+    """rollout.tp=2 on two ranks: one engine for the block, driven by its leader, which plays the
+    episodes of both data-parallel shares (dp2: both ranks are first model-parallel ranks; tp2:
+    one data-parallel group); every prompt is played exactly once and both ranks train on the
+    same episodes (the step's metrics are complete, the run ends)."""
+    import json
+
+    run_dir = tmp_path / "run"
+    _agent_job(run_dir, "cluster.nproc=2", "rollout.tp=2", *layout, "task.sft_warmup_steps=0", "task.max_turns=2",
+               "num_steps=2", "rollout.max_new_tokens=24", "checkpoint.save_every=0", "checkpoint.save_at_end=false")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        ended = sum(r[f"agent/{s}"] for s in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped",
+                                                "aborted", "deadline"))
+        assert ended == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
+        assert r["num_tokens"] > 0
+    rank1 = (run_dir / "logs" / "rank1.log").read_text()
+    assert "step 1" in (run_dir / "logs" / "rank0.log").read_text() and "Traceback" not in rank1
