@@ -56,7 +56,7 @@ def test_layout_matches_single_process(results, layout):
 
 
 def test_mixture_of_experts_at_cp2_ep2_matches_single_process(tmp_path):
-    run_spawned(moe._worker, 1, {"ref": moe.REFERENCE}, str(tmp_path / "ref.pt"))
-    run_spawned(moe._worker, 4, {"cp2_ep2": MOE_LAYOUT}, str(tmp_path / "cp.pt"), timeout_s=800)
+    run_spawned(moe._worker, 1, "qwen3_moe", {"ref": moe.REFERENCE}, str(tmp_path / "ref.pt"))
+    run_spawned(moe._worker, 4, "qwen3_moe", {"cp2_ep2": MOE_LAYOUT}, str(tmp_path / "cp.pt"), timeout_s=800)
     ref, got = torch.load(tmp_path / "ref.pt")["ref"], torch.load(tmp_path / "cp.pt")["cp2_ep2"]
     _assert_matches(got, ref, weight_atol=1e-5)
