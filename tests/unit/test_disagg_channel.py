@@ -138,19 +138,26 @@ def test_check_names_a_generator_that_never_joined_or_fell_silent(hub):
 
 
 def test_heartbeat_thread_keeps_a_generator_alive_and_stop_is_waited_for(hub, monkeypatch):
-    monkeypatch.setattr(channel, "HEARTBEAT_S", 0.1)
+    """A beating generator is waited for until it says it stopped; one that fell silent (dead:
+    no beat for 3 heartbeat periods) is not."""
+    monkeypatch.setattr(channel, "HEARTBEAT_S", 0.2)
     conn = connect(*hub.address, hub.key)
     conn.join(0, {"host": "here"})
     until = threading.Event()
-    heartbeat(conn, 0, until)
+    beating = heartbeat(conn, 0, until)
     first = hub.registry.snapshot()[1][0]
-    time.sleep(0.5)
-    assert hub.registry.snapshot()[1][0] > first + 0.2
-    until.set()
+    time.sleep(1.0)
+    assert hub.registry.snapshot()[1][0] > first + 0.3
     hub.stop.set()
-    assert hub.wait_stopped(0.2) == [0]
+    assert hub.wait_stopped(0.2) == [0]  # still beating, has not confirmed
     conn.stopped(0)
     assert hub.wait_stopped(0.2) == []
+    conn.join(1, {"host": "there"})  # joins, then never beats
+    until.set()
+    beating.join()
+    time.sleep(3 * channel.HEARTBEAT_S + 0.1)
+    started = time.monotonic()
+    assert hub.wait_stopped(5.0) == [] and time.monotonic() - started < 1.0
 
 
 def test_a_generator_that_reports_a_failure_stops_the_trainer_at_once(hub):
