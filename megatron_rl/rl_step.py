@@ -206,7 +206,7 @@ def _advantages(rewards: torch.Tensor, rollouts: list[Rollout], estimator: str) 
     return ADVANTAGE_ESTIMATORS.get(estimator)(rewards, group_ids)
 
 
-def _shaped_rewards(cfg, rollouts: list[Rollout]) -> torch.Tensor:
+def shaped_rewards(cfg, rollouts: list[Rollout]) -> torch.Tensor:
     """Verifier rewards plus the overlong penalty (algorithm.overlong=penalty), per sample."""
     from megatron_rl.algorithms.filters import overlong
 
@@ -248,7 +248,7 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
             if cfg.rollout.oversample:
                 timing["sched/groups_cut"] = timing.get("sched/groups_cut", 0.0) + sum(cut)
             groups = [group for group, was_cut in zip(groups, cut) if not was_cut]
-            rounds.add_round(groups, [_shaped_rewards(cfg, group) for group in groups])
+            rounds.add_round(groups, [shaped_rewards(cfg, group) for group in groups])
         return timing
 
     timing, kept = parts["controller"].rollout(run), rounds.batch()
@@ -295,7 +295,7 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
         rollouts, timing = controller.step_rollouts(rt, parts, step)
     else:
         rollouts, timing = generate_groups(rt, parts, step)
-    rewards = _shaped_rewards(cfg, rollouts)
+    rewards = shaped_rewards(cfg, rollouts)
     joint = parts.get("domains")  # multi-domain runs: per-domain calibration before the advantages
     advantages = _advantages(joint.advantage_rewards(rewards, rollouts) if joint else rewards, rollouts,
                              cfg.algorithm.advantage_estimator)

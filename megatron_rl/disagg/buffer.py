@@ -5,8 +5,10 @@ bounded multiprocessing queue; a full queue blocks them (back-pressure). The tra
 groups until its batch is full. A group is as old as its oldest token: generated from weight
 version v, it may be trained on at trainer version t only if t - v <= max_staleness; older
 groups are dropped and counted (`buffer/dropped_stale`), and the trainer asks for their
-prompts again. Which prompts are in flight, and when they were asked for, is the
-controller's business (megatron_rl/disagg/controller.py).
+prompts again. With dynamic sampling the trainer also refuses groups without reward variance
+(`accept`), up to a limit per step, and asks for new prompts in their place. Which prompts are
+in flight, and when they were asked for, is the controller's business
+(megatron_rl/disagg/controller.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from megatron_rl.rollout.collect import Rollout
 
@@ -48,12 +50,16 @@ class ExperienceBuffer:
         self.dropped_total = 0
 
     def take(self, num_groups: int, trainer_version: int, on_drop: Callable[[ExperienceGroup], None],
-             check_alive: Callable[[], None] = lambda: None, poll_s: float = 1.0
+             check_alive: Callable[[], None] = lambda: None, poll_s: float = 1.0,
+             accept: Optional[Callable[[ExperienceGroup], bool]] = None,
+             on_reject: Callable[[ExperienceGroup], None] = lambda group: None, max_rejects: int = 0
              ) -> tuple[list[ExperienceGroup], dict[str, float]]:
         """`num_groups` groups fresh enough for `trainer_version` (blocks until there are);
-        `on_drop` gets each stale one, `check_alive` runs while waiting (raises if a generator died)."""
+        `on_drop` gets each stale one, `check_alive` runs while waiting (raises if a generator died).
+        With `accept` (dynamic sampling), fresh groups it refuses go to `on_reject`, up to
+        `max_rejects` of them; after that the next fresh groups fill the batch as they come."""
         kept: list[ExperienceGroup] = []
-        dropped = 0
+        dropped = rejected = 0
         start = time.perf_counter()
         while len(kept) < num_groups:
             try:
@@ -65,6 +71,10 @@ class ExperienceBuffer:
                 dropped += 1
                 on_drop(group)
                 continue
+            if accept is not None and rejected < max_rejects and not accept(group):
+                rejected += 1
+                on_reject(group)
+                continue
             kept.append(group)
         self.dropped_total += dropped
         staleness = [trainer_version - g.version for g in kept]
@@ -73,6 +83,9 @@ class ExperienceBuffer:
                  "async/staleness_mean": sum(staleness) / max(len(staleness), 1),
                  "async/staleness_max": float(max(staleness, default=0)),
                  "async/partial_groups": float(sum(len(g.versions) > 1 for g in kept))}
+        if accept is not None:
+            stats.update({"dynamic_sampling/rejected": float(rejected),
+                          "dynamic_sampling/exhausted": float(rejected >= max_rejects)})
         return kept, stats
 
 

@@ -78,9 +78,6 @@ def check_disaggregated_config(cfg: Any) -> None:
     if cfg.task.type == "agent" or any(d.task.type == "agent" for d in cfg.domains.values()):
         raise ConfigError("rollout.mode=disaggregated does not run task.type=agent yet, alone or as a domain "
                           "(multi-turn episodes are driven by the colocated scheduler): use rollout.mode=colocated")
-    if algo.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling=true is not supported with rollout.mode=disaggregated: "
-                          "set algorithm.dynamic_sampling=false (or algorithm.filter_zero_variance=true)")
     if algo.old_logprobs != "recompute":
         raise ConfigError(f"algorithm.old_logprobs={algo.old_logprobs} is invalid with rollout.mode=disaggregated: "
                           "stale rollouts need old_logprobs=recompute so that the truncated-IS weight "
@@ -161,7 +158,8 @@ class DisaggregatedController:
         if self.is_main:
             self._issue_until(step + self.max_staleness)
             take_start = time.time()
-            kept, stats = self.buffer.take(self.num_groups, step, self._drop, self._check_alive)
+            kept, stats = self.buffer.take(self.num_groups, step, self._drop, self._check_alive,
+                                           **self._dynamic_sampling())
             for group in kept:
                 self._consumed(group)
                 self.events.write("group", group.generated[0], group.generated[1], step=step, version=group.version,
@@ -241,6 +239,24 @@ class DisaggregatedController:
             remaining.remove(index)
         if not remaining:
             self._in_flight.pop(group.request_id, None)
+
+    def _dynamic_sampling(self) -> dict[str, Any]:
+        """`ExperienceBuffer.take`'s filter for algorithm.dynamic_sampling: a group is kept when its
+        shaped rewards vary; each refused one is replaced by a new prompt from the sampler, up to
+        (dynamic_sampling_max_rounds - 1) * groups per step (what the colocated rounds may draw
+        beyond the first); past that the next groups fill the batch as they come."""
+        algo = self.cfg.algorithm
+        if not algo.dynamic_sampling:
+            return {}
+        from megatron_rl.algorithms.filters import has_reward_variance
+        from megatron_rl.rl_step import shaped_rewards
+
+        def replace(group: ExperienceGroup) -> None:
+            self._consumed(group)
+            self._request(self.sampler.next_batch(1))
+
+        return {"accept": lambda group: has_reward_variance(shaped_rewards(self.cfg, group.rollouts)),
+                "on_reject": replace, "max_rejects": (algo.dynamic_sampling_max_rounds - 1) * self.num_groups}
 
     def _drop(self, group: ExperienceGroup) -> None:
         self._consumed(group)

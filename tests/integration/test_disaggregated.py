@@ -218,3 +218,22 @@ def test_a_generator_that_dies_stops_the_trainer_with_its_name(tmp_path):
     assert heartbeat or broadcast, err[-3000:]
     assert waited < 90 and (broadcast or waited >= 15)
     assert "did not confirm stopping" not in err  # a dead generator is not waited for
+
+
+def test_dynamic_sampling_trains_only_on_groups_with_reward_variance(tmp_path):
+    """algorithm.dynamic_sampling in disaggregated mode: groups whose rewards are all equal are
+    refused as they come out of the buffer and new prompts are asked for in their place; a step
+    that did not hit the refusal limit trains only on groups with reward variance (the
+    zero-variance filter, on as a check, finds nothing to drop)."""
+    run_dir = tmp_path / "run"
+    rows, _ = _run(run_dir, "num_steps=4", "task.sft_warmup_steps=40", "algorithm.dynamic_sampling=true",
+                   "algorithm.dynamic_sampling_max_rounds=8", "algorithm.filter_zero_variance=true",
+                   "rollout.max_new_tokens=24")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert sum(r["dynamic_sampling/rejected"] for r in rows) > 0
+    within = [r for r in rows if r["dynamic_sampling/exhausted"] == 0]
+    assert within, "every step hit the refusal limit"
+    for r in within:
+        assert r["filter/zero_variance_dropped"] == 0 and r["filter/kept_samples"] == 32
+    groups = [e for e in read_events(run_dir / "timeline" / "trainer.jsonl") if e["event"] == "group"]
+    assert len(groups) == 4 * 8 and all(0 <= g["staleness"] <= 1 for g in groups)

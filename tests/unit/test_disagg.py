@@ -8,6 +8,7 @@ import dataclasses
 import queue
 
 import pytest
+import torch
 
 from megatron_rl.disagg.buffer import ExperienceBuffer, ExperienceGroup
 from megatron_rl.disagg.events import overlap_seconds
@@ -50,6 +51,36 @@ def test_buffer_with_zero_staleness_is_on_policy_and_waits_while_empty():
 
     kept, stats = ExperienceBuffer(q, 0).take(1, 3, on_drop=lambda g: None, check_alive=check_alive, poll_s=0.01)
     assert [g.request_id for g in kept] == [1] and waits == [1] and stats["async/staleness_max"] == 0
+
+
+def test_buffer_refuses_groups_dynamic_sampling_rejects_up_to_its_limit():
+    """accept = has reward variance (the rewards ride on the rollouts): a stale group is dropped
+    before it is judged; refused ones go to on_reject until max_rejects, then the batch fills."""
+    from megatron_rl.algorithms.filters import has_reward_variance
+
+    def scored(request_id: int, rewards: list[float], version: int = 5) -> ExperienceGroup:
+        group = _group(request_id, [[version]] * len(rewards))
+        for r, reward in zip(group.rollouts, rewards):
+            r.reward = reward
+        return group
+
+    q: queue.Queue = queue.Queue()
+    for g in [scored(0, [1, 1]), scored(1, [0, 1], version=2), scored(2, [0, 1]), scored(3, [0, 0]),
+              scored(4, [1, 1]), scored(5, [1, 0]), scored(6, [0, 0])]:
+        q.put(g)
+    rejected: list[int] = []
+    dropped: list[int] = []
+    kept, stats = ExperienceBuffer(q, 1).take(
+        3, 5, on_drop=lambda g: dropped.append(g.request_id), poll_s=0.01,
+        accept=lambda g: has_reward_variance(torch.tensor([r.reward for r in g.rollouts])),
+        on_reject=lambda g: rejected.append(g.request_id), max_rejects=3)
+    assert dropped == [1] and rejected == [0, 3, 4]
+    assert [g.request_id for g in kept] == [2, 5, 6]  # 6 has no variance but the limit was reached
+    assert stats["dynamic_sampling/rejected"] == 3 and stats["dynamic_sampling/exhausted"] == 1
+    q.put(scored(7, [0, 1]))
+    _, stats = ExperienceBuffer(q, 1).take(1, 5, on_drop=lambda g: None, poll_s=0.01, accept=lambda g: True,
+                                           max_rejects=3)
+    assert stats["dynamic_sampling/rejected"] == 0 and stats["dynamic_sampling/exhausted"] == 0
 
 
 class CountingEngine:
@@ -141,7 +172,6 @@ def test_schema_refuses_disaggregated_settings_it_cannot_use(overrides, message)
 
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm.max_staleness=2"], "applies to rollout.mode=disaggregated only"),
-    (["rollout.mode=disaggregated", "algorithm.dynamic_sampling=true"], "dynamic_sampling=true is not supported"),
     (["rollout.mode=disaggregated", "algorithm.old_logprobs=rollout"], "need old_logprobs=recompute"),
 ])
 def test_cross_group_checks(overrides, message):

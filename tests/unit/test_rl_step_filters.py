@@ -1,4 +1,4 @@
-"""The loop's reward shaping and sample selection (rl_step.select_samples / _shaped_rewards)
+"""The loop's reward shaping and sample selection (rl_step.select_samples / shaped_rewards)
 on hand-made rollouts, against values worked out by hand."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl.config import load_config
-from megatron_rl.rl_step import _shaped_rewards, select_samples
+from megatron_rl.rl_step import shaped_rewards, select_samples
 from megatron_rl.rollout.collect import Rollout
 
 
@@ -22,7 +22,7 @@ def _cfg(*overrides):
 def test_no_filter_keeps_everything_and_rewards_are_unchanged():
     rollouts = _rollouts([1, 0, 1, 1], [3, 8, 2, 8], ["stop", "length", "stop", "length"], [0, 0, 1, 1])
     cfg = _cfg()
-    rewards = _shaped_rewards(cfg, rollouts)
+    rewards = shaped_rewards(cfg, rollouts)
     assert rewards.tolist() == [1, 0, 1, 1]
     keep, stats = select_samples(cfg, rollouts, rewards)
     assert keep.tolist() == [True] * 4 and stats == {"filter/kept_samples": 4.0}
@@ -32,7 +32,7 @@ def test_zero_variance_and_overlong_filters():
     rollouts = _rollouts([1, 0, 1, 1, 0, 1], [3, 8, 2, 8, 8, 1], ["stop", "length", "stop", "stop", "length", "stop"],
                          [0, 0, 1, 1, 2, 2])
     cfg = _cfg("algorithm.filter_zero_variance=true", "algorithm.overlong=filter")
-    keep, stats = select_samples(cfg, rollouts, _shaped_rewards(cfg, rollouts))
+    keep, stats = select_samples(cfg, rollouts, shaped_rewards(cfg, rollouts))
     # group 1 has rewards (1, 1): dropped; samples 1 and 4 stopped at the length limit: dropped.
     assert keep.tolist() == [True, False, False, False, False, True]
     assert stats == {"filter/zero_variance_dropped": 2.0, "filter/overlong_dropped": 2.0, "filter/kept_samples": 2.0}
@@ -43,7 +43,7 @@ def test_overlong_penalty_ramps_over_the_window():
     cfg = _cfg("algorithm.overlong=penalty", "algorithm.overlong_penalty_window=4", "algorithm.overlong_penalty=0.5")
     # window starts at 8 - 4 = 4: length 3 -> 0; 5 -> 0.5 * (4 - 5) / 4; 8 -> 0.5 * (4 - 8) / 4; 6 -> 0.5 * (4 - 6) / 4
     expected = torch.tensor([1.0, 1 - 0.125, 1 - 0.5, 0 - 0.25])
-    assert torch.allclose(_shaped_rewards(cfg, rollouts), expected)
+    assert torch.allclose(shaped_rewards(cfg, rollouts), expected)
 
 
 def test_penalty_window_longer_than_the_response_limit_is_refused():
