@@ -205,8 +205,9 @@ def test_small_model_episodes_are_token_in_token_out(host, tokenizer):
         assert sample.loss_mask[:len(ep.prompt_tokens) - 1].sum() == 0
 
 
-def _agent_job(run_dir, *extra: str):
-    """The main job on 8 generated agent tasks with a local sandbox server; `extra` overrides."""
+def _main_job(run_dir, *args: str):
+    """`python -m megatron_rl.train +experiment=demo_countdown <args>` with a local sandbox server
+    (bwrap); must exit 0."""
     import os
     import subprocess
     import sys
@@ -215,15 +216,26 @@ def _agent_job(run_dir, *extra: str):
     if runtime_args("bwrap") is None:
         pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
     repo = Path(__file__).resolve().parents[2]
-    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task.type=agent",
-            "task.num_train=8", "task.num_eval=2", "task.eval_samples=1", "task.eval_every=0",
-            "task.max_episode_tokens=500", "task.max_observation_chars=60", "task.system_prompt=Use tools.",
-            "global_batch_size=8", "rollout.n_samples_per_prompt=4", "logging.progress=false", f"run_dir={run_dir}",
-            *extra]
-    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
+    cmd = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "logging.progress=false",
+           f"run_dir={run_dir}", *args]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def _ended(row: dict, prefix: str = "agent/") -> float:
+    """The step's episodes, counted by how they ended (each ends one way)."""
+    return sum(row[f"{prefix}{s}"] for s in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped",
+                                             "aborted", "deadline", "partial"))
+
+
+def _agent_job(run_dir, *extra: str):
+    """The main job on 8 generated agent tasks; `extra` overrides."""
+    return _main_job(run_dir, "task.type=agent", "task.num_train=8", "task.num_eval=2", "task.eval_samples=1",
+                     "task.eval_every=0", "task.max_episode_tokens=500", "task.max_observation_chars=60",
+                     "task.system_prompt=Use tools.", "global_batch_size=8", "rollout.n_samples_per_prompt=4",
+                     *extra)
 
 
 def test_rl_loop_on_agent_tasks(tmp_path):
@@ -236,9 +248,7 @@ def test_rl_loop_on_agent_tasks(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
-        ended = sum(r[f"agent/{s}"] for s in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped",
-                                                "aborted", "deadline"))
-        assert ended == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
+        assert _ended(r) == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
         assert 1 <= r["agent/turns_mean"] <= 3 and r["num_tokens"] > 0
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
@@ -266,34 +276,20 @@ def test_an_agent_domain_trains_beside_a_single_turn_domain(tmp_path):
     import json
     import re
 
-    if runtime_args("bwrap") is None:
-        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
     run_dir = tmp_path / "run"
     domains = ("+domains={math:{task:{type:math,num_train:32,num_eval:2}},"
                "code:{task:{type:agent,generator:function,num_train:8,num_eval:2,reward_scale:2,max_turns:4,"
                "max_episode_tokens:500,max_observation_chars:60,system_prompt:'Use tools.'}}}")
-    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", domains,
-            "task.eval_samples=1", "task.eval_every=2", "task.sft_warmup_steps=10", "num_steps=2",
-            "global_batch_size=16", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=300",
-            "logging.progress=false", "checkpoint.save_every=0", f"run_dir={run_dir}"]
-    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
-                          capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _main_job(run_dir, domains, "task.eval_samples=1", "task.eval_every=2", "task.sft_warmup_steps=10",
+                     "num_steps=2", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
+                     "rollout.max_new_tokens=300", "checkpoint.save_every=0")
     found = re.search(r"warm start: (\d+) of 8 reference episodes verified in domain code", proc.stderr)
     assert found and int(found.group(1)) >= 6, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["domain/math/count"] == r["domain/code/count"] == 8  # 2 groups of 4 each
-        ended = sum(r[f"domain/code/agent/{s}"] for s in ("submitted", "max_turns", "max_tokens", "wall_time",
-                                                          "dropped"))
-        assert ended == 8 and r["domain/code/agent/dropped"] == 0
+        assert _ended(r, "domain/code/agent/") == 8 and r["domain/code/agent/dropped"] == 0
         assert 1 <= r["domain/code/agent/turns_mean"] <= 4
         assert 0 <= r["domain/code/reward_mean"] <= 2 and 0 <= r["domain/math/reward_mean"] <= 1
         assert not any(k.startswith("agent/") for k in r)  # episode metrics are the agent domain's
@@ -316,9 +312,7 @@ def test_agent_episodes_on_an_engine_shared_by_two_ranks(tmp_path, layout):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
-        ended = sum(r[f"agent/{s}"] for s in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped",
-                                                "aborted", "deadline"))
-        assert ended == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
+        assert _ended(r) == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
         assert r["num_tokens"] > 0
     rank1 = (run_dir / "logs" / "rank1.log").read_text()
     assert "step 1" in (run_dir / "logs" / "rank0.log").read_text() and "Traceback" not in rank1

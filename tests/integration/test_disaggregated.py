@@ -33,13 +33,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(run_dir: Path, *extra: str) -> tuple[list[dict], float]:
-    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math",
+def _args(run_dir: Path, *extra: str) -> list[str]:
+    """The main job in disaggregated mode on the math task (rule rewards: no sandbox); `extra` overrides."""
+    return [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math",
             "task.sft_warmup_steps=10", "global_batch_size=32", "rollout.n_samples_per_prompt=4",
             "task.num_eval=8", "task.eval_samples=1", "task.eval_every=0", "algorithm.num_inner_updates=1",
             "algorithm.entropy_coef=0.01",  # the policy changes every step even when all rewards are equal
             "checkpoint.save_every=0", "checkpoint.save_at_end=false", "logging.progress=false",
             "rollout.mode=disaggregated", f"run_dir={run_dir}", *extra]
+
+
+def _run(run_dir: Path, *extra: str) -> tuple[list[dict], float]:
+    args = _args(run_dir, *extra)
     start = time.monotonic()
     proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=500)
@@ -146,12 +151,9 @@ def test_tensor_parallel_trainer_publishes_the_gathered_weights(tmp_path):
 
 
 def _trainer_args(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math",
-            "task.sft_warmup_steps=5", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
-            "task.num_eval=8", "task.eval_samples=1", "task.eval_every=0", "algorithm.num_inner_updates=1",
-            "checkpoint.save_every=0", "checkpoint.save_at_end=false", "logging.progress=false",
-            "rollout.mode=disaggregated", "rollout.generator_nodes=1", "rollout.max_new_tokens=24",
-            f"run_dir={run_dir}", *extra]
+    """A trainer that starts no generator of its own (one is started separately)."""
+    return _args(run_dir, "task.sft_warmup_steps=5", "global_batch_size=16", "rollout.generator_nodes=1",
+                 "rollout.max_new_tokens=24", *extra)
 
 
 def _start_generator(run_dir: Path, env: dict, index: int = 0) -> subprocess.Popen:
