@@ -77,6 +77,14 @@ class Registry:
         with self._lock:
             return dict(self.joined), dict(self.last_beat), set(self.stopped)
 
+    def failure(self, index: int) -> Optional[str]:
+        with self._lock:
+            return self.failed.get(index)
+
+    def num_ready(self) -> int:
+        with self._lock:
+            return len(self.ready)
+
 
 class Endpoint:
     """What a generator may call on the hub (one proxy per generator: every call is one
@@ -173,10 +181,10 @@ class Hub:
         now = time.monotonic() if now is None else now
         joined, last_beat, stopped = self.registry.snapshot()
         for index in range(len(self.specs)):
-            if index in self.registry.failed:
+            failure = self.registry.failure(index)
+            if failure is not None:
                 where = joined.get(index, {}).get("host", "?")
-                raise RuntimeError(f"generator {index} on {where} failed: {self.registry.failed[index]}; "
-                                   f"see logs/generator{index}.log")
+                raise RuntimeError(f"generator {index} on {where} failed: {failure}; see logs/generator{index}.log")
             if index in stopped:
                 continue
             if index not in joined:
@@ -195,8 +203,7 @@ class Hub:
     def all_ready(self) -> bool:
         """Every generator has loaded its engine (the trainer may build the weight group: the
         wait for a generator that is loading stays here, where `check` sees it fail)."""
-        with self.registry._lock:
-            return len(self.registry.ready) == len(self.specs)
+        return self.registry.num_ready() == len(self.specs)
 
     def describe(self) -> str:
         """Each generator's host and when it was last heard from, for error messages."""
