@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP layout shared by Qwen3-MoE and Mixtral: a router and SwiGLU experts
+"""The mixture-of-experts MLP layout shared by Qwen3-MoE, Qwen2-MoE and Mixtral: a router and SwiGLU experts
 in place of every MLP. Families mix `SparseMoeLayout` into their attention converter and name
 where the block lives and what its three expert projections are called.
 
@@ -16,6 +16,7 @@ are given (an expert-parallel rank reads only its own).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
@@ -27,6 +28,32 @@ _MEG_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 def _experts(names: Iterable[str], prefix: str, pattern: re.Pattern) -> list[int]:
     """Expert indices among `names` of the layer under `prefix`."""
     return sorted({int(m.group(1)) for n in names if n.startswith(prefix) and (m := pattern.match(n, len(prefix)))})
+
+
+def qwen_moe_config(arch: Any) -> dict[str, Any]:
+    """The config.json keys of a Qwen-style MoE (Qwen2-MoE, Qwen3-MoE): every layer sparse."""
+    return dict(num_experts=arch.num_experts, num_experts_per_tok=arch.moe_router_topk,
+                moe_intermediate_size=arch.moe_ffn_hidden_size, norm_topk_prob=arch.moe_norm_topk_prob,
+                router_aux_loss_coef=arch.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[],
+                output_router_logits=False)
+
+
+def qwen_moe_arch(hf: dict[str, Any], where: Path, family: str) -> dict[str, Any]:
+    """ModelConfig's expert fields from a Qwen-style MoE config.json (raises ValueError naming the
+    file for dense layers between the sparse ones, or no experts)."""
+    if hf.get("mlp_only_layers"):
+        raise ValueError(f"{where}: mlp_only_layers={hf['mlp_only_layers']} is not supported "
+                         "(dense MLP layers between MoE layers); only mlp_only_layers=[] is")
+    if hf.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"{where}: decoder_sparse_step={hf['decoder_sparse_step']} is not supported "
+                         "(dense MLP layers between MoE layers); only decoder_sparse_step=1 is")
+    # transformers >= 5 writes num_experts under its standard name num_local_experts
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not num_experts:
+        raise ValueError(f"{where}: num_experts={num_experts!r}: a {family} checkpoint needs experts")
+    return dict(num_experts=num_experts, moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                moe_router_topk=hf["num_experts_per_tok"],
+                moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)))  # transformers' default
 
 
 class SparseMoeLayout:

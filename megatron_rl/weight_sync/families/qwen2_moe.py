@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from megatron_rl.weight_sync.families import register
-from megatron_rl.weight_sync.families.moe import SparseMoeLayout
+from megatron_rl.weight_sync.families.moe import SparseMoeLayout, qwen_moe_arch, qwen_moe_config
 from megatron_rl.weight_sync.families.qwen2 import Qwen2Converter
 
 Tensor = torch.Tensor
@@ -40,44 +40,20 @@ class Qwen2MoeConverter(SparseMoeLayout, Qwen2Converter):
 
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
         cfg = super().config_dict(arch, eos_token_id)
-        cfg.update(
-            num_experts=arch.num_experts,
-            num_experts_per_tok=arch.moe_router_topk,
-            moe_intermediate_size=arch.moe_ffn_hidden_size,
-            shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
-            norm_topk_prob=arch.moe_norm_topk_prob,
-            router_aux_loss_coef=arch.moe_aux_loss_coeff,
-            qkv_bias=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            output_router_logits=False,
-        )
+        cfg.update(qwen_moe_config(arch), shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+                   qkv_bias=True)
         return cfg
 
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
-        if hf.get("mlp_only_layers"):
-            raise ValueError(f"{where}: mlp_only_layers={hf['mlp_only_layers']} is not supported "
-                             "(dense MLP layers between MoE layers); only mlp_only_layers=[] is")
-        if hf.get("decoder_sparse_step", 1) != 1:
-            raise ValueError(f"{where}: decoder_sparse_step={hf['decoder_sparse_step']} is not supported "
-                             "(dense MLP layers between MoE layers); only decoder_sparse_step=1 is")
+        experts = qwen_moe_arch(hf, where, self.family)
         if not hf.get("qkv_bias", True):  # transformers < 5 always builds the bias and writes no key
             raise ValueError(f"{where}: qkv_bias=false is not supported; Qwen2-MoE attention has Q/K/V bias")
-        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if not num_experts:
-            raise ValueError(f"{where}: num_experts={num_experts!r}: a qwen2_moe checkpoint needs experts")
         shared = hf.get("shared_expert_intermediate_size")
         if not shared:
             raise ValueError(f"{where}: shared_expert_intermediate_size={shared!r}: Qwen2-MoE layers always "
                              "have a shared expert, whose width this must give")
         arch = super().arch_from_config(hf, where)
-        arch.update(
-            num_experts=num_experts,
-            moe_ffn_hidden_size=hf["moe_intermediate_size"],
-            moe_shared_expert_intermediate_size=shared,
-            moe_router_topk=hf["num_experts_per_tok"],
-            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),  # transformers' default
-        )
+        arch.update(experts, moe_shared_expert_intermediate_size=shared)
         return arch
 
     # -- one layer's MLP: the routed experts (SparseMoeLayout) and the shared expert -----------

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.weight_sync.families import register
-from megatron_rl.weight_sync.families.moe import SparseMoeLayout
+from megatron_rl.weight_sync.families.moe import SparseMoeLayout, qwen_moe_arch, qwen_moe_config
 from megatron_rl.weight_sync.families.qwen3 import Qwen3Converter
 
 
@@ -28,37 +28,14 @@ class Qwen3MoeConverter(SparseMoeLayout, Qwen3Converter):
 
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
         cfg = super().config_dict(arch, eos_token_id)
-        cfg.update(
-            num_experts=arch.num_experts,
-            num_experts_per_tok=arch.moe_router_topk,
-            moe_intermediate_size=arch.moe_ffn_hidden_size,
-            norm_topk_prob=arch.moe_norm_topk_prob,
-            router_aux_loss_coef=arch.moe_aux_loss_coeff,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            output_router_logits=False,
-        )
+        cfg.update(qwen_moe_config(arch))
         return cfg
 
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
-        if hf.get("mlp_only_layers"):
-            raise ValueError(f"{where}: mlp_only_layers={hf['mlp_only_layers']} is not supported "
-                             "(dense MLP layers between MoE layers); only mlp_only_layers=[] is")
-        if hf.get("decoder_sparse_step", 1) != 1:
-            raise ValueError(f"{where}: decoder_sparse_step={hf['decoder_sparse_step']} is not supported "
-                             "(dense MLP layers between MoE layers); only decoder_sparse_step=1 is")
+        experts = qwen_moe_arch(hf, where, self.family)
         if hf.get("shared_expert_intermediate_size"):
             raise ValueError(f"{where}: shared_expert_intermediate_size={hf['shared_expert_intermediate_size']} "
                              "(shared experts) is not supported")
-        # transformers >= 5 writes num_experts under its standard name num_local_experts
-        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if not num_experts:
-            raise ValueError(f"{where}: num_experts={num_experts!r}: a qwen3_moe checkpoint needs experts")
         arch = super().arch_from_config(hf, where)
-        arch.update(
-            num_experts=num_experts,
-            moe_ffn_hidden_size=hf["moe_intermediate_size"],
-            moe_router_topk=hf["num_experts_per_tok"],
-            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),  # transformers' default
-        )
+        arch.update(experts)
         return arch
