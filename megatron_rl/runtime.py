@@ -66,18 +66,18 @@ def sandbox_addresses(rt: Runtime, timeout_s: float = 120.0) -> list[str]:
     cfg = rt.cfg.sandbox
     if cfg.address:
         return [a.strip() for a in cfg.address.split(",") if a.strip()]
-    found = discover(rt.run_dir)
-    if not found:
-        if rt.is_main:
-            rt.sandbox_proc, _ = start_local_sandbox(rt.run_dir, cfg.runtime, cfg.allow_unisolated,
-                                                     capacity=cfg.num_workers)
-        if dist.is_initialized():
-            dist.barrier()
-        deadline = time.monotonic() + timeout_s
-        while not (found := discover(rt.run_dir)):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no sandbox server registered under {rt.run_dir / 'sandbox'}")
-            time.sleep(0.2)
+    # Rank 0 alone decides whether to start one, and every rank passes the barrier: a rank that
+    # looked after rank 0's server registered must not skip a collective the others are in.
+    if rt.is_main and not discover(rt.run_dir):
+        rt.sandbox_proc, _ = start_local_sandbox(rt.run_dir, cfg.runtime, cfg.allow_unisolated,
+                                                 capacity=cfg.num_workers)
+    if dist.is_initialized():
+        dist.barrier()
+    deadline = time.monotonic() + timeout_s
+    while not (found := discover(rt.run_dir)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no sandbox server registered under {rt.run_dir / 'sandbox'}")
+        time.sleep(0.2)
     return found
 
 
