@@ -42,7 +42,10 @@ def runtime_args(runtime: str) -> Optional[list[str]]:
         image = APPTAINER_ROOT / "image"
         if not (wrapper.exists() and image.is_dir()):
             return None
-        return ["--runtime", "apptainer", "--apptainer-cmd", str(wrapper), "--image", f"python={image}"]
+        # Workspaces outside /tmp: the wrapper binds host /tmp recursively (apptainer/setup.sh).
+        work_dir = tempfile.mkdtemp(prefix="megatron-rl-sandbox-", dir="/var/tmp")
+        return ["--runtime", "apptainer", "--apptainer-cmd", str(wrapper), "--image", f"python={image}",
+                "--work-dir", work_dir]
     raise ValueError(runtime)
 
 

@@ -11,7 +11,32 @@
 set -euo pipefail
 ROOT=${MEGATRON_RL_APPTAINER_ROOT:-/var/cache/megatron-rl/apptainer}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+
+write_wrapper() {
+  # Host /tmp is bound (the tests check that the container's /tmp does not reach it), and so
+  # are the directories apptainer is asked to bind (`--bind SRC:DST`: the workspace). The test
+  # servers keep their workspaces outside /tmp (sandbox_servers.py): a recursive bind of /tmp
+  # copies every mount below it, and a workspace (its own tmpfs) unmounted meanwhile made bwrap
+  # fail ("Can't bind mount ... No such file or directory") as a setup error of another execution.
+  cat > "$ROOT/apptainer" <<WRAP
+#!/usr/bin/env bash
+# apptainer from $ROOT/rootfs, entered with bubblewrap; host /tmp, the directories apptainer
+# binds (the sandbox server's workspace) and the image are visible at the same paths.
+binds=()
+prev=
+for arg in "\$@"; do
+  if [[ \$prev == --bind ]]; then src=\${arg%%:*}; binds+=(--bind "\$src" "\$src"); fi
+  prev=\$arg
+done
+exec bwrap --bind "$ROOT/rootfs" / --dev-bind /dev /dev --dev-bind /proc /proc --bind /sys /sys \\
+  --bind /tmp /tmp "\${binds[@]}" --tmpfs /run --ro-bind "$ROOT/image" "$ROOT/image" \\
+  --ro-bind /etc/resolv.conf /etc/resolv.conf --die-with-parent /usr/bin/apptainer "\$@"
+WRAP
+  chmod +x "$ROOT/apptainer"
+}
+
 if [[ -x "$ROOT/apptainer" && -f "$ROOT/.complete" ]]; then
+  write_wrapper  # cheap: an older cached wrapper is replaced
   exit 0
 fi
 command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap >/dev/null; }
@@ -40,14 +65,6 @@ echo "[apptainer-setup] building $ROOT/rootfs (apptainer) and $ROOT/image (pytho
 bootstrap "$ROOT/rootfs" apptainer python3-minimal
 bootstrap "$ROOT/image" python3-minimal
 
-cat > "$ROOT/apptainer" <<WRAP
-#!/usr/bin/env bash
-# apptainer from $ROOT/rootfs, entered with bubblewrap; host /tmp and the image are visible
-# at the same paths so that workspaces and images passed by the sandbox server resolve.
-exec bwrap --bind "$ROOT/rootfs" / --dev-bind /dev /dev --dev-bind /proc /proc --bind /sys /sys \\
-  --bind /tmp /tmp --tmpfs /run --ro-bind "$ROOT/image" "$ROOT/image" \\
-  --ro-bind /etc/resolv.conf /etc/resolv.conf --die-with-parent /usr/bin/apptainer "\$@"
-WRAP
-chmod +x "$ROOT/apptainer"
+write_wrapper
 "$ROOT/apptainer" --version >&2
 touch "$ROOT/.complete"
