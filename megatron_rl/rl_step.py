@@ -73,11 +73,11 @@ def warm_start(rt, parts: dict) -> None:
 def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any, domain: str = "") -> list:
     """The reference solutions of the agent tasks `prompts` (of the task `task_cfg`, whose
     environments `host.make_env` makes) played through their environments by a scripted policy
-    (`envs.repo.reference_turns`: write each reference file, submit), under the task's episode
+    (its environment's `reference_turns`; `repo`: write each reference file, submit), under the task's episode
     limits and `rollout.max_new_tokens` per turn, kept when the environment verifies them (full
     reward, task.reward_scale): episodes whose samples train the model's turns only, never the
     observations. Rank 0 plays them (one sandbox episode per task) and hands them to every rank."""
-    from megatron_rl.envs.repo import reference_turns
+    from megatron_rl.envs import reference_turns
     from megatron_rl.rollout.multiturn import run_episodes
     from megatron_rl.rollout.scripted import ScriptedPolicy
 
@@ -92,7 +92,8 @@ def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any,
         params = SamplingParams(max_new_tokens=rt.cfg.rollout.max_new_tokens)
 
         def play(task: dict) -> list:  # one scripted policy per task: instructions need not be unique
-            policy = ScriptedPolicy(parts["tokenizer"], reference_turns(task), end_of_turn=fmt.end_of_turn)
+            policy = ScriptedPolicy(parts["tokenizer"], reference_turns(task_cfg.environment, task),
+                                    end_of_turn=fmt.end_of_turn)
             return run_episodes(policy, [task], 1, params, host.make_env, fmt, _episode_limits(task_cfg),
                                 parts["rewards"].loop)
 
@@ -118,11 +119,11 @@ def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any,
 
 def _turn_format(parts: dict, task_cfg: Any):
     """The agent task's chat-template pieces (one per system prompt, kept in `parts`)."""
-    from megatron_rl.envs.tools import TOOL_INSTRUCTIONS
+    from megatron_rl.envs import system_prompt
     from megatron_rl.rollout.multiturn import TurnFormat
 
     formats = parts.setdefault("turn_formats", {})
-    system = task_cfg.system_prompt or TOOL_INSTRUCTIONS
+    system = task_cfg.system_prompt or system_prompt(task_cfg.environment)
     if system not in formats:
         formats[system] = TurnFormat(parts["tokenizer"], system)
     return formats[system]

@@ -146,9 +146,10 @@ def finish_rl(rt, parts, history) -> None:
         k = max(1, len(rewards) // 10)
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
         final_eval = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-        logger.info("training reward: first 10%% of steps %.3f -> last 10%% %.3f (x%.2f); held-out accuracy: "
+        ratio = f" (x{last / first:.2f})" if first > 0 else ""  # no ratio from a zero start
+        logger.info("training reward: first 10%% of steps %.3f -> last 10%% %.3f%s; held-out accuracy: "
                     "after warm start %.3f -> after RL %.3f; run directory %s", first, last,
-                    last / max(first, 1e-9), history["sft_eval"].get("eval/accuracy", float("nan")),
+                    ratio, history["sft_eval"].get("eval/accuracy", float("nan")),
                     final_eval[-1] if final_eval else float("nan"), rt.run_dir)
 
 

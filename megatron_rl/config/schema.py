@@ -680,8 +680,9 @@ class TaskConfig:
     environment: str = "repo"
     """type=agent: the environment episodes run in (registered in megatron_rl.envs)."""
     generator: str = "repo"
-    """type=agent without a path: generated tasks, repo (fix a bug in a small package) or
-    function (write one function); see megatron_rl/data/agent_tasks.py."""
+    """type=agent without a path: generated tasks, repo (fix a bug in a small package), function
+    (write one function) or countdown (Countdown with feedback, task.environment=countdown); see
+    megatron_rl/data/agent_tasks.py."""
     max_turns: int = 6
     """type=agent: model turns per episode at most."""
     max_episode_tokens: int = 1024
@@ -707,7 +708,7 @@ class TaskConfig:
     0..10); evaluation divides it back out, so held-out accuracy stays in [0, 1]."""
 
     TYPES: ClassVar[tuple[str, ...]] = ("countdown", "math", "dataset", "agent")
-    GENERATORS: ClassVar[tuple[str, ...]] = ("repo", "function")
+    GENERATORS: ClassVar[tuple[str, ...]] = ("repo", "function", "countdown")
     REWARDS: ClassVar[tuple[str, ...]] = ("auto", "math", "exact", "countdown", "tests")
 
     eval_every: int = 10
@@ -731,6 +732,11 @@ class TaskConfig:
             raise ValueError("task.path=null is invalid for task.type=dataset: set task.path=<file.jsonl|"
                              "file.parquet|saved dataset directory>")
         _check_choice("task.generator", self.generator, self.GENERATORS)
+        if self.type == "agent" and self.path is None and (self.generator == "countdown") != (
+                self.environment == "countdown"):
+            raise _invalid("task.generator", self.generator, "generated countdown tasks run in the countdown "
+                           "environment and it plays no other generated tasks: set task.generator and "
+                           "task.environment both to countdown, or neither")
         _check_min("task.max_turns", self.max_turns, 1)
         _check_min("task.max_episode_tokens", self.max_episode_tokens, 16)
         _check_min("task.episode_wall_time_s", self.episode_wall_time_s, 0, strict=True)

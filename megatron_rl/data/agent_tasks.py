@@ -1,5 +1,5 @@
-"""Generators of small agent task sets (the `repo` environment's task format, see
-`megatron_rl/envs/repo.py`), standard library only so that they run in any sandbox:
+"""Generators of small agent task sets, standard library only so that they run in any sandbox.
+For the `repo` environment (its task format: `megatron_rl/envs/repo.py`):
 
 - `function_tasks`: function-level code tasks: write one function in `solution.py`;
   hidden unittest tests; a reference solution.
@@ -7,7 +7,12 @@
   unittest suite in `tests/` (the failing test is fail_to_pass, the others are
   pass_to_pass regressions), a reference fix.
 
-    python -m megatron_rl.data.agent_tasks repo 50 out.jsonl
+For the `countdown` environment (`megatron_rl/envs/countdown.py`):
+
+- `countdown_tasks`: the Countdown problems of the single-turn task, train and held-out
+  splits kept apart the same way (`data/countdown.py`), one reference expression each.
+
+    python -m megatron_rl.data.agent_tasks repo 50 out.jsonl   (or function, countdown)
 
 Both are learnable-size tasks for the CPU demo and fixtures for the tests; real task sets
 come as JSONL rows of the same format.
@@ -98,14 +103,25 @@ def repo_tasks(num: int, seed: int = 0, functions_per_repo: int = 3) -> list[dic
     return tasks
 
 
+def countdown_tasks(num: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
+    from megatron_rl.data import countdown
+
+    return [{"id": f"countdown-{split}-{i}", "instruction": countdown.format_prompt(p).strip(),
+             "numbers": list(p.numbers), "target": p.target, "reference": p.solution}
+            for i, p in enumerate(countdown.generate_problems(num, seed=seed, split=split))]
+
+
+GENERATORS = {"function": function_tasks, "repo": repo_tasks, "countdown": countdown_tasks}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=("function", "repo"))
+    parser.add_argument("kind", choices=sorted(GENERATORS))
     parser.add_argument("num", type=int)
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    tasks = (function_tasks if args.kind == "function" else repo_tasks)(args.num, args.seed)
+    tasks = GENERATORS[args.kind](args.num, args.seed)
     args.out.write_text("".join(json.dumps(t) + "\n" for t in tasks))
 
 

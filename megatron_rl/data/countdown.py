@@ -23,6 +23,7 @@ import random
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import Optional
 
 logger = logging.getLogger(__name__)
 
@@ -165,17 +166,27 @@ def score(problem: CountdownProblem, completion: str) -> float:
     digits), and equals the target. Decode completions with `skip_special_tokens=True`:
     a trailing "<|endoftext|>" in the text scores 0.
     """
+    value, _ = judge(problem, completion)
+    return 1.0 if value is not None and value == problem.target else 0.0
+
+
+def judge(problem: CountdownProblem, completion: str) -> tuple[Optional[int], str]:
+    """(its value, "") when `completion` is a well-formed answer to `problem` (every condition of
+    `score` but reaching the target), else (None, what is wrong with it). Never raises."""
     if not isinstance(completion, str):
-        return 0.0
+        return None, "not text"
     answer = completion.strip().split("\n", 1)[0].strip()
     if len(answer) > _MAX_ANSWER_CHARS or not _ALLOWED_ANSWER.fullmatch(answer):
-        return 0.0
+        return None, "not an expression of + - * over the numbers"
     try:
         tree = ast.parse(answer, mode="eval")
         value = _evaluate(tree)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return 0.0
-    used = Counter(_constants(tree))
-    if sum(used.values()) < MIN_NUMBERS_USED or used - Counter(problem.numbers):
-        return 0.0
-    return 1.0 if value == problem.target else 0.0
+        return None, "not an expression of + - * over the numbers"
+    used, given = Counter(_constants(tree)), Counter(problem.numbers)
+    if sum(used.values()) < MIN_NUMBERS_USED:
+        return None, f"use at least {MIN_NUMBERS_USED} numbers"
+    for number in used:
+        if used[number] > given[number]:
+            return None, f"{number} is not given" if not given[number] else f"{number} used too often"
+    return value, ""

@@ -153,8 +153,10 @@ class Task:
             return self._rows_of(split)
         from megatron_rl.data import agent_tasks
 
-        generate = agent_tasks.repo_tasks if c.generator == "repo" else agent_tasks.function_tasks
-        return generate(c.num_train if split == "train" else c.num_eval, seed=c.seed * 2 + (split == "eval"))
+        num = c.num_train if split == "train" else c.num_eval
+        if c.generator == "countdown":  # its held-out split is a property of the problem, as in type=countdown
+            return agent_tasks.countdown_tasks(num, seed=c.seed, split=split)
+        return agent_tasks.GENERATORS[c.generator](num, seed=c.seed * 2 + (split == "eval"))
 
     @property
     def is_agent(self) -> bool:
@@ -195,7 +197,11 @@ class Task:
 
     @property
     def needs_sandbox(self) -> bool:
-        return self.reward_kind in ("countdown", "tests", "environment")
+        if self.reward_kind == "environment":  # an environment class may declare it runs no sandbox
+            from megatron_rl.envs import environment_factory
+
+            return getattr(environment_factory(self.cfg.environment), "needs_sandbox", True)
+        return self.reward_kind in ("countdown", "tests")
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -223,9 +229,10 @@ class Task:
             from megatron_rl.rewards.sandboxed import CountdownVerifier, TestsVerifier
             from megatron_rl_sandbox.client import SandboxClient
 
-            client = SandboxClient(sandbox_addresses, deadline_s=60)
-            if kind == "environment":
+            if kind == "environment":  # no addresses: an environment without a sandbox (needs_sandbox)
+                client = SandboxClient(sandbox_addresses, deadline_s=60) if sandbox_addresses else None
                 return EnvironmentHost(client, self.cfg.environment, output_limit=self.cfg.max_observation_chars)
+            client = SandboxClient(sandbox_addresses, deadline_s=60)
             return CountdownVerifier(client) if kind == "countdown" else TestsVerifier(client)
         return build
 

@@ -53,21 +53,44 @@ def register_environment(name: str) -> Callable[[Callable[..., Environment]], Ca
     return add
 
 
-def make_environment(name: str, **kwargs: Any) -> Environment:
-    """An environment by registered name, or by `package.module:Class` (imported lazily, so a
-    user's environment needs no change to this package)."""
+def environment_factory(name: str) -> Callable[..., Environment]:
+    """An environment class by registered name, or by `package.module:Class` (imported lazily, so
+    a user's environment needs no change to this package)."""
     import importlib
 
-    import megatron_rl.envs.repo  # noqa: F401  (registers the built-in environments)
+    import megatron_rl.envs.countdown  # noqa: F401  (registers the built-in environments)
+    import megatron_rl.envs.repo  # noqa: F401  (registers it)
     import megatron_rl.envs.synthetic  # noqa: F401  (registers it)
 
     if ":" in name and name not in ENVIRONMENTS:
         module, _, attr = name.partition(":")
         try:
-            return getattr(importlib.import_module(module), attr)(**kwargs)
+            return getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"environment {name!r} cannot be loaded: {err}") from None
     if name not in ENVIRONMENTS:
         raise ValueError(f"environment {name!r} is not registered: registered ones are "
                          f"{', '.join(sorted(ENVIRONMENTS))}")
-    return ENVIRONMENTS[name](**kwargs)
+    return ENVIRONMENTS[name]
+
+
+def make_environment(name: str, **kwargs: Any) -> Environment:
+    return environment_factory(name)(**kwargs)
+
+
+def reference_turns(name: str, task: dict[str, Any]) -> list[str]:
+    """The model turns that play `task`'s reference solution in the environment `name` (its
+    class's static `reference_turns(task)`; the agent warm start plays them)."""
+    factory = environment_factory(name)
+    if not callable(getattr(factory, "reference_turns", None)):
+        raise ValueError(f"environment {name!r} cannot play reference solutions (its class has no "
+                         "reference_turns(task)): set task.sft_warmup_steps=0")
+    return list(factory.reference_turns(task))
+
+
+def system_prompt(name: str) -> str:
+    """The environment's default system message (its class's `system_prompt`; the tool-call
+    instructions when it has none); task.system_prompt replaces it."""
+    from megatron_rl.envs.tools import TOOL_INSTRUCTIONS
+
+    return getattr(environment_factory(name), "system_prompt", None) or TOOL_INSTRUCTIONS

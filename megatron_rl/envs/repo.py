@@ -61,6 +61,8 @@ def default_protected(task: dict[str, Any]) -> list[str]:
 
 @register_environment("repo")
 class RepoEnvironment:
+    reference_turns = staticmethod(reference_turns)
+
     def __init__(self, client: Any, output_limit: int = 2000, max_recoveries: int = 2,
                  deadline_s: float = 60.0) -> None:
         self.client = client  # megatron_rl_sandbox.client.SandboxClient, on the caller's event loop

@@ -16,6 +16,8 @@ from megatron_rl.envs.base import register_environment
 
 @register_environment("synthetic")
 class SyntheticEnvironment:
+    needs_sandbox = False
+
     def __init__(self, client: Any = None, min_latency_s: float = 0.1, max_latency_s: float = 2.0, turns: int = 3,
                  **_: Any) -> None:
         self.min_latency_s, self.max_latency_s, self.turns = min_latency_s, max_latency_s, turns

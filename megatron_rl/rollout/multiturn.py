@@ -212,7 +212,8 @@ def _drop(x: _Live, error: BaseException) -> None:
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Counts for the step's metrics: attribution of failures, turns, statuses."""
+    """Counts for the step's metrics: attribution of failures, turns, statuses; and the mean of each
+    number the environments put in `info` (`agent/env/<key>`, over the episodes that report it)."""
     count = max(len(episodes), 1)
     out = {"agent/turns_mean": sum(e.num_turns for e in episodes) / count,
            "agent/model_errors": float(sum(e.model_errors for e in episodes)),
@@ -222,6 +223,12 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     for status in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline",
                    "partial"):
         out[f"agent/{status}"] = float(sum(e.status == status for e in episodes))
+    reported: dict[str, list[float]] = {}  # what the environments' evaluate() found: means of its numbers
+    for e in episodes:
+        for key, value in e.info.items():
+            if isinstance(value, (bool, int, float)):
+                reported.setdefault(key, []).append(float(value))
+    out.update({f"agent/env/{key}": sum(v) / len(v) for key, v in sorted(reported.items())})
     return out
 
 

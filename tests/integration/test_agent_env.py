@@ -205,18 +205,18 @@ def test_small_model_episodes_are_token_in_token_out(host, tokenizer):
         assert sample.loss_mask[:len(ep.prompt_tokens) - 1].sum() == 0
 
 
-def _main_job(run_dir, *args: str):
-    """`python -m megatron_rl.train +experiment=demo_countdown <args>` with a local sandbox server
-    (bwrap); must exit 0."""
+def _main_job(run_dir, *args: str, experiment: str = "demo_countdown"):
+    """`python -m megatron_rl.train +experiment=<experiment> <args>` (demo_countdown: with a local
+    sandbox server, bwrap); must exit 0."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    if runtime_args("bwrap") is None:
+    if experiment == "demo_countdown" and runtime_args("bwrap") is None:
         pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
     repo = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "logging.progress=false",
+    cmd = [sys.executable, "-m", "megatron_rl.train", f"+experiment={experiment}", "logging.progress=false",
            f"run_dir={run_dir}", *args]
     proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
                           capture_output=True, text=True, timeout=500)
@@ -264,6 +264,29 @@ def test_agent_warm_start_on_verified_reference_episodes(tmp_path):
     assert "warm start: 8 of 8 reference episodes verified (episode ends: submitted 8" in proc.stderr
     losses = [float(x) for x in re.findall(r"warm start \d+/20: loss ([\d.]+)", proc.stderr)]
     assert len(losses) == 2 and losses[1] < 0.8 * losses[0], losses
+
+
+def test_countdown_with_feedback_runs_without_a_sandbox_over_several_turns(tmp_path):
+    """`+experiment=demo_agent_countdown`, shortened: the warm start verifies every task's one-turn
+    reference episode; RL episodes of a barely warm model take several turns (each answered by
+    the environment, no sandbox server started), and the environment's own counts reach the
+    metrics (agent/env/...): one attempt per turn, solved exactly when rewarded."""
+    import json
+
+    run_dir = tmp_path / "run"
+    proc = _main_job(run_dir, "num_steps=2", "task.sft_warmup_steps=5", "task.num_train=16", "task.num_eval=4",
+                     "task.eval_samples=1", "task.eval_every=0", "global_batch_size=16",
+                     "rollout.n_samples_per_prompt=4", experiment="demo_agent_countdown")
+    assert "warm start: 16 of 16 reference episodes verified (episode ends: submitted 16" in proc.stderr
+    assert "local sandbox server" not in proc.stderr and not (run_dir / "logs" / "sandbox-server.log").exists()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert _ended(r) == 16 and r["agent/dropped"] == 0
+        assert 1 < r["agent/turns_mean"] <= 3 and r["agent/max_turns"] > 0
+        assert r["agent/env/attempts"] == pytest.approx(r["agent/turns_mean"])
+        assert r["agent/env/solved"] == pytest.approx(r["reward/mean"])
+        assert r["agent/env/solved_first"] <= r["agent/env/solved"]
 
 
 def test_an_agent_domain_trains_beside_a_single_turn_domain(tmp_path):
