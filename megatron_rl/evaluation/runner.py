@@ -10,6 +10,7 @@ records to `records.jsonl` as each (checkpoint, set, seed) finishes and writes t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -155,6 +156,8 @@ def run_evaluation(rt, spec: EvalSpec) -> dict[str, Any]:
         sets[REGRESSION] = _regression_parts(rt, parts, spec.regression)
     out = Path(spec.out_dir)
     records_path = out / "records.jsonl"
+    # What was generated, special tokens kept: an agent episode's turn and observation markers show.
+    decode = functools.partial(parts["tokenizer"].decode, skip_special_tokens=False)
     if rt.is_main:
         records_path.unlink(missing_ok=True)
     bar = tqdm(total=len(spec.checkpoints) * len(sets) * spec.num_seeds, desc="eval", unit="eval",
@@ -167,9 +170,9 @@ def run_evaluation(rt, spec: EvalSpec) -> dict[str, Any]:
             found: list[dict[str, Any]] = []
             for set_name, set_parts in sets.items():
                 for seed in range(spec.num_seeds):
-                    got, _ = evaluation_records(rt, set_parts, repeat=seed)
-                    got = [{"set": set_name, "checkpoint": ckpt.name, "step": ckpt.step, "seed": seed, **r}
-                           for r in got]
+                    got, rollouts = evaluation_records(rt, set_parts, repeat=seed)
+                    got = [{"set": set_name, "checkpoint": ckpt.name, "step": ckpt.step, "seed": seed, **r,
+                            "response": decode(rollout.output_ids)} for r, rollout in zip(got, rollouts)]
                     if rt.is_main:
                         with open(records_path, "a") as f:
                             f.writelines(json.dumps(r) + "\n" for r in got)

@@ -19,6 +19,7 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES, NUM_EVAL, SEEDS = 4, 12, 2
+REGRESSION = [(3, 4), (2, 2), (5, 1)]  # "Ann has a pens and gets b more." -> a + b
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
@@ -44,7 +45,7 @@ def evaluated(tmp_path_factory):
           "logging.progress=false"])
     regression = tmp / "regression.jsonl"
     regression.write_text("".join(json.dumps({"prompt": f"Ann has {a} pens and gets {b} more.\n", "answer": a + b})
-                                  + "\n" for a, b in [(3, 4), (2, 2), (5, 1)]))
+                                  + "\n" for a, b in REGRESSION))
     proc = _run(["megatron_rl.eval", "--run", str(run), "--checkpoints", "1", "latest", "--seeds", str(SEEDS),
                  "--pass-k", "1", "2", str(SAMPLES), "--regression", str(regression), "--name", "check",
                  "--resamples", "2000"])
@@ -60,6 +61,20 @@ def test_outputs_and_records(evaluated):
     assert {r["checkpoint"] for r in records} == {"step_00000001", "step_00000003"}
     assert {r["set"] for r in records} == {"heldout", "regression"}
     assert all(0.0 <= r["reward"] <= 1.0 and r["correct"] == (r["reward"] >= 1.0) for r in records)
+    # each record holds what was generated: the reference rule verifier scores it the same
+    from megatron_rl.rewards.rule import math_reward
+
+    from megatron_rl.config import TaskConfig
+    from megatron_rl.data.tasks import Task
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    held_out = Task(TaskConfig(name="math", type="math", num_eval=NUM_EVAL), load_tokenizer("builtin:char"))
+    answers = {"heldout": [p.meta["answer"] for p in held_out.prompts("eval")],
+               "regression": [str(a + b) for a, b in REGRESSION]}
+    for r in records:
+        assert r["response"], r
+        assert math_reward(r["response"].replace("<|endoftext|>", ""), answers[r["set"]][r["prompt"]]) == r["reward"], r
+    assert any(r["correct"] for r in records)  # both verdicts were re-derived
     log = proc.stderr + proc.stdout
     assert "step_00000001 (step 1) | heldout: accuracy" in log and "step_00000003 (step 3) | heldout:" in log
     report = (out / "report.md").read_text()
