@@ -53,6 +53,13 @@ class CountdownEnvironment:
         """The model turns that play the task's reference solution: the expression."""
         return [str(task["reference"])] if task.get("reference") else []
 
+    @staticmethod
+    def known_bad_turns(task: dict[str, Any]) -> list[str]:
+        """A well-formed answer of another value (the verifier must reject it)."""
+        a, b = (int(n) for n in task["numbers"][:2])
+        candidates = ((f"{a}+{b}", a + b), (f"{a}*{b}", a * b), (f"{a}-{b}", a - b), (f"{b}-{a}", b - a))
+        return [next(text for text, value in candidates if value != int(task["target"]))]
+
     async def reset(self, task: dict[str, Any]) -> str:
         missing = [k for k in ("numbers", "target", "instruction") if k not in task]
         if missing:

@@ -63,6 +63,11 @@ def default_protected(task: dict[str, Any]) -> list[str]:
 class RepoEnvironment:
     reference_turns = staticmethod(reference_turns)
 
+    @staticmethod
+    def known_bad_turns(task: dict[str, Any]) -> list[str]:
+        """Submit the untouched workspace: a task's fail_to_pass tests must then fail."""
+        return [format_tool_call("submit")]
+
     def __init__(self, client: Any, output_limit: int = 2000, max_recoveries: int = 2,
                  deadline_s: float = 60.0) -> None:
         self.client = client  # megatron_rl_sandbox.client.SandboxClient, on the caller's event loop

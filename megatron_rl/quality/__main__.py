@@ -39,6 +39,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8, help="policy samples per task")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--tokenizer", default="builtin:char")
+    p.add_argument("--environment", default="repo", help="the environment agent tasks run in (as task.environment)")
     p.add_argument("--runtime", default="bwrap", choices=("bwrap", "apptainer", "process"))
     p.add_argument("--sandbox", action="append", default=[], help="address of a running sandbox server "
                    "(repeatable; default: start a local one)")
@@ -93,7 +94,7 @@ def inspect(args: argparse.Namespace) -> list[dict[str, Any]]:
         (scratch / "logs").mkdir()
         server, address = start_local_sandbox(scratch, args.runtime, allow_unisolated=args.runtime == "process")
         addresses = [address]
-    runner = Runner(addresses, tokenizer)
+    runner = Runner(addresses, tokenizer, args.environment)
     engine = policy_engine(args.policy, tokenizer) if args.policy else None
     try:
         from tqdm import tqdm

@@ -4,10 +4,11 @@ policy's pass rate is measured (difficulty).
 
 Three kinds of task, told apart by their fields:
 
-- agent (`instruction` + `files` / `fail_to_pass`: the `repo` environment): the reference
-  is played by `ScriptedPolicy` through the same multi-turn rollout and environment as
-  training (write each reference file, submit); the known-bad candidate submits the
-  untouched workspace, which must fail (that is what fail_to_pass means).
+- agent (`instruction` + `files` / `fail_to_pass` for the `repo` environment, `instruction`
+  for any other `--environment`): the reference is played by `ScriptedPolicy` through the same
+  multi-turn rollout and environment as training (the environment class's `reference_turns`;
+  repo: write each reference file, submit); so is its known-bad candidate (`known_bad_turns`;
+  repo: submit the untouched workspace, which must fail: that is what fail_to_pass means).
 - tests (`prompt` + `tests`): the reference (`reference` or `response`) and an empty
   solution go through the sandbox `Verify` call, as the `tests` verifier does in training.
 - answer (`prompt` + `answer`): `\\boxed{answer}` and a wrong answer through the rule
@@ -20,8 +21,7 @@ import asyncio
 import logging
 from typing import Any, Optional, Sequence
 
-from megatron_rl.envs.repo import reference_turns
-from megatron_rl.envs.tools import format_tool_call
+from megatron_rl.envs import environment_factory, reference_turns, system_prompt
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes
 from megatron_rl.rollout.scripted import ScriptedPolicy
@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 LIMITS = EpisodeLimits(max_turns=16, max_tokens=1 << 20, wall_time_s=300)
 
 
-def task_kind(task: dict[str, Any]) -> str:
-    if "instruction" in task and ("files" in task or "fail_to_pass" in task):
+def task_kind(task: dict[str, Any], environment: str = "repo") -> str:
+    if "instruction" in task and ("files" in task or "fail_to_pass" in task or environment != "repo"):
         return "agent"
     if "tests" in task:
         return "tests"
@@ -50,11 +50,14 @@ class Runner:
         from megatron_rl.data.tasks import Task
         from megatron_rl.rewards.service import RewardService
 
-        self.tokenizer = tokenizer
-        self.fmt = TurnFormat(tokenizer, "Use the tools.")
-        host = Task(TaskConfig(type="agent", environment=environment, num_train=1, num_eval=0), tokenizer)
+        self.tokenizer, self.environment = tokenizer, environment
+        self.fmt = TurnFormat(tokenizer, system_prompt(environment))
+        generator = "countdown" if environment == "countdown" else "repo"  # a valid pair (unused: tasks come here)
+        host = Task(TaskConfig(type="agent", environment=environment, generator=generator, num_train=1, num_eval=0),
+                    tokenizer)
         self.service = RewardService(host.verifier_factory(list(addresses)))
-        self.service.verifier.client.priority_class = "quality"  # below training and evaluation at the sandbox
+        if self.service.verifier.client is not None:  # None: an environment without a sandbox
+            self.service.verifier.client.priority_class = "quality"  # below training and evaluation at the sandbox
 
     def close(self) -> None:
         self.service.close()
@@ -65,10 +68,14 @@ class Runner:
     # -- reference and known-bad candidates ------------------------------------------------------
     def verdicts(self, task: dict[str, Any], reruns: int) -> tuple[list[float], list[float], dict[str, Any]]:
         """(reference rewards, known-bad rewards, details of the first reference run)."""
-        kind = task_kind(task)
+        kind = task_kind(task, self.environment)
         if kind == "agent":
-            good = self._episodes(task, reference_turns(task), reruns)
-            bad = self._episodes(task, [format_tool_call("submit")], reruns)
+            known_bad = getattr(environment_factory(self.environment), "known_bad_turns", None)
+            if known_bad is None:
+                raise ValueError(f"environment {self.environment!r} names no known-bad candidate (its class has no "
+                                 "known_bad_turns(task)): the verifier's rejection cannot be checked")
+            good = self._episodes(task, reference_turns(self.environment, task), reruns)
+            bad = self._episodes(task, known_bad(task), reruns)
             return [e.reward for e in good], [e.reward for e in bad], good[0].info if good else {}
         if kind == "tests":
             reference = task.get("reference") or task.get("response") or ""
@@ -102,7 +109,7 @@ class Runner:
     def pass_rate(self, task: dict[str, Any], engine: Any, samples: int, max_new_tokens: int, seed: int,
                   limits: Optional[EpisodeLimits] = None) -> float:
         params = SamplingParams(max_new_tokens=max_new_tokens, seed=seed)
-        kind = task_kind(task)
+        kind = task_kind(task, self.environment)
         if kind == "agent":
             episodes = run_episodes(engine, [task], samples, params, self.service.verifier.make_env, self.fmt,
                                     limits or EpisodeLimits(), self.service.loop)

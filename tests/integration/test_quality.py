@@ -98,7 +98,7 @@ def test_difficulty_under_a_policy(runner, tmp_path):
     task = repo_tasks(1, seed=2)[0]
     model_cfg = load_config(["model=tiny_qwen2"], world_size=1).model
     build_hf_model(model_cfg, seed=3).save_pretrained(tmp_path / "policy")  # a checkpoint the test writes
-    limits = EpisodeLimits(max_turns=2, max_tokens=500)
+    limits = EpisodeLimits(max_turns=2, max_tokens=1000)  # the tool instructions are ~270 tokens of it
     random_policy = policy_engine(str(tmp_path / "policy"), runner.tokenizer)
     assert runner.pass_rate(task, random_policy, samples=2, max_new_tokens=16, seed=0, limits=limits) == 0.0
     path, content = next(iter(task["reference"].items()))

@@ -15,7 +15,7 @@ from megatron_rl.data.agent_tasks import countdown_tasks
 from megatron_rl.data.countdown import generate_problems, split_of
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.envs import make_environment, reference_turns, system_prompt
-from megatron_rl.envs.countdown import SYSTEM_PROMPT, check
+from megatron_rl.envs.countdown import SYSTEM_PROMPT, CountdownEnvironment, check
 from megatron_rl.envs.tools import TOOL_INSTRUCTIONS
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes
@@ -137,3 +137,20 @@ def test_multi_turn_episodes_show_the_feedback_and_train_only_the_model_turns(lo
     [unsolved] = run_episodes(ScriptedPolicy(tokenizer, ["5+7"] * 5, end_of_turn=fmt.end_of_turn), [task], 1,
                               params, make, fmt, limits, loop)
     assert (unsolved.reward, unsolved.status, unsolved.num_turns) == (0.0, "max_turns", 3)
+
+
+def test_quality_checks_countdown_tasks_without_a_sandbox():
+    """`megatron_rl.quality`'s runner on the countdown environment: a task whose reference solves
+    it is solvable and rejects its known-bad answer; one whose reference does not is caught."""
+    from megatron_rl.quality.runner import Runner
+
+    good = countdown_tasks(1, seed=5)[0]
+    wrong = dict(good, id="wrong", reference=CountdownEnvironment.known_bad_turns(good)[0])
+    runner = Runner([], load_tokenizer("builtin:char"), environment="countdown")  # no sandbox addresses
+    try:
+        assert runner.verdicts(good, 2)[:2] == ([1.0, 1.0], [0.0, 0.0])
+        assert runner.verdicts(wrong, 2)[0] == [0.0, 0.0]
+    finally:
+        runner.close()
+    bad = CountdownEnvironment.known_bad_turns({"numbers": [2, 2, 5], "target": 4})  # 2+2 and 2*2 are 4
+    assert bad == ["2-2"] and check([2, 2, 5], 4, bad[0]) == (False, "0, too low")
