@@ -2,8 +2,8 @@
 
 The task is the Countdown problem of the single-turn demo (reach the target with + - * over
 the given numbers, each used at most once; `data/countdown.py`), but a wrong answer is not the
-end: the environment answers what the expression is worth and the model tries again, until it
-is right or the episode's turn limit is reached.
+end: the environment answers what the expression is worth, or what is wrong with it, and the
+model tries again, until it is right or the episode's turn limit is reached.
 
     user:      3 5 7 -> 22
     assistant: 3*7+5
