@@ -4,9 +4,7 @@ on a real sandbox task, and the timeline exports a Chrome trace."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 
 import pytest
@@ -26,15 +24,6 @@ LIMITS = EpisodeLimits(max_turns=8, max_tokens=4096, wall_time_s=60)
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("builtin:char")
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
 
 
 class SlowScript(ScriptedPolicy):

@@ -6,7 +6,6 @@ the generator with the environment."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
@@ -106,15 +105,6 @@ def test_generator_and_environment_go_together():
                    {"generator": "function", "environment": "countdown"}):
         with pytest.raises(ValueError, match="task.generator=.* is invalid: generated countdown tasks run in"):
             TaskConfig(type="agent", **kwargs)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
 
 
 def test_multi_turn_episodes_show_the_feedback_and_train_only_the_model_turns(loop):
