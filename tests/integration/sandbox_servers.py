@@ -29,6 +29,8 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if getattr(self, "work_dir", None) and not os.path.ismount(self.work_dir):
+            shutil.rmtree(self.work_dir, ignore_errors=True)  # the server unmounted its workspaces on SIGTERM
 
 
 def runtime_args(runtime: str) -> Optional[list[str]]:
@@ -42,10 +44,7 @@ def runtime_args(runtime: str) -> Optional[list[str]]:
         image = APPTAINER_ROOT / "image"
         if not (wrapper.exists() and image.is_dir()):
             return None
-        # Workspaces outside /tmp: the wrapper binds host /tmp recursively (apptainer/setup.sh).
-        work_dir = tempfile.mkdtemp(prefix="megatron-rl-sandbox-", dir="/var/tmp")
-        return ["--runtime", "apptainer", "--apptainer-cmd", str(wrapper), "--image", f"python={image}",
-                "--work-dir", work_dir]
+        return ["--runtime", "apptainer", "--apptainer-cmd", str(wrapper), "--image", f"python={image}"]
     raise ValueError(runtime)
 
 
@@ -55,10 +54,14 @@ def start_server(runtime: str, *extra: str, run_dir: Optional[Path] = None, time
     args = runtime_args(runtime)
     assert args is not None, f"runtime {runtime} is not available"
     args = ["--address", "127.0.0.1:0", *args, *extra]
+    work_dir = None
+    if runtime == "apptainer":  # workspaces outside /tmp: the wrapper binds host /tmp recursively (apptainer/setup.sh)
+        work_dir = tempfile.mkdtemp(prefix="megatron-rl-sandbox-", dir="/var/tmp")
+        args += ["--work-dir", work_dir]
     if run_dir is not None:
         args += ["--run-dir", str(run_dir)]
     log = Path(tempfile.mkstemp(prefix="sandbox-server-", suffix=".log")[1])
     proc, info = spawn_server(args, log, timeout, env=dict(os.environ, PYTHONPATH=str(REPO)))
     server = ServerProcess(proc, info["address"], info["name"])
-    server.log = log
+    server.log, server.work_dir = log, work_dir
     return server
