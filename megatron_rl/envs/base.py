@@ -81,11 +81,22 @@ def make_environment(name: str, **kwargs: Any) -> Environment:
 def reference_turns(name: str, task: dict[str, Any]) -> list[str]:
     """The model turns that play `task`'s reference solution in the environment `name` (its
     class's static `reference_turns(task)`; the agent warm start plays them)."""
+    return _scripted_turns(name, "reference_turns", task, "cannot play reference solutions",
+                           "set task.sft_warmup_steps=0")
+
+
+def known_bad_turns(name: str, task: dict[str, Any]) -> list[str]:
+    """The model turns of a candidate the environment `name` must reject for `task` (its class's
+    static `known_bad_turns(task)`; the quality checks play them)."""
+    return _scripted_turns(name, "known_bad_turns", task, "names no known-bad candidate",
+                           "the verifier's rejection cannot be checked")
+
+
+def _scripted_turns(name: str, hook: str, task: dict[str, Any], missing: str, consequence: str) -> list[str]:
     factory = environment_factory(name)
-    if not callable(getattr(factory, "reference_turns", None)):
-        raise ValueError(f"environment {name!r} cannot play reference solutions (its class has no "
-                         "reference_turns(task)): set task.sft_warmup_steps=0")
-    return list(factory.reference_turns(task))
+    if not callable(getattr(factory, hook, None)):
+        raise ValueError(f"environment {name!r} {missing} (its class has no {hook}(task)): {consequence}")
+    return list(getattr(factory, hook)(task))
 
 
 def system_prompt(name: str) -> str:

@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import Any, Optional, Sequence
 
-from megatron_rl.envs import environment_factory, reference_turns, system_prompt
+from megatron_rl.envs import known_bad_turns, reference_turns, system_prompt
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes
 from megatron_rl.rollout.scripted import ScriptedPolicy
@@ -70,12 +70,9 @@ class Runner:
         """(reference rewards, known-bad rewards, details of the first reference run)."""
         kind = task_kind(task, self.environment)
         if kind == "agent":
-            known_bad = getattr(environment_factory(self.environment), "known_bad_turns", None)
-            if known_bad is None:
-                raise ValueError(f"environment {self.environment!r} names no known-bad candidate (its class has no "
-                                 "known_bad_turns(task)): the verifier's rejection cannot be checked")
+            bad_turns = known_bad_turns(self.environment, task)  # an environment without one fails before any episode
             good = self._episodes(task, reference_turns(self.environment, task), reruns)
-            bad = self._episodes(task, known_bad(task), reruns)
+            bad = self._episodes(task, bad_turns, reruns)
             return [e.reward for e in good], [e.reward for e in bad], good[0].info if good else {}
         if kind == "tests":
             reference = task.get("reference") or task.get("response") or ""

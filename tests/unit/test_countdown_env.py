@@ -13,9 +13,9 @@ from megatron_rl.config import TaskConfig
 from megatron_rl.data.agent_tasks import countdown_tasks
 from megatron_rl.data.countdown import generate_problems, split_of
 from megatron_rl.data.tokenizer import load_tokenizer
-from megatron_rl.envs import make_environment, reference_turns, system_prompt
+from megatron_rl.envs import known_bad_turns, make_environment, reference_turns, system_prompt
 from megatron_rl.envs.countdown import SYSTEM_PROMPT, CountdownEnvironment, check
-from megatron_rl.envs.tools import TOOL_INSTRUCTIONS
+from megatron_rl.envs.tools import TOOL_INSTRUCTIONS, format_tool_call
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes
 from megatron_rl.rollout.scripted import ScriptedPolicy
@@ -96,6 +96,9 @@ def test_environment_defaults_come_from_its_class():
     assert [t.split('"name": "')[1][:5] for t in reference_turns("repo", task)] == ["write", "write", "submi"]
     with pytest.raises(ValueError, match="environment 'synthetic' cannot play reference solutions"):
         reference_turns("synthetic", {"reference": "1+1"})
+    assert known_bad_turns("repo", {}) == [format_tool_call("submit")]
+    with pytest.raises(ValueError, match="environment 'synthetic' names no known-bad candidate .*known_bad_turns"):
+        known_bad_turns("synthetic", {})
 
 
 def test_generator_and_environment_go_together():
