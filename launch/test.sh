@@ -29,4 +29,29 @@ if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
       || echo "[test.sh] slurm tier unavailable; its tests will be skipped" >&2
   fi
 fi
-exec .venv/bin/python -m pytest tests -q "$@"
+# Two passes. Most tests keep one core busy, so the first runs them on several pytest-xdist workers
+# (MEGATRON_RL_TEST_WORKERS, default: one per core, at most 4 and one per 8 GiB of memory); a
+# file's tests share one worker, so module fixtures (training runs, servers) and the Slurm
+# session cluster start once. Tests marked `serial` bound wall-clock waits or CPU-limit kills:
+# the second pass runs them alone, after the first. A pass that selects nothing (pytest's exit
+# status 5) is not an error when the other ran tests. With your own `-m`, one plain pass.
+pytest=(.venv/bin/python -m pytest tests -q)
+for arg in "$@"; do
+  [[ $arg == -m || $arg == -m* ]] && exec "${pytest[@]}" "$@"
+done
+workers=${MEGATRON_RL_TEST_WORKERS:-$(.venv/bin/python - <<'PY'
+import os
+mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+print(max(1, min(len(os.sched_getaffinity(0)), 4, int(mem_gib // 8))))
+PY
+)}
+parallel=()
+[[ $workers -gt 1 ]] && parallel=(-n "$workers" --dist loadfile)
+first=0 second=0
+"${pytest[@]}" -m "not serial" "${parallel[@]}" "$@" || first=$?
+"${pytest[@]}" -m serial --ignore=tests/gpu "$@" || second=$?  # no GPU test is serial
+for status in "$first" "$second"; do
+  [[ $status == 0 || $status == 5 ]] || exit "$status"
+done
+[[ $first == 5 && $second == 5 ]] && exit 5
+exit 0

@@ -17,7 +17,7 @@ import pytest
 
 from tests.integration.sandbox_servers import runtime_args, start_server
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.timeout(300)]
 
 RUNTIMES = ["bwrap", "apptainer", "process"]
 ISOLATING = {"bwrap", "apptainer"}

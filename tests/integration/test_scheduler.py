@@ -17,7 +17,7 @@ from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episode
 from megatron_rl.rollout.scheduler import run_episodes_async
 from megatron_rl.rollout.scripted import ScriptedPolicy
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.timeout(300)]
 LIMITS = EpisodeLimits(max_turns=8, max_tokens=4096, wall_time_s=60)
 
 

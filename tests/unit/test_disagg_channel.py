@@ -16,6 +16,8 @@ import pytest
 from megatron_rl.disagg import channel
 from megatron_rl.disagg.channel import Hub, connect, connect_from_file, heartbeat, hub_path
 
+pytestmark = pytest.mark.serial  # heartbeat and stop waits are bounded in wall-clock time
+
 
 @dataclasses.dataclass
 class _Spec:
