@@ -78,7 +78,7 @@ def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any,
     reward, task.reward_scale): episodes whose samples train the model's turns only, never the
     observations. Rank 0 plays them (one sandbox episode per task) and hands them to every rank."""
     from megatron_rl.envs import reference_turns
-    from megatron_rl.rollout.multiturn import run_episodes
+    from megatron_rl.rollout.multiturn import EpisodeLimits, run_episodes
     from megatron_rl.rollout.scripted import ScriptedPolicy
 
     payload: list[Any] = [None]
@@ -94,7 +94,7 @@ def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any,
         def play(task: dict) -> list:  # one scripted policy per task: instructions need not be unique
             policy = ScriptedPolicy(parts["tokenizer"], reference_turns(task_cfg.environment, task),
                                     end_of_turn=fmt.end_of_turn)
-            return run_episodes(policy, [task], 1, params, host.make_env, fmt, _episode_limits(task_cfg),
+            return run_episodes(policy, [task], 1, params, host.make_env, fmt, EpisodeLimits.of(task_cfg),
                                 parts["rewards"].loop)
 
         start = time.perf_counter()
@@ -119,20 +119,13 @@ def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any,
 
 def _turn_format(parts: dict, task_cfg: Any):
     """The agent task's chat-template pieces (one per system prompt, kept in `parts`)."""
-    from megatron_rl.envs import system_prompt
-    from megatron_rl.rollout.multiturn import TurnFormat
+    from megatron_rl.rollout.multiturn import TurnFormat, task_system_prompt
 
     formats = parts.setdefault("turn_formats", {})
-    system = task_cfg.system_prompt or system_prompt(task_cfg.environment)
+    system = task_system_prompt(task_cfg)
     if system not in formats:
         formats[system] = TurnFormat(parts["tokenizer"], system)
     return formats[system]
-
-
-def _episode_limits(task):
-    from megatron_rl.rollout.multiturn import EpisodeLimits
-
-    return EpisodeLimits(task.max_turns, task.max_episode_tokens, task.episode_wall_time_s)
 
 
 @dataclasses.dataclass
@@ -157,13 +150,13 @@ def _generate(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[l
 def _episodes(rt, parts: dict, prompts: list, params: SamplingParams, task_cfg: Any,
               rewards: Any) -> tuple[list[Rollout], dict[str, float]]:
     """Agent task `task_cfg`'s prompts played as episodes (its turn format and episode limits)."""
-    from megatron_rl.rollout.multiturn import collect_episodes
+    from megatron_rl.rollout.multiturn import EpisodeLimits, collect_episodes
 
     r = rt.cfg.rollout
     groups = len(prompts)
     target = groups - round(groups * r.oversample / (1 + r.oversample)) if r.oversample else None
     return collect_episodes(parts["engine"], prompts, params, rewards, rt.groups,
-                            _turn_format(parts, task_cfg), _episode_limits(task_cfg), r.agent_scheduler,
+                            _turn_format(parts, task_cfg), EpisodeLimits.of(task_cfg), r.agent_scheduler,
                             r.max_concurrent_episodes, target, parts["controller"].timeline, r.step_deadline_s,
                             r.straggler_policy == "partial")
 

@@ -467,7 +467,8 @@ class RolloutConfig:
     after the trainer started, or has sent no heartbeat for this long (it beats every 2 s)."""
     partial_rollout_tokens: int = 0
     """mode=disaggregated: generate in chunks of this many tokens and apply a pending weight update
-    between chunks (the sequence continues with the new weights); 0: updates wait for whole requests."""
+    between chunks (the sequence continues with the new weights); agent episodes (any value > 0)
+    take it between turns instead; 0: updates wait for whole requests."""
 
     BACKENDS: ClassVar[tuple[str, ...]] = ("hf", "sglang")
     AGENT_SCHEDULERS: ClassVar[tuple[str, ...]] = ("lockstep", "async")

@@ -75,9 +75,11 @@ def check_disaggregated_config(cfg: Any) -> None:
             raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} applies to rollout.mode=disaggregated "
                               "only: set rollout.mode=disaggregated or drop the override")
         return
-    if cfg.task.type == "agent" or any(d.task.type == "agent" for d in cfg.domains.values()):
-        raise ConfigError("rollout.mode=disaggregated does not run task.type=agent yet, alone or as a domain "
-                          "(multi-turn episodes are driven by the colocated scheduler): use rollout.mode=colocated")
+    for key, value, off in (("oversample", r.oversample, 0.0), ("step_deadline_s", r.step_deadline_s, None)):
+        if value != off:  # the buffer takes finished groups as they come; nothing waits for a step's stragglers
+            raise ConfigError(f"rollout.{key}={value} is a colocated-mode setting (it cuts the stragglers of a "
+                              f"step's rollout); with rollout.mode=disaggregated the experience buffer takes "
+                              f"groups as they finish: drop the override")
     if algo.old_logprobs != "recompute":
         raise ConfigError(f"algorithm.old_logprobs={algo.old_logprobs} is invalid with rollout.mode=disaggregated: "
                           "stale rollouts need old_logprobs=recompute so that the truncated-IS weight "
@@ -168,6 +170,8 @@ class DisaggregatedController:
             self.events.write("take", take_start, time.time(), step=step, groups=len(kept))
             stats["async/generator_version"] = float(max((max(g.versions) for g in kept), default=-1))
         rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group.rollouts]
+        if self.is_main:
+            stats.update(episode_stats(parts["task"], rollouts))
         if dist.is_initialized() and dist.get_world_size() > 1:
             payload = [(rollouts, stats)]
             dist.broadcast_object_list(payload, src=0)
@@ -327,6 +331,24 @@ class DisaggregatedController:
             logger.warning("generator(s) %s did not confirm stopping within 30s", left)
         self.hub.close()
         self.events.close()
+
+
+def episode_stats(task: Any, rollouts: list) -> dict[str, float]:
+    """The agent metrics of the step's episodes, as colocated mode logs them: `agent/...` for an
+    agent task, `domain/<name>/agent/...` for each agent domain of a joint run."""
+    from megatron_rl.rollout.multiturn import Episode, episode_metrics
+
+    episodes = [r for r in rollouts if isinstance(r, Episode)]
+    if not episodes:
+        return {}
+    if task.is_agent:
+        return episode_metrics(episodes)
+    out: dict[str, float] = {}
+    for domain in task.agent_domains:
+        mine = [e for e in episodes if e.domain == domain]
+        if mine:
+            out.update({f"domain/{domain}/{k}": v for k, v in episode_metrics(mine).items()})
+    return out
 
 
 def _reachable_host(master_addr: str) -> str:

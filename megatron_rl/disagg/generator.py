@@ -9,8 +9,11 @@ computed as in `rollout.collect`: the decoded response and the prompt's meta go 
     apply a pending weight update (if the trainer announced one)
     -> take the next request (the trainer owns the sampler and sends prompt batches)
     -> generate it in chunks of rollout.partial_rollout_tokens (updates applied between chunks)
-    -> score -> put one ExperienceGroup per prompt into the buffer (blocks while it is full,
-       still applying updates)
+       and score; an agent task's prompts are played as multi-turn episodes instead (as in
+       colocated mode: rollout.multiturn / rollout.scheduler, this generator's environments;
+       with partial rollouts, updates applied between turns)
+    -> put one ExperienceGroup per prompt into the buffer (blocks while it is full, still
+       applying updates)
 
 Every engine call, weight update, scoring and blocked put is written to
 `<run_dir>/timeline/generator<i>.jsonl`; the log goes to `<run_dir>/logs/generator<i>.log`.
@@ -38,7 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.disagg.buffer import ExperienceGroup
 from megatron_rl.disagg.events import EventLog
@@ -110,7 +113,7 @@ def run_generator(hub: Any, index: int, local_index: int) -> None:
         rewards = RewardService(task.verifier_factory(spec.sandbox_addresses))
         events = EventLog(run_dir / "timeline" / f"generator{index}.jsonl")
         try:
-            _loop(spec, index, hub, engine, rewards, tokenizer, device, events)
+            _loop(spec, index, hub, engine, rewards, task, tokenizer, device, events)
         finally:
             rewards.close()
             events.close()
@@ -127,8 +130,8 @@ def run_generator(hub: Any, index: int, local_index: int) -> None:
             pass  # the trainer has gone already
 
 
-def _loop(spec: GeneratorSpec, index: int, hub: Any, engine: Any, rewards: Any, tokenizer: Any, device: Any,
-          events: EventLog) -> None:
+def _loop(spec: GeneratorSpec, index: int, hub: Any, engine: Any, rewards: Any, task: Any, tokenizer: Any,
+          device: Any, events: EventLog) -> None:
     from megatron_rl.disagg.weights import WeightReceiver
     from megatron_rl.parallel.dist import WeightUpdateGroup, weight_update_store
 
@@ -150,9 +153,6 @@ def _loop(spec: GeneratorSpec, index: int, hub: Any, engine: Any, rewards: Any, 
             raise _Stopped
         receiver.poll()
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
     try:
         while not hub.stopping():
             receiver.poll()
@@ -160,7 +160,7 @@ def _loop(spec: GeneratorSpec, index: int, hub: Any, engine: Any, rewards: Any, 
                 request = hub.get_request(timeout=0.05)
             except queue.Empty:
                 continue
-            for item in _serve(spec, index, request, engine, rewards, decode, between_chunks, events):
+            for item in serve(spec.cfg, index, request, task, engine, rewards, tokenizer, between_chunks, events):
                 _put(hub, item, receiver, events)
     except _Stopped:
         pass
@@ -168,33 +168,119 @@ def _loop(spec: GeneratorSpec, index: int, hub: Any, engine: Any, rewards: Any, 
         logger.info("generator %d stops at weights v%d", index, receiver.version)
 
 
-def _serve(spec: GeneratorSpec, index: int, request: Request, engine: Any, rewards: Any, decode, between_chunks,
-           events: EventLog) -> list[ExperienceGroup]:
+def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, rewards: Any, tokenizer: Any,
+          between_calls: Callable[[], None], events: EventLog) -> list[ExperienceGroup]:
+    """One request's scored groups, one per prompt (in the request's order). Single-turn prompts
+    are completed (`_complete`), an agent task's prompts played as episodes (`_play`); a joint
+    run's request may hold both, each agent domain played with its own environments.
+    `between_calls()` runs between engine calls that may take a weight update (partial rollouts)."""
+    agents = {"": task.cfg} if task.is_agent else {d: task.tasks[d].cfg for d in getattr(task, "agent_domains", ())}
+    shares: dict[str, list[int]] = {}
+    for p, (_, meta) in enumerate(request.prompts):
+        domain = "" if task.is_agent else meta.get("domain", "")
+        shares.setdefault(domain if domain in agents else None, []).append(p)
+    samples: dict[int, list[tuple[Any, list[int]]]] = {}
+    spans: dict[int, tuple[float, float]] = {}
+    for domain, positions in shares.items():
+        start = time.time()
+        if domain is None:
+            got = _complete(cfg, request, positions, engine, rewards, tokenizer, between_calls, events)
+        else:
+            host = rewards.verifier if task.is_agent else rewards.verifier.verifiers[domain]
+            got = _play(cfg, request, positions, agents[domain], engine, host, rewards.loop, tokenizer, between_calls,
+                        events)
+        samples.update(got)
+        spans.update({p: (start, time.time()) for p in positions})
+    out = []
+    for p, (tokens, meta) in enumerate(request.prompts):
+        for rollout, _ in samples[p]:
+            rollout.prompt_index, rollout.source_index = p, request.source_indices[p]
+            rollout.domain = meta.get("domain", "")
+        out.append(ExperienceGroup(request.request_id, [r for r, _ in samples[p]], [v for _, v in samples[p]],
+                                   index, spans[p]))
+    return out
+
+
+def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rewards: Any, tokenizer: Any,
+              between_chunks: Callable[[], None], events: EventLog) -> dict[int, list[tuple[Any, list[int]]]]:
+    """Single-turn prompts: `params.n` completions each, generated in chunks of
+    rollout.partial_rollout_tokens (updates applied between chunks), then scored."""
     from megatron_rl.rollout.collect import Rollout
     from megatron_rl.rollout.partial import generate_partial
 
-    start = time.time()
-    gens = generate_partial(engine, [tokens for tokens, _ in request.prompts], request.params,
-                            spec.cfg.rollout.partial_rollout_tokens, between_chunks,
+    prompts = [request.prompts[p] for p in positions]
+    gens = generate_partial(engine, [tokens for tokens, _ in prompts], request.params,
+                            cfg.rollout.partial_rollout_tokens, between_chunks,
                             on_chunk=lambda s, e, v, n: events.write("generate", s, e, version=v, sequences=n,
                                                                      request=request.request_id))
     end = time.time()
-    metas = [request.prompts[g.prompt_index][1] for g in gens]
+    metas = [prompts[g.prompt_index][1] for g in gens]
+    texts = [tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in gens]
     try:
-        scores = rewards.submit([(meta, decode(g.output_ids)) for meta, g in zip(metas, gens)]).result(timeout=300)
+        scores = rewards.submit(list(zip(metas, texts))).result(timeout=300)
     except concurrent.futures.TimeoutError:
         logger.warning("request %d: rewards timed out; its samples score 0", request.request_id)
         scores = [0.0] * len(gens)  # a late reward is a 0 reward, as in rollout.collect
     events.write("score", end, time.time(), request=request.request_id)
-    n, out = request.params.n, []
-    for p, (tokens, meta) in enumerate(request.prompts):
-        mine = list(zip(gens[p * n:(p + 1) * n], scores[p * n:(p + 1) * n]))
-        rollouts = [Rollout(p, list(tokens), g.output_ids, g.logprobs, g.finish_reason, g.weight_version,
-                            reward=float(score), domain=meta.get("domain", ""),
-                            source_index=request.source_indices[p]) for g, score in mine]
-        out.append(ExperienceGroup(request.request_id, rollouts, [g.token_versions for g, _ in mine], index,
-                                   (start, end)))
+    out: dict[int, list[tuple[Any, list[int]]]] = {}
+    for g, score in zip(gens, scores):
+        p = positions[g.prompt_index]
+        rollout = Rollout(p, list(request.prompts[p][0]), g.output_ids, g.logprobs, g.finish_reason,
+                          g.weight_version, reward=float(score))
+        out.setdefault(p, []).append((rollout, g.token_versions))
     return out
+
+
+def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engine: Any, host: Any, loop: Any,
+          tokenizer: Any, between_turns: Callable[[], None],
+          events: EventLog) -> dict[int, list[tuple[Any, list[int]]]]:
+    """An agent task's prompts: `params.n` episodes each, as colocated mode plays them
+    (rollout.agent_scheduler: lockstep or async, the task's turn format and episode limits) on
+    this generator's engine and environments. With partial rollouts (rollout.partial_rollout_tokens
+    > 0) a pending weight update is applied before any turn, so an episode may span versions (its
+    turns keep theirs: `Episode.turn_versions`); otherwise updates wait for the whole request."""
+    from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes, task_system_prompt
+    from megatron_rl.rollout.scheduler import run_episodes_async
+
+    r = cfg.rollout
+    turns = _TurnEngine(engine, between_turns if r.partial_rollout_tokens else (lambda: None), events,
+                        request.request_id)
+    fmt, limits = TurnFormat(tokenizer, task_system_prompt(task_cfg)), EpisodeLimits.of(task_cfg)
+    tasks = [request.prompts[p][1] for p in positions]
+    version = engine.weight_version  # of the episodes that end before their first turn
+    if r.agent_scheduler == "async":
+        client = getattr(host, "client", None)
+        episodes, _ = run_episodes_async(turns, tasks, request.params.n, request.params, host.make_env, fmt, limits,
+                                         loop, max_concurrency=r.max_concurrent_episodes,
+                                         backpressure=getattr(client, "backpressure", None))
+    else:
+        episodes = run_episodes(turns, tasks, request.params.n, request.params, host.make_env, fmt, limits, loop)
+    out: dict[int, list[tuple[Any, list[int]]]] = {}
+    for episode in episodes:
+        if not episode.turn_versions:
+            episode.weight_version = version
+        out.setdefault(positions[episode.prompt_index], []).append((episode, episode.turn_versions or [version]))
+    return out
+
+
+class _TurnEngine:
+    """The engine as the episode runners see it: `before()` runs before each turn's engine call
+    (weight updates; it raises when the trainer stops), and each call goes to the timeline."""
+
+    def __init__(self, engine: Any, before: Callable[[], None], events: EventLog, request_id: int) -> None:
+        self.engine, self.before, self.events, self.request_id = engine, before, events, request_id
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list:
+        self.before()
+        start = time.time()
+        gens = self.engine.generate(prompts, params)
+        self.events.write("generate", start, time.time(), version=int(self.engine.weight_version),
+                          sequences=len(gens), request=self.request_id)
+        return gens
 
 
 def _put(hub: Any, item: ExperienceGroup, receiver: Any, events: EventLog) -> None:

@@ -45,6 +45,11 @@ class EpisodeLimits:
     max_tokens: int = 1024  # prompt + every turn
     wall_time_s: float = 120.0
 
+    @classmethod
+    def of(cls, task_cfg: Any) -> "EpisodeLimits":
+        """An agent task's limits: task.max_turns, max_episode_tokens, episode_wall_time_s."""
+        return cls(task_cfg.max_turns, task_cfg.max_episode_tokens, task_cfg.episode_wall_time_s)
+
 
 @dataclasses.dataclass
 class Episode(Rollout):
@@ -56,6 +61,7 @@ class Episode(Rollout):
     model_errors: int = 0
     infra_errors: int = 0
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    turn_versions: list[int] = dataclasses.field(default_factory=list)  # the weight version of each model turn
 
     def sample(self, extras: dict[str, torch.Tensor]) -> Sample:
         tokens = torch.tensor(self.prompt_tokens + self.output_ids, dtype=torch.long)
@@ -155,6 +161,13 @@ def run_episodes(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: S
     return [x.episode for x in live]
 
 
+def task_system_prompt(task_cfg: Any) -> str:
+    """An agent task's system prompt: task.system_prompt, else its environment's."""
+    from megatron_rl.envs import system_prompt
+
+    return task_cfg.system_prompt or system_prompt(task_cfg.environment)
+
+
 def turn_sampling(params: SamplingParams, fmt: TurnFormat, seed: Optional[int]) -> SamplingParams:
     """One model turn: one sample, stopped by the template's end-of-turn token too."""
     return dataclasses.replace(params, n=1, stop_token_ids=tuple(params.stop_token_ids) + fmt.stop_token_ids,
@@ -169,7 +182,10 @@ def take_turn(ep: Episode, gen: Any, fmt: TurnFormat, limits: EpisodeLimits) -> 
     ep.output_ids += ids
     ep.logprobs += gen.logprobs[:room]
     ep.model_mask += [1] * len(ids)
-    ep.weight_version, ep.num_turns = gen.weight_version, ep.num_turns + 1
+    if not ep.turn_versions:
+        ep.weight_version = gen.weight_version  # a rollout's version is its first token's
+    ep.turn_versions.append(gen.weight_version)
+    ep.num_turns += 1
     return gen.finish_reason == "stop" and len(ids) == len(gen.output_ids), \
         fmt.tokenizer.decode(ids, skip_special_tokens=True)
 

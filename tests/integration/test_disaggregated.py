@@ -239,3 +239,44 @@ def test_dynamic_sampling_trains_only_on_groups_with_reward_variance(tmp_path):
         assert r["filter/zero_variance_dropped"] == 0 and r["filter/kept_samples"] == 32
     groups = [e for e in read_events(run_dir / "timeline" / "trainer.jsonl") if e["event"] == "group"]
     assert len(groups) == 4 * 8 and all(0 <= g["staleness"] <= 1 for g in groups)
+
+
+def test_agent_episodes_come_from_the_generator(tmp_path):
+    """task.type=agent in disaggregated mode (the countdown agent experiment, shortened: its
+    environment answers in-process, no sandbox): the generator plays whole multi-turn episodes
+    with its own environments and puts them in the buffer; the trainer logs their agent metrics as
+    colocated mode does and trains on them within the staleness bound (the entropy bonus makes
+    the policy move every step, so stale episodes differ from the trainer's weights). With
+    partial rollouts on, updates land between turns; at step 0 the episodes' log-probs (model
+    turns) equal the trainer's recomputed ones; the last step's evaluation plays episodes on the
+    trainer's engine."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_agent_countdown", "num_steps=3",
+            "task.sft_warmup_steps=60", "algorithm.entropy_coef=0.01", "task.num_train=16", "task.num_eval=4",
+            "task.eval_samples=1", "task.eval_every=0", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
+            "checkpoint.save_every=0", "checkpoint.save_at_end=false", "logging.progress=false",
+            "rollout.mode=disaggregated", "algorithm.max_staleness=1", "rollout.partial_rollout_tokens=1",
+            f"run_dir={run_dir}"]
+    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    ends = ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline", "partial")
+    for r in rows:
+        assert sum(r[f"agent/{s}"] for s in ends) == 16 and r["agent/dropped"] == 0
+        assert 1 <= r["agent/turns_mean"] <= 3
+        assert r["agent/env/attempts"] == pytest.approx(r["agent/turns_mean"])
+        assert r["agent/env/solved"] == pytest.approx(r["reward/mean"])
+        assert r["async/staleness_max"] <= 1 and r["buffer/dropped_stale"] == 0
+    assert max(r["agent/turns_mean"] for r in rows) > 1  # episodes of several turns went through the buffer
+    assert rows[0]["async/staleness_max"] == 0 and rows[0]["rollout/logprob_mismatch"] <= 1e-4
+    # later steps train on episodes of older weights: the truncated-IS weight corrects their turns
+    assert max(r["rollout/logprob_mismatch"] for r in rows[1:]) > 1e-3
+    assert all(0 < r["tis_weight"] <= 2.0 for r in rows)
+    groups = [e for e in read_events(run_dir / "timeline" / "trainer.jsonl") if e["event"] == "group"]
+    assert len(groups) == 3 * 4 and all(g["step"] - min(g["versions"]) <= 1 for g in groups)
+    generator = read_events(run_dir / "timeline" / "generator0.jsonl")
+    assert [e["version"] for e in generator if e["event"] == "weights"] == [0, 1, 2]
+    assert "local sandbox server" not in proc.stderr
+    assert 0 <= rows[-1]["eval/accuracy"] <= 1  # evaluation plays episodes on the trainer's own engine

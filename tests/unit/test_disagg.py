@@ -149,6 +149,121 @@ def test_overlap_of_two_timelines_merges_each_side_first():
     assert overlap_seconds(generate, [(3.0, 4.0)]) == 0.0
 
 
+@pytest.mark.parametrize("partial", [0, 4], ids=["updates_between_requests", "updates_between_turns"])
+def test_a_generator_plays_agent_prompts_as_episodes(tmp_path, partial):
+    """`generator.serve` on an agent task (countdown: checked in-process, no sandbox) with a
+    scripted policy that first answers with the task's known-bad expression, then with its
+    reference: every episode takes two turns, the environment's answer between them is masked
+    out of the loss, reward 1, and each group keeps its prompt's place and source index. With
+    partial rollouts a pending weight update is applied before each turn (the scripted update
+    bumps the version: turns at 1, then 2; the group is as old as its first turn); without,
+    none lands inside the request."""
+    from megatron_rl.config import compose, to_typed
+    from megatron_rl.data.domains import make_task
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.disagg.controller import episode_stats
+    from megatron_rl.disagg.events import EventLog, read_events
+    from megatron_rl.disagg.generator import Request, serve
+    from megatron_rl.envs import known_bad_turns, reference_turns
+    from megatron_rl.rewards.service import RewardService
+    from megatron_rl.rollout.multiturn import Episode, TurnFormat, task_system_prompt
+    from megatron_rl.rollout.scripted import ScriptedPolicy
+
+    cfg = to_typed(compose(["+experiment=demo_agent_countdown", "rollout.mode=disaggregated", "task.num_train=8",
+                            "task.num_eval=2", f"rollout.partial_rollout_tokens={partial}"]))
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    task = make_task(cfg, tokenizer)
+    prompts = task.prompts("train")[:2]
+    tasks = {p.meta["instruction"]: p.meta for p in prompts}
+    assert len(tasks) == 2
+
+    def turn(hook):  # the turn of whichever task the conversation is about
+        return lambda text: hook("countdown", next(t for i, t in tasks.items() if i in text))[0]
+
+    fmt = TurnFormat(tokenizer, task_system_prompt(cfg.task))
+    policy = ScriptedPolicy(tokenizer, [turn(known_bad_turns), turn(reference_turns)], end_of_turn=fmt.end_of_turn)
+    policy.weight_version = 0
+
+    def update() -> None:
+        policy.weight_version += 1
+
+    rewards = RewardService(task.verifier_factory([]))
+    events = EventLog(tmp_path / "generator0.jsonl")
+    request = Request(7, [3, 5], [(list(p.tokens), dict(p.meta)) for p in prompts],
+                      SamplingParams(max_new_tokens=16, n=2, seed=1, stop_token_ids=task.stop_token_ids))
+    try:
+        groups = serve(cfg, 0, request, task, policy, rewards, tokenizer, update, events)
+    finally:
+        rewards.close()
+        events.close()
+    turns = [1, 2] if partial else [0, 0]
+    assert [(g.request_id, g.generator, len(g.rollouts)) for g in groups] == [(7, 0, 2), (7, 0, 2)]
+    for position, (group, prompt) in enumerate(zip(groups, prompts)):
+        meta = prompt.meta
+        assert (group.version, group.versions) == (turns[0], sorted(set(turns)))
+        for ep in group.rollouts:
+            assert isinstance(ep, Episode) and (ep.prompt_index, ep.source_index) == (position, [3, 5][position])
+            assert (ep.reward, ep.status, ep.num_turns, ep.turn_versions, ep.weight_version) == \
+                (1.0, "submitted", 2, turns, turns[0])
+            model = tokenizer.decode([t for t, m in zip(ep.output_ids, ep.model_mask) if m])
+            eot = fmt.end_of_turn
+            assert model == known_bad_turns("countdown", meta)[0] + eot + reference_turns("countdown", meta)[0] + eot
+            assert 0 in ep.model_mask and ep.prompt_tokens == fmt.encode(fmt.prompt(meta["instruction"]))
+    stats = episode_stats(task, [ep for g in groups for ep in g.rollouts])
+    assert (stats["agent/turns_mean"], stats["agent/submitted"], stats["agent/env/solved"]) == (2.0, 4.0, 1.0)
+    generate = [e for e in read_events(tmp_path / "generator0.jsonl") if e["event"] == "generate"]
+    assert [(e["request"], e["sequences"], e["version"]) for e in generate] == [(7, 4, v) for v in turns]
+
+
+def test_a_joint_request_completes_single_turn_prompts_and_plays_agent_ones(tmp_path):
+    """A joint run's request mixes domains: `serve` completes the math domain's prompts (one
+    engine call, rule rewards, a version per token) and plays the countdown domain's as
+    episodes in that domain's environments; every group keeps its prompt's place and domain."""
+    from megatron_rl.config import compose, to_typed
+    from megatron_rl.data.domains import make_task
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.disagg.events import EventLog
+    from megatron_rl.disagg.generator import Request, serve
+    from megatron_rl.envs import reference_turns
+    from megatron_rl.rewards.service import RewardService
+    from megatron_rl.rollout.multiturn import Episode
+    from megatron_rl.rollout.scripted import ScriptedPolicy
+
+    domains = ("+domains={math:{task:{type:math,num_train:4,num_eval:1}},"
+               "cd:{task:{type:agent,generator:countdown,environment:countdown,num_train:4,num_eval:1,max_turns:2}}}")
+    cfg = to_typed(compose(["+experiment=demo_countdown", domains, "rollout.mode=disaggregated"]))
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    task = make_task(cfg, tokenizer)
+    prompts = task.prompts("train")
+    math = next(p for p in prompts if p.meta["domain"] == "math")
+    agent = next(p for p in prompts if p.meta["domain"] == "cd")
+    solution, boxed = reference_turns("countdown", agent.meta)[0], f"\\boxed{{{math.meta['answer']}}}"
+
+    class Policy(ScriptedPolicy):  # math prompts are plain text, not chat turns: they get turn 0 as well
+        def _turn_index(self, prompt):
+            return max(super()._turn_index(prompt), 0)
+
+    policy = Policy(tokenizer, [lambda text: solution if agent.meta["instruction"] in text else boxed])
+    rewards = RewardService(task.verifier_factory([]))
+    events = EventLog(tmp_path / "generator0.jsonl")
+    order = [agent, math]  # positions 0 and 1 of the request, source indices 10 and 11
+    request = Request(1, [10, 11], [(list(p.tokens), dict(p.meta)) for p in order],
+                      SamplingParams(max_new_tokens=16, n=2, seed=1, stop_token_ids=task.stop_token_ids))
+    try:
+        groups = serve(cfg, 0, request, task, policy, rewards, tokenizer, lambda: None, events)
+    finally:
+        rewards.close()
+        events.close()
+    played, completed = groups
+    assert all(isinstance(r, Episode) and (r.domain, r.source_index, r.prompt_index, r.reward, r.num_turns) ==
+               ("cd", 10, 0, 1.0, 1) for r in played.rollouts)
+    assert len(played.rollouts) == len(completed.rollouts) == 2
+    for r, versions in zip(completed.rollouts, completed.token_versions):
+        assert not isinstance(r, Episode) and (r.domain, r.source_index, r.prompt_index) == ("math", 11, 1)
+        assert r.prompt_tokens == list(math.tokens) and tokenizer.decode(r.output_ids) == boxed
+        assert versions == [0] * len(r.output_ids) and r.reward == 1.0  # the right answer, boxed
+
+
 def _cfg(overrides: list[str]):
     from megatron_rl.config import compose, to_typed
 
@@ -173,6 +288,10 @@ def test_schema_refuses_disaggregated_settings_it_cannot_use(overrides, message)
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm.max_staleness=2"], "applies to rollout.mode=disaggregated only"),
     (["rollout.mode=disaggregated", "algorithm.old_logprobs=rollout"], "need old_logprobs=recompute"),
+    (["rollout.mode=disaggregated", "rollout.step_deadline_s=30"],
+     "rollout.step_deadline_s=30.* is a colocated-mode setting .* the experience buffer takes groups as they finish"),
+    (["rollout.mode=disaggregated", "rollout.agent_scheduler=async", "rollout.oversample=0.5"],
+     "rollout.oversample=0.5 is a colocated-mode setting"),
 ])
 def test_cross_group_checks(overrides, message):
     from megatron_rl.config import ConfigError
