@@ -166,7 +166,8 @@ class DisaggregatedController:
                 self._consumed(group)
                 self.events.write("group", group.generated[0], group.generated[1], step=step, version=group.version,
                                   versions=group.versions, staleness=step - group.version,
-                                  request=group.request_id, generator=group.generator)
+                                  request=group.request_id, generator=group.generator,
+                                  source=group.rollouts[0].source_index)
             self.events.write("take", take_start, time.time(), step=step, groups=len(kept))
             stats["async/generator_version"] = float(max((max(g.versions) for g in kept), default=-1))
         rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group.rollouts]

@@ -119,6 +119,34 @@ def test_partial_rollouts_span_two_versions_and_are_importance_weighted(one_step
     assert all(0 < r["tis_weight"] <= 2.0 for r in rows)
 
 
+def test_a_resumed_run_asks_again_for_the_prompts_in_flight(one_step_off, tmp_path):
+    """Checkpoints keep the prompts sent to the generators but not trained on yet. The fixture's
+    run stopped after 2 steps (its final checkpoint holds step 2's prompts, sent during step 1)
+    and resumed to 5: every step trains on the same prompts as the uninterrupted run (one
+    generator: step s trains on the sampler's s-th batch), and step 2's groups were generated
+    again after the resume, with the resumed weights (staleness 0)."""
+    reference_dir, reference, _ = one_step_off
+
+    def sources(run_dir: Path) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for e in read_events(run_dir / "timeline" / "trainer.jsonl"):
+            if e["event"] == "group":
+                out.setdefault(e["step"], []).append(e["source"])
+        return {step: sorted(found) for step, found in out.items()}
+
+    run_dir = tmp_path / "run"
+    fixture = ["algorithm.max_staleness=1", "rollout.max_new_tokens=64", "rollout.partial_rollout_tokens=2",
+               "checkpoint.save_at_end=true"]
+    _run(run_dir, "num_steps=2", *fixture)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    rows, _ = _run(run_dir, "num_steps=5", *fixture)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    expected = sources(reference_dir)
+    assert sorted(expected) == [0, 1, 2, 3, 4] and all(len(v) == 8 for v in expected.values())
+    assert sources(run_dir) == expected
+    assert rows[2]["async/staleness_max"] == 0
+
+
 @pytest.mark.slow
 def test_two_generators_with_two_steps_of_staleness(tmp_path):
     """k=2, two generators taking requests from one queue, no partial rollouts: groups may
