@@ -172,7 +172,7 @@ def run_evaluation(rt, spec: EvalSpec) -> dict[str, Any]:
                 for seed in range(spec.num_seeds):
                     got, rollouts = evaluation_records(rt, set_parts, repeat=seed)
                     got = [{"set": set_name, "checkpoint": ckpt.name, "step": ckpt.step, "seed": seed, **r,
-                            "response": decode(rollout.output_ids)} for r, rollout in zip(got, rollouts)]
+                            **_generated(rollout, decode)} for r, rollout in zip(got, rollouts)]
                     if rt.is_main:
                         with open(records_path, "a") as f:
                             f.writelines(json.dumps(r) + "\n" for r in got)
@@ -187,6 +187,18 @@ def run_evaluation(rt, spec: EvalSpec) -> dict[str, Any]:
     if not rt.is_main:
         return {}
     return write_report(out, records, spec)
+
+
+def _generated(rollout: Any, decode: Any) -> dict[str, Any]:
+    """What a record shows of the sample: the text; for an agent episode also its number of model
+    turns, how it ended and the numbers its environment reported (`info`)."""
+    from megatron_rl.rollout.multiturn import Episode
+
+    out: dict[str, Any] = {"response": decode(rollout.output_ids)}
+    if isinstance(rollout, Episode):
+        out.update(turns=rollout.num_turns, ended=rollout.status,
+                   env={k: v for k, v in rollout.info.items() if isinstance(v, (bool, int, float))})
+    return out
 
 
 def _one_line(ckpt: Checkpoint, records: list[dict[str, Any]], spec: EvalSpec, seconds: float) -> str:

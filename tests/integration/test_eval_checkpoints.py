@@ -167,6 +167,7 @@ def test_regression_sets_given_as_task_configs(evaluated):
     from megatron_rl.config import compose, to_typed
     from megatron_rl.data.tasks import Task
     from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.rollout.multiturn import TurnFormat
     from tests.integration.sandbox_servers import runtime_args
 
     run, _, _ = evaluated
@@ -189,6 +190,14 @@ def test_regression_sets_given_as_task_configs(evaluated):
         assert sorted({r["prompt"] for r in mine}) == list(range(want)) and len(mine) == want * SAMPLES, name
         assert all(0.0 <= r["reward"] <= 1.0 for r in mine)
         assert {r["set"] for r in records} == {"heldout", "regression"}
+        if name == "agent":  # each episode's turns: a tool turn answers every model turn but the last
+            observation = TurnFormat(task.tokenizer, "").observation_prefix
+            for r in mine:
+                assert 1 <= r["turns"] <= 2 and r["ended"] in ("submitted", "max_turns", "max_tokens"), r
+                assert r["response"].count(observation) == r["turns"] - 1, r
+                assert isinstance(r["env"], dict)
+        else:
+            assert not any(key in r for r in mine for key in ("turns", "ended", "env"))
 
 
 def test_multi_domain_run_per_domain_breakdown(tmp_path):
