@@ -29,7 +29,7 @@ class ExperienceGroup:
     rollouts: list[Rollout]  # Rollout.weight_version: the version of its first token
     token_versions: list[list[int]]  # per rollout: one per output token (an episode: one per model turn)
     generator: int
-    generated: tuple[float, float]  # wall-clock start and end of its request's generation
+    generated: tuple[float, float]  # wall-clock start and end of its generation (and scoring) in its request
 
     @property
     def version(self) -> int:

@@ -175,7 +175,7 @@ def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, reward
     run's request may hold both, each agent domain played with its own environments.
     `between_calls()` runs between engine calls that may take a weight update (partial rollouts)."""
     agents = {"": task.cfg} if task.is_agent else {d: task.tasks[d].cfg for d in getattr(task, "agent_domains", ())}
-    shares: dict[str, list[int]] = {}
+    shares: dict[Optional[str], list[int]] = {}  # agent domain ("": the agent task) or None: single-turn
     for p, (_, meta) in enumerate(request.prompts):
         domain = "" if task.is_agent else meta.get("domain", "")
         shares.setdefault(domain if domain in agents else None, []).append(p)
