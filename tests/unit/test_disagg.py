@@ -149,15 +149,18 @@ def test_overlap_of_two_timelines_merges_each_side_first():
     assert overlap_seconds(generate, [(3.0, 4.0)]) == 0.0
 
 
-@pytest.mark.parametrize("partial", [0, 4], ids=["updates_between_requests", "updates_between_turns"])
-def test_a_generator_plays_agent_prompts_as_episodes(tmp_path, partial):
+@pytest.mark.parametrize("scheduler, partial", [("lockstep", 0), ("lockstep", 4), ("async", 4)],
+                         ids=["updates_between_requests", "updates_between_turns", "async_scheduler"])
+def test_a_generator_plays_agent_prompts_as_episodes(tmp_path, scheduler, partial):
     """`generator.serve` on an agent task (countdown: checked in-process, no sandbox) with a
     scripted policy that first answers with the task's known-bad expression, then with its
     reference: every episode takes two turns, the environment's answer between them is masked
     out of the loss, reward 1, and each group keeps its prompt's place and source index. With
     partial rollouts a pending weight update is applied before each turn (the scripted update
     bumps the version: turns at 1, then 2; the group is as old as its first turn); without,
-    none lands inside the request."""
+    none lands inside the request. The async scheduler batches whatever turns are ready, so
+    which call serves which turn varies; a second turn still comes from a later call than the
+    first, with a newer version."""
     from megatron_rl.config import compose, to_typed
     from megatron_rl.data.domains import make_task
     from megatron_rl.data.tokenizer import load_tokenizer
@@ -170,7 +173,8 @@ def test_a_generator_plays_agent_prompts_as_episodes(tmp_path, partial):
     from megatron_rl.rollout.scripted import ScriptedPolicy
 
     cfg = to_typed(compose(["+experiment=demo_agent_countdown", "rollout.mode=disaggregated", "task.num_train=8",
-                            "task.num_eval=2", f"rollout.partial_rollout_tokens={partial}"]))
+                            "task.num_eval=2", f"rollout.partial_rollout_tokens={partial}",
+                            f"rollout.agent_scheduler={scheduler}"]))
     tokenizer = load_tokenizer(cfg.model.tokenizer)
     task = make_task(cfg, tokenizer)
     prompts = task.prompts("train")[:2]
@@ -196,23 +200,34 @@ def test_a_generator_plays_agent_prompts_as_episodes(tmp_path, partial):
     finally:
         rewards.close()
         events.close()
+    generate = [e for e in read_events(tmp_path / "generator0.jsonl") if e["event"] == "generate"]
+    lockstep = scheduler == "lockstep"
     turns = [1, 2] if partial else [0, 0]
     assert [(g.request_id, g.generator, len(g.rollouts)) for g in groups] == [(7, 0, 2), (7, 0, 2)]
     for position, (group, prompt) in enumerate(zip(groups, prompts)):
         meta = prompt.meta
-        assert (group.version, group.versions) == (turns[0], sorted(set(turns)))
+        if lockstep:
+            assert (group.version, group.versions) == (turns[0], sorted(set(turns)))
+        else:
+            assert group.version == min(ep.turn_versions[0] for ep in group.rollouts)
         for ep in group.rollouts:
             assert isinstance(ep, Episode) and (ep.prompt_index, ep.source_index) == (position, [3, 5][position])
-            assert (ep.reward, ep.status, ep.num_turns, ep.turn_versions, ep.weight_version) == \
-                (1.0, "submitted", 2, turns, turns[0])
+            assert (ep.reward, ep.status, ep.num_turns, ep.weight_version) == (1.0, "submitted", 2, ep.turn_versions[0])
+            if lockstep:
+                assert ep.turn_versions == turns
+            else:
+                assert 1 <= ep.turn_versions[0] < ep.turn_versions[1] <= len(generate)
             model = tokenizer.decode([t for t, m in zip(ep.output_ids, ep.model_mask) if m])
             eot = fmt.end_of_turn
             assert model == known_bad_turns("countdown", meta)[0] + eot + reference_turns("countdown", meta)[0] + eot
             assert 0 in ep.model_mask and ep.prompt_tokens == fmt.encode(fmt.prompt(meta["instruction"]))
     stats = episode_stats(task, [ep for g in groups for ep in g.rollouts])
     assert (stats["agent/turns_mean"], stats["agent/submitted"], stats["agent/env/solved"]) == (2.0, 4.0, 1.0)
-    generate = [e for e in read_events(tmp_path / "generator0.jsonl") if e["event"] == "generate"]
-    assert [(e["request"], e["sequences"], e["version"]) for e in generate] == [(7, 4, v) for v in turns]
+    if lockstep:
+        assert [(e["request"], e["sequences"], e["version"]) for e in generate] == [(7, 4, v) for v in turns]
+    else:  # one version per call: the update before it
+        assert [e["version"] for e in generate] == list(range(1, len(generate) + 1))
+        assert sum(e["sequences"] for e in generate) == 8 and all(e["request"] == 7 for e in generate)
 
 
 def test_a_joint_request_completes_single_turn_prompts_and_plays_agent_ones(tmp_path):
