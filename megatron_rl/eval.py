@@ -1,7 +1,8 @@
 """Offline evaluation of a run's checkpoints:
 
     python -m megatron_rl.eval --run RUN_DIR [--checkpoints all|latest|hf|STEP|DIR ...] [--seeds 3]
-        [--pass-k 1 4] [--regression FILE.jsonl | task=NAME,...] [--name NAME | --out DIR] [key=value ...]
+        [--pass-k 1 4] [--regression [SET=]FILE.jsonl | [SET=]task=NAME,...]... [--name NAME | --out DIR]
+        [key=value ...]
 
 and of repeated training runs, from their evaluations (no model is loaded):
 
@@ -40,18 +41,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--step", type=int, default=None,
                         help="with --pool: the training step to take from each run (default: its latest evaluated)")
     parser.add_argument("--set", default="heldout", dest="set_name",
-                        help="with --pool: heldout (default) or regression")
+                        help="with --pool: heldout (default), regression or a regression set's name")
     parser.add_argument("--checkpoints", nargs="+", default=["all"], metavar="CKPT",
                         help="all (default: every training checkpoint, by step), latest, hf (every HF export), a "
                              "step number, a checkpoint name or directory; the first one is the baseline")
     parser.add_argument("--seeds", type=int, default=3, help="sampling seeds per checkpoint (default 3)")
     parser.add_argument("--pass-k", type=int, nargs="+", default=None, metavar="K",
                         help="k values of pass@k, each <= task.eval_samples (default: 1 and task.eval_samples)")
-    parser.add_argument("--regression", default=None, metavar="FILE|task=NAME,...",
+    parser.add_argument("--regression", action="append", default=[], metavar="[SET=]FILE|task=NAME,...",
                         help="regression set evaluated on every checkpoint besides the held-out set: a file "
                              "(JSONL / Parquet / saved dataset, the run's task columns) or a task config, "
                              "task=NAME[,key=value...] (the eval split of conf/task/NAME.yaml with those task "
-                             "fields, e.g. task=math,num_eval=200,seed=7 or task=math,type=agent,generator=function)")
+                             "fields, e.g. task=math,num_eval=200,seed=7 or task=math,type=agent,generator=function). "
+                             "Repeat it for several sets, each named SET= or after its task / file "
+                             "(one set without a name: 'regression')")
     parser.add_argument("--name", default=None, help="output under RUN/eval/NAME (default: a timestamp)")
     parser.add_argument("--out", default=None, help="output directory (instead of RUN/eval/NAME)")
     parser.add_argument("--confidence", type=float, default=0.95, help="interval level (default 0.95)")
@@ -65,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from megatron_rl.evaluation.runner import (
         EvalSpec,
         load_run_config,
-        regression_task_config,
+        regression_sets,
         resolve_checkpoints,
         run_evaluation,
     )
@@ -92,15 +95,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise ConfigError(f"--pass-k {' '.join(map(str, ks))} is invalid with task.eval_samples={n}: each k "
                               f"must be in 1..{n}; draw more samples with task.eval_samples=N")
         checkpoints = resolve_checkpoints(args.run, args.checkpoints)
-        if args.regression:
-            regression = regression_task_config(args.regression)
-            if regression is None and not Path(args.regression).exists():
-                raise ConfigError(f"--regression {args.regression}: no such file (a task config is task=NAME,...)")
+        regression = regression_sets(args.regression)
     except ValueError as exc:  # ConfigError is one
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     spec = EvalSpec(run=str(Path(args.run).resolve()), checkpoints=checkpoints, out_dir=cfg.run_dir,
-                    num_seeds=args.seeds, ks=ks, regression=args.regression, confidence=args.confidence,
+                    num_seeds=args.seeds, ks=ks, regression=regression, confidence=args.confidence,
                     num_resamples=args.resamples)
     rt = runtime.start_with_config(cfg, argv, "megatron_rl.eval")
     if rt is None:  # this process launched the local workers, which did the work

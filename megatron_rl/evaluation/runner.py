@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 HELD_OUT = "heldout"
 REGRESSION = "regression"
 _STEP_NAME = re.compile(r"step_(\d+)$")
+_SET_NAME = re.compile(r"[A-Za-z][\w.-]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,7 @@ class EvalSpec:
     out_dir: str
     num_seeds: int = 3
     ks: tuple[int, ...] = (1,)
-    regression: Optional[str] = None
+    regression: tuple[tuple[str, str], ...] = ()  # (set name, spec) per regression set (`regression_sets`)
     confidence: float = 0.95
     num_resamples: int = 10_000
 
@@ -152,8 +153,8 @@ def run_evaluation(rt, spec: EvalSpec) -> dict[str, Any]:
     parts = build(rt)
     parts["domains"] = None  # offline: no domain pausing; per-domain numbers come from the records
     sets = {HELD_OUT: parts}
-    if spec.regression:
-        sets[REGRESSION] = _regression_parts(rt, parts, spec.regression)
+    for set_name, regression in spec.regression:
+        sets[set_name] = _regression_parts(rt, parts, regression, set_name)
     out = Path(spec.out_dir)
     records_path = out / "records.jsonl"
     # What was generated, special tokens kept: an agent episode's turn and observation markers show.
@@ -227,6 +228,32 @@ def _load(trainer, ckpt: Checkpoint) -> None:
         trainer.load_hf(ckpt.path)
 
 
+def regression_sets(given: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """(set name, spec) of each `--regression [NAME=]SPEC`, checked before any work (raises
+    ConfigError): SPEC a file or a task config (`regression_task_config`). One set without a NAME
+    is called `regression`; with several, each is named by NAME, else by its task's name
+    (task=math,...: math) or file name without suffix; names must differ and not be heldout."""
+    from megatron_rl.config import ConfigError
+
+    out: list[tuple[str, str]] = []
+    for item in given:
+        name, named, spec = item.partition("=")
+        if not named or not _SET_NAME.fullmatch(name) or name == "task":  # no NAME: the whole item is the spec
+            name, spec = "", item
+        task = regression_task_config(spec)
+        if task is None and not Path(spec).exists():
+            raise ConfigError(f"--regression {item}: no such file (a task config is task=NAME,...)")
+        if not name and len(given) > 1:
+            name = task.name if task is not None else Path(spec).name.split(".")[0]
+        out.append((name or REGRESSION, spec))
+    names = [name for name, _ in out]
+    clash = next((n for n in names if names.count(n) > 1 or n == HELD_OUT), None)
+    if clash:
+        raise ConfigError(f"--regression: two sets would be called {clash!r} (or it is the held-out set's name): "
+                          "name them, --regression NAME=SPEC")
+    return tuple(out)
+
+
 def regression_task_config(spec: str) -> Optional[Any]:
     """The TaskConfig of a regression set given as a task config, `task=NAME[,key=value...]`
     (conf/task/NAME.yaml with those fields changed, e.g. `task=math,num_eval=200,seed=7`); None
@@ -249,7 +276,7 @@ def regression_task_config(spec: str) -> Optional[Any]:
     return cfg.task
 
 
-def _regression_parts(rt, parts: dict, spec: str) -> dict:
+def _regression_parts(rt, parts: dict, spec: str, set_name: str = REGRESSION) -> dict:
     """The run's parts with the regression set's prompts, task and reward service: a file's rows
     read with the run's task settings (prompt_key, answer_key, chat_template, ...), or the eval
     split of a task config (`regression_task_config`: generated problems, an agent task set)
@@ -262,12 +289,12 @@ def _regression_parts(rt, parts: dict, spec: str) -> dict:
     if task_cfg is None:
         base = rt.cfg.task
         reward = base.reward if base.reward in ("math", "exact", "tests") else "auto"
-        task_cfg = dataclasses.replace(base, name=REGRESSION, type="dataset", path=spec, eval_path=spec,
+        task_cfg = dataclasses.replace(base, name=set_name, type="dataset", path=spec, eval_path=spec,
                                        num_eval=10**9, reward=reward)
     task = Task(task_cfg, parts["tokenizer"])
     prompts = task.prompts("eval")
     if not prompts:
         raise ValueError(f"the regression set {spec} has no rows")
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
-    logger.info("regression set %s: %d prompts, reward %s", spec, len(prompts), task.reward_kind)
+    logger.info("regression set %s: %d prompts, reward %s (set %s)", spec, len(prompts), task.reward_kind, set_name)
     return dict(parts, task=task, eval=prompts, rewards=RewardService(task.verifier_factory(addresses)))

@@ -153,17 +153,20 @@ def test_bad_arguments_fail_before_any_work(evaluated, tmp_path):
                           (["--run", str(run), "+task.foo=1"], "is invalid: evaluation takes key=value"),
                           (["--run", str(run), "--regression", "task=nosuch"], "--regression task=nosuch:"),
                           (["--run", str(run), "--regression", "task=math,num_eval"], "'num_eval' is not key=value"),
-                          (["--run", str(run), "--regression", str(tmp_path / "no.jsonl")], "no such file")]:
+                          (["--run", str(run), "--regression", str(tmp_path / "no.jsonl")], "no such file"),
+                          (["--run", str(run), "--regression", "task=math", "--regression", "task=math,seed=4"],
+                           "two sets would be called 'math'")]:
         proc = subprocess.run([sys.executable, "-m", "megatron_rl.eval", *args], capture_output=True, text=True,
                               env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
 
 
 def test_regression_sets_given_as_task_configs(evaluated):
-    """`--regression task=NAME,key=value,...`: the eval split of that task config, with its own
-    verifier: generated math problems with another seed, and an agent task set (episodes in the
-    sandbox, offline) evaluated on the math run's checkpoint. The prompts are those the task
-    config itself makes."""
+    """`--regression SET=task=NAME,key=value,...`, repeated: several regression sets in one
+    evaluation, each the eval split of its task config with its own verifier: generated math
+    problems with another seed, and an agent task set (episodes in the sandbox, offline), on the
+    math run's checkpoint. The prompts are those each task config itself makes; the summary has
+    every set under its name."""
     from megatron_rl.config import compose, to_typed
     from megatron_rl.data.tasks import Task
     from megatron_rl.data.tokenizer import load_tokenizer
@@ -171,25 +174,28 @@ def test_regression_sets_given_as_task_configs(evaluated):
     from tests.integration.sandbox_servers import runtime_args
 
     run, _, _ = evaluated
-    cases = {"math": ("task=math,num_eval=5,seed=3", "math")}
+    cases = {"seed3": ("task=math,num_eval=5,seed=3", "math")}
     if runtime_args("bwrap") is not None:
         cases["agent"] = ("task=math,type=agent,generator=function,num_eval=2,max_turns=2,max_episode_tokens=400",
                           "environment")
+    given = [arg for name, (spec, _) in cases.items() for arg in ("--regression", f"{name}={spec}")]
+    proc = _run(["megatron_rl.eval", "--run", str(run), "--checkpoints", "latest", "--seeds", "1", *given,
+                 "--name", "regression_sets", "--resamples", "200", "rollout.max_new_tokens=32"])
+    out = run / "eval" / "regression_sets"
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert {r["set"] for r in records} == {"heldout", *cases}
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["checkpoints"][0]["sets"]) == {"heldout", *cases}
     for name, (spec, reward) in cases.items():
-        proc = _run(["megatron_rl.eval", "--run", str(run), "--checkpoints", "latest", "--seeds", "1",
-                     "--regression", spec, "--name", f"regression_{name}", "--resamples", "200",
-                     "rollout.max_new_tokens=32"])
         cfg = to_typed(compose(["task=math", *(f"task.{item}" for item in spec.split(",")[1:])]))
         task = Task(cfg.task, load_tokenizer(cfg.model.tokenizer))
         want = len(task.prompts("eval"))
         assert task.reward_kind == reward and want == cfg.task.num_eval
-        assert f"regression set {spec}: {want} prompts, reward {reward}" in proc.stderr, proc.stderr[-3000:]
-        records = [json.loads(line) for line in (run / "eval" / f"regression_{name}" / "records.jsonl").read_text()
-                   .splitlines()]
-        mine = [r for r in records if r["set"] == "regression"]
+        assert f"regression set {spec}: {want} prompts, reward {reward} (set {name})" in proc.stderr, \
+            proc.stderr[-3000:]
+        mine = [r for r in records if r["set"] == name]
         assert sorted({r["prompt"] for r in mine}) == list(range(want)) and len(mine) == want * SAMPLES, name
         assert all(0.0 <= r["reward"] <= 1.0 for r in mine)
-        assert {r["set"] for r in records} == {"heldout", "regression"}
         if name == "agent":  # each episode's turns: a tool turn answers every model turn but the last
             observation = TurnFormat(task.tokenizer, "").observation_prefix
             for r in mine:
