@@ -71,6 +71,16 @@ class Session:
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
 
+    @contextlib.asynccontextmanager
+    async def use(self):
+        """Hold the session for one call; it counts as used when the call ends too (a long call
+        does not make it look idle)."""
+        async with self.lock:
+            try:
+                yield
+            finally:
+                self.last_used = time.monotonic()
+
 
 class _Busy(Exception):
     pass
@@ -89,7 +99,7 @@ class SandboxService(pb2_grpc.SandboxServicer):
     def __init__(self, runtime: Runtime, limiter: Limiter, pool: WorkspacePool, defaults: Limits,
                  maximum: Limits, capacity: int, max_queue: int, max_sessions: int, name: str,
                  snapshot_dir: Path, remembered: int = 10000,
-                 classes: Optional[dict[str, ClassPolicy]] = None) -> None:
+                 classes: Optional[dict[str, ClassPolicy]] = None, session_idle_timeout_s: float = 0.0) -> None:
         self.runtime, self.limiter, self.pool = runtime, limiter, pool
         self.defaults, self.maximum = defaults, maximum
         self.capacity, self.max_queue, self.max_sessions = capacity, max_queue, max_sessions
@@ -105,6 +115,8 @@ class SandboxService(pb2_grpc.SandboxServicer):
         self._results: collections.OrderedDict[tuple[str, str], asyncio.Future] = collections.OrderedDict()
         self._remembered = remembered
         self.sessions: dict[str, Session] = {}
+        self.session_idle_timeout_s = session_idle_timeout_s
+        self.sessions_reaped = 0
 
     # -- admission and idempotency -----------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -245,7 +257,7 @@ class SandboxService(pb2_grpc.SandboxServicer):
             session = self._session(request.session_id)
             limits = self._limits(request.limits, session.limits)
             cls = priority_class(request.priority_class, session.priority_class)
-            async with session.lock:
+            async with session.use():
                 outcome = await self._run_in(session.workspace, session.image, request.argv, request.stdin,
                                              request.env, limits, cls)
             return self._result(outcome)
@@ -262,7 +274,7 @@ class SandboxService(pb2_grpc.SandboxServicer):
     async def WriteFile(self, request, context):
         async def work():
             session = self._session(request.session_id)
-            async with session.lock:
+            async with session.use():
                 n = session.workspace.write(request.file.path, request.file.content, request.file.executable)
             return pb2.WriteFileResult(bytes_written=n)
         return await self._once("WriteFile", request.idempotency_key, context, work)
@@ -270,7 +282,7 @@ class SandboxService(pb2_grpc.SandboxServicer):
     async def Snapshot(self, request, context):
         async def work():
             session = self._session(request.session_id)
-            async with session.lock:
+            async with session.use():
                 data = await asyncio.to_thread(session.workspace.snapshot)
             snapshot_id = uuid.uuid4().hex
             (self.snapshot_dir / f"{snapshot_id}.tar").write_bytes(data)
@@ -283,7 +295,7 @@ class SandboxService(pb2_grpc.SandboxServicer):
             path = self.snapshot_dir / f"{Path(request.snapshot_id).name}.tar"
             if not path.is_file():
                 raise KeyError(f"snapshot {request.snapshot_id!r} does not exist on {self.name}")
-            async with session.lock:
+            async with session.use():
                 await asyncio.to_thread(session.workspace.restore, path.read_bytes())
             return pb2.SessionInfo(session_id=session.id, server=self.name)
         return await self._once("Restore", request.idempotency_key, context, work)
@@ -303,12 +315,45 @@ class SandboxService(pb2_grpc.SandboxServicer):
                                capacity=self.capacity, running=self.scheduler.running, queued=self.scheduler.queued,
                                max_queue=self.max_queue, executions_started=self.started,
                                executions_finished=self.finished, sessions=len(self.sessions),
-                               address=self.address, backpressure=self.scheduler.backpressure(), classes=classes)
+                               address=self.address, backpressure=self.scheduler.backpressure(), classes=classes,
+                               sessions_reaped=self.sessions_reaped)
+
+    async def reap_idle_sessions(self) -> int:
+        """Close the sessions no call has used for session_idle_timeout_s: their client died or
+        never closed them (a killed trainer or generator), and they would hold workspaces and
+        count against --max-sessions for the server's lifetime. A session with a call in
+        progress is never closed (it holds the session's lock). Returns how many were closed."""
+        if self.session_idle_timeout_s <= 0:
+            return 0
+        now = time.monotonic()
+        idle = [s for s in self.sessions.values()
+                if now - s.last_used > self.session_idle_timeout_s and not s.lock.locked()]
+        for session in idle:  # out of the table before the first await: no call can find it after this
+            del self.sessions[session.id]
+        for session in idle:
+            logger.warning("closing session %s on %s: unused for %.0fs (--session-idle-timeout-s %g)", session.id,
+                           self.name, now - session.last_used, self.session_idle_timeout_s)
+            async with session.lock:
+                await asyncio.to_thread(self.pool.destroy, session.workspace)
+        self.sessions_reaped += len(idle)
+        return len(idle)
 
     async def close_all_sessions(self) -> None:
         for session_id in list(self.sessions):
             session = self.sessions.pop(session_id)
             await asyncio.to_thread(self.pool.destroy, session.workspace)
+
+
+async def _reap_every(service: SandboxService, seconds: float) -> None:
+    """Look for idle sessions four times per timeout (at most once a minute); nothing when it is 0."""
+    if seconds <= 0:
+        return
+    while True:
+        await asyncio.sleep(min(seconds, 60.0))
+        try:
+            await service.reap_idle_sessions()
+        except Exception:  # a workspace that fails to unmount must not stop later reaping
+            logger.exception("reaping idle sessions failed")
 
 
 async def _raise(exc: BaseException):
@@ -369,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--class-max-queue", default="",
                    help="most waiting executions per class before refusing (default: --max-queue), e.g. build=64")
     p.add_argument("--max-sessions", type=int, default=512)
+    p.add_argument("--session-idle-timeout-s", type=float, default=1800.0,
+                   help="close sessions no call has used this long (a client that died never closes its "
+                        "own); 0 keeps them until closed")
     p.add_argument("--prewarm", type=int, default=8, help="ready workspaces kept mounted")
     p.add_argument("--work-dir", default=None, help="where workspaces live (default: a fresh temp dir)")
     p.add_argument("--run-dir", default=None, help="write the discovery file into <run-dir>/sandbox/")
@@ -383,6 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None) -> None:
     classes = class_policies(args.class_weights, args.class_quota, args.class_max_queue)
+    if args.session_idle_timeout_s < 0:
+        raise SystemExit(f"--session-idle-timeout-s {args.session_idle_timeout_s:g} must be >= 0 (0: never)")
     if args.runtime == "process":
         runtime = make_runtime("process", allow_unisolated=args.allow_unisolated)
     elif args.runtime == "apptainer":
@@ -397,7 +447,8 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
     pool = WorkspacePool(work_dir / "workspaces", defaults.disk_bytes, prewarm=args.prewarm)
     name = args.name or f"{socket.gethostname()}-{os.getpid()}"
     service = SandboxService(runtime, limiter, pool, defaults, maximum, args.capacity, args.max_queue,
-                             args.max_sessions, name, work_dir / "snapshots", classes=classes)
+                             args.max_sessions, name, work_dir / "snapshots", classes=classes,
+                             session_idle_timeout_s=args.session_idle_timeout_s)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 2**20),
                                       ("grpc.max_send_message_length", 256 * 2**20)])
     pb2_grpc.add_SandboxServicer_to_server(service, server)
@@ -418,9 +469,11 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reaper = asyncio.ensure_future(_reap_every(service, args.session_idle_timeout_s / 4))
     if ready is not None:
         ready.set()
     await stop.wait()
+    reaper.cancel()
     logger.info("draining: refusing new calls, waiting up to %.0fs for running ones", args.drain_s)
     service.draining = True
     if discovery is not None:

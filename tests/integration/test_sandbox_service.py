@@ -209,3 +209,38 @@ def test_discovery_file_names_the_address(tmp_path):
         assert info["address"] == srv.address and info["runtime"] == "bwrap"
     finally:
         srv.stop()
+
+
+def test_sessions_left_open_are_closed_after_the_idle_timeout():
+    """A client that dies never closes its sessions: the server closes those no call has used for
+    --session-idle-timeout-s (1 s here), which frees their workspaces and their place under
+    --max-sessions (2 here). A session whose call runs longer than the timeout is not idle: it
+    stays open and is used right after the call."""
+    from megatron_rl_sandbox.client import SandboxUnavailable
+
+    srv = start_server("bwrap", "--session-idle-timeout-s", "1", "--max-sessions", "2")
+
+    async def go():
+        async with _client(srv.address) as client:
+            abandoned = await client.open_session({"a.txt": "a"})
+            busy = await client.open_session()
+            long_call = await busy.exec(["sh", "-c", "sleep 2.5; echo done"], limits={"wall_time_s": 10})
+            await asyncio.sleep(0.6)  # idle 0.6 s since the call ended, 3.1 s since it began
+            again = await busy.exec(["echo", "still open"])
+            fresh = await client.open_session(deadline_s=5)  # room: the abandoned session was closed
+            health = (await client.health())[srv.address]
+            try:
+                await abandoned.read_file("a.txt", deadline_s=5)
+                lost = None
+            except (grpc.aio.AioRpcError, SandboxUnavailable) as exc:
+                lost = exc
+            await fresh.close()
+            return long_call, again, health, lost
+    try:
+        long_call, again, health, lost = asyncio.run(go())
+    finally:
+        srv.stop()
+    assert long_call.stdout == b"done\n" and again.stdout == b"still open\n"
+    assert (health.sessions, health.sessions_reaped) == (2, 1)
+    assert lost is not None and "is not open" in str(lost), lost
+    assert "unused for" in srv.log.read_text()
