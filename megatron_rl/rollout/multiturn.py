@@ -125,6 +125,22 @@ def run_episodes(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: S
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
 
     live: list[_Live] = []
+    try:
+        _play_lockstep(engine, tasks, n, params, make_env, fmt, limits, on_loop, live)
+    except BaseException:  # an engine failure or a stop: still close the environments (their sandbox sessions)
+        try:
+            asyncio.run_coroutine_threadsafe(_gather([x.env.close() for x in live]), loop).result(30)
+        except Exception as exc:
+            logger.warning("closing %d environments after a failed rollout: %s", len(live), exc)
+        raise
+    on_loop(_gather([x.env.close() for x in live]))
+    return [x.episode for x in live]
+
+
+def _play_lockstep(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: SamplingParams,
+                   make_env: Callable[[], Any], fmt: TurnFormat, limits: EpisodeLimits, on_loop: Callable,
+                   live: list[_Live]) -> None:
+    """`run_episodes`' body: fills `live` as environments are made, plays every episode to its end."""
     for index, task in enumerate(tasks):
         for _ in range(n):
             prompt = fmt.encode(fmt.prompt(task["instruction"]))
@@ -157,8 +173,6 @@ def run_episodes(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: S
     for x in live:
         x.episode.model_errors = getattr(x.env, "model_errors", 0)
         x.episode.infra_errors += getattr(x.env, "infra_errors", 0)
-    on_loop(_gather([x.env.close() for x in live]))
-    return [x.episode for x in live]
 
 
 def task_system_prompt(task_cfg: Any) -> str:

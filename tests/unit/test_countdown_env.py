@@ -147,3 +147,39 @@ def test_quality_checks_countdown_tasks_without_a_sandbox():
         runner.close()
     bad = CountdownEnvironment.known_bad_turns({"numbers": [2, 2, 5], "target": 4})  # 2+2 and 2*2 are 4
     assert bad == ["2-2"] and check([2, 2, 5], 4, bad[0]) == (False, "0, too low")
+
+
+def test_an_engine_failure_mid_episode_still_closes_every_environment(loop):
+    """The lockstep rollout raises what the engine raised (a disaggregated generator's stop, a
+    dead engine) after closing every environment it made, so none leaves a sandbox session behind."""
+    tokenizer = load_tokenizer("builtin:char")
+    fmt = TurnFormat(tokenizer, SYSTEM_PROMPT)
+    task = {"id": "t", "instruction": "3 5 7 -> 22", "numbers": NUMBERS, "target": TARGET}
+    made: list = []
+
+    def make():
+        env = make_environment("countdown")
+        close = env.close
+        env.closed = False
+
+        async def closing():
+            env.closed = True
+            await close()
+        env.close = closing
+        made.append(env)
+        return env
+
+    class FailsOnTheSecondTurn(ScriptedPolicy):
+        calls = 0
+
+        def generate(self, prompts, params):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("engine died")
+            return super().generate(prompts, params)
+
+    policy = FailsOnTheSecondTurn(tokenizer, ["5+7", "3*5+7"], end_of_turn=fmt.end_of_turn)
+    with pytest.raises(RuntimeError, match="engine died"):
+        run_episodes(policy, [task, task], 2, SamplingParams(max_new_tokens=16), make, fmt,
+                     EpisodeLimits(max_turns=3, max_tokens=512), loop)
+    assert len(made) == 4 and all(env.closed for env in made)
