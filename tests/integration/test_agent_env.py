@@ -253,6 +253,25 @@ def test_rl_loop_on_agent_tasks(tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
 
+def test_sandboxed_episodes_from_a_disaggregated_generator(tmp_path):
+    """rollout.mode=disaggregated with the async scheduler on sandboxed agent tasks: the generator
+    process plays the episodes in the sandbox server the job started (it gets the server's
+    address), its environments verify in the sandbox (their fail-to-pass tests ran: one per task),
+    and the trainer trains on and logs the episodes it took from the buffer."""
+    import json
+
+    run_dir = tmp_path / "run"
+    _agent_job(run_dir, "task.sft_warmup_steps=0", "task.max_turns=3", "num_steps=2", "rollout.max_new_tokens=24",
+               "rollout.mode=disaggregated", "rollout.agent_scheduler=async")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert _ended(r) == 8 and r["agent/dropped"] == 0 and r["agent/infra_errors"] == 0
+        assert r["agent/env/fail_to_pass_total"] == 1 and 1 <= r["agent/turns_mean"] <= 3
+        assert r["async/staleness_max"] <= 1
+    assert (run_dir / "logs" / "sandbox-server.log").exists() and (run_dir / "logs" / "generator0.log").exists()
+
+
 def test_agent_warm_start_on_verified_reference_episodes(tmp_path):
     """`task.sft_warmup_steps` on agent tasks: each training task's reference solution is played
     through its environment (write, submit) and verified before the supervised steps train on
