@@ -333,8 +333,11 @@ class SandboxService(pb2_grpc.SandboxServicer):
         for session in idle:
             logger.warning("closing session %s on %s: unused for %.0fs (--session-idle-timeout-s %g)", session.id,
                            self.name, now - session.last_used, self.session_idle_timeout_s)
-            async with session.lock:
-                await asyncio.to_thread(self.pool.destroy, session.workspace)
+            try:
+                async with session.lock:
+                    await asyncio.to_thread(self.pool.destroy, session.workspace)
+            except Exception:  # one workspace that fails to go must not keep the others
+                logger.exception("destroying the workspace of session %s failed", session.id)
         self.sessions_reaped += len(idle)
         return len(idle)
 
@@ -352,7 +355,7 @@ async def _reap_every(service: SandboxService, seconds: float) -> None:
         await asyncio.sleep(min(seconds, 60.0))
         try:
             await service.reap_idle_sessions()
-        except Exception:  # a workspace that fails to unmount must not stop later reaping
+        except Exception:  # whatever failed, later rounds still reap
             logger.exception("reaping idle sessions failed")
 
 
