@@ -12,6 +12,8 @@ evaluation adds `set`, `checkpoint`, `step` and `seed`.
 
 from __future__ import annotations
 
+import collections
+
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -104,8 +106,24 @@ def _summary(records, ks, confidence, num_resamples, seed) -> dict[str, Any]:
                          "prompts": bootstrap_interval(scores, confidence, num_resamples, seed).to_dict(),
                          "per_seed": {str(s): m[name] for s, m in per_seed.items()}}
     counts = counts_per_prompt(records)
-    return {"num_prompts": len(counts), "num_samples": len(records), "num_seeds": len(per_seed),
-            "metrics": metrics}
+    out = {"num_prompts": len(counts), "num_samples": len(records), "num_seeds": len(per_seed), "metrics": metrics}
+    episodes = [r for r in records if "turns" in r]
+    if episodes:
+        out["episodes"] = episode_summary(episodes)
+    return out
+
+
+def episode_summary(episodes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Agent episodes' records (they carry `turns` and `ended`): model turns per episode (mean,
+    and per number of turns how many episodes took it), the share of each ending, and the
+    model turns of the episodes that got the full reward."""
+    turns = [int(r["turns"]) for r in episodes]
+    solved = [int(r["turns"]) for r in episodes if r.get("correct")]
+    ended = collections.Counter(str(r["ended"]) for r in episodes)
+    return {"num_episodes": len(episodes), "turns_mean": float(np.mean(turns)),
+            "turns": {str(k): v for k, v in sorted(collections.Counter(turns).items())},
+            "ended": {k: v / len(episodes) for k, v in sorted(ended.items())},
+            "turns_mean_solved": float(np.mean(solved)) if solved else None}
 
 
 def compare(baseline: Sequence[Mapping[str, Any]], candidate: Sequence[Mapping[str, Any]], ks: Sequence[int],

@@ -96,6 +96,22 @@ def _metric_table(summary: dict[str, Any], set_name: str, domain: str | None = N
     return lines
 
 
+def _episode_table(summary: dict[str, Any], set_name: str) -> list[str]:
+    """Agent episodes per checkpoint: model turns (mean; of the solved ones) and how they ended."""
+    endings = sorted({e for c in summary["checkpoints"] for e in c["sets"].get(set_name, {}).get("episodes", {})
+                      .get("ended", {})})
+    lines = ["| checkpoint | turns (mean) | turns, solved episodes | " + " | ".join(endings) + " |",
+             "|---|---|---|" + "---|" * len(endings)]
+    for ckpt in summary["checkpoints"]:
+        e = ckpt["sets"].get(set_name, {}).get("episodes")
+        if e is None:
+            continue
+        solved = "n/a" if e["turns_mean_solved"] is None else f"{e['turns_mean_solved']:.2f}"
+        shares = " | ".join(f"{e['ended'].get(name, 0.0):.0%}" for name in endings)
+        lines.append(f"| {ckpt['name']} | {e['turns_mean']:.2f} | {solved} | {shares} |")
+    return lines
+
+
 def report_markdown(summary: dict[str, Any], comparison: dict[str, Any], plot: Path | None) -> str:
     conf = round(100 * summary["confidence"])
     lines = [f"# Evaluation of {summary['run']}", "",
@@ -108,6 +124,8 @@ def report_markdown(summary: dict[str, Any], comparison: dict[str, Any], plot: P
         first = next(c["sets"][set_name] for c in summary["checkpoints"] if set_name in c["sets"])
         lines += [f"## Set `{set_name}` ({first['num_prompts']} prompts, {first['num_samples']} samples per "
                   "checkpoint)", "", *_metric_table(summary, set_name), ""]
+        if "episodes" in first:
+            lines += [*_episode_table(summary, set_name), ""]
         for domain in first.get("domains", {}):
             lines += [f"### Domain `{domain}`", "", *_metric_table(summary, set_name, domain), ""]
     lines += ["## Comparison with the baseline", "", comparison_markdown(comparison), ""]

@@ -202,6 +202,9 @@ def test_regression_sets_given_as_task_configs(evaluated):
                 assert 1 <= r["turns"] <= 2 and r["ended"] in ("submitted", "max_turns", "max_tokens"), r
                 assert r["response"].count(observation) == r["turns"] - 1, r
                 assert isinstance(r["env"], dict)
+            episodes = summary["checkpoints"][0]["sets"][name]["episodes"]
+            assert episodes["num_episodes"] == len(mine)
+            assert episodes["turns_mean"] == pytest.approx(statistics.fmean(r["turns"] for r in mine))
         else:
             assert not any(key in r for r in mine for key in ("turns", "ended", "env"))
 

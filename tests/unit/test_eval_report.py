@@ -61,3 +61,33 @@ def test_checkpoint_selectors(tmp_path):
         resolve_checkpoints(tmp_path, ["5"])
     with pytest.raises(ValueError, match="found no checkpoint"):
         resolve_checkpoints(tmp_path / "empty", ["all"])
+
+
+def test_agent_episodes_get_turn_and_ending_statistics(tmp_path):
+    """Records of agent episodes (`turns`, `ended`) add an `episodes` block to their set's summary
+    (and to their domain's) and a table to the report; single-turn records add none. Expected
+    values counted by hand from the planted records below."""
+    rows = []
+    # 4 prompts x 2 samples, one seed: (turns, ended, solved) per sample
+    plan = [(1, "submitted", True), (3, "max_turns", False), (2, "submitted", True), (3, "max_turns", False),
+            (2, "max_tokens", False), (1, "submitted", True), (3, "submitted", True), (2, "dropped", False)]
+    for i, (turns, ended, solved) in enumerate(plan):
+        rows.append({"set": "heldout", "checkpoint": "step_00000005", "step": 5, "seed": 0, "prompt": i // 2,
+                     "sample": i % 2, "domain": "agent", "reward": float(solved), "correct": solved,
+                     "turns": turns, "ended": ended})
+    rows += [{"set": "heldout", "checkpoint": "step_00000005", "step": 5, "seed": 0, "prompt": 10 + p, "sample": s,
+              "domain": "math", "reward": 1.0, "correct": True} for p in range(2) for s in range(2)]
+    spec = EvalSpec(run="RUN", checkpoints=(Checkpoint("step_00000005", "/a", "train", 5),), out_dir=str(tmp_path),
+                    num_seeds=1, ks=(1,), num_resamples=200)
+    heldout = write_report(tmp_path, rows, spec)["checkpoints"][0]["sets"]["heldout"]
+    episodes = heldout["episodes"]
+    assert episodes["num_episodes"] == 8
+    assert episodes["turns_mean"] == pytest.approx((1 + 3 + 2 + 3 + 2 + 1 + 3 + 2) / 8)
+    assert episodes["turns"] == {"1": 2, "2": 3, "3": 3}
+    assert episodes["ended"] == {"dropped": 1 / 8, "max_tokens": 1 / 8, "max_turns": 2 / 8, "submitted": 4 / 8}
+    assert episodes["turns_mean_solved"] == pytest.approx((1 + 2 + 1 + 3) / 4)
+    assert heldout["domains"]["agent"]["episodes"] == episodes and "episodes" not in heldout["domains"]["math"]
+    report = (tmp_path / "report.md").read_text()
+    assert "| checkpoint | turns (mean) | turns, solved episodes | dropped | max_tokens | max_turns | submitted |" \
+        in report
+    assert "| step_00000005 | 2.12 | 1.75 | 12% | 12% | 25% | 50% |" in report
