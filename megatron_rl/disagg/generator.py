@@ -209,10 +209,9 @@ def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rew
     from megatron_rl.rollout.partial import generate_partial
 
     prompts = [request.prompts[p] for p in positions]
-    gens = generate_partial(engine, [tokens for tokens, _ in prompts], request.params,
-                            cfg.rollout.partial_rollout_tokens, between_chunks,
-                            on_chunk=lambda s, e, v, n: events.write("generate", s, e, version=v, sequences=n,
-                                                                     request=request.request_id))
+    gens = generate_partial(_LoggedEngine(engine, lambda: None, events, request.request_id),
+                            [tokens for tokens, _ in prompts], request.params, cfg.rollout.partial_rollout_tokens,
+                            between_chunks)
     end = time.time()
     metas = [prompts[g.prompt_index][1] for g in gens]
     texts = [tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in gens]
@@ -243,8 +242,8 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
     from megatron_rl.rollout.scheduler import run_episodes_async
 
     r = cfg.rollout
-    turns = _TurnEngine(engine, between_turns if r.partial_rollout_tokens else (lambda: None), events,
-                        request.request_id)
+    turns = _LoggedEngine(engine, between_turns if r.partial_rollout_tokens else (lambda: None), events,
+                          request.request_id)
     fmt, limits = TurnFormat(tokenizer, task_system_prompt(task_cfg)), EpisodeLimits.of(task_cfg)
     tasks = [request.prompts[p][1] for p in positions]
     version = engine.weight_version  # of the episodes that end before their first turn
@@ -263,9 +262,10 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
     return out
 
 
-class _TurnEngine:
-    """The engine as the episode runners see it: `before()` runs before each turn's engine call
-    (weight updates; it raises when the trainer stops), and each call goes to the timeline."""
+class _LoggedEngine:
+    """The engine as a request's generation sees it: each call goes to the timeline (`generate`
+    events); `before()` runs before each call (episodes with partial rollouts: a pending weight
+    update; it raises when the trainer stops)."""
 
     def __init__(self, engine: Any, before: Callable[[], None], events: EventLog, request_id: int) -> None:
         self.engine, self.before, self.events, self.request_id = engine, before, events, request_id

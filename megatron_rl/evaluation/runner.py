@@ -276,7 +276,7 @@ def regression_task_config(spec: str) -> Optional[Any]:
     return cfg.task
 
 
-def _regression_parts(rt, parts: dict, spec: str, set_name: str = REGRESSION) -> dict:
+def _regression_parts(rt, parts: dict, spec: str, set_name: str) -> dict:
     """The run's parts with the regression set's prompts, task and reward service: a file's rows
     read with the run's task settings (prompt_key, answer_key, chat_template, ...), or the eval
     split of a task config (`regression_task_config`: generated problems, an agent task set)

@@ -18,13 +18,9 @@ With `chunk_tokens = 0` the request is one `generate` call (no update can land m
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 from megatron_rl.rollout.base import Generation, SamplingParams
-
-# (start, end, weight_version, num_sequences): one engine call, for the generator's timeline
-ChunkCallback = Callable[[float, float, int, int], None]
 
 
 @dataclasses.dataclass
@@ -36,15 +32,14 @@ class PartialGeneration(Generation):
 
 
 def generate_partial(engine: Any, prompts: Sequence[Sequence[int]], params: SamplingParams, chunk_tokens: int,
-                     between_chunks: Callable[[], None] = lambda: None,
-                     on_chunk: Optional[ChunkCallback] = None) -> list[PartialGeneration]:
+                     between_chunks: Callable[[], None] = lambda: None) -> list[PartialGeneration]:
     """`params.n` completions per prompt, ordered by prompt then sample, generated in chunks of
     `chunk_tokens` (0: one call) with `between_chunks()` called between engine calls."""
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 0 (0 generates in one call)")
     step = chunk_tokens or params.max_new_tokens
     first = dataclasses.replace(params, max_new_tokens=min(step, params.max_new_tokens))
-    out = [_as_partial(g) for g in _timed(engine, [list(p) for p in prompts], first, on_chunk)]
+    out = [_as_partial(g) for g in engine.generate([list(p) for p in prompts], first)]
     for chunk in range(1, -(-params.max_new_tokens // step)):
         todo = [i for i, g in enumerate(out) if g.finish_reason == "length"
                 and len(g.output_ids) < params.max_new_tokens]
@@ -53,8 +48,8 @@ def generate_partial(engine: Any, prompts: Sequence[Sequence[int]], params: Samp
         between_chunks()
         budget = min(step, params.max_new_tokens - min(len(out[i].output_ids) for i in todo))
         seed = None if params.seed is None else params.seed * 1009 + chunk
-        more = _timed(engine, [list(prompts[out[i].prompt_index]) + out[i].output_ids for i in todo],
-                      dataclasses.replace(params, n=1, max_new_tokens=budget, seed=seed), on_chunk)
+        more = engine.generate([list(prompts[out[i].prompt_index]) + out[i].output_ids for i in todo],
+                               dataclasses.replace(params, n=1, max_new_tokens=budget, seed=seed))
         for i, g in zip(todo, more):
             keep = params.max_new_tokens - len(out[i].output_ids)  # sequences may differ in length
             tokens, logprobs = g.output_ids[:keep], g.logprobs[:keep]
@@ -64,15 +59,6 @@ def generate_partial(engine: Any, prompts: Sequence[Sequence[int]], params: Samp
             stopped = g.finish_reason == "stop" and len(tokens) == len(g.output_ids)
             out[i].finish_reason = "stop" if stopped else g.finish_reason if g.finish_reason == "abort" else "length"
     return out
-
-
-def _timed(engine: Any, prompts: list[list[int]], params: SamplingParams,
-           on_chunk: Optional[ChunkCallback]) -> list[Generation]:
-    start = time.time()
-    gens = engine.generate(prompts, params)
-    if on_chunk is not None:
-        on_chunk(start, time.time(), int(engine.weight_version), len(gens))
-    return gens
 
 
 def _as_partial(g: Generation) -> PartialGeneration:
