@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from megatron_rl.parallel.dist import expand_nodelist
+from megatron_rl.parallel.dist import expand_nodelist, free_port
 from megatron_rl.preemption import MARKER, read_marker
 from megatron_rl.runtime import log_tail
 
@@ -361,12 +361,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return BatchStep(layout, run_dir, overrides, cfg, sandbox, args.sandbox_wait_s, args.server_arg).run()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def sandbox_health(address: str):
     """The server's HealthReply (serving, running, executions_finished, ...), or None if it is down."""
     import grpc
@@ -389,7 +383,7 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     run_dir = Path(args.run_dir)
     _init_logging(run_dir / "logs" / f"sandbox-{node}.log")
-    port = _free_port()
+    port = free_port("")
     name = f"{node}-{os.getpid()}"
     server_args = ["--address", f"0.0.0.0:{port}", "--advertise", f"{node}:{port}", "--runtime", args.runtime,
                    "--run-dir", str(run_dir), "--capacity", str(args.capacity), "--name", name]

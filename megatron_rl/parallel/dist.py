@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import random
 import re
 import socket
 from typing import Mapping, Optional
@@ -104,10 +105,42 @@ def dist_env_from(environ: Mapping[str, str] = os.environ) -> DistEnv:
     return DistEnv(0, 1, 0, 1, "127.0.0.1", int(environ.get("MASTER_PORT", 0)) or free_port(), "single")
 
 
-def free_port() -> int:
-    """A TCP port on the loopback that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in open(_EPHEMERAL_RANGE_FILE).read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that is free right now, chosen outside the kernel's ephemeral range.
+
+    The caller binds it later (a rendezvous store, a server in another process). A port the kernel
+    handed out with bind(0) lies in the ephemeral range, and until the caller binds it any process's
+    outgoing connection may take it as its local port: with several jobs or test workers on a node,
+    gloo and gRPC connections did (EADDRINUSE at init_process_group). Ports outside the range are
+    never given to outgoing connections; a random one is tried until a bind succeeds, so two callers
+    at once collide only when they draw the same port.
+    """
+    lo, hi = _ephemeral_range()
+    candidates = [(10000, lo - 1), (hi + 1, 65535)]
+    candidates = [(a, b) for a, b in candidates if b - a >= 1000]
+    rng = random.SystemRandom()
+    for _ in range(64 if candidates else 0):
+        a, b = rng.choice(candidates)
+        port = rng.randint(a, b)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a node that reserves the rest
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

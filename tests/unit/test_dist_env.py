@@ -1,7 +1,10 @@
 """Rank/world/rendezvous discovery from torchrun and Slurm variables, and node-list expansion."""
 
+import socket
+
 import pytest
 
+from megatron_rl.parallel import dist
 from megatron_rl.parallel.dist import dist_env_from, expand_nodelist
 
 
@@ -47,3 +50,44 @@ def test_single_process_without_variables():
     env = dist_env_from({})
     assert (env.rank, env.world_size, env.source) == (0, 1, "single")
     assert env.master_port > 0
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_free_port_avoids_the_ephemeral_range(tmp_path, monkeypatch):
+    """Outgoing connections take local ports from the ephemeral range, so a rendezvous port drawn
+    there can be lost before the store binds it; free_port draws outside it."""
+    lo, hi = 20000, 60000
+    (tmp_path / "range").write_text(f"{lo}\t{hi}\n")
+    monkeypatch.setattr(dist, "_EPHEMERAL_RANGE_FILE", str(tmp_path / "range"))
+    ports = {dist.free_port() for _ in range(50)}
+    assert all(not lo <= p <= hi and 10000 <= p <= 65535 for p in ports)
+    assert len(ports) > 40  # drawn at random, not one fixed port
+    assert all(_bindable(p) for p in ports)
+
+
+def test_free_port_never_returns_a_taken_port(tmp_path, monkeypatch):
+    (tmp_path / "range").write_text("10000 15000\n")  # ports 15001-65535 are drawn from
+    monkeypatch.setattr(dist, "_EPHEMERAL_RANGE_FILE", str(tmp_path / "range"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        draws = []
+        monkeypatch.setattr(dist.random.SystemRandom, "randint", lambda self, a, b: draws.append(a) or taken)
+        port = dist.free_port()  # every draw hits the taken port: the kernel's pick is used
+        assert port != taken and _bindable(port) and len(draws) == 64
+
+
+def test_free_port_falls_back_to_the_kernel_when_everything_is_ephemeral(tmp_path, monkeypatch):
+    (tmp_path / "range").write_text("10500 65535\n")  # leaves 10000-10499: too few to draw from
+    monkeypatch.setattr(dist, "_EPHEMERAL_RANGE_FILE", str(tmp_path / "range"))
+    monkeypatch.setattr(dist.random.SystemRandom, "randint", lambda self, a, b: pytest.fail("drew a port"))
+    assert _bindable(dist.free_port())

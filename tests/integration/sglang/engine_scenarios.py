@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from megatron_rl.parallel.dist import free_port
 from megatron_rl.rollout.base import ALL_TAGS, TAG_KV_CACHE, TAG_WEIGHTS, SamplingParams
 from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, server_command
 
@@ -132,12 +132,6 @@ def run(engine: SGLangEngine, args: argparse.Namespace) -> dict:
     out["after_abort"] = as_dicts(engine.generate(PROMPTS[:1], GREEDY))
     out["health_end"] = engine.health()
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model_dir: str, log_path: Path) -> tuple[subprocess.Popen, str]:
