@@ -5,7 +5,7 @@ attributes (`tensor_model_parallel`, `partition_dim`); the exceptions are SwiGLU
 `linear_fc1`, whose gate and up halves are split separately, and layer numbering, which is
 local to a pipeline stage (`decoder.layers.0` on stage 1 is global layer
 `num_layers / pp`). With tied embeddings and PP > 1 the last stage holds its own copy of
-the embedding as `output_layer.weight`.
+the embedding as `output_layer.weight`. Names are the local layer spec's (`canonical_name`).
 
 Experts (`mlp.experts.local_experts.{j}`): expert-parallel rank r holds the global experts
 [r * E / ep, (r + 1) * E / ep) as local experts 0 .. E / ep - 1, each split over the expert
@@ -75,9 +75,24 @@ def _split(full: Tensor, dim: int, size: int, rank: int, glu: bool) -> Tensor:
     return full.chunk(size, dim=dim)[rank]
 
 
+# The Transformer Engine spec fuses a layer's norms into the linear after them
+# (TELayerNormColumnParallelLinear): (its parameter name, the local spec's).
+_TE_FUSED_NORMS = ((".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
+                   (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"))
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the local layer spec, which the converters use, whichever spec built it.
+    (A mixture of experts' sparse layers keep `pre_mlp_layernorm` under both specs.)"""
+    for fused, local in _TE_FUSED_NORMS:
+        if name.endswith(fused):
+            return name[: -len(fused)] + local
+    return name
+
+
 def _local_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     for name, p in model.named_parameters():
-        yield name, p
+        yield canonical_name(name), p
 
 
 def _source_name(global_name: str, full: dict[str, Tensor]) -> str:

@@ -5,7 +5,7 @@ refused). Families subclass it and change only what differs.
 Megatron fuses Q, K and V into one `linear_qkv` whose rows are grouped per KV group:
 [q (heads_per_group * head_dim), k (head_dim), v (head_dim)] x groups; and SwiGLU's gate and
 up projections into `linear_fc1` = [gate; up]. Megatron names here are the local layer
-spec's; `te_name` gives the Transformer Engine spec's (norms fused into the next linear).
+spec's; `weight_sync.sharding` gives a Transformer Engine model's parameters these names.
 Conversions work on any subset of layers (a pipeline stage's), found from the names given.
 """
 
@@ -33,12 +33,6 @@ def qkv_split(qkv: Tensor, heads: int, groups: int, head_dim: int) -> tuple[Tens
     per_group = qkv.reshape(groups, (heads // groups + 2) * head_dim, *rest)
     q, k, v = torch.split(per_group, [heads // groups * head_dim, head_dim, head_dim], dim=1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
-
-
-def te_name(name: str) -> str:
-    """Local-spec name -> Transformer Engine spec name."""
-    return (name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
-                .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"))
 
 
 def _layers(names: Iterable[str], pattern: re.Pattern) -> list[int]:
