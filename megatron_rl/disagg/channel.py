@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import queue
 import secrets
+import socket
 import threading
 import time
 from multiprocessing.managers import BaseManager
@@ -151,14 +152,28 @@ class Hub:
         listen = host if host.startswith("127.") else ""
         self._server = Served(address=(listen, 0), authkey=self.key).get_server()
         self.address = (host, self._server.address[1])
+        self._closed = threading.Event()
+        self._server.stop_event = self._closed  # ends each connection's serving loop (Server.serve_client)
         self._thread = threading.Thread(target=self._serve, name="disagg-hub", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        try:
-            self._server.serve_forever()
-        except SystemExit:  # how serve_forever ends, even in a thread
-            pass
+        """Accept connections, each served by a thread of the manager's server, until `close`.
+
+        Not the server's own `serve_forever`: its accept loop retries a closed listener forever
+        (a thread spinning at full speed after `close`: 8 of them starved the test process of the
+        GIL), and on its way out it resets sys.stdout and sys.stderr to the process's originals."""
+        while True:
+            try:
+                conn = self._server.listener.accept()
+            except OSError:  # an aborted connection; or the listener is gone
+                if self._closed.is_set():
+                    return
+                continue
+            if self._closed.is_set():  # close()'s own wake-up call
+                conn.close()
+                return
+            threading.Thread(target=self._server.handle_request, args=(conn,), daemon=True).start()
 
     def connection(self) -> dict[str, Any]:
         return {"host": self.address[0], "port": self.address[1], "key": self.key.hex(),
@@ -230,7 +245,15 @@ class Hub:
             time.sleep(0.1)
 
     def close(self) -> None:
-        self._server.stop_event.set()
+        """Stop accepting (connections already served end with their generators) and free the port."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:  # wake the accept call blocked in _serve: closing the socket under it would not
+            socket.create_connection(self.address, timeout=2.0).close()
+        except OSError:
+            pass
+        self._thread.join(timeout=5.0)
         self._server.listener.close()
 
 

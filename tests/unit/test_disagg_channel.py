@@ -169,3 +169,19 @@ def test_a_generator_that_reports_a_failure_stops_the_trainer_at_once(hub):
     with pytest.raises(RuntimeError, match=r"generator 1 on node8 failed: RuntimeError: CUDA out of memory"):
         hub.check(hub.started)  # no timeout involved
     assert "generator 0: never connected" in hub.describe() and "generator 1 on node8: stopped" in hub.describe()
+
+
+def test_a_closed_hub_frees_its_port_and_leaves_no_busy_thread():
+    """After close: the port refuses connections, the serving threads end, and nothing spins
+    (the managers server's own accept loop retried a closed listener at full speed)."""
+    h = Hub([_Spec(0, "a")], experience_size=1, host="127.0.0.1", timeout_s=5.0)
+    endpoint = connect(h.address[0], h.address[1], h.key)
+    assert endpoint.spec(0).name == "a"
+    h.close()
+    h.close()  # twice is harmless
+    assert not h._thread.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(h.address, timeout=2.0)
+    busy_before = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - busy_before < 0.3  # a spinning thread would use the whole second
