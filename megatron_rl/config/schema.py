@@ -123,6 +123,10 @@ class ModelConfig:
     qwen2_moe checkpoints usually do not)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of Megatron's per-layer load-balancing loss (aux_loss); 0 disables it."""
+    moe_dense_layers: list[int] = field(default_factory=list)
+    """Layers (0-based, global) whose MLP is a dense SwiGLU of width ffn_hidden_size instead of experts:
+    HF's mlp_only_layers plus the layers decoder_sparse_step skips (qwen3_moe, qwen2_moe; a dense layer
+    has no shared expert). Empty: every layer is sparse (mixtral always)."""
     init_seed: int = 1234
     """Seed of the random initialisation when model.path is null."""
     dtype: str = "float32"
@@ -215,6 +219,10 @@ class ModelConfig:
                 if getattr(self, key) is not None:
                     raise _invalid(f"model.{key}", getattr(self, key),
                                    f"only applies with model.num_experts; set model.{key}=null")
+            if self.moe_dense_layers:
+                raise _invalid("model.moe_dense_layers", list(self.moe_dense_layers),
+                               "only applies with model.num_experts (every layer of a dense model is dense); "
+                               "set model.moe_dense_layers=[]")
             return
         if not moe_family:
             raise _invalid("model.num_experts", self.num_experts,
@@ -235,6 +243,7 @@ class ModelConfig:
             raise _invalid("model.moe_router_topk", 1, "with model.moe_norm_topk_prob=true every routing weight "
                            f"is 1 and Megatron-core refuses it; {fix}")
         _check_min("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0)
+        self._check_dense_layers()
         if self.family == "qwen2_moe":
             self._check_qwen2_moe()
         elif self.moe_shared_expert_intermediate_size is not None:
@@ -243,6 +252,23 @@ class ModelConfig:
                            "set model.moe_shared_expert_intermediate_size=null")
         if self.family == "mixtral":
             self._check_mixtral()
+
+    def _check_dense_layers(self) -> None:
+        dense = list(self.moe_dense_layers)
+        if not dense:
+            return
+        if self.family == "mixtral":
+            raise _invalid("model.moe_dense_layers", dense, "Mixtral has experts in every layer; "
+                           "set model.moe_dense_layers=[]")
+        wrong = [i for i in dense if not 0 <= i < self.num_layers]
+        if wrong:
+            raise _invalid("model.moe_dense_layers", dense, f"layer(s) {wrong} outside "
+                           f"[0, model.num_layers={self.num_layers})")
+        if len(set(dense)) != len(dense):
+            raise _invalid("model.moe_dense_layers", dense, "names a layer twice")
+        if len(dense) == self.num_layers:
+            raise _invalid("model.moe_dense_layers", dense, "makes every layer dense: use a dense family "
+                           "(model.family=qwen2 or qwen3) and model.num_experts=null")
 
     def _check_qwen2_moe(self) -> None:
         """Qwen2-MoE layers as Qwen2MoeForCausalLM builds them: Q/K/V bias, no QK-norm, and a gated
@@ -278,6 +304,15 @@ class ModelConfig:
     def is_moe(self) -> bool:
         """Whether the MLPs are mixtures of experts."""
         return self.num_experts is not None
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) has experts."""
+        return self.is_moe and layer not in self.moe_dense_layers
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """Megatron's moe_layer_freq as a list: 1 for a layer with experts, 0 for a dense one."""
+        return [int(self.is_sparse_layer(i)) for i in range(self.num_layers)]
 
     @property
     def resolved_qkv_bias(self) -> bool:

@@ -117,19 +117,24 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
         expert_model_parallel_size=groups.ep_size,
         moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=model_cfg.moe_shared_expert_intermediate_size is not None,  # Qwen2-MoE's always is
+        # Dense layers among the sparse ones: the layer specs come from `decoder_spec`; the list also makes
+        # the block's sharded state dict per layer (transformer_block.py:830-834), as mixed layers need.
+        # An all-sparse model keeps the default 1, so its training checkpoints keep their layout.
+        moe_layer_freq=model_cfg.moe_layer_pattern if model_cfg.moe_dense_layers else 1,
     )
 
 
-def layer_spec(model_cfg: Any, use_te: bool, cp_size: int = 1):
+def layer_spec(model_cfg: Any, use_te: bool, cp_size: int = 1, sparse: bool = True):
     """Megatron's TE layer spec, or its local spec (with the all-gather context-parallel
-    attention of `cp_attention` in place of the local attention when cp_size > 1)."""
+    attention of `cp_attention` in place of the local attention when cp_size > 1); with
+    experts (a mixture-of-experts model's sparse layer) or a dense MLP."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
     # moe_grouped_gemm=False: SequentialMLP, one MLP module per local expert (no TE grouped GEMM on CPU).
-    moe = dict(num_experts=model_cfg.num_experts, moe_grouped_gemm=False)
+    moe = dict(num_experts=model_cfg.num_experts if sparse else None, moe_grouped_gemm=False)
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.resolved_qk_layernorm, **moe)
     spec = get_gpt_layer_local_spec(qk_layernorm=model_cfg.resolved_qk_layernorm, normalization="RMSNorm", **moe)
@@ -138,6 +143,26 @@ def layer_spec(model_cfg: Any, use_te: bool, cp_size: int = 1):
 
         spec.submodules.self_attention.submodules.core_attention = AllGatherContextAttention
     return spec
+
+
+def decoder_spec(model_cfg: Any, config: Any, use_te: bool, cp_size: int = 1):
+    """One layer spec for every layer, or, when a mixture of experts has dense layers
+    (`model.moe_dense_layers`), this pipeline stage's layer specs one by one (the block's final
+    norm as Megatron picks it for a single layer spec: transformer_block.py:255-259)."""
+    if not model_cfg.moe_dense_layers:
+        return layer_spec(model_cfg, use_te, cp_size)
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    specs = {sparse: layer_spec(model_cfg, use_te, cp_size, sparse) for sparse in (False, True)}
+    offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[model_cfg.is_sparse_layer(i)] for i in range(offset, offset + count)],
+        layer_norm=LayerNormImpl)
 
 
 def uses_te(groups: ParallelGroups) -> bool:
@@ -158,7 +183,7 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
     config = transformer_config(model_cfg, groups, deterministic=deterministic)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model_cfg, use_te, groups.cp_size),
+        transformer_layer_spec=decoder_spec(model_cfg, config, use_te, groups.cp_size),
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=groups.is_first_stage,

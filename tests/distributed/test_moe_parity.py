@@ -1,5 +1,6 @@
-"""A mixture of experts (Qwen3-MoE, and Qwen2-MoE with its gated shared expert) gives the same forward
-and training step in every parallel layout as in a single process: EP=2 (the two ranks hold experts
+"""A mixture of experts (Qwen3-MoE, Mixtral, and Qwen2-MoE with its gated shared expert and a dense
+layer among the sparse ones) gives the same forward and training step in every parallel layout as
+in a single process: EP=2 (the two ranks hold experts
 0-1 and 2-3 and exchange tokens), EP=2 with the distributed optimizer, TP=2 with sequence parallelism
 (Megatron-core trains MoE layers with TP only under SP), and PP=2. Qwen2-MoE's shared expert is split
 over TP ranks like a dense MLP and replicated over EP ranks; its gate weight is replicated on every
@@ -32,9 +33,12 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 MODELS = {
     "qwen3_moe": dict(family="qwen3_moe", num_layers=4, tie_word_embeddings=True, num_experts=4,
                       moe_ffn_hidden_size=64, moe_router_topk=2),
+    "mixtral": dict(family="mixtral", num_layers=4, tie_word_embeddings=False, num_experts=4, ffn_hidden_size=64,
+                    moe_ffn_hidden_size=64, moe_router_topk=2),
+    # layer 2 dense (HF mlp_only_layers=[2]): replicated over EP ranks, split over TP like any dense MLP
     "qwen2_moe": dict(family="qwen2_moe", num_layers=4, tie_word_embeddings=False, num_experts=4,
                       moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=96, moe_router_topk=2,
-                      moe_norm_topk_prob=False),
+                      moe_norm_topk_prob=False, moe_dense_layers=[2]),
 }
 LAYOUTS = {
     "ep2": dict(tp=1, pp=1, ep=2, sequence_parallel=False, distopt=False),
@@ -133,9 +137,13 @@ def test_reference_step_moves_every_weight_and_expert(results):
 
     model, ref, _ = results
     initial = random_state_dict(_model_cfg(model), seed=3)
-    assert sum(".local_experts." in k for k in ref["weights"]) == 4 * 4 * 2  # layers x experts x (fc1, fc2)
-    shared = 4 * 3 if model == "qwen2_moe" else 0  # layers x (fc1, fc2, gate_weight)
+    sparse = 4 - len(MODELS[model].get("moe_dense_layers", []))
+    assert sum(".local_experts." in k for k in ref["weights"]) == sparse * 4 * 2  # layers x experts x (fc1, fc2)
+    shared = sparse * 3 if model == "qwen2_moe" else 0  # layers x (fc1, fc2, gate_weight)
     assert sum(".shared_experts." in k for k in ref["weights"]) == shared
+    for i in MODELS[model].get("moe_dense_layers", []):
+        assert {k for k in ref["weights"] if k.startswith(f"decoder.layers.{i}.mlp.")} == {
+            f"decoder.layers.{i}.mlp.linear_fc{j}.weight" for j in (1, 2)}
     for key, value in ref["weights"].items():
         assert (value - initial[key]).abs().max() > 1e-5, f"{key} did not change"
 

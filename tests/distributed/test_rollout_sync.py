@@ -2,11 +2,12 @@
 
 After a sync at TP=1, TP=2 and PP=2 (and of a Mixtral mixture of experts at EP=2, whose experts
 transformers holds fused while the sync sends them one by one, and of a Qwen2-MoE at TP=2 with
-sequence parallelism, whose shared expert is split over the TP ranks) the engine holds exactly the
-trainer's weights (bit-exact against an HF export), and the engine's log-probs of its sampled
-tokens equal Megatron's recomputed log-probs (fp32; bound 1e-4, observed ~5e-7), so the first update's importance
-ratio is 1. The colocation controller runs its phases in the documented order, the engine
-really gives up its weights between rollouts, and versions advance per sync.
+sequence parallelism, whose shared expert is split over the TP ranks and whose layer 1 is dense)
+the engine holds exactly the trainer's weights (bit-exact against an HF export), and the engine's
+log-probs of its sampled tokens equal Megatron's recomputed log-probs (fp32; bound 1e-4, observed
+~5e-7), so the first update's importance ratio is 1. The colocation controller runs its phases in
+the documented order, the engine really gives up its weights between rollouts, and versions
+advance per sync.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ MODELS = {"mixtral_ep2": dict(family="mixtral", ffn_hidden_size=64, num_experts=
                               tie_word_embeddings=False),
           "qwen2_moe_tp2_sp": dict(family="qwen2_moe", num_experts=4, moe_ffn_hidden_size=64,
                                    moe_shared_expert_intermediate_size=96, moe_norm_topk_prob=False,
-                                   tie_word_embeddings=False)}
+                                   tie_word_embeddings=False, moe_dense_layers=[1])}
 SEQUENCE_PARALLEL = {"qwen2_moe_tp2_sp"}  # Megatron-core trains MoE layers at TP > 1 only with SP
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
 TEMPERATURE = 0.7

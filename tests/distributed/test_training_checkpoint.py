@@ -208,7 +208,7 @@ def test_mismatched_architecture_names_the_checkpoint_and_field(tmp_path):
         check_compatible(tmp_path, ModelConfig())
 
 
-def _moe_setup(ep):
+def _moe_setup(ep, dense_layers):
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
@@ -217,16 +217,17 @@ def _moe_setup(ep):
     if not torch.distributed.is_initialized():
         mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
     groups = state.initialize(1, 1, ep=ep)
-    model_cfg = ModelConfig(family="qwen3_moe", num_layers=2, num_experts=4, moe_ffn_hidden_size=64)
+    model_cfg = ModelConfig(family="qwen3_moe", num_layers=3, num_experts=4, moe_ffn_hidden_size=64,
+                            moe_dense_layers=dense_layers)
     trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-3), groups, TrainerOptions(micro_batch_tokens=40))
     trainer.initialize_weights()
     return trainer
 
 
-def _moe_writer(rank, world, root, out):
+def _moe_writer(rank, world, root, dense_layers, out):
     from megatron_rl.checkpoint.training import save_checkpoint
 
-    trainer = _moe_setup(ep=2)
+    trainer = _moe_setup(2, dense_layers)
     trainer.train_step(_batch(0))
     save_checkpoint(trainer, Path(root), 1, {}, _config_for(trainer))
     at_save = trainer.full_state_dict()
@@ -235,10 +236,10 @@ def _moe_writer(rank, world, root, out):
         torch.save({"at_save": at_save, "metrics": metrics}, out)
 
 
-def _moe_reader(rank, world, root, ep, out):
+def _moe_reader(rank, world, root, ep, dense_layers, out):
     from megatron_rl.checkpoint.training import find_latest, load_checkpoint
 
-    trainer = _moe_setup(ep=ep)
+    trainer = _moe_setup(ep, dense_layers)
     try:
         load_checkpoint(trainer, find_latest(Path(root)))
     except ValueError as exc:
@@ -249,15 +250,18 @@ def _moe_reader(rank, world, root, ep, out):
         torch.save(result, out)
 
 
-def test_moe_checkpoint_resumes_at_its_expert_parallel_size_and_refuses_another(tmp_path):
+@pytest.mark.parametrize("dense_layers", [[], [1]], ids=["all_sparse", "dense_layer_1"])
+def test_moe_checkpoint_resumes_at_its_expert_parallel_size_and_refuses_another(tmp_path, dense_layers):
     """EP=2 (the two ranks hold different experts): resuming gives the saved weights and the same
-    next step; resuming at EP=1 is refused up front (Megatron-core cannot reshape the optimizer)."""
+    next step; resuming at EP=1 is refused up front (Megatron-core cannot reshape the optimizer).
+    With a dense layer among the sparse ones Megatron's sharded state dict is per layer."""
     root = tmp_path / "checkpoints"
-    run_spawned(_moe_writer, 2, str(root), str(tmp_path / "writer.pt"))
-    run_spawned(_moe_reader, 2, str(root), 2, str(tmp_path / "ep2.pt"))
-    run_spawned(_moe_reader, 2, str(root), 1, str(tmp_path / "ep1.pt"))
+    run_spawned(_moe_writer, 2, str(root), dense_layers, str(tmp_path / "writer.pt"))
+    run_spawned(_moe_reader, 2, str(root), 2, dense_layers, str(tmp_path / "ep2.pt"))
+    run_spawned(_moe_reader, 2, str(root), 1, dense_layers, str(tmp_path / "ep1.pt"))
     writer, same = torch.load(tmp_path / "writer.pt"), torch.load(tmp_path / "ep2.pt")
     assert sorted(same["loaded"]) == sorted(writer["at_save"])
+    assert any(".1.mlp.linear_fc1." in key for key in writer["at_save"]) == bool(dense_layers)
     for key, value in writer["at_save"].items():
         assert torch.equal(same["loaded"][key], value), key
     assert same["metrics"]["loss"] == pytest.approx(writer["metrics"]["loss"], rel=1e-6)

@@ -144,14 +144,61 @@ def test_an_expert_parallel_rank_reads_only_its_experts(family):
     assert {n for n in back if block in n} == {n for n in names if block in n}
 
 
-@pytest.mark.parametrize(("key", "value"), [("mlp_only_layers", [1]), ("decoder_sparse_step", 2),
-                                            ("shared_expert_intermediate_size", 64), ("num_experts", 0)])
+@pytest.mark.parametrize(("key", "value"), [("shared_expert_intermediate_size", 64), ("num_experts", 0),
+                                            ("decoder_sparse_step", 0), ("mlp_only_layers", [4]),
+                                            ("mlp_only_layers", [0, 1, 2, 3])])
 def test_unsupported_moe_layouts_are_refused_naming_the_file(tmp_path, key, value):
-    cfg = get_converter("qwen3_moe").config_dict(FAMILIES["qwen3_moe"])
+    cfg = get_converter("qwen3_moe").config_dict(ModelConfig(**{**vars(FAMILIES["qwen3_moe"]), "num_layers": 4}))
     cfg[key] = value
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=rf"config.json: {key}="):
         arch_from_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize(("mlp_only_layers", "decoder_sparse_step"), [([1], 1), ([], 2), ([3], 2), ([0, 4], 3)])
+def test_dense_layers_are_those_transformers_builds_dense(tmp_path, family, mlp_only_layers, decoder_sparse_step):
+    """`moe_dense_layers` from a config.json's mlp_only_layers and decoder_sparse_step is the set of
+    layers that transformers itself builds without experts; the config written back builds the
+    same model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = get_converter(family).config_dict(ModelConfig(**{**vars(FAMILIES[family]), "num_layers": 6}))
+    cfg.update(mlp_only_layers=mlp_only_layers, decoder_sparse_step=decoder_sparse_step)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    built_dense = [i for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "experts")]
+    arch = arch_from_hf_config(tmp_path)
+    assert arch["moe_dense_layers"] == built_dense and 0 < len(built_dense) < 6
+    written = get_converter(family).config_dict(ModelConfig(**arch))
+    assert (written["mlp_only_layers"], written["decoder_sparse_step"]) == (built_dense, 1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_a_dense_layer_among_experts_keeps_the_dense_layout(family):
+    """Layer 1 of 3 dense: its MLP converts as a dense model's (no router, experts or shared expert,
+    width ffn_hidden_size), every expert-parallel rank reads it whole, and the round trip is exact."""
+    cfg = ModelConfig(**{**vars(FAMILIES[family]), "num_layers": 3, "moe_dense_layers": [1]})
+    conv = get_converter(family)
+    model = build_hf_model(cfg, seed=0)
+    hf = hub_state_dict(model)
+    dense_mlp = {f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert {n for n in hf if n.startswith("model.layers.1.mlp.")} == dense_mlp
+    for experts in (range(0, 2), range(2, 4)):
+        names = conv.hf_names(cfg, [1], False, False, experts=experts)
+        assert {n for n in names if ".mlp." in n} == dense_mlp
+    meg = conv.hf_to_megatron(hf, cfg)
+    assert {n for n in meg if n.startswith("decoder.layers.1.mlp.")} == {
+        "decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc2.weight"}
+    mlp = model.model.layers[1].mlp
+    assert torch.equal(meg["decoder.layers.1.mlp.linear_fc1.weight"], torch.cat([mlp.gate_proj.weight,
+                                                                                mlp.up_proj.weight]))
+    assert meg["decoder.layers.1.mlp.linear_fc2.weight"].shape == (cfg.hidden_size, cfg.ffn_hidden_size)
+    assert any(n.startswith("decoder.layers.2.mlp.router.") for n in meg)  # its neighbours keep experts
+    back = conv.megatron_to_hf(meg, cfg)
+    assert sorted(back) == sorted(hf) and all(torch.equal(back[k], v) for k, v in hf.items())
+    assert conv.expected_hf_shapes(cfg, hf) == {n: tuple(t.shape) for n, t in hf.items()}
+    assert all(conv.hf_memory_slot(n, cfg) == (n, ()) for n in dense_mlp)
 
 
 def test_shared_expert_matches_transformers_modules():
@@ -177,8 +224,7 @@ def test_every_expert_parallel_rank_reads_the_shared_expert():
         assert shared <= get_converter("qwen2_moe").hf_names(cfg, [1], False, True, experts=experts)
 
 
-@pytest.mark.parametrize(("key", "value"), [("mlp_only_layers", [1]), ("decoder_sparse_step", 2),
-                                            ("shared_expert_intermediate_size", 0), ("num_experts", 0),
+@pytest.mark.parametrize(("key", "value"), [("shared_expert_intermediate_size", 0), ("num_experts", 0),
                                             ("qkv_bias", False), ("use_sliding_window", True)])
 def test_unsupported_qwen2_moe_configs_are_refused_naming_the_file(tmp_path, key, value):
     cfg = get_converter("qwen2_moe").config_dict(FAMILIES["qwen2_moe"])

@@ -1,6 +1,7 @@
 """The mixture-of-experts MLP layout shared by Qwen3-MoE, Qwen2-MoE and Mixtral: a router and SwiGLU experts
-in place of every MLP. Families mix `SparseMoeLayout` into their attention converter and name
-where the block lives and what its three expert projections are called.
+in place of the MLP of every layer but the dense ones (`model.moe_dense_layers`, which keep the dense
+layout). Families mix `SparseMoeLayout` into their attention converter and name where the block
+lives and what its three expert projections are called.
 
 HF on disk (the hub layout `save_pretrained` writes; in memory `transformers` fuses the experts):
 `{block}gate.weight` [E, H] is the router, `{block}experts.{e}.{gate,up,down}.weight` the
@@ -31,34 +32,52 @@ def _experts(names: Iterable[str], prefix: str, pattern: re.Pattern) -> list[int
 
 
 def qwen_moe_config(arch: Any) -> dict[str, Any]:
-    """The config.json keys of a Qwen-style MoE (Qwen2-MoE, Qwen3-MoE): every layer sparse."""
+    """The config.json keys of a Qwen-style MoE (Qwen2-MoE, Qwen3-MoE); dense layers are written as
+    `mlp_only_layers` with `decoder_sparse_step=1`, which means the same as any other spelling."""
     return dict(num_experts=arch.num_experts, num_experts_per_tok=arch.moe_router_topk,
                 moe_intermediate_size=arch.moe_ffn_hidden_size, norm_topk_prob=arch.moe_norm_topk_prob,
-                router_aux_loss_coef=arch.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[],
-                output_router_logits=False)
+                router_aux_loss_coef=arch.moe_aux_loss_coeff, decoder_sparse_step=1,
+                mlp_only_layers=sorted(arch.moe_dense_layers), output_router_logits=False)
+
+
+def qwen_moe_dense_layers(hf: dict[str, Any], where: Path) -> list[int]:
+    """The dense layers of a Qwen-style MoE config.json: as transformers builds the decoder, layer i
+    has experts when i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0."""
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"{where}: decoder_sparse_step={step!r} must be a positive integer")
+    only = hf.get("mlp_only_layers") or []
+    if any(not isinstance(i, int) or not 0 <= i < layers for i in only):
+        raise ValueError(f"{where}: mlp_only_layers={only} must name layers in [0, num_hidden_layers={layers})")
+    dense = [i for i in range(layers) if i in only or (i + 1) % step != 0]
+    if len(dense) == layers:
+        raise ValueError(f"{where}: mlp_only_layers={only} with decoder_sparse_step={step} leaves no layer "
+                         "with experts; load it as the dense family")
+    return dense
 
 
 def qwen_moe_arch(hf: dict[str, Any], where: Path, family: str) -> dict[str, Any]:
     """ModelConfig's expert fields from a Qwen-style MoE config.json (raises ValueError naming the
-    file for dense layers between the sparse ones, or no experts)."""
-    if hf.get("mlp_only_layers"):
-        raise ValueError(f"{where}: mlp_only_layers={hf['mlp_only_layers']} is not supported "
-                         "(dense MLP layers between MoE layers); only mlp_only_layers=[] is")
-    if hf.get("decoder_sparse_step", 1) != 1:
-        raise ValueError(f"{where}: decoder_sparse_step={hf['decoder_sparse_step']} is not supported "
-                         "(dense MLP layers between MoE layers); only decoder_sparse_step=1 is")
+    file for no experts, or a dense-layer pattern transformers would not build)."""
     # transformers >= 5 writes num_experts under its standard name num_local_experts
     num_experts = hf.get("num_experts", hf.get("num_local_experts"))
     if not num_experts:
         raise ValueError(f"{where}: num_experts={num_experts!r}: a {family} checkpoint needs experts")
     return dict(num_experts=num_experts, moe_ffn_hidden_size=hf["moe_intermediate_size"],
-                moe_router_topk=hf["num_experts_per_tok"],
+                moe_router_topk=hf["num_experts_per_tok"], moe_dense_layers=qwen_moe_dense_layers(hf, where),
                 moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)))  # transformers' default
 
 
+def _layer(prefix: str) -> int:
+    """The global layer index of an HF (`model.layers.{i}.`) or Megatron (`decoder.layers.{i}.`) prefix."""
+    return int(prefix.rstrip(".").rsplit(".", 1)[1])
+
+
 class SparseMoeLayout:
-    """MLP conversion for a decoder whose every layer is a mixture of SwiGLU experts; mixed in
-    before a `DenseDecoderConverter` subclass, whose attention and embedding layout it keeps."""
+    """MLP conversion for a decoder whose layers are mixtures of SwiGLU experts, except those in
+    `moe_dense_layers`, which keep the dense SwiGLU layout; mixed in before a `DenseDecoderConverter`
+    subclass, whose attention and embedding layout it keeps. Families that add to a sparse layer's
+    MLP (a shared expert) check `_sparse(arch, prefix)` too."""
 
     hf_moe_block = "mlp."
     """HF module holding the router (`gate`) and the `experts`, relative to the layer."""
@@ -68,7 +87,13 @@ class SparseMoeLayout:
     def _hf_expert_pattern(self) -> re.Pattern:
         return re.compile(re.escape(self.hf_moe_block) + r"experts\.(\d+)\.")
 
+    @staticmethod
+    def _sparse(arch: Any, prefix: str) -> bool:
+        return arch.is_sparse_layer(_layer(prefix))
+
     def mlp_hf_names(self, arch: Any, prefix: str, experts: Optional[Iterable[int]] = None) -> set[str]:
+        if not self._sparse(arch, prefix):  # a dense layer: every expert-parallel rank reads it all
+            return super().mlp_hf_names(arch, prefix)  # type: ignore[misc]
         block = prefix + self.hf_moe_block
         names = {block + "gate.weight"}  # the router is replicated: every rank needs it
         for e in range(arch.num_experts) if experts is None else experts:
@@ -76,6 +101,8 @@ class SparseMoeLayout:
         return names
 
     def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
+        if not self._sparse(arch, h):
+            return super().mlp_to_megatron(hf, h, m, arch)  # type: ignore[misc]
         gate, up, down = self.hf_expert_projections
         block = h + self.hf_moe_block
         out = {m + "mlp.router.weight": hf[block + "gate.weight"]}
@@ -86,6 +113,8 @@ class SparseMoeLayout:
         return out
 
     def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
+        if not self._sparse(arch, h):
+            return super().mlp_to_hf(meg, h, m, arch)  # type: ignore[misc]
         gate, up, down = self.hf_expert_projections
         block = h + self.hf_moe_block
         out = {block + "gate.weight": meg[m + "mlp.router.weight"]}

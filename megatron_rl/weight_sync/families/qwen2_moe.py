@@ -14,8 +14,9 @@ ones; the gate is replicated everywhere.
 
 Routing (softmax over all experts, top-k, renormalised only when `norm_topk_prob`, which defaults
 to false here) is Megatron's softmax router with `moe_router_pre_softmax=not norm_topk_prob`.
-Refused: dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step` != 1),
-sliding-window attention, and `qkv_bias=false` (every released Qwen2-MoE model has the bias).
+Dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step` > 1) are plain SwiGLU
+MLPs of width `intermediate_size`, without a shared expert (`model.moe_dense_layers`).
+Refused: sliding-window attention, and `qkv_bias=false` (every released Qwen2-MoE model has the bias).
 """
 
 from __future__ import annotations
@@ -58,12 +59,16 @@ class Qwen2MoeConverter(SparseMoeLayout, Qwen2Converter):
 
     # -- one layer's MLP: the routed experts (SparseMoeLayout) and the shared expert -----------
     def mlp_hf_names(self, arch: Any, prefix: str, experts: Optional[Iterable[int]] = None) -> set[str]:
+        if not self._sparse(arch, prefix):  # a dense layer has no shared expert
+            return super().mlp_hf_names(arch, prefix, experts)
         shared = prefix + "mlp.shared_expert"
         return super().mlp_hf_names(arch, prefix, experts) | {shared + "_gate.weight"} | {
             f"{shared}.{p}_proj.weight" for p in ("gate", "up", "down")}
 
     def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
         out = super().mlp_to_megatron(hf, h, m, arch)
+        if not self._sparse(arch, h):
+            return out
         src, dst = h + "mlp.shared_expert", m + "mlp.shared_experts."
         out[dst + "linear_fc1.weight"] = torch.cat([hf[src + ".gate_proj.weight"], hf[src + ".up_proj.weight"]], dim=0)
         out[dst + "linear_fc2.weight"] = hf[src + ".down_proj.weight"]
@@ -72,6 +77,8 @@ class Qwen2MoeConverter(SparseMoeLayout, Qwen2Converter):
 
     def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
         out = super().mlp_to_hf(meg, h, m, arch)
+        if not self._sparse(arch, h):
+            return out
         src, dst = m + "mlp.shared_experts.", h + "mlp.shared_expert"
         out[dst + ".gate_proj.weight"], out[dst + ".up_proj.weight"] = meg[src + "linear_fc1.weight"].chunk(2, dim=0)
         out[dst + ".down_proj.weight"] = meg[src + "linear_fc2.weight"]

@@ -6,8 +6,9 @@ the experts; their conversion is the shared `SparseMoeLayout` (`moe.py`).
 
 Routing (softmax over all experts, top-k, renormalised when `norm_topk_prob`) is Megatron's
 `moe_router_score_function="softmax"` with `moe_router_pre_softmax=not norm_topk_prob`.
-Refused: dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step` != 1)
-and shared experts, which Qwen3-MoE checkpoints do not have.
+Dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step` > 1) are plain SwiGLU
+MLPs of width `intermediate_size` (`model.moe_dense_layers`).
+Refused: shared experts, which Qwen3-MoE checkpoints do not have.
 """
 
 from __future__ import annotations
