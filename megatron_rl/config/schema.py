@@ -61,8 +61,8 @@ class ModelConfig:
     name: str = "tiny_qwen2"
     """Display name used in logs and run metadata."""
     family: str = "qwen2"
-    """Architecture family: llama, qwen2, qwen3, qwen3_moe, mixtral or qwen2_moe; selects the HF <-> Megatron
-    weight converter."""
+    """Architecture family: llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe or glm4_moe; selects the
+    HF <-> Megatron weight converter."""
     path: Optional[str] = None
     """HF checkpoint directory with config.json; null builds the model from the fields below with random init."""
     tokenizer: str = "builtin:char"
@@ -97,13 +97,16 @@ class ModelConfig:
     rope_scaling_original_max_position_embeddings: int = 8192
     """Llama 3.1 RoPE scaling: HF original_max_position_embeddings (the pre-training context). Megatron-core
     fixes it at 8192."""
+    rotary_percent: float = 1.0
+    """Share of each head's dimensions that RoPE rotates (the first ones; HF partial_rotary_factor); the
+    rest pass through. Only glm4_moe rotates part (its checkpoints: 0.5); 1 for the other families."""
     norm_eps: float = 1e-6
     """Epsilon of the RMSNorm layers."""
     tie_word_embeddings: bool = True
     """Share the input embedding and output projection weights."""
     qkv_bias: Optional[bool] = None
-    """Bias on the Q/K/V projections; null means the family default (qwen2: true, others: false; mixtral: never;
-    qwen2_moe: always)."""
+    """Bias on the Q/K/V projections; null means the family default (qwen2, glm4_moe: true, others: false;
+    mixtral: never; qwen2_moe: always)."""
     qk_layernorm: Optional[bool] = None
     """RMSNorm on queries and keys per head; null means the family default (qwen3, qwen3_moe: true, others: false;
     mixtral, qwen2_moe: never)."""
@@ -113,9 +116,9 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = None
     """Inner width of each expert's SwiGLU MLP (HF moe_intermediate_size); required with num_experts."""
     moe_shared_expert_intermediate_size: Optional[int] = None
-    """Inner width of the shared expert's SwiGLU MLP (HF shared_expert_intermediate_size), which every token
-    passes through besides its routed experts, scaled by a sigmoid gate. Required for qwen2_moe, the only
-    family with a shared expert; null for the others."""
+    """Inner width of the shared expert's SwiGLU MLP, which every token passes through besides its routed
+    experts. qwen2_moe (HF shared_expert_intermediate_size; scaled by a sigmoid gate) and glm4_moe (HF
+    n_shared_experts x moe_intermediate_size; no gate) require it; null for the others."""
     moe_router_topk: int = 2
     """Experts each token is routed to (HF num_experts_per_tok)."""
     moe_norm_topk_prob: bool = True
@@ -123,10 +126,18 @@ class ModelConfig:
     qwen2_moe checkpoints usually do not)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of Megatron's per-layer load-balancing loss (aux_loss); 0 disables it."""
+    moe_router_num_groups: int = 1
+    """glm4_moe: experts form this many equal groups (HF n_group) and each token picks its experts from the
+    moe_router_group_topk groups whose top-2 selection scores sum highest (HF topk_group); 1: no groups."""
+    moe_router_group_topk: int = 1
+    """glm4_moe: groups each token's experts come from (HF topk_group); see moe_router_num_groups."""
+    moe_routed_scaling_factor: float = 1.0
+    """glm4_moe: factor on the routed experts' renormalised weights (HF routed_scaling_factor)."""
     moe_dense_layers: list[int] = field(default_factory=list)
     """Layers (0-based, global) whose MLP is a dense SwiGLU of width ffn_hidden_size instead of experts:
-    HF's mlp_only_layers plus the layers decoder_sparse_step skips (qwen3_moe, qwen2_moe; a dense layer
-    has no shared expert). Empty: every layer is sparse (mixtral always)."""
+    HF's mlp_only_layers plus the layers decoder_sparse_step skips (qwen3_moe, qwen2_moe), or the first
+    first_k_dense_replace layers (glm4_moe); a dense layer has no shared expert. Empty: every layer is
+    sparse (mixtral always)."""
     init_seed: int = 1234
     """Seed of the random initialisation when model.path is null."""
     dtype: str = "float32"
@@ -143,9 +154,15 @@ class ModelConfig:
     recompute_num_layers: int = 1
     """recompute=full: layers per recomputed block (Megatron's uniform recompute_method)."""
 
-    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
+                                           "glm4_moe")
     RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
-    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe")
+    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
+    SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe")
+    # fields only glm4_moe's sigmoid router and attention use, with the value every other family has
+    GLM4_MOE_ONLY: ClassVar[dict[str, float]] = {
+        "rotary_percent": 1.0, "moe_router_num_groups": 1, "moe_router_group_topk": 1,
+        "moe_routed_scaling_factor": 1.0}
     DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
     # Megatron-core's GPTModel passes only the factor on to RotaryEmbedding._apply_scaling, whose
     # other parameters keep Llama 3.1's values (megatron/core/models/common/embeddings/
@@ -191,7 +208,14 @@ class ModelConfig:
         _check_min("model.norm_eps", self.norm_eps, 0, strict=True)
         _check_min("model.init_seed", self.init_seed, 0)
         self._check_rope_scaling()
+        if not 0 < self.rotary_percent <= 1:
+            raise _invalid("model.rotary_percent", self.rotary_percent, "must lie in (0, 1]")
         self._check_moe()
+        if self.family != "glm4_moe":
+            for key, default in self.GLM4_MOE_ONLY.items():
+                if getattr(self, key) != default:
+                    raise _invalid(f"model.{key}", getattr(self, key), f"only model.family=glm4_moe uses it; "
+                                   f"set model.{key}={format_value(default)}")
 
     def _check_rope_scaling(self) -> None:
         if self.rope_scaling_factor is None:
@@ -246,9 +270,12 @@ class ModelConfig:
         self._check_dense_layers()
         if self.family == "qwen2_moe":
             self._check_qwen2_moe()
+        elif self.family == "glm4_moe":
+            self._check_glm4_moe()
         elif self.moe_shared_expert_intermediate_size is not None:
             raise _invalid("model.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
-                           f"model.family={self.family} has no shared expert (only qwen2_moe has); "
+                           f"model.family={self.family} has no shared expert (only "
+                           f"{' and '.join(self.SHARED_EXPERT_FAMILIES)} have); "
                            "set model.moe_shared_expert_intermediate_size=null")
         if self.family == "mixtral":
             self._check_mixtral()
@@ -285,6 +312,48 @@ class ModelConfig:
             raise _invalid("model.qk_layernorm", True, "Qwen2-MoE attention has no qk layernorm; "
                            "set model.qk_layernorm=false or null")
 
+    def _check_glm4_moe(self) -> None:
+        """What Glm4MoeForCausalLM and Megatron's sigmoid router express alike: shared experts of
+        n_shared_experts x the expert width, dense layers first, renormalised top-k weights (Megatron's
+        sigmoid router always renormalises), groups ranked by their top-2 scores."""
+        shared, width = self.moe_shared_expert_intermediate_size, self.moe_ffn_hidden_size
+        if shared is None or shared < width or shared % width:
+            raise _invalid("model.moe_shared_expert_intermediate_size", shared,
+                           f"GLM-4.5 MoE layers have n_shared_experts >= 1 shared experts of the expert width: set "
+                           f"it to a multiple of model.moe_ffn_hidden_size={width}")
+        dense = sorted(self.moe_dense_layers)
+        if dense != list(range(len(dense))):
+            raise _invalid("model.moe_dense_layers", list(self.moe_dense_layers),
+                           "GLM-4.5 MoE has its dense layers first (HF first_k_dense_replace): use [0, ..., k-1]")
+        if not self.moe_norm_topk_prob or self.moe_router_topk < 2:
+            raise _invalid("model.moe_norm_topk_prob" if not self.moe_norm_topk_prob else "model.moe_router_topk",
+                           self.moe_norm_topk_prob if not self.moe_norm_topk_prob else self.moe_router_topk,
+                           "Megatron-core's sigmoid router renormalises the top-k weights, which needs "
+                           "model.moe_norm_topk_prob=true and model.moe_router_topk >= 2")
+        rotated = self.resolved_head_dim * self.rotary_percent
+        if rotated != int(rotated) or int(rotated) % 2:
+            raise _invalid("model.rotary_percent", self.rotary_percent,
+                           f"must rotate an even number of each head's {self.resolved_head_dim} dimensions "
+                           f"(here {rotated:g}): RoPE turns them in pairs")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        _check_min("model.moe_router_num_groups", groups, 1)
+        if self.num_experts % groups:
+            raise _invalid("model.moe_router_num_groups", groups,
+                           f"must divide model.num_experts={self.num_experts}; valid values are "
+                           f"{_divisors_str(self.num_experts)}")
+        if not 1 <= group_topk <= groups:
+            raise _invalid("model.moe_router_group_topk", group_topk,
+                           f"must lie in [1, model.moe_router_num_groups={groups}]")
+        if groups > 1 and self.moe_router_topk // group_topk != 2:
+            raise _invalid("model.moe_router_group_topk", group_topk,
+                           "HF ranks expert groups by the sum of their top 2 scores, Megatron-core by their top "
+                           f"moe_router_topk // moe_router_group_topk = {self.moe_router_topk // group_topk}: "
+                           "they agree only when that is 2")
+        if self.moe_router_topk > group_topk * (self.num_experts // groups):
+            raise _invalid("model.moe_router_topk", self.moe_router_topk,
+                           f"exceeds the {group_topk * (self.num_experts // groups)} experts of the chosen groups")
+        _check_min("model.moe_routed_scaling_factor", self.moe_routed_scaling_factor, 0, strict=True)
+
     def _check_mixtral(self) -> None:
         """What MixtralForCausalLM cannot express: its attention has no bias and no QK-norm, its
         router always renormalises the top k, and HF's intermediate_size is the expert width."""
@@ -317,7 +386,7 @@ class ModelConfig:
     @property
     def resolved_qkv_bias(self) -> bool:
         """qkv_bias with the family default applied."""
-        return self.qkv_bias if self.qkv_bias is not None else self.family in ("qwen2", "qwen2_moe")
+        return self.qkv_bias if self.qkv_bias is not None else self.family in ("qwen2", "qwen2_moe", "glm4_moe")
 
     @property
     def resolved_qk_layernorm(self) -> bool:

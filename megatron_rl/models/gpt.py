@@ -97,16 +97,31 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
     renormalisation it is the softmax over all experts, then top k (`moe_router_pre_softmax=True`).
     Qwen2-MoE's shared expert is Megatron's `SharedExpertMLP`; its gate, sigmoid(x @ gate_weight.T)
     times the shared output, is `moe_shared_expert_gate` (transformer/moe/shared_experts.py:55-61, 125-131).
+
+    GLM-4.5's router scores experts with a sigmoid, chooses them by score + a per-expert bias (from the
+    top groups when there are groups), weighs them by their unbiased scores renormalised and scaled:
+    Megatron's sigmoid score function with `moe_router_enable_expert_bias`, `moe_router_num_groups` /
+    `moe_router_group_topk` and `moe_router_topk_scaling_factor` (moe_utils.py: topk_routing_with_score_function,
+    group_limited_topk); its shared experts have no gate.
     """
     if not model_cfg.is_moe:
         return {}
     on_gpu = groups.device.type != "cpu"
+    sigmoid = model_cfg.family == "glm4_moe"
+    grouped = model_cfg.moe_router_num_groups > 1
     return dict(
         num_moe_experts=model_cfg.num_experts,
         moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size,
         moe_router_topk=model_cfg.moe_router_topk,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not model_cfg.moe_norm_topk_prob,
+        moe_router_score_function="sigmoid" if sigmoid else "softmax",
+        moe_router_enable_expert_bias=sigmoid,
+        # The selection bias stays the checkpoint's: Megatron's auxiliary-loss-free update would count the
+        # trainer's padding rows (added for equal shapes under EP) in its expert-load statistics.
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=model_cfg.moe_router_num_groups if grouped else None,
+        moe_router_group_topk=model_cfg.moe_router_group_topk if grouped else None,
+        moe_router_topk_scaling_factor=model_cfg.moe_routed_scaling_factor if sigmoid else None,
+        moe_router_pre_softmax=not model_cfg.moe_norm_topk_prob and not sigmoid,
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
         moe_router_dtype="fp32",
@@ -116,7 +131,7 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
         moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
         expert_model_parallel_size=groups.ep_size,
         moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=model_cfg.moe_shared_expert_intermediate_size is not None,  # Qwen2-MoE's always is
+        moe_shared_expert_gate=model_cfg.family == "qwen2_moe",
         # Dense layers among the sparse ones: the layer specs come from `decoder_spec`; the list also makes
         # the block's sharded state dict per layer (transformer_block.py:830-834), as mixed layers need.
         # An all-sparse model keeps the default 1, so its training checkpoints keep their layout.
@@ -195,5 +210,6 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
         # Llama 3.1 scaling; its other parameters are Megatron's fixed ones, which ModelConfig enforces.
         rope_scaling=model_cfg.rope_scaling_factor is not None,
         rope_scaling_factor=model_cfg.rope_scaling_factor or 8.0,
+        rotary_percent=model_cfg.rotary_percent,
     )
     return model.to(groups.device)

@@ -90,9 +90,24 @@ def canonical_name(name: str) -> str:
     return name
 
 
+# GLM-4.5's per-expert selection bias: part of the weights (HF e_score_correction_bias), which
+# Megatron holds as a buffer of the router since its optimizer never touches it.
+_WEIGHT_BUFFERS = (".router.expert_bias",)
+
+
 def _local_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    for name, p in model.named_parameters():
-        yield canonical_name(name), p
+    """Parameters (each once) and weight buffers in module order, so that a layer's tensors come
+    together (weight sync converts a layer at a time)."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        prefix = module_name + "." if module_name else ""
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield canonical_name(prefix + name), p
+        for name, b in module.named_buffers(recurse=False):
+            if (prefix + name).endswith(_WEIGHT_BUFFERS):
+                yield prefix + name, b
 
 
 def _source_name(global_name: str, full: dict[str, Tensor]) -> str:

@@ -1,6 +1,7 @@
-"""Mixtral, Qwen2-MoE and Llama 3.1 (rope-scaled) checkpoints written by `transformers` itself: the
-architecture read from their config.json, loaded into Megatron (single process; Mixtral also at EP=2
-and PP=2, Qwen2-MoE at EP=2 and at TP=2 with sequence parallelism, the rope-scaled Llama at CP=2),
+"""Mixtral, Qwen2-MoE, GLM-4.5 MoE and Llama 3.1 (rope-scaled) checkpoints written by `transformers`
+itself: the architecture read from their config.json, loaded into Megatron (single process; Mixtral
+also at EP=2 and PP=2, Qwen2-MoE at EP=2 and at TP=2 with sequence parallelism, GLM-4.5 MoE at EP=2,
+PP=2 and TP=2 with sequence parallelism, the rope-scaled Llama at CP=2),
 gives the log-probs and entropies `transformers` computes, and the export loads back into
 `transformers` bit-exactly with the same config.
 
@@ -17,6 +18,13 @@ scaling would fail the comparison.
 Qwen2-MoE adds a shared expert scaled by sigmoid(x @ w_gate) and routes without renormalising the
 top-k weights; a guard test checks that fixing the gate at 0.5 or renormalising moves
 `transformers`' log-probs by far more than the tolerance, so neither can go unnoticed.
+
+GLM-4.5 MoE: a dense first layer, RoPE on half of each head, a sigmoid router that chooses experts
+by score + a per-expert bias from the best of two groups and scales their weights by 2.5, two
+shared experts without a gate. The checkpoint gets a random bias (transformers initialises it to 0)
+and a router 8 times sharper, so that the bias changes which experts are chosen; a guard test
+checks that zeroing the bias, rotating whole heads, or not scaling moves `transformers`' log-probs
+by far more than the tolerance.
 """
 
 from __future__ import annotations
@@ -39,12 +47,17 @@ CHECKPOINTS = {
     "qwen2_moe": dict(family="qwen2_moe", num_layers=4, tie_word_embeddings=False, num_experts=4,
                       moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=96, moe_router_topk=2,
                       moe_norm_topk_prob=False),
+    "glm4_moe": dict(family="glm4_moe", num_layers=4, tie_word_embeddings=False, num_experts=4,
+                     moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=128, moe_router_topk=2,
+                     moe_dense_layers=[0], moe_router_num_groups=2, moe_router_group_topk=1,
+                     moe_routed_scaling_factor=2.5, rotary_percent=0.5),
 }
 LAYOUTS = {"tp1": dict(tp=1, pp=1, cp=1, ep=1), "ep2": dict(tp=1, pp=1, cp=1, ep=2),
            "pp2": dict(tp=1, pp=2, cp=1, ep=1), "cp2": dict(tp=1, pp=1, cp=2, ep=1),
            "tp2_sp": dict(tp=2, pp=1, cp=1, ep=1)}  # Megatron-core runs MoE layers at TP > 1 only with SP
 CASES = [("mixtral", "tp1"), ("mixtral", "ep2"), ("mixtral", "pp2"), ("llama3_1", "tp1"), ("llama3_1", "cp2"),
-         ("qwen2_moe", "tp1"), ("qwen2_moe", "ep2"), ("qwen2_moe", "tp2_sp")]
+         ("qwen2_moe", "tp1"), ("qwen2_moe", "ep2"), ("qwen2_moe", "tp2_sp"),
+         ("glm4_moe", "tp1"), ("glm4_moe", "ep2"), ("glm4_moe", "pp2"), ("glm4_moe", "tp2_sp")]
 LENGTHS = (300, 77, 180)
 TOL = 2e-5
 
@@ -92,6 +105,12 @@ def checkpoints(tmp_path_factory):
                 for layer in model.model.layers:  # sharper attention: see the module docstring
                     layer.self_attn.q_proj.weight.mul_(8.0)
                     layer.self_attn.k_proj.weight.mul_(8.0)
+        if name == "glm4_moe":
+            gen = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                for layer in model.model.layers[1:]:  # the sparse ones: see the module docstring
+                    layer.mlp.gate.weight.mul_(8.0)
+                    layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(4, generator=gen))
         model.save_pretrained(root / name)
     return root
 
@@ -151,6 +170,27 @@ def test_shared_expert_gate_and_routing_change_the_reference(checkpoints, tmp_pa
         assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(reference, variant)) > 100 * TOL
 
 
+def test_glm4_moe_bias_partial_rope_and_scaling_change_the_reference(checkpoints, tmp_path):
+    """Guards the glm4_moe comparison: transformers without the selection bias, with RoPE on whole
+    heads, or without the routed scaling factor is far from the checkpoint's."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoints / "glm4_moe"
+    reference = _hf_logprobs(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0.1  # the checkpoint's, loaded
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.zero_()
+    model.save_pretrained(tmp_path / "no_bias")
+    theta = json.loads((path / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    variants = [_hf_logprobs(tmp_path / "no_bias"), _hf_logprobs(path, routed_scaling_factor=1.0),
+                _hf_logprobs(path, rope_parameters={"rope_type": "default", "rope_theta": theta,
+                                                    "partial_rotary_factor": 1.0})]
+    for variant in variants:
+        assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(reference, variant)) > 100 * TOL
+
+
 @pytest.mark.parametrize(("name", "layout"), CASES)
 def test_export_round_trip_is_bit_exact(checkpoints, results, name, layout):
     from transformers import AutoModelForCausalLM
@@ -171,6 +211,10 @@ def test_export_round_trip_is_bit_exact(checkpoints, results, name, layout):
     if name == "llama3_1":
         assert written["rope_parameters"] == json.loads((checkpoints / name / "config.json").read_text())[
             "rope_parameters"]
+    elif name == "glm4_moe":
+        assert (written["model_type"], written["n_routed_experts"], written["n_shared_experts"],
+                written["first_k_dense_replace"], written["n_group"], written["routed_scaling_factor"],
+                written["rope_parameters"]["partial_rotary_factor"]) == ("glm4_moe", 4, 2, 1, 2, 2.5, 0.5)
     elif name == "qwen2_moe":
         widths = (written["moe_intermediate_size"], written["shared_expert_intermediate_size"])
         assert (written["model_type"], written["num_experts"], widths, written["norm_topk_prob"]) == (

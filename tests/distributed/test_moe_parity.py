@@ -1,6 +1,6 @@
-"""A mixture of experts (Qwen3-MoE, Mixtral, and Qwen2-MoE with its gated shared expert and a dense
-layer among the sparse ones) gives the same forward and training step in every parallel layout as
-in a single process: EP=2 (the two ranks hold experts
+"""A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its gated shared expert and a dense layer
+among the sparse ones, GLM-4.5 MoE with its biased sigmoid router) gives the same forward and
+training step in every parallel layout as in a single process: EP=2 (the two ranks hold experts
 0-1 and 2-3 and exchange tokens), EP=2 with the distributed optimizer, TP=2 with sequence parallelism
 (Megatron-core trains MoE layers with TP only under SP), and PP=2. Qwen2-MoE's shared expert is split
 over TP ranks like a dense MLP and replicated over EP ranks; its gate weight is replicated on every
@@ -39,6 +39,12 @@ MODELS = {
     "qwen2_moe": dict(family="qwen2_moe", num_layers=4, tie_word_embeddings=False, num_experts=4,
                       moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=96, moe_router_topk=2,
                       moe_norm_topk_prob=False, moe_dense_layers=[2]),
+    # GLM-4.5 MoE: sigmoid router with a (frozen) selection bias, two expert groups, scaled weights; two
+    # shared experts without a gate; layer 0 dense; RoPE on half of each head; QK-norm (GLM-4.5's, not Air's)
+    "glm4_moe": dict(family="glm4_moe", num_layers=4, tie_word_embeddings=False, num_experts=4,
+                     moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=128, moe_router_topk=2,
+                     moe_dense_layers=[0], moe_router_num_groups=2, moe_router_group_topk=1,
+                     moe_routed_scaling_factor=2.5, rotary_percent=0.5, qk_layernorm=True),
 }
 LAYOUTS = {
     "ep2": dict(tp=1, pp=1, ep=2, sequence_parallel=False, distopt=False),
@@ -57,6 +63,20 @@ def _model_cfg(model: str):
     return ModelConfig(**MODELS[model])
 
 
+def _initial_weights(model: str):
+    """transformers' random initialisation; GLM-4.5's selection bias (0 there) drawn at random, small
+    enough that every expert still gets tokens, large enough to move the choice (layer 1's groups
+    get 61:36 tokens without it, 34:63 with it, when tried)."""
+    from megatron_rl.models.hf import random_state_dict
+
+    full = random_state_dict(_model_cfg(model), seed=3)
+    gen = torch.Generator().manual_seed(4)
+    for key in sorted(full):
+        if key.endswith(".router.expert_bias"):
+            full[key] = 0.01 * torch.randn(full[key].shape, generator=gen)
+    return full
+
+
 def _samples():
     from megatron_rl.trainer.packing import Sample
 
@@ -72,14 +92,13 @@ def _samples():
 
 def _worker(rank: int, world: int, model: str, layouts: dict, out_path: str) -> None:
     from megatron_rl.config.schema import OptimizerConfig
-    from megatron_rl.models.hf import random_state_dict
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
     from megatron_rl.trainer.core import Trainer, TrainerOptions
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
     model_cfg = _model_cfg(model)
-    full = random_state_dict(model_cfg, seed=3)
+    full = _initial_weights(model)
     results = {}
     for name, layout in layouts.items():
         groups = state.initialize(layout["tp"], layout["pp"], layout.get("cp", 1), ep=layout["ep"],
@@ -122,6 +141,12 @@ def test_reference_logprobs_match_transformers(results):
 
     model, ref, _ = results
     hf = build_hf_model(_model_cfg(model), seed=3)
+    full = _initial_weights(model)
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            if f"decoder.layers.{i}.mlp.router.expert_bias" in full:
+                assert full[f"decoder.layers.{i}.mlp.router.expert_bias"].abs().max() > 0.005
+                layer.mlp.gate.e_score_correction_bias.copy_(full[f"decoder.layers.{i}.mlp.router.expert_bias"])
     for sample, lp, ent in zip(_samples(), ref["logprobs"], ref["entropy"], strict=True):
         with torch.no_grad():
             logits = hf(sample.tokens[None]).logits[0, :-1].double()
@@ -133,18 +158,19 @@ def test_reference_logprobs_match_transformers(results):
 
 def test_reference_step_moves_every_weight_and_expert(results):
     """Guards the comparisons below against a step that changed nothing (or left an expert unused)."""
-    from megatron_rl.models.hf import random_state_dict
-
     model, ref, _ = results
-    initial = random_state_dict(_model_cfg(model), seed=3)
+    initial = _initial_weights(model)
     sparse = 4 - len(MODELS[model].get("moe_dense_layers", []))
     assert sum(".local_experts." in k for k in ref["weights"]) == sparse * 4 * 2  # layers x experts x (fc1, fc2)
-    shared = sparse * 3 if model == "qwen2_moe" else 0  # layers x (fc1, fc2, gate_weight)
-    assert sum(".shared_experts." in k for k in ref["weights"]) == shared
+    shared = {"qwen2_moe": 3, "glm4_moe": 2}.get(model, 0)  # per layer: fc1, fc2 (and gate_weight)
+    assert sum(".shared_experts." in k for k in ref["weights"]) == sparse * shared
     for i in MODELS[model].get("moe_dense_layers", []):
         assert {k for k in ref["weights"] if k.startswith(f"decoder.layers.{i}.mlp.")} == {
             f"decoder.layers.{i}.mlp.linear_fc{j}.weight" for j in (1, 2)}
     for key, value in ref["weights"].items():
+        if key.endswith(".router.expert_bias"):  # GLM-4.5's selection bias stays the checkpoint's
+            assert torch.equal(value, initial[key]), key
+            continue
         assert (value - initial[key]).abs().max() > 1e-5, f"{key} did not change"
 
 

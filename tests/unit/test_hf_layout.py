@@ -22,9 +22,14 @@ FAMILIES = {
     "qwen2_moe": ModelConfig(family="qwen2_moe", tie_word_embeddings=False, num_layers=2, num_experts=4,
                              moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=40, moe_router_topk=2,
                              moe_norm_topk_prob=False),
+    # layer 0 dense, layer 1 sparse with two shared experts (96 = 2 x 48), RoPE on half of each head
+    "glm4_moe": ModelConfig(family="glm4_moe", tie_word_embeddings=False, num_layers=2, num_experts=4,
+                            moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=96, moe_router_topk=2,
+                            moe_dense_layers=[0], rotary_percent=0.5, moe_routed_scaling_factor=2.5),
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-HF_MOE_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", "qwen2_moe": "mlp."}  # where each keeps it
+MOE_FAMILIES = ("glm4_moe", "mixtral", "qwen2_moe", "qwen3_moe")
+HF_MOE_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", "qwen2_moe": "mlp.",
+                "glm4_moe": "mlp."}  # where each keeps it
 
 
 def test_every_registered_family_is_covered():
@@ -119,6 +124,8 @@ def test_experts_match_transformers_fused_tensors(family):
     model = build_hf_model(cfg, seed=0)
     meg = get_converter(family).hf_to_megatron(hub_state_dict(model), cfg)
     for i, layer in enumerate(model.model.layers):
+        if not cfg.is_sparse_layer(i):
+            continue
         m = f"decoder.layers.{i}.mlp."
         assert torch.equal(meg[m + "router.weight"], layer.mlp.gate.weight)
         for e in range(cfg.num_experts):

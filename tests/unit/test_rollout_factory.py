@@ -82,7 +82,10 @@ def test_without_sglang_the_run_stops_before_any_work():
 MOE_MODELS = {"qwen3_moe": ModelConfig(family="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64),
               "mixtral": ModelConfig(family="mixtral", num_experts=4, moe_ffn_hidden_size=64, ffn_hidden_size=64),
               "qwen2_moe": ModelConfig(family="qwen2_moe", num_experts=4, moe_ffn_hidden_size=64,
-                                       moe_shared_expert_intermediate_size=96, moe_norm_topk_prob=False)}
+                                       moe_shared_expert_intermediate_size=96, moe_norm_topk_prob=False),
+              "glm4_moe": ModelConfig(family="glm4_moe", num_experts=4, moe_ffn_hidden_size=64,
+                                      moe_shared_expert_intermediate_size=128, moe_dense_layers=[0],
+                                      rotary_percent=0.5, moe_routed_scaling_factor=2.5)}
 
 
 @pytest.mark.parametrize("family", sorted(MOE_MODELS))
@@ -99,11 +102,14 @@ def test_hf_engine_takes_moe_weights_in_the_hub_layout(family):
     cfg.model = MOE_MODELS[family]
     check_engine_config(cfg, world_size=1, local_world_size=1)
     source = build_hf_model(cfg.model, seed=7)
+    if family == "glm4_moe":  # the router's selection bias is a buffer, initialised to 0: make it count
+        with torch.no_grad():
+            source.model.layers[-1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.5, -1.0, 2.0, 0.1]))
     sent = hub_state_dict(source)
     assert any(".experts.3." in k for k in sent)  # per-expert names, not transformers' fused ones
     engine = HFEngine(cfg.model)
-    before = engine.model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
-    assert not torch.equal(before, source.model.layers[0].mlp.experts.gate_up_proj)  # a real update follows
+    before = engine.model.model.layers[-1].mlp.experts.gate_up_proj.detach().clone()
+    assert not torch.equal(before, source.model.layers[-1].mlp.experts.gate_up_proj)  # a real update follows
     engine.update_weights(sorted(sent.items(), reverse=True), version=1)  # any order, one tensor at a time
     held = engine.hf_state_dict()
     assert sorted(held) == sorted(sent)
@@ -127,6 +133,9 @@ def test_engine_model_dir_holds_the_moe_architecture(tmp_path, family):
     assert getattr(hf, "num_local_experts", getattr(hf, "num_experts", None)) == 4
     if family == "qwen2_moe":
         assert (hf.shared_expert_intermediate_size, hf.norm_topk_prob) == (96, False)
+    if family == "glm4_moe":
+        assert (hf.n_shared_experts, hf.first_k_dense_replace, hf.routed_scaling_factor) == (2, 1, 2.5)
+        assert hf.rope_parameters["partial_rotary_factor"] == 0.5
 
 
 def test_engine_model_dir_holds_the_architecture(tmp_path):

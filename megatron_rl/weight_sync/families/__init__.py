@@ -39,4 +39,4 @@ def converter_for_model_type(model_type: str) -> DenseDecoderConverter:
 
 
 from megatron_rl.weight_sync.families import (  # noqa: E402,F401  (registration)
-    llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)
+    glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)
