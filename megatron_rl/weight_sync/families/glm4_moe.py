@@ -78,42 +78,27 @@ class Glm4MoeConverter(SparseMoeLayout, DenseDecoderConverter):
             moe_router_num_groups=hf.get("n_group") or 1, moe_router_group_topk=hf.get("topk_group") or 1)
         return arch
 
-    # -- one sparse layer's MLP: routed experts (SparseMoeLayout), router bias, shared experts ---------
+    # -- one sparse layer's MLP: routed and shared experts (SparseMoeLayout), the router's bias -------
+    hf_shared_expert = "mlp.shared_experts."
+
     def mlp_hf_names(self, arch: Any, prefix: str, experts: Optional[Iterable[int]] = None) -> set[str]:
         names = super().mlp_hf_names(arch, prefix, experts)
-        if not self._sparse(arch, prefix):
-            return names
-        shared = prefix + "mlp.shared_experts."
-        return names | {prefix + "mlp.gate.e_score_correction_bias"} | {
-            f"{shared}{p}_proj.weight" for p in ("gate", "up", "down")}
+        return names | {prefix + "mlp.gate.e_score_correction_bias"} if self._sparse(arch, prefix) else names
 
     def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
         out = super().mlp_to_megatron(hf, h, m, arch)
-        if not self._sparse(arch, h):
-            return out
-        src, dst = h + "mlp.shared_experts.", m + "mlp.shared_experts."
-        out[dst + "linear_fc1.weight"] = torch.cat([hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]], dim=0)
-        out[dst + "linear_fc2.weight"] = hf[src + "down_proj.weight"]
-        out[m + "mlp.router.expert_bias"] = hf[h + "mlp.gate.e_score_correction_bias"]
+        if self._sparse(arch, h):
+            out[m + "mlp.router.expert_bias"] = hf[h + "mlp.gate.e_score_correction_bias"]
         return out
 
     def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
         out = super().mlp_to_hf(meg, h, m, arch)
-        if not self._sparse(arch, h):
-            return out
-        src, dst = m + "mlp.shared_experts.", h + "mlp.shared_experts."
-        out[dst + "gate_proj.weight"], out[dst + "up_proj.weight"] = meg[src + "linear_fc1.weight"].chunk(2, dim=0)
-        out[dst + "down_proj.weight"] = meg[src + "linear_fc2.weight"]
-        out[h + "mlp.gate.e_score_correction_bias"] = meg[m + "mlp.router.expert_bias"]
+        if self._sparse(arch, h):
+            out[h + "mlp.gate.e_score_correction_bias"] = meg[m + "mlp.router.expert_bias"]
         return out
 
     def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
         names = list(names)
         shapes = super().expected_hf_shapes(arch, names)
-        hidden, width = arch.hidden_size, arch.moe_shared_expert_intermediate_size
-        for n in names:
-            if n.endswith(".mlp.gate.e_score_correction_bias"):
-                shapes[n] = (arch.num_experts,)
-            elif ".mlp.shared_experts." in n:
-                shapes[n] = (hidden, width) if n.endswith("down_proj.weight") else (width, hidden)
+        shapes.update({n: (arch.num_experts,) for n in names if n.endswith(".mlp.gate.e_score_correction_bias")})
         return shapes

@@ -77,12 +77,16 @@ class SparseMoeLayout:
     """MLP conversion for a decoder whose layers are mixtures of SwiGLU experts, except those in
     `moe_dense_layers`, which keep the dense SwiGLU layout; mixed in before a `DenseDecoderConverter`
     subclass, whose attention and embedding layout it keeps. Families that add to a sparse layer's
-    MLP (a shared expert) check `_sparse(arch, prefix)` too."""
+    MLP (a gate, a router bias) check `_sparse(arch, prefix)` too."""
 
     hf_moe_block = "mlp."
     """HF module holding the router (`gate`) and the `experts`, relative to the layer."""
     hf_expert_projections = ("gate_proj", "up_proj", "down_proj")
     """HF names of each expert's gate, up and down projections."""
+    hf_shared_expert: Optional[str] = None
+    """HF module of the shared expert(s), relative to the layer: one SwiGLU MLP (`{gate,up,down}_proj`)
+    of width `moe_shared_expert_intermediate_size` that every token passes through, Megatron's
+    `mlp.shared_experts.` (`linear_fc1` = [gate; up], `linear_fc2` = down); None: no shared expert."""
 
     def _hf_expert_pattern(self) -> re.Pattern:
         return re.compile(re.escape(self.hf_moe_block) + r"experts\.(\d+)\.")
@@ -98,6 +102,8 @@ class SparseMoeLayout:
         names = {block + "gate.weight"}  # the router is replicated: every rank needs it
         for e in range(arch.num_experts) if experts is None else experts:
             names |= {block + f"experts.{e}.{p}.weight" for p in self.hf_expert_projections}
+        if self.hf_shared_expert:  # replicated over expert-parallel ranks, like a dense MLP
+            names |= {f"{prefix}{self.hf_shared_expert}{p}_proj.weight" for p in ("gate", "up", "down")}
         return names
 
     def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
@@ -110,6 +116,10 @@ class SparseMoeLayout:
             src, dst = f"{block}experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
             out[dst + "linear_fc1.weight"] = torch.cat([hf[src + f"{gate}.weight"], hf[src + f"{up}.weight"]], dim=0)
             out[dst + "linear_fc2.weight"] = hf[src + f"{down}.weight"]
+        if self.hf_shared_expert:
+            src, dst = h + self.hf_shared_expert, m + "mlp.shared_experts."
+            out[dst + "linear_fc1.weight"] = torch.cat([hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]])
+            out[dst + "linear_fc2.weight"] = hf[src + "down_proj.weight"]
         return out
 
     def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
@@ -122,6 +132,10 @@ class SparseMoeLayout:
             src, dst = f"{m}mlp.experts.local_experts.{e}.", f"{block}experts.{e}."
             out[dst + f"{gate}.weight"], out[dst + f"{up}.weight"] = meg[src + "linear_fc1.weight"].chunk(2, dim=0)
             out[dst + f"{down}.weight"] = meg[src + "linear_fc2.weight"]
+        if self.hf_shared_expert:
+            src, dst = m + "mlp.shared_experts.", h + self.hf_shared_expert
+            out[dst + "gate_proj.weight"], out[dst + "up_proj.weight"] = meg[src + "linear_fc1.weight"].chunk(2)
+            out[dst + "down_proj.weight"] = meg[src + "linear_fc2.weight"]
         return out
 
     def hf_memory_slot(self, name: str, arch: Any) -> tuple[str, tuple]:
@@ -150,9 +164,12 @@ class SparseMoeLayout:
         shapes = super().expected_hf_shapes(arch, names)  # type: ignore[misc]  (the dense converter's)
         hidden, width = arch.hidden_size, arch.moe_ffn_hidden_size
         down = f".{self.hf_expert_projections[2]}.weight"
+        shared = arch.moe_shared_expert_intermediate_size
         for n in names:
             if n.endswith(self.hf_moe_block + "gate.weight"):
                 shapes[n] = (arch.num_experts, hidden)
             elif f".{self.hf_moe_block}experts." in n:
                 shapes[n] = (hidden, width) if n.endswith(down) else (width, hidden)
+            elif self.hf_shared_expert and f".{self.hf_shared_expert}" in n:
+                shapes[n] = (hidden, shared) if n.endswith("down_proj.weight") else (shared, hidden)
         return shapes

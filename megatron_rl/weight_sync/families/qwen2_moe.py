@@ -57,41 +57,27 @@ class Qwen2MoeConverter(SparseMoeLayout, Qwen2Converter):
         arch.update(experts, moe_shared_expert_intermediate_size=shared)
         return arch
 
-    # -- one layer's MLP: the routed experts (SparseMoeLayout) and the shared expert -----------
+    # -- one sparse layer's MLP: routed and shared experts (SparseMoeLayout), the shared expert's gate ----
+    hf_shared_expert = "mlp.shared_expert."
+
     def mlp_hf_names(self, arch: Any, prefix: str, experts: Optional[Iterable[int]] = None) -> set[str]:
-        if not self._sparse(arch, prefix):  # a dense layer has no shared expert
-            return super().mlp_hf_names(arch, prefix, experts)
-        shared = prefix + "mlp.shared_expert"
-        return super().mlp_hf_names(arch, prefix, experts) | {shared + "_gate.weight"} | {
-            f"{shared}.{p}_proj.weight" for p in ("gate", "up", "down")}
+        names = super().mlp_hf_names(arch, prefix, experts)
+        return names | {prefix + "mlp.shared_expert_gate.weight"} if self._sparse(arch, prefix) else names
 
     def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
         out = super().mlp_to_megatron(hf, h, m, arch)
-        if not self._sparse(arch, h):
-            return out
-        src, dst = h + "mlp.shared_expert", m + "mlp.shared_experts."
-        out[dst + "linear_fc1.weight"] = torch.cat([hf[src + ".gate_proj.weight"], hf[src + ".up_proj.weight"]], dim=0)
-        out[dst + "linear_fc2.weight"] = hf[src + ".down_proj.weight"]
-        out[dst + "gate_weight"] = hf[src + "_gate.weight"]
+        if self._sparse(arch, h):
+            out[m + "mlp.shared_experts.gate_weight"] = hf[h + "mlp.shared_expert_gate.weight"]
         return out
 
     def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
         out = super().mlp_to_hf(meg, h, m, arch)
-        if not self._sparse(arch, h):
-            return out
-        src, dst = m + "mlp.shared_experts.", h + "mlp.shared_expert"
-        out[dst + ".gate_proj.weight"], out[dst + ".up_proj.weight"] = meg[src + "linear_fc1.weight"].chunk(2, dim=0)
-        out[dst + ".down_proj.weight"] = meg[src + "linear_fc2.weight"]
-        out[dst + "_gate.weight"] = meg[src + "gate_weight"]
+        if self._sparse(arch, h):
+            out[h + "mlp.shared_expert_gate.weight"] = meg[m + "mlp.shared_experts.gate_weight"]
         return out
 
     def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
         names = list(names)
         shapes = super().expected_hf_shapes(arch, names)
-        hidden, width = arch.hidden_size, arch.moe_shared_expert_intermediate_size
-        for n in names:
-            if n.endswith(".mlp.shared_expert_gate.weight"):
-                shapes[n] = (1, hidden)
-            elif ".mlp.shared_expert." in n:
-                shapes[n] = (hidden, width) if n.endswith("down_proj.weight") else (width, hidden)
+        shapes.update({n: (1, arch.hidden_size) for n in names if n.endswith(".mlp.shared_expert_gate.weight")})
         return shapes
