@@ -14,7 +14,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -148,13 +148,16 @@ def _generate(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[l
 
 
 def _episodes(rt, parts: dict, prompts: list, params: SamplingParams, task_cfg: Any,
-              rewards: Any) -> tuple[list[Rollout], dict[str, float]]:
-    """Agent task `task_cfg`'s prompts played as episodes (its turn format and episode limits)."""
+              rewards: Any, target: Optional[int] = None) -> tuple[list[Rollout], dict[str, float]]:
+    """Agent task `task_cfg`'s prompts played as episodes (its turn format and episode limits);
+    with over-sampling, groups beyond the first `target` done are cut (default: the batch's share
+    of `prompts`)."""
     from megatron_rl.rollout.multiturn import EpisodeLimits, collect_episodes
 
     r = rt.cfg.rollout
     groups = len(prompts)
-    target = groups - round(groups * r.oversample / (1 + r.oversample)) if r.oversample else None
+    if r.oversample and target is None:
+        target = groups - round(groups * r.oversample / (1 + r.oversample))
     return collect_episodes(parts["engine"], prompts, params, rewards, rt.groups,
                             _turn_format(parts, task_cfg), EpisodeLimits.of(task_cfg), r.agent_scheduler,
                             r.max_concurrent_episodes, target, parts["controller"].timeline, r.step_deadline_s,
@@ -166,22 +169,37 @@ def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams) ->
     each agent domain's episodes with its own environments, turn format and episode limits, one
     after the other on the same engine (every rank runs the same sequence: both paths hold
     collectives). Rollouts come back in prompt order; an agent domain's episode metrics are
-    logged under `domain/<name>/`, time spent is summed."""
+    logged under `domain/<name>/`, time spent is summed.
+
+    With over-sampling (rollout.oversample) the batch's groups are shared out over the parts in
+    proportion to their prompts (`apportion`), so that the mixture keeps its weights: an agent
+    domain cuts its groups beyond its share, the single-turn part, whose groups all finish,
+    generates only its share (the rest of its prompts are skipped, like cut ones)."""
     task, rewards = parts["task"], parts["rewards"]
     agents = task.agent_domains
     shares: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         domain = p.meta["domain"]
         shares.setdefault(domain if domain in agents else "", []).append(i)
+    targets: dict[str, int] = {}
+    if rt.cfg.rollout.oversample:
+        batch_groups = rt.cfg.global_batch_size // params.n
+        targets = dict(zip(shares, apportion([len(index) for index in shares.values()], batch_groups)))
     out: list[Rollout] = []
     timing: dict[str, float] = {}
     for domain, index in shares.items():
+        if targets and not targets[domain]:  # no share of this batch (every rank skips it alike)
+            continue
+        if not domain and targets:
+            index = index[:targets[domain]]
         mine = [prompts[i] for i in index]
         if not domain:
             got, stats = collect(parts["engine"], mine, params, rewards, rt.groups, _decode(parts["tokenizer"]))
         else:
             view = _DomainRewards(rewards.verifier.verifiers[domain], rewards.loop)
-            got, stats = _episodes(rt, parts, mine, params, task.tasks[domain].cfg, view)
+            got, stats = _episodes(rt, parts, mine, params, task.tasks[domain].cfg, view, targets.get(domain))
+            if targets:
+                _cut_beyond(got, targets[domain])
             stats = {(k if k.startswith("time/") else f"domain/{domain}/{k}"): v for k, v in stats.items()}
         for r in got:
             r.prompt_index = index[r.prompt_index]
@@ -191,6 +209,31 @@ def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams) ->
             timing[key] = timing.get(key, 0.0) + value
     out.sort(key=lambda r: r.prompt_index)  # stable: a group's samples keep their order
     return out, timing
+
+
+def _cut_beyond(rollouts: list[Rollout], target: int) -> None:
+    """Cut the groups beyond the first `target` uncut ones (episodes that finished together with
+    the target-th group), so that a domain's share of the batch is exact."""
+    lost = {r.prompt_index for r in rollouts if r.status in ("aborted", "deadline")}
+    extra = set(sorted({r.prompt_index for r in rollouts} - lost)[target:])
+    for r in rollouts:
+        if r.prompt_index in extra:
+            r.status, r.reward = "aborted", 0.0
+
+
+def apportion(sizes: list[int], total: int) -> list[int]:
+    """Split `total` over parts of these sizes in proportion to them (largest remainders; no part
+    gets more than its size; the shares sum to min(total, sum(sizes)))."""
+    whole = sum(sizes)
+    total = min(total, whole)
+    if not whole:
+        return [0] * len(sizes)
+    exact = [size * total / whole for size in sizes]
+    shares = [int(x) for x in exact]
+    by_remainder = sorted(range(len(sizes)), key=lambda k: (-(exact[k] - shares[k]), k))
+    for k in by_remainder[:total - sum(shares)]:
+        shares[k] += 1
+    return shares
 
 
 def _advantages(rewards: torch.Tensor, rollouts: list[Rollout], estimator: str) -> torch.Tensor:
@@ -237,7 +280,10 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
                 r.source_index = indices[r.prompt_index]
             for key, value in timing_round.items():
                 timing[key] = timing.get(key, 0.0) + value
-            groups = [got[g * n:(g + 1) * n] for g in range(len(prompts))]
+            by_prompt: dict[int, list[Rollout]] = {}  # a joint run may skip prompts (_generate_domains)
+            for r in got:
+                by_prompt.setdefault(r.prompt_index, []).append(r)
+            groups = [by_prompt[g] for g in sorted(by_prompt)]
             cut = [any(getattr(r, "status", "") == "aborted" for r in group) for group in groups]
             if cfg.rollout.oversample:
                 timing["sched/groups_cut"] = timing.get("sched/groups_cut", 0.0) + sum(cut)

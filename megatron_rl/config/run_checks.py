@@ -25,10 +25,6 @@ def check_run_config(cfg) -> None:
         if task.max_episode_tokens > cfg.model.max_position_embeddings:
             raise ConfigError(f"{where}.max_episode_tokens={task.max_episode_tokens} must be <= "
                               f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
-    if cfg.domains and agents and cfg.rollout.oversample:
-        raise ConfigError(f"rollout.oversample={cfg.rollout.oversample} cuts straggling agent episodes, but in a joint "
-                          f"run the single-turn domains' groups would overfill the batch: set rollout.oversample=0 "
-                          f"(agent domains: {', '.join(agents)})")
     if cfg.parallel.cp > 1 and cfg.algorithm.policy_loss == "gspo":
         raise ConfigError(f"algorithm.policy_loss=gspo takes one importance ratio per sequence, a mean over all "
                           f"of its tokens, but parallel.cp={cfg.parallel.cp} splits every sequence over ranks: "

@@ -340,6 +340,28 @@ def test_an_agent_domain_trains_beside_a_single_turn_domain(tmp_path):
     assert final["eval/accuracy"] == pytest.approx((final["eval/code/accuracy"] + final["eval/math/accuracy"]) / 2)
 
 
+def test_oversampling_in_a_joint_run_keeps_each_domains_share(tmp_path):
+    """rollout.oversample=0.5 in a joint run of an agent domain (Countdown with feedback, async
+    episodes) and a single-turn math domain, mixed 1:1: 6 prompts drawn for a batch of 4 groups,
+    3 per domain; each domain keeps 2 groups (the agent domain cuts its third, the math domain
+    generates only its two), so the batch holds both domains as the mixture weighs them."""
+    import json
+
+    run_dir = tmp_path / "run"
+    domains = ("+domains={math:{task:{type:math,num_train:16,num_eval:2}},"
+               "count:{task:{type:agent,generator:countdown,environment:countdown,system_prompt:Countdown,"
+               "max_turns:3,max_episode_tokens:256,num_train:16,num_eval:2}}}")
+    proc = _main_job(run_dir, domains, "rollout.oversample=0.5", "rollout.agent_scheduler=async", "num_steps=2",
+                     "task.sft_warmup_steps=5", "task.eval_every=0", "task.eval_samples=1", "global_batch_size=16",
+                     "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=16", "checkpoint.save_every=0",
+                     experiment="demo_agent_countdown")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1], proc.stderr[-3000:]
+    for r in rows:
+        assert r["domain/math/count"] == r["domain/count/count"] == 8  # 2 groups of 4 each
+        assert r["sched/groups_cut"] == 1  # the agent domain's third group; math's third was never generated
+
+
 @pytest.mark.parametrize("layout", [["parallel.tp=1"], ["parallel.tp=2"]], ids=["dp2", "tp2"])
 def test_agent_episodes_on_an_engine_shared_by_two_ranks(tmp_path, layout):
     """rollout.tp=2 on two ranks: one engine for the block, driven by its leader, which plays the

@@ -21,11 +21,24 @@ def _joint(*overrides: str, tokens: int = 400):
 def test_an_agent_domain_passes_the_run_checks():
     check_train_config(_joint())
     check_train_config(_joint("rollout.mode=disaggregated"))  # the generators play its episodes
+    check_train_config(_joint("rollout.oversample=0.5", "rollout.agent_scheduler=async"))  # cut to shares
+
+
+@pytest.mark.parametrize("sizes, total, expected", [
+    ([3, 3], 4, [2, 2]), ([4, 2], 4, [3, 1]), ([5, 1], 4, [3, 1]), ([1, 1, 1], 2, [1, 1, 0]),
+    ([2, 0], 4, [2, 0]), ([0, 0], 3, [0, 0]), ([7], 5, [5]),
+])
+def test_oversampled_groups_are_shared_out_in_proportion(sizes, total, expected):
+    """A joint run's over-sampled prompts, per part (the single-turn domains, each agent domain):
+    each keeps its proportional share of the batch's groups (largest remainders)."""
+    from megatron_rl.rl_step import apportion
+
+    got = apportion(sizes, total)
+    assert got == expected
+    assert sum(got) == min(total, sum(sizes)) and all(0 <= g <= s for g, s in zip(got, sizes))
 
 
 @pytest.mark.parametrize("overrides, tokens, message", [
-    (["rollout.oversample=0.5", "rollout.agent_scheduler=async"], 400,
-     r"rollout.oversample=0.5 cuts straggling agent episodes.*agent domains: domains.code.task"),
     ([], 100_000, r"domains.code.task.max_episode_tokens=100000 must be <= model.max_position_embeddings"),
 ])
 def test_what_an_agent_domain_cannot_run_with_is_refused(overrides, tokens, message):
@@ -65,3 +78,19 @@ def test_reward_scale_multiplies_an_environments_reward():
 
     env = ScaledVerifier(_Host(), 4.0).make_env()
     assert asyncio.run(env.evaluate()) == 3.0 and env.turns == 3  # the rest is the environment's own
+
+
+def test_groups_finished_beyond_a_domains_share_are_cut():
+    """Episodes that finish together with the share's last group: the later groups are cut whole
+    (already cut or past the deadline do not count towards the share)."""
+    from types import SimpleNamespace
+
+    from megatron_rl.rl_step import _cut_beyond
+
+    statuses = {0: "submitted", 1: "aborted", 2: "max_turns", 3: "deadline", 4: "submitted", 5: "submitted"}
+    rollouts = [SimpleNamespace(prompt_index=g, status=s, reward=1.0) for g, s in statuses.items() for _ in range(2)]
+    _cut_beyond(rollouts, 2)
+    kept = sorted({r.prompt_index for r in rollouts if r.status not in ("aborted", "deadline")})
+    assert kept == [0, 2]
+    assert all(r.status == "aborted" and r.reward == 0.0 for r in rollouts if r.prompt_index in (4, 5))
+    assert [r.status for r in rollouts if r.prompt_index == 3] == ["deadline"] * 2
