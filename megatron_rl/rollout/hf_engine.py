@@ -35,6 +35,13 @@ class HFEngine:
         # the trainer's dtype: weight sync then copies without converting
         self.model = build_hf_model(model_cfg, seed=0, eos_token_id=eos_token_id).to(
             self.device, torch_dtype(model_cfg.dtype))
+        # What transformers keeps in fp32 in any dtype, as from_pretrained would (GLM-4.5's router
+        # and its selection bias, which the trainer holds in fp32 too: a bf16 copy could change
+        # which experts are chosen).
+        keep = tuple(getattr(self.model, "_keep_in_fp32_modules_strict", None) or ())
+        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            if any(name == k or name.endswith("." + k) for k in keep):
+                tensor.data = tensor.data.float()
         self.model.generation_config.pad_token_id = pad_token_id
         self.model_cfg = model_cfg
         # Weight sync sends the hub layout; transformers may hold it differently (fused experts).

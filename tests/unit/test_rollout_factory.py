@@ -120,6 +120,25 @@ def test_hf_engine_takes_moe_weights_in_the_hub_layout(family):
         assert torch.equal(engine.model(tokens).logits, source(tokens).logits)
 
 
+def test_hf_engine_keeps_glm4_moe_routing_in_fp32_at_bf16():
+    """transformers keeps GLM-4.5's router weight and selection bias in fp32 whatever the model's
+    dtype; the bf16 engine does too, so a synced fp32 bias arrives unrounded."""
+    import dataclasses
+
+    import torch
+
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    cfg = dataclasses.replace(MOE_MODELS["glm4_moe"], dtype="bfloat16")
+    engine = HFEngine(cfg)
+    router = engine.model.model.layers[-1].mlp.gate
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    assert engine.model.model.layers[-1].mlp.shared_experts.gate_proj.weight.dtype == torch.bfloat16
+    bias = torch.tensor([1e-3, 1 + 2 ** -12, -0.3, 0.0])  # 1 + 2^-12 is not a bf16 number
+    engine.update_weights([(f"model.layers.{cfg.num_layers - 1}.mlp.gate.e_score_correction_bias", bias)], 1)
+    assert torch.equal(router.e_score_correction_bias, bias)
+
+
 @pytest.mark.parametrize("family", sorted(MOE_MODELS))
 def test_engine_model_dir_holds_the_moe_architecture(tmp_path, family):
     """What SGLang starts an MoE model from: transformers reads back the experts and their width."""
