@@ -31,5 +31,5 @@ part train_step 140 "$PY" benchmarks/train_step.py --model llama3_8b --device cu
   --micro-batch-tokens 8192 --steps 5 --hidden 2048 --layers 16 --peak-tflops 989
 part colocation 100 "$PY" -m pytest tests/gpu/test_colocation_gpu.py -q -s -p no:cacheprovider
 # Packed rows on the Transformer Engine spec (THD attention keeps samples apart).
-part packed_attention 60 "$PY" -m pytest tests/gpu/test_packed_attention_gpu.py -q -s -p no:cacheprovider
+part packed_attention 90 "$PY" -m pytest tests/gpu/test_packed_attention_gpu.py -q -s -p no:cacheprovider
 echo "results in $OUT/summary.txt"

@@ -2,7 +2,12 @@
 elsewhere). TE's causal attention ignores a dense mask, so the trainer hands it the row's
 `cu_seqlens` (THD layout): samples packed into one row must get the same log-probs as each
 sample in a row of its own, and as `transformers`' model on the same weights (fp32; 5e-3
-allows TF32 GEMMs; a sample that saw its row neighbours is off by ~1e-2 on the CPU path)."""
+allows TF32 GEMMs; a sample that saw its row neighbours is off by ~1e-2 on the CPU path).
+
+Also for a GLM-4.5-style mixture of experts with a dense first layer: on the TE spec the dense
+layer's norm is fused into its `linear_fc1` while the MoE layers keep `pre_mlp_layernorm`
+(`weight_sync.sharding.canonical_name` maps both to the converters' names), and tokens travel
+with the all-to-all dispatcher, which the CPU path never uses."""
 
 from __future__ import annotations
 
@@ -15,7 +20,14 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run on a GPU machine)", allow_module_level=True)
 
 
-def test_packed_rows_keep_samples_apart_on_the_te_spec():
+MODELS = {"qwen2": dict(num_layers=2),
+          "glm4_moe": dict(family="glm4_moe", num_layers=3, num_experts=4, moe_ffn_hidden_size=64,
+                           moe_shared_expert_intermediate_size=64, moe_dense_layers=[0], rotary_percent=0.5,
+                           tie_word_embeddings=False)}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_packed_rows_keep_samples_apart_on_the_te_spec(model):
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
     from megatron_rl.models.gpt import te_available
     from megatron_rl.models.hf import build_hf_model, random_state_dict
@@ -29,7 +41,7 @@ def test_packed_rows_keep_samples_apart_on_the_te_spec():
     device = mdist.resolve_device("cuda")
     mdist.init_distributed(mdist.dist_env_from({}), device)
     groups = state.initialize(1, 1, device=device)
-    cfg = ModelConfig(num_layers=2, dtype="float32")
+    cfg = ModelConfig(**MODELS[model], dtype="float32")
     full = random_state_dict(cfg, seed=7)
     gen = torch.Generator().manual_seed(0)
     samples = [Sample(torch.randint(0, cfg.vocab_size, (n,), generator=gen), torch.ones(n - 1))
