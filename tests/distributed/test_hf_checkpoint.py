@@ -1,7 +1,8 @@
 """HF checkpoints in and out, per family: checkpoints written by `transformers` itself load into
-Megatron at TP=1, TP=2 and PP=2 (for a mixture of experts, with a dense layer among the sparse
-ones, also EP=2, TP=2 x EP=2 and PP=2 x EP=2 on four ranks) with the same log-probs as
-`transformers` computes, and the export loads back into `transformers` bit-exactly.
+Megatron at TP=1, TP=2 and PP=2 (for a mixture of experts - Qwen3-MoE with a dense layer among
+the sparse ones, Mixtral, Qwen2-MoE, GLM-4.5 MoE - also EP=2, TP=2 x EP=2 and PP=2 x EP=2 on four
+ranks) with the same log-probs as `transformers` computes, and the export loads back into
+`transformers` bit-exactly.
 
 Tolerance: fp32 on both sides, different kernels and reduction orders; observed differences
 are ~1e-6, the issue's bound is 1e-4.
@@ -25,6 +26,15 @@ FAMILY_CONFIGS = {
     # layer 1 dense (HF mlp_only_layers=[1]): at PP=2 one stage holds a dense and a sparse layer
     "qwen3_moe": dict(family="qwen3_moe", tie_word_embeddings=False, num_layers=4, head_dim=48, num_experts=4,
                       moe_ffn_hidden_size=64, moe_router_topk=2, moe_dense_layers=[1]),
+    "mixtral": dict(family="mixtral", tie_word_embeddings=False, num_layers=4, ffn_hidden_size=64, num_experts=4,
+                    moe_ffn_hidden_size=64, moe_router_topk=2),
+    "qwen2_moe": dict(family="qwen2_moe", tie_word_embeddings=False, num_layers=4, num_experts=4,
+                      moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=96, moe_router_topk=2,
+                      moe_norm_topk_prob=False),
+    "glm4_moe": dict(family="glm4_moe", tie_word_embeddings=False, num_layers=4, num_experts=4,
+                     moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=128, moe_router_topk=2,
+                     moe_dense_layers=[0], rotary_percent=0.5, moe_routed_scaling_factor=2.5,
+                     moe_router_num_groups=2, moe_router_group_topk=1),
 }
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2),  # (tp, pp, ep)
            "tp2_ep2": (2, 1, 2), "pp2_ep2": (1, 2, 2)}
