@@ -136,42 +136,48 @@ class _DomainRewards:
     loop: Any
 
 
-def _generate(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[list[Rollout], dict[str, float]]:
+def _generate(rt, parts: dict, prompts: list, params: SamplingParams,
+              training: bool = False) -> tuple[list[Rollout], dict[str, float]]:
     """Completions and rewards: one per sample, or whole multi-turn episodes for agent tasks;
-    a joint run with agent domains does both (`_generate_domains`)."""
+    a joint run with agent domains does both (`_generate_domains`). Only a training step's
+    rollouts (`training`) are over-sampled and cut at the step deadline: evaluation plays every
+    prompt to its end."""
     task = parts["task"]
     if getattr(task, "agent_domains", ()):
-        return _generate_domains(rt, parts, prompts, params)
+        return _generate_domains(rt, parts, prompts, params, training)
     if not task.is_agent:
         return collect(parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"]))
-    return _episodes(rt, parts, prompts, params, task.cfg, parts["rewards"])
+    return _episodes(rt, parts, prompts, params, task.cfg, parts["rewards"], training)
 
 
-def _episodes(rt, parts: dict, prompts: list, params: SamplingParams, task_cfg: Any,
-              rewards: Any, target: Optional[int] = None) -> tuple[list[Rollout], dict[str, float]]:
-    """Agent task `task_cfg`'s prompts played as episodes (its turn format and episode limits);
-    with over-sampling, groups beyond the first `target` done are cut (default: the batch's share
-    of `prompts`)."""
+def _episodes(rt, parts: dict, prompts: list, params: SamplingParams, task_cfg: Any, rewards: Any,
+              training: bool, target: Optional[int] = None) -> tuple[list[Rollout], dict[str, float]]:
+    """Agent task `task_cfg`'s prompts played as episodes (its turn format and episode limits).
+    In a training step with over-sampling, groups beyond the first `target` done are cut
+    (default: the batch's share of `prompts`), and episodes stop at the step deadline."""
     from megatron_rl.rollout.multiturn import EpisodeLimits, collect_episodes
 
     r = rt.cfg.rollout
     groups = len(prompts)
-    if r.oversample and target is None:
+    if not training:
+        target = None
+    elif r.oversample and target is None:
         target = groups - round(groups * r.oversample / (1 + r.oversample))
     return collect_episodes(parts["engine"], prompts, params, rewards, rt.groups,
                             _turn_format(parts, task_cfg), EpisodeLimits.of(task_cfg), r.agent_scheduler,
-                            r.max_concurrent_episodes, target, parts["controller"].timeline, r.step_deadline_s,
-                            r.straggler_policy == "partial")
+                            r.max_concurrent_episodes, target, parts["controller"].timeline,
+                            r.step_deadline_s if training else None, r.straggler_policy == "partial")
 
 
-def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams) -> tuple[list[Rollout], dict[str, float]]:
+def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams,
+                      training: bool) -> tuple[list[Rollout], dict[str, float]]:
     """A joint run with agent domains: the single-turn domains' prompts in one `collect`, then
     each agent domain's episodes with its own environments, turn format and episode limits, one
     after the other on the same engine (every rank runs the same sequence: both paths hold
     collectives). Rollouts come back in prompt order; an agent domain's episode metrics are
     logged under `domain/<name>/`, time spent is summed.
 
-    With over-sampling (rollout.oversample) the batch's groups are shared out over the parts in
+    In a training step with over-sampling (rollout.oversample) the batch's groups are shared out over the parts in
     proportion to their prompts (`apportion`), so that the mixture keeps its weights: an agent
     domain cuts its groups beyond its share, the single-turn part, whose groups all finish,
     generates only its share (the rest of its prompts are skipped, like cut ones)."""
@@ -182,7 +188,7 @@ def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams) ->
         domain = p.meta["domain"]
         shares.setdefault(domain if domain in agents else "", []).append(i)
     targets: dict[str, int] = {}
-    if rt.cfg.rollout.oversample:
+    if training and rt.cfg.rollout.oversample:
         batch_groups = rt.cfg.global_batch_size // params.n
         targets = dict(zip(shares, apportion([len(index) for index in shares.values()], batch_groups)))
     out: list[Rollout] = []
@@ -197,7 +203,7 @@ def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams) ->
             got, stats = collect(parts["engine"], mine, params, rewards, rt.groups, _decode(parts["tokenizer"]))
         else:
             view = _DomainRewards(rewards.verifier.verifiers[domain], rewards.loop)
-            got, stats = _episodes(rt, parts, mine, params, task.tasks[domain].cfg, view, targets.get(domain))
+            got, stats = _episodes(rt, parts, mine, params, task.tasks[domain].cfg, view, training, targets.get(domain))
             if targets:
                 _cut_beyond(got, targets[domain])
             stats = {(k if k.startswith("time/") else f"domain/{domain}/{k}"): v for k, v in stats.items()}
@@ -275,7 +281,7 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
             indices = parts["sampler"].next_batch(drawn)
             prompts = [parts["train"][i] for i in indices]
             params = _sampling(cfg, parts, n, seed=cfg.seed * 100_003 + step + 7919 * rounds.num_rounds)
-            got, timing_round = _generate(rt, parts, prompts, params)
+            got, timing_round = _generate(rt, parts, prompts, params, training=True)
             for r in got:
                 r.source_index = indices[r.prompt_index]
             for key, value in timing_round.items():
@@ -465,4 +471,4 @@ def evaluate(rt, parts: dict, step: int) -> dict[str, float]:
     accuracy, pass_k = found["accuracy"], found[f"pass@{k}"]
     logger.info("eval at step %d: accuracy %.3f, pass@%d %.3f (%d prompts)", step, accuracy, k, pass_k, len(prompts))
     per_domain = parts["domains"].eval_metrics(step, prompts, rollouts) if parts.get("domains") else {}
-    return {"eval/accuracy": accuracy, "eval/pass@k": pass_k, **per_domain}
+    return {"eval/accuracy": accuracy, "eval/pass@k": pass_k, "eval/samples": float(len(rollouts)), **per_domain}

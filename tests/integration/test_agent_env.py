@@ -344,15 +344,16 @@ def test_oversampling_in_a_joint_run_keeps_each_domains_share(tmp_path):
     """rollout.oversample=0.5 in a joint run of an agent domain (Countdown with feedback, async
     episodes) and a single-turn math domain, mixed 1:1: 6 prompts drawn for a batch of 4 groups,
     3 per domain; each domain keeps 2 groups (the agent domain cuts its third, the math domain
-    generates only its two), so the batch holds both domains as the mixture weighs them."""
+    generates only its two), so the batch holds both domains as the mixture weighs them.
+    Evaluation is never cut: all 8 held-out prompts x 4 samples, twice the batch's 4 groups."""
     import json
 
     run_dir = tmp_path / "run"
-    domains = ("+domains={math:{task:{type:math,num_train:16,num_eval:2}},"
+    domains = ("+domains={math:{task:{type:math,num_train:16,num_eval:4}},"
                "count:{task:{type:agent,generator:countdown,environment:countdown,system_prompt:Countdown,"
-               "max_turns:3,max_episode_tokens:256,num_train:16,num_eval:2}}}")
+               "max_turns:3,max_episode_tokens:256,num_train:16,num_eval:4}}}")
     proc = _main_job(run_dir, domains, "rollout.oversample=0.5", "rollout.agent_scheduler=async", "num_steps=2",
-                     "task.sft_warmup_steps=5", "task.eval_every=0", "task.eval_samples=1", "global_batch_size=16",
+                     "task.sft_warmup_steps=5", "task.eval_every=2", "task.eval_samples=4", "global_batch_size=16",
                      "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=16", "checkpoint.save_every=0",
                      experiment="demo_agent_countdown")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -360,6 +361,7 @@ def test_oversampling_in_a_joint_run_keeps_each_domains_share(tmp_path):
     for r in rows:
         assert r["domain/math/count"] == r["domain/count/count"] == 8  # 2 groups of 4 each
         assert r["sched/groups_cut"] == 1  # the agent domain's third group; math's third was never generated
+    assert rows[-1]["eval/samples"] == 8 * 4
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=1"], ["parallel.tp=2"]], ids=["dp2", "tp2"])
