@@ -218,8 +218,9 @@ def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams,
 
 
 def _cut_beyond(rollouts: list[Rollout], target: int) -> None:
-    """Cut the groups beyond the first `target` uncut ones (episodes that finished together with
-    the target-th group), so that a domain's share of the batch is exact."""
+    """Cut the groups beyond the first `target` (in prompt order) that were neither cut nor stopped
+    at the deadline: groups that finished together with the one that filled the share, or that
+    `straggler_policy=partial` kept, so that a domain's share of the batch is exact."""
     lost = {r.prompt_index for r in rollouts if r.status in ("aborted", "deadline")}
     extra = set(sorted({r.prompt_index for r in rollouts} - lost)[target:])
     for r in rollouts:

@@ -284,6 +284,7 @@ class ModelConfig:
         dense = list(self.moe_dense_layers)
         if not dense:
             return
+        self.moe_dense_layers = sorted(dense)  # one spelling per layout (checkpoints compare it)
         if self.family == "mixtral":
             raise _invalid("model.moe_dense_layers", dense, "Mixtral has experts in every layer; "
                            "set model.moe_dense_layers=[]")
@@ -294,8 +295,8 @@ class ModelConfig:
         if len(set(dense)) != len(dense):
             raise _invalid("model.moe_dense_layers", dense, "names a layer twice")
         if len(dense) == self.num_layers:
-            raise _invalid("model.moe_dense_layers", dense, "makes every layer dense: use a dense family "
-                           "(model.family=qwen2 or qwen3) and model.num_experts=null")
+            raise _invalid("model.moe_dense_layers", dense, "makes every layer dense, which a mixture-of-experts "
+                           "family cannot express: leave at least one layer with experts")
 
     def _check_qwen2_moe(self) -> None:
         """Qwen2-MoE layers as Qwen2MoeForCausalLM builds them: Q/K/V bias, no QK-norm, and a gated
@@ -316,6 +317,9 @@ class ModelConfig:
         """What Glm4MoeForCausalLM and Megatron's sigmoid router express alike: shared experts of
         n_shared_experts x the expert width, dense layers first, renormalised top-k weights (Megatron's
         sigmoid router always renormalises), groups ranked by their top-2 scores."""
+        if self.rope_scaling_factor is not None:
+            raise _invalid("model.rope_scaling_factor", self.rope_scaling_factor,
+                           "GLM-4.5 MoE checkpoints use plain RoPE (on part of each head); set it to null")
         shared, width = self.moe_shared_expert_intermediate_size, self.moe_ffn_hidden_size
         if shared is None or shared < width or shared % width:
             raise _invalid("model.moe_shared_expert_intermediate_size", shared,

@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from megatron_rl.weight_sync.stream import bucket_bytes_of, pack_bucket, unpack_bucket
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,9 +46,8 @@ class BroadcastSink:
         tensors = list(named_tensors)
         if version != self._version:
             self._version, self._bucket = version, 0
-        meta = [(name, tuple(t.shape), t.dtype) for name, t in tensors]
+        meta, flat = pack_bucket(tensors)
         self.store.set(_key(version, self._bucket), pickle.dumps((meta, flush)))
-        flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in tensors])
         self.group.broadcast(flat.to(self.group.device), src=0)
         self._bucket += 1
         if flush:  # every member has read the previous update's keys by now
@@ -79,13 +80,9 @@ class WeightReceiver:
         bucket = 0
         while True:
             meta, flush = pickle.loads(self.store.get(_key(version, bucket)))
-            sizes = [int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-                     for _, shape, dtype in meta]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.group.device)
+            flat = torch.empty(bucket_bytes_of(meta), dtype=torch.uint8, device=self.group.device)
             self.group.broadcast(flat, src=0)
-            named = [(name, part.view(dtype).view(shape))
-                     for (name, shape, dtype), part in zip(meta, flat.split(sizes))]
-            self.engine.update_weights(named, version, flush=flush)
+            self.engine.update_weights(unpack_bucket(meta, flat), version, flush=flush)
             bucket += 1
             if flush:
                 break

@@ -36,8 +36,8 @@ class HFEngine:
         self.model = build_hf_model(model_cfg, seed=0, eos_token_id=eos_token_id).to(
             self.device, torch_dtype(model_cfg.dtype))
         # What transformers keeps in fp32 in any dtype, as from_pretrained would (GLM-4.5's router
-        # and its selection bias, which the trainer holds in fp32 too: a bf16 copy could change
-        # which experts are chosen).
+        # weight and selection bias; the trainer keeps the bias in fp32 too, and a bf16 copy of it
+        # could change which experts are chosen).
         keep = tuple(getattr(self.model, "_keep_in_fp32_modules_strict", None) or ())
         for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
             if any(name == k or name.endswith("." + k) for k in keep):

@@ -80,22 +80,48 @@ def _buckets(tensors: Iterator[tuple[str, Tensor]], bucket_bytes: int) -> Iterat
         yield bucket
 
 
-def _broadcast_bucket(bucket: Optional[list[tuple[str, Tensor]]], src: int, groups: ParallelGroups,
-                      dtype: torch.dtype) -> Optional[list[tuple[str, Tensor]]]:
+BucketMeta = list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
+def pack_bucket(bucket: list[tuple[str, Tensor]]) -> tuple[BucketMeta, Tensor]:
+    """A bucket as (names, shapes and dtypes; its bytes in one flat uint8 tensor): tensors keep their
+    own dtype (GLM-4.5's fp32 router bias beside bf16 weights)."""
+    meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
+    return meta, torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+
+
+def bucket_bytes_of(meta: BucketMeta) -> int:
+    return sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in meta)
+
+
+def unpack_bucket(meta: BucketMeta, flat: Tensor) -> list[tuple[str, Tensor]]:
+    """`pack_bucket`'s inverse (a part whose offset does not suit its dtype is copied first)."""
+    out, offset = [], 0
+    for name, shape, dtype in meta:
+        width = torch.empty((), dtype=dtype).element_size()
+        size = int(torch.Size(shape).numel()) * width
+        part = flat[offset:offset + size]
+        out.append((name, (part if offset % width == 0 else part.clone()).view(dtype).view(shape)))
+        offset += size
+    return out
+
+
+def _broadcast_bucket(bucket: Optional[list[tuple[str, Tensor]]], src: int,
+                      groups: ParallelGroups) -> Optional[list[tuple[str, Tensor]]]:
     """Send one bucket from pipeline stage `src` (global rank) to the other stages; None ends."""
-    meta = [None if bucket is None else [(n, tuple(t.shape)) for n, t in bucket]]
+    packed = None if bucket is None else pack_bucket(bucket)
+    meta = [None if packed is None else packed[0]]
     dist.broadcast_object_list(meta, src=src, group=groups.pp_group)
     if meta[0] is None:
         return None
-    numels = [int(torch.Size(shape).numel()) for _, shape in meta[0]]
-    if bucket is not None:
-        flat = torch.cat([t.reshape(-1).to(dtype) for _, t in bucket]).to(groups.device)
+    if packed is not None:
+        flat = packed[1].to(groups.device)
     else:
-        flat = torch.empty(sum(numels), dtype=dtype, device=groups.device)
+        flat = torch.empty(bucket_bytes_of(meta[0]), dtype=torch.uint8, device=groups.device)
     dist.broadcast(flat, src=src, group=groups.pp_group)
     if bucket is not None:
         return bucket
-    return [(n, part.view(shape)) for (n, shape), part in zip(meta[0], flat.split(numels))]
+    return unpack_bucket(meta[0], flat)
 
 
 @torch.no_grad()
@@ -107,7 +133,6 @@ def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engi
     """
     start = time.perf_counter()
     num_tensors = num_bytes = num_buckets = 0
-    dtype = model.config.params_dtype
 
     def deliver(bucket: list[tuple[str, Tensor]], last: bool) -> None:
         nonlocal num_tensors, num_bytes, num_buckets
@@ -125,7 +150,7 @@ def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engi
         while True:
             bucket = next(stream, None) if mine else None
             if groups.pp_size > 1:
-                bucket = _broadcast_bucket(bucket, src, groups, dtype)
+                bucket = _broadcast_bucket(bucket, src, groups)
             if bucket is None:
                 break
             if pending is not None:

@@ -153,3 +153,30 @@ def test_versions_advance_and_outputs_follow_the_weights(results):
 
 def test_generate_while_released_is_refused(results):
     assert "released" in results["tp1"]["released_error"]
+
+
+def _bucket_worker(rank, world, out):
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+    from megatron_rl.weight_sync.stream import _broadcast_bucket
+
+    mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
+    groups = state.initialize(1, 2)
+    bucket = [("w", torch.arange(3, dtype=torch.bfloat16)),  # 6 bytes: the fp32 tensor after it is misaligned
+              ("model.layers.3.mlp.gate.e_score_correction_bias", torch.tensor([1 + 2 ** -12, -0.3, 1e-3])),
+              ("steps", torch.arange(5, dtype=torch.int64))]
+    got = _broadcast_bucket(bucket if groups.pp_rank == 1 else None, 1, groups)  # from the last stage
+    ended = _broadcast_bucket(None, 1, groups)
+    torch.save({"got": got, "sent": bucket, "ended": ended}, f"{out}.{rank}")
+
+
+def test_pipeline_stages_pass_buckets_in_each_tensors_own_dtype(tmp_path):
+    """Weight sync at PP > 1 broadcasts each stage's buckets to the others: every tensor arrives in
+    its own dtype, bit-exact (GLM-4.5's fp32 router bias beside bf16 weights was cast to the
+    weights' dtype before), also where its bytes start at an offset its dtype cannot view."""
+    run_spawned(_bucket_worker, 2, str(tmp_path / "r"), timeout_s=120)
+    received = torch.load(tmp_path / "r.0")
+    assert received["ended"] is None
+    assert [n for n, _ in received["got"]] == [n for n, _ in received["sent"]]
+    for (_, got), (_, sent) in zip(received["got"], received["sent"]):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)

@@ -250,6 +250,7 @@ INVALID_CASES = [
     (["model=tiny_qwen3_moe", "model.moe_dense_layers=[1,1]"], 1, ["model.moe_dense_layers=[1, 1]", "twice"]),
     (["model=tiny_qwen3_moe", "model.moe_dense_layers=[0,1,2,3]"], 1,
      ["model.moe_dense_layers=[0, 1, 2, 3]", "every layer dense"]),
+    (["model=tiny_glm4_moe", "model.rope_scaling_factor=8"], 1, ["model.rope_scaling_factor=8", "plain RoPE"]),
     (["model=tiny_mixtral", "model.moe_dense_layers=[1]"], 1, ["model.moe_dense_layers=[1]", "Mixtral"]),
     (["model.rotary_percent=0.5"], 1, ["model.rotary_percent=0.5", "only model.family=glm4_moe uses it"]),
     (["model=tiny_qwen3_moe", "model.moe_routed_scaling_factor=2"], 1,
@@ -404,3 +405,9 @@ def test_hydra_main_app_writes_nothing_and_can_call_load_config(tmp_path: Path) 
     assert "RESULT 1 2 True True" in out.stdout
     assert sorted(work_dir.rglob("*")) == []
     assert sorted(p.name for p in app_dir.iterdir()) == ["app.py"]
+
+
+def test_dense_layers_have_one_spelling() -> None:
+    """Checkpoints compare the layout: [2, 0] and [0, 2] are the same model."""
+    model = load_config(["model=tiny_qwen3_moe", "model.moe_dense_layers=[2,0]"], world_size=1).model
+    assert model.moe_dense_layers == [0, 2] and model.moe_layer_pattern == [0, 1, 0, 1]
