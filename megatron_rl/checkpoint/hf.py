@@ -148,7 +148,7 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
     from safetensors.torch import save_file
 
     from megatron_rl.models.gpt import torch_dtype
-    from megatron_rl.models.hf import hf_config
+    from megatron_rl.models.hf import fp32_tensors, hf_config, kept_in_fp32
     from megatron_rl.weight_sync.sharding import gather_full_state_dict
 
     full = gather_full_state_dict(model, groups)
@@ -157,7 +157,10 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
         hf = get_converter(arch.family).megatron_to_hf(full, arch)
         if arch.tie_word_embeddings:
             hf.pop("lm_head.weight", None)  # transformers re-ties it on load
-        hf = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in hf.items()}
+        eos = getattr(tokenizer, "eos_token_id", None) or 0
+        config = hf_config(arch, eos)
+        keep = fp32_tensors(config)  # not rounded to `dtype`: transformers holds them in fp32
+        hf = {k: (v.to(dtype) if dtype and not kept_in_fp32(k, keep) else v).contiguous() for k, v in hf.items()}
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -168,8 +171,6 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
             index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in hf.values())},
                      "weight_map": split.tensor_to_filename}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        eos = getattr(tokenizer, "eos_token_id", None) or 0
-        config = hf_config(arch, eos)
         config.dtype = dtype or torch_dtype(arch.dtype)
         config.save_pretrained(tmp)
         if tokenizer is not None:

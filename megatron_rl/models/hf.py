@@ -36,6 +36,19 @@ def build_hf_model(model_cfg: Any, seed: int, eos_token_id: int = 0) -> torch.nn
     return model.eval()
 
 
+def fp32_tensors(config: Any) -> tuple[str, ...]:
+    """What transformers keeps in fp32 whatever the model's dtype (`_keep_in_fp32_modules_strict` of
+    the model class for this config: GLM-4.5's router weight and selection bias), as name endings."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    return tuple(getattr(model_class, "_keep_in_fp32_modules_strict", None) or ())
+
+
+def kept_in_fp32(name: str, endings: tuple[str, ...]) -> bool:
+    return any(name == e or name.endswith("." + e) for e in endings)
+
+
 def hub_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """`model`'s weights under the names and shapes `save_pretrained` writes (the hub layout).
 

@@ -28,7 +28,7 @@ class HFEngine:
     def __init__(self, model_cfg: Any, *, device: str | torch.device = "cpu", eos_token_id: int = 0,
                  pad_token_id: int = 0, max_batch_size: int = 256) -> None:
         from megatron_rl.models.gpt import torch_dtype
-        from megatron_rl.models.hf import build_hf_model
+        from megatron_rl.models.hf import build_hf_model, fp32_tensors, kept_in_fp32
         from megatron_rl.weight_sync.families import get_converter
 
         self.device = torch.device(device)
@@ -38,9 +38,9 @@ class HFEngine:
         # What transformers keeps in fp32 in any dtype, as from_pretrained would (GLM-4.5's router
         # weight and selection bias; the trainer keeps the bias in fp32 too, and a bf16 copy of it
         # could change which experts are chosen).
-        keep = tuple(getattr(self.model, "_keep_in_fp32_modules_strict", None) or ())
+        keep = fp32_tensors(self.model.config)
         for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
-            if any(name == k or name.endswith("." + k) for k in keep):
+            if kept_in_fp32(name, keep):
                 tensor.data = tensor.data.float()
         self.model.generation_config.pad_token_id = pad_token_id
         self.model_cfg = model_cfg

@@ -180,3 +180,34 @@ def test_pipeline_stages_pass_buckets_in_each_tensors_own_dtype(tmp_path):
     assert [n for n, _ in received["got"]] == [n for n, _ in received["sent"]]
     for (_, got), (_, sent) in zip(received["got"], received["sent"]):
         assert got.dtype == sent.dtype and torch.equal(got, sent)
+
+
+def _export_worker(rank, world, out):
+    from megatron_rl.checkpoint.hf import export_hf
+    from megatron_rl.config.schema import ModelConfig, OptimizerConfig
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.core import Trainer, TrainerOptions
+
+    mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
+    groups = state.initialize(1, 1)
+    cfg = ModelConfig(**MODELS["glm4_moe_pp2"], num_layers=2)
+    trainer = Trainer(cfg, OptimizerConfig(), groups, TrainerOptions(micro_batch_tokens=64))
+    trainer.initialize_weights()
+    with torch.no_grad():
+        trainer.module.decoder.layers[1].mlp.router.expert_bias.copy_(torch.tensor([1 + 2 ** -12, -0.3, 1e-3, 0.5]))
+    export_hf(trainer.module, groups, cfg, out, dtype=torch.bfloat16)
+
+
+def test_a_bf16_export_keeps_what_transformers_keeps_in_fp32(tmp_path):
+    """export_hf(dtype=bf16) of a GLM-4.5 MoE: the weights in bf16, the router weight and its
+    selection bias in fp32 as transformers holds them (the bias bit-exact: not bf16 numbers)."""
+    from safetensors.torch import load_file
+
+    run_spawned(_export_worker, 1, str(tmp_path / "glm"), timeout_s=120)
+    tensors = {k: v for f in sorted((tmp_path / "glm").glob("*.safetensors")) for k, v in load_file(f).items()}
+    bias = tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and torch.equal(bias, torch.tensor([1 + 2 ** -12, -0.3, 1e-3, 0.5]))
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert tensors["model.layers.1.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert tensors["model.layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16
