@@ -13,7 +13,6 @@ evaluation adds `set`, `checkpoint`, `step` and `seed`.
 from __future__ import annotations
 
 import collections
-
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np

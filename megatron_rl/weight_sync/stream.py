@@ -91,14 +91,14 @@ def pack_bucket(bucket: list[tuple[str, Tensor]]) -> tuple[BucketMeta, Tensor]:
 
 
 def bucket_bytes_of(meta: BucketMeta) -> int:
-    return sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in meta)
+    return sum(int(torch.Size(shape).numel()) * dtype.itemsize for _, shape, dtype in meta)
 
 
 def unpack_bucket(meta: BucketMeta, flat: Tensor) -> list[tuple[str, Tensor]]:
     """`pack_bucket`'s inverse (a part whose offset does not suit its dtype is copied first)."""
     out, offset = [], 0
     for name, shape, dtype in meta:
-        width = torch.empty((), dtype=dtype).element_size()
+        width = dtype.itemsize
         size = int(torch.Size(shape).numel()) * width
         part = flat[offset:offset + size]
         out.append((name, (part if offset % width == 0 else part.clone()).view(dtype).view(shape)))

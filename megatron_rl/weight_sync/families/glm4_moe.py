@@ -21,15 +21,11 @@ read: transformers does not run them either, and an export writes none.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Optional
-
-import torch
+from typing import Any
 
 from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
 from megatron_rl.weight_sync.families.moe import SparseMoeLayout
-
-Tensor = torch.Tensor
 
 
 @register
@@ -78,27 +74,7 @@ class Glm4MoeConverter(SparseMoeLayout, DenseDecoderConverter):
             moe_router_num_groups=hf.get("n_group") or 1, moe_router_group_topk=hf.get("topk_group") or 1)
         return arch
 
-    # -- one sparse layer's MLP: routed and shared experts (SparseMoeLayout), the router's bias -------
+    # -- a sparse layer's MLP: routed and shared experts (SparseMoeLayout), the router's bias -------
     hf_shared_expert = "mlp.shared_experts."
-
-    def mlp_hf_names(self, arch: Any, prefix: str, experts: Optional[Iterable[int]] = None) -> set[str]:
-        names = super().mlp_hf_names(arch, prefix, experts)
-        return names | {prefix + "mlp.gate.e_score_correction_bias"} if self._sparse(arch, prefix) else names
-
-    def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
-        out = super().mlp_to_megatron(hf, h, m, arch)
-        if self._sparse(arch, h):
-            out[m + "mlp.router.expert_bias"] = hf[h + "mlp.gate.e_score_correction_bias"]
-        return out
-
-    def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
-        out = super().mlp_to_hf(meg, h, m, arch)
-        if self._sparse(arch, h):
-            out[h + "mlp.gate.e_score_correction_bias"] = meg[m + "mlp.router.expert_bias"]
-        return out
-
-    def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
-        names = list(names)
-        shapes = super().expected_hf_shapes(arch, names)
-        shapes.update({n: (arch.num_experts,) for n in names if n.endswith(".mlp.gate.e_score_correction_bias")})
-        return shapes
+    sparse_layer_extras = (("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias",
+                            lambda arch: (arch.num_experts,)),)

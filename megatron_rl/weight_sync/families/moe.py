@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -76,8 +76,8 @@ def _layer(prefix: str) -> int:
 class SparseMoeLayout:
     """MLP conversion for a decoder whose layers are mixtures of SwiGLU experts, except those in
     `moe_dense_layers`, which keep the dense SwiGLU layout; mixed in before a `DenseDecoderConverter`
-    subclass, whose attention and embedding layout it keeps. Families that add to a sparse layer's
-    MLP (a gate, a router bias) check `_sparse(arch, prefix)` too."""
+    subclass, whose attention and embedding layout it keeps. Families name where their sparse
+    layers keep the router and experts, their shared expert, and further one-to-one tensors."""
 
     hf_moe_block = "mlp."
     """HF module holding the router (`gate`) and the `experts`, relative to the layer."""
@@ -87,6 +87,10 @@ class SparseMoeLayout:
     """HF module of the shared expert(s), relative to the layer: one SwiGLU MLP (`{gate,up,down}_proj`)
     of width `moe_shared_expert_intermediate_size` that every token passes through, Megatron's
     `mlp.shared_experts.` (`linear_fc1` = [gate; up], `linear_fc2` = down); None: no shared expert."""
+    sparse_layer_extras: tuple[tuple[str, str, Callable[[Any], tuple[int, ...]]], ...] = ()
+    """Further tensors of a sparse layer's MLP, each renamed as it is: (HF name, Megatron name, its
+    shape given the architecture), names relative to the layer (Qwen2-MoE's shared-expert gate,
+    GLM-4.5's router bias). Every expert-parallel rank reads them."""
 
     def _hf_expert_pattern(self) -> re.Pattern:
         return re.compile(re.escape(self.hf_moe_block) + r"experts\.(\d+)\.")
@@ -104,7 +108,7 @@ class SparseMoeLayout:
             names |= {block + f"experts.{e}.{p}.weight" for p in self.hf_expert_projections}
         if self.hf_shared_expert:  # replicated over expert-parallel ranks, like a dense MLP
             names |= {f"{prefix}{self.hf_shared_expert}{p}_proj.weight" for p in ("gate", "up", "down")}
-        return names
+        return names | {prefix + hf_name for hf_name, _, _ in self.sparse_layer_extras}
 
     def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
         if not self._sparse(arch, h):
@@ -120,6 +124,7 @@ class SparseMoeLayout:
             src, dst = h + self.hf_shared_expert, m + "mlp.shared_experts."
             out[dst + "linear_fc1.weight"] = torch.cat([hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]])
             out[dst + "linear_fc2.weight"] = hf[src + "down_proj.weight"]
+        out.update({m + meg_name: hf[h + hf_name] for hf_name, meg_name, _ in self.sparse_layer_extras})
         return out
 
     def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
@@ -136,6 +141,7 @@ class SparseMoeLayout:
             src, dst = m + "mlp.shared_experts.", h + self.hf_shared_expert
             out[dst + "gate_proj.weight"], out[dst + "up_proj.weight"] = meg[src + "linear_fc1.weight"].chunk(2)
             out[dst + "down_proj.weight"] = meg[src + "linear_fc2.weight"]
+        out.update({h + hf_name: meg[m + meg_name] for hf_name, meg_name, _ in self.sparse_layer_extras})
         return out
 
     def hf_memory_slot(self, name: str, arch: Any) -> tuple[str, tuple]:
@@ -172,4 +178,7 @@ class SparseMoeLayout:
                 shapes[n] = (hidden, width) if n.endswith(down) else (width, hidden)
             elif self.hf_shared_expert and f".{self.hf_shared_expert}" in n:
                 shapes[n] = (hidden, shared) if n.endswith("down_proj.weight") else (shared, hidden)
+            for hf_name, _, shape in self.sparse_layer_extras:
+                if n.endswith("." + hf_name):
+                    shapes[n] = shape(arch)
         return shapes

@@ -22,15 +22,11 @@ Refused: sliding-window attention, and `qkv_bias=false` (every released Qwen2-Mo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Optional
-
-import torch
+from typing import Any
 
 from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.moe import SparseMoeLayout, qwen_moe_arch, qwen_moe_config
 from megatron_rl.weight_sync.families.qwen2 import Qwen2Converter
-
-Tensor = torch.Tensor
 
 
 @register
@@ -57,27 +53,7 @@ class Qwen2MoeConverter(SparseMoeLayout, Qwen2Converter):
         arch.update(experts, moe_shared_expert_intermediate_size=shared)
         return arch
 
-    # -- one sparse layer's MLP: routed and shared experts (SparseMoeLayout), the shared expert's gate ----
+    # -- a sparse layer's MLP: routed and shared experts (SparseMoeLayout), the shared expert's gate ----
     hf_shared_expert = "mlp.shared_expert."
-
-    def mlp_hf_names(self, arch: Any, prefix: str, experts: Optional[Iterable[int]] = None) -> set[str]:
-        names = super().mlp_hf_names(arch, prefix, experts)
-        return names | {prefix + "mlp.shared_expert_gate.weight"} if self._sparse(arch, prefix) else names
-
-    def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
-        out = super().mlp_to_megatron(hf, h, m, arch)
-        if self._sparse(arch, h):
-            out[m + "mlp.shared_experts.gate_weight"] = hf[h + "mlp.shared_expert_gate.weight"]
-        return out
-
-    def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
-        out = super().mlp_to_hf(meg, h, m, arch)
-        if self._sparse(arch, h):
-            out[h + "mlp.shared_expert_gate.weight"] = meg[m + "mlp.shared_experts.gate_weight"]
-        return out
-
-    def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
-        names = list(names)
-        shapes = super().expected_hf_shapes(arch, names)
-        shapes.update({n: (1, arch.hidden_size) for n in names if n.endswith(".mlp.shared_expert_gate.weight")})
-        return shapes
+    sparse_layer_extras = (("mlp.shared_expert_gate.weight", "mlp.shared_experts.gate_weight",
+                            lambda arch: (1, arch.hidden_size)),)
