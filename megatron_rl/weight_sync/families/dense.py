@@ -139,11 +139,16 @@ class DenseDecoderConverter:
             names |= {h + "input_layernorm.weight", h + "post_attention_layernorm.weight",
                       h + "self_attn.o_proj.weight"}
             names |= self.mlp_hf_names(arch, h, experts)
-            names |= {h + f"self_attn.{p}_proj.weight" for p in "qkv"}
-            if arch.resolved_qkv_bias:
-                names |= {h + f"self_attn.{p}_proj.bias" for p in "qkv"}
-            if arch.resolved_qk_layernorm:
-                names |= {h + "self_attn.q_norm.weight", h + "self_attn.k_norm.weight"}
+            names |= self.attention_hf_names(arch, h)
+        return names
+
+    def attention_hf_names(self, arch: Any, prefix: str) -> set[str]:
+        """HF names of one layer's attention projections and norms besides `o_proj`."""
+        names = {prefix + f"self_attn.{p}_proj.weight" for p in "qkv"}
+        if arch.resolved_qkv_bias:
+            names |= {prefix + f"self_attn.{p}_proj.bias" for p in "qkv"}
+        if arch.resolved_qk_layernorm:
+            names |= {prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"}
         return names
 
     def mlp_hf_names(self, arch: Any, prefix: str, experts: Optional[Iterable[int]] = None) -> set[str]:
@@ -153,7 +158,6 @@ class DenseDecoderConverter:
     # -- tensors ------------------------------------------------------------------------------
     def hf_to_megatron(self, hf: dict[str, Tensor], arch: Any) -> dict[str, Tensor]:
         """Megatron tensors (full, unsharded, global layer numbers) for whatever `hf` holds."""
-        groups = arch.num_query_groups
         out: dict[str, Tensor] = {}
         if "model.embed_tokens.weight" in hf:
             out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"]
@@ -163,19 +167,25 @@ class DenseDecoderConverter:
             out["output_layer.weight"] = hf["lm_head.weight"]
         for i in _layers(hf, _HF_LAYER):
             h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-            att = h + "self_attn."
             out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-            out[m + "self_attention.linear_qkv.weight"] = qkv_fuse(
-                hf[att + "q_proj.weight"], hf[att + "k_proj.weight"], hf[att + "v_proj.weight"], groups)
-            if arch.resolved_qkv_bias:
-                out[m + "self_attention.linear_qkv.bias"] = qkv_fuse(
-                    hf[att + "q_proj.bias"], hf[att + "k_proj.bias"], hf[att + "v_proj.bias"], groups)
-            if arch.resolved_qk_layernorm:
-                out[m + "self_attention.q_layernorm.weight"] = hf[att + "q_norm.weight"]
-                out[m + "self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
-            out[m + "self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
+            out.update(self.attention_to_megatron(hf, h + "self_attn.", m + "self_attention.", arch))
+            out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
             out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
             out.update(self.mlp_to_megatron(hf, h, m, arch))
+        return out
+
+    def attention_to_megatron(self, hf: dict[str, Tensor], att: str, m: str, arch: Any) -> dict[str, Tensor]:
+        """One layer's attention besides the output projection: HF names under `att`
+        ("model.layers.{i}.self_attn.") -> Megatron names under `m` ("decoder.layers.{i}.self_attention.")."""
+        groups = arch.num_query_groups
+        out = {m + "linear_qkv.weight": qkv_fuse(
+            hf[att + "q_proj.weight"], hf[att + "k_proj.weight"], hf[att + "v_proj.weight"], groups)}
+        if arch.resolved_qkv_bias:
+            out[m + "linear_qkv.bias"] = qkv_fuse(
+                hf[att + "q_proj.bias"], hf[att + "k_proj.bias"], hf[att + "v_proj.bias"], groups)
+        if arch.resolved_qk_layernorm:
+            out[m + "q_layernorm.weight"] = hf[att + "q_norm.weight"]
+            out[m + "k_layernorm.weight"] = hf[att + "k_norm.weight"]
         return out
 
     def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
@@ -185,7 +195,6 @@ class DenseDecoderConverter:
 
     def megatron_to_hf(self, meg: dict[str, Tensor], arch: Any) -> dict[str, Tensor]:
         """HF tensors for whatever (full, unsharded) Megatron tensors `meg` holds."""
-        heads, groups, head_dim = arch.num_attention_heads, arch.num_query_groups, arch.resolved_head_dim
         out: dict[str, Tensor] = {}
         if "embedding.word_embeddings.weight" in meg:
             out["model.embed_tokens.weight"] = meg["embedding.word_embeddings.weight"]
@@ -197,19 +206,25 @@ class DenseDecoderConverter:
             out["lm_head.weight"] = meg["output_layer.weight"]
         for i in _layers(meg, _MEG_LAYER):
             h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-            att = h + "self_attn."
             out[h + "input_layernorm.weight"] = meg[m + "input_layernorm.weight"]
-            q, k, v = qkv_split(meg[m + "self_attention.linear_qkv.weight"], heads, groups, head_dim)
-            out[att + "q_proj.weight"], out[att + "k_proj.weight"], out[att + "v_proj.weight"] = q, k, v
-            if arch.resolved_qkv_bias:
-                q, k, v = qkv_split(meg[m + "self_attention.linear_qkv.bias"], heads, groups, head_dim)
-                out[att + "q_proj.bias"], out[att + "k_proj.bias"], out[att + "v_proj.bias"] = q, k, v
-            if arch.resolved_qk_layernorm:
-                out[att + "q_norm.weight"] = meg[m + "self_attention.q_layernorm.weight"]
-                out[att + "k_norm.weight"] = meg[m + "self_attention.k_layernorm.weight"]
-            out[att + "o_proj.weight"] = meg[m + "self_attention.linear_proj.weight"]
+            out.update(self.attention_to_hf(meg, h + "self_attn.", m + "self_attention.", arch))
+            out[h + "self_attn.o_proj.weight"] = meg[m + "self_attention.linear_proj.weight"]
             out[h + "post_attention_layernorm.weight"] = meg[m + "pre_mlp_layernorm.weight"]
             out.update(self.mlp_to_hf(meg, h, m, arch))
+        return out
+
+    def attention_to_hf(self, meg: dict[str, Tensor], att: str, m: str, arch: Any) -> dict[str, Tensor]:
+        """The reverse of `attention_to_megatron`."""
+        heads, groups, head_dim = arch.num_attention_heads, arch.num_query_groups, arch.resolved_head_dim
+        out = {}
+        q, k, v = qkv_split(meg[m + "linear_qkv.weight"], heads, groups, head_dim)
+        out[att + "q_proj.weight"], out[att + "k_proj.weight"], out[att + "v_proj.weight"] = q, k, v
+        if arch.resolved_qkv_bias:
+            q, k, v = qkv_split(meg[m + "linear_qkv.bias"], heads, groups, head_dim)
+            out[att + "q_proj.bias"], out[att + "k_proj.bias"], out[att + "v_proj.bias"] = q, k, v
+        if arch.resolved_qk_layernorm:
+            out[att + "q_norm.weight"] = meg[m + "q_layernorm.weight"]
+            out[att + "k_norm.weight"] = meg[m + "k_layernorm.weight"]
         return out
 
     def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
