@@ -45,6 +45,13 @@ def arch_from_hf_config(path: str | Path) -> dict[str, Any]:
         converter = converter_for_model_type(hf.get("model_type"))
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
+    quantization = hf.get("quantization_config")
+    if quantization:
+        # e.g. DeepSeek-V3's release: fp8 weights with per-block scales in `*.weight_scale_inv`, which a
+        # plain cast would read without their scales
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not supported: the "
+                         "weights must be dequantised to bf16 or fp32 first (and quantization_config removed)")
     try:
         return converter.arch_from_config(hf, where)
     except KeyError as exc:
