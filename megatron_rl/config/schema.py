@@ -61,8 +61,9 @@ class ModelConfig:
     name: str = "tiny_qwen2"
     """Display name used in logs and run metadata."""
     family: str = "qwen2"
-    """Architecture family: llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe or glm4_moe; selects the
-    HF <-> Megatron weight converter."""
+    """Architecture family: llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, glm4_moe or deepseek_v3
+    (DeepSeek-V3 and its architecture's other checkpoints: Kimi-K2, Moonlight); selects the HF <-> Megatron
+    weight converter."""
     path: Optional[str] = None
     """HF checkpoint directory with config.json; null builds the model from the fields below with random init."""
     tokenizer: str = "builtin:char"
@@ -89,14 +90,25 @@ class ModelConfig:
     rope_scaling_factor: Optional[float] = None
     """Llama 3.1 RoPE scaling (HF rope_scaling with rope_type llama3): frequencies whose wavelength exceeds
     rope_scaling_original_max_position_embeddings / rope_scaling_low_freq_factor are divided by this
-    factor, those between that and the high-frequency bound interpolated; null means plain RoPE."""
+    factor, those between that and the high-frequency bound interpolated; null means plain RoPE.
+    deepseek_v3: the YaRN factor instead (HF rope_type yarn; see rope_scaling_beta_fast and the fields after it)."""
     rope_scaling_low_freq_factor: float = 1.0
     """Llama 3.1 RoPE scaling: HF low_freq_factor. Megatron-core fixes it at 1 (see _check_rope_scaling)."""
     rope_scaling_high_freq_factor: float = 4.0
     """Llama 3.1 RoPE scaling: HF high_freq_factor. Megatron-core fixes it at 4."""
     rope_scaling_original_max_position_embeddings: int = 8192
     """Llama 3.1 RoPE scaling: HF original_max_position_embeddings (the pre-training context). Megatron-core
-    fixes it at 8192."""
+    fixes it at 8192 for Llama 3.1 scaling; deepseek_v3's YaRN takes any value (DeepSeek-V3: 4096)."""
+    rope_scaling_beta_fast: float = 32.0
+    """deepseek_v3 YaRN: HF beta_fast (frequencies turning more than this often over the original context
+    keep their value)."""
+    rope_scaling_beta_slow: float = 1.0
+    """deepseek_v3 YaRN: HF beta_slow (frequencies turning less often than this are divided by the factor)."""
+    rope_scaling_mscale: float = 1.0
+    """deepseek_v3 YaRN: HF mscale (with mscale_all_dim, the factor on the rotary cos and sin)."""
+    rope_scaling_mscale_all_dim: float = 0.0
+    """deepseek_v3 YaRN: HF mscale_all_dim (the attention softmax scale is multiplied by
+    (0.1 x this x ln(factor) + 1) squared; 0: not)."""
     rotary_percent: float = 1.0
     """Share of each head's dimensions that RoPE rotates (the first ones; HF partial_rotary_factor); the
     rest pass through. Only glm4_moe rotates part (its checkpoints: 0.5); 1 for the other families."""
@@ -127,16 +139,28 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     """Weight of Megatron's per-layer load-balancing loss (aux_loss); 0 disables it."""
     moe_router_num_groups: int = 1
-    """glm4_moe: experts form this many equal groups (HF n_group) and each token picks its experts from the
-    moe_router_group_topk groups whose top-2 selection scores sum highest (HF topk_group); 1: no groups."""
+    """glm4_moe, deepseek_v3: experts form this many equal groups (HF n_group) and each token picks its experts
+    from the moe_router_group_topk groups whose top-2 selection scores sum highest (HF topk_group); 1: no groups."""
     moe_router_group_topk: int = 1
-    """glm4_moe: groups each token's experts come from (HF topk_group); see moe_router_num_groups."""
+    """glm4_moe, deepseek_v3: groups each token's experts come from (HF topk_group); see moe_router_num_groups."""
     moe_routed_scaling_factor: float = 1.0
-    """glm4_moe: factor on the routed experts' renormalised weights (HF routed_scaling_factor)."""
+    """glm4_moe, deepseek_v3: factor on the routed experts' renormalised weights (HF routed_scaling_factor)."""
+    q_lora_rank: Optional[int] = None
+    """deepseek_v3 multi-latent attention: width of the compressed query (HF q_lora_rank; DeepSeek-V3: 1536);
+    null projects queries directly, without compression (DeepSeek-V2-Lite, Moonlight does compress)."""
+    kv_lora_rank: Optional[int] = None
+    """deepseek_v3: width of the compressed key-value latent (HF kv_lora_rank; DeepSeek-V3: 512); required."""
+    qk_nope_head_dim: Optional[int] = None
+    """deepseek_v3: per-head query/key dimensions without RoPE (HF qk_nope_head_dim; DeepSeek-V3: 128)."""
+    qk_rope_head_dim: Optional[int] = None
+    """deepseek_v3: per-head query/key dimensions RoPE turns, the key's shared by all heads (HF
+    qk_rope_head_dim; DeepSeek-V3: 64)."""
+    v_head_dim: Optional[int] = None
+    """deepseek_v3: per-head value width (HF v_head_dim; DeepSeek-V3: 128)."""
     moe_dense_layers: list[int] = field(default_factory=list)
     """Layers (0-based, global) whose MLP is a dense SwiGLU of width ffn_hidden_size instead of experts:
     HF's mlp_only_layers plus the layers decoder_sparse_step skips (qwen3_moe, qwen2_moe), or the first
-    first_k_dense_replace layers (glm4_moe); a dense layer has no shared expert. Empty: every layer is
+    first_k_dense_replace layers (glm4_moe, deepseek_v3); a dense layer has no shared expert. Empty: every layer is
     sparse (mixtral always)."""
     init_seed: int = 1234
     """Seed of the random initialisation when model.path is null."""
@@ -155,14 +179,22 @@ class ModelConfig:
     """recompute=full: layers per recomputed block (Megatron's uniform recompute_method)."""
 
     FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
-                                           "glm4_moe")
+                                           "glm4_moe", "deepseek_v3")
     RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
-    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
-    SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe")
-    # fields only glm4_moe's sigmoid router and attention use, with the value every other family has
-    GLM4_MOE_ONLY: ClassVar[dict[str, float]] = {
-        "rotary_percent": 1.0, "moe_router_num_groups": 1, "moe_router_group_topk": 1,
-        "moe_routed_scaling_factor": 1.0}
+    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
+    SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe", "deepseek_v3")
+    # families whose router is Megatron's sigmoid one with the selection bias (GLM-4.5's and DeepSeek-V3's)
+    SIGMOID_ROUTER_FAMILIES: ClassVar[tuple[str, ...]] = ("glm4_moe", "deepseek_v3")
+    # fields only the sigmoid router uses, with the value every other family has
+    SIGMOID_ROUTER_ONLY: ClassVar[dict[str, float]] = {
+        "moe_router_num_groups": 1, "moe_router_group_topk": 1, "moe_routed_scaling_factor": 1.0}
+    # multi-latent attention's widths (deepseek_v3 only; kv_lora_rank and the head widths required there)
+    MLA_FIELDS: ClassVar[tuple[str, ...]] = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                             "v_head_dim")
+    # deepseek_v3's YaRN parameters, with HF's (and Megatron's) defaults
+    YARN_ONLY: ClassVar[dict[str, float]] = {
+        "rope_scaling_beta_fast": 32.0, "rope_scaling_beta_slow": 1.0, "rope_scaling_mscale": 1.0,
+        "rope_scaling_mscale_all_dim": 0.0}
     DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
     # Megatron-core's GPTModel passes only the factor on to RotaryEmbedding._apply_scaling, whose
     # other parameters keep Llama 3.1's values (megatron/core/models/common/embeddings/
@@ -192,7 +224,7 @@ class ModelConfig:
             _check_min(f"model.{key}", value, 1)
         if self.head_dim is not None:
             _check_min("model.head_dim", self.head_dim, 1)
-        elif self.hidden_size % self.num_attention_heads != 0:
+        elif self.hidden_size % self.num_attention_heads != 0 and not self.multi_latent_attention:
             raise _invalid(
                 "model.hidden_size", self.hidden_size,
                 f"must be divisible by model.num_attention_heads={self.num_attention_heads} "
@@ -210,14 +242,53 @@ class ModelConfig:
         self._check_rope_scaling()
         if not 0 < self.rotary_percent <= 1:
             raise _invalid("model.rotary_percent", self.rotary_percent, "must lie in (0, 1]")
+        if self.family != "glm4_moe" and self.rotary_percent != 1.0:
+            raise _invalid("model.rotary_percent", self.rotary_percent, "only model.family=glm4_moe rotates part of "
+                           "each head; set model.rotary_percent=1")
         self._check_moe()
-        if self.family != "glm4_moe":
-            for key, default in self.GLM4_MOE_ONLY.items():
+        if self.family not in self.SIGMOID_ROUTER_FAMILIES:
+            for key, default in self.SIGMOID_ROUTER_ONLY.items():
                 if getattr(self, key) != default:
-                    raise _invalid(f"model.{key}", getattr(self, key), f"only model.family=glm4_moe uses it; "
+                    raise _invalid(f"model.{key}", getattr(self, key), "only the sigmoid routers of model.family="
+                                   f"{' and '.join(self.SIGMOID_ROUTER_FAMILIES)} use it; "
                                    f"set model.{key}={format_value(default)}")
+        self._check_mla()
+
+    def _check_mla(self) -> None:
+        """DeepSeek-V3's multi-latent attention as DeepseekV3ForCausalLM and Megatron-core's MLASelfAttention
+        both build it: every head has its own keys and values (expanded from one latent), no Q/K/V bias."""
+        if not self.multi_latent_attention:
+            for key in self.MLA_FIELDS:
+                if getattr(self, key) is not None:
+                    raise _invalid(f"model.{key}", getattr(self, key), "only model.family=deepseek_v3 (multi-latent "
+                                   f"attention) uses it; set model.{key}=null")
+            return
+        for key in self.MLA_FIELDS[1:]:
+            if getattr(self, key) is None:
+                raise _invalid(f"model.{key}", None, f"model.family=deepseek_v3 needs it (HF {key})")
+            _check_min(f"model.{key}", getattr(self, key), 1)
+        if self.q_lora_rank is not None:
+            _check_min("model.q_lora_rank", self.q_lora_rank, 1)
+        if self.qk_rope_head_dim % 2:
+            raise _invalid("model.qk_rope_head_dim", self.qk_rope_head_dim,
+                           "must be even: RoPE turns dimensions in pairs")
+        if self.num_query_groups != self.num_attention_heads:
+            raise _invalid("model.num_query_groups", self.num_query_groups, "multi-latent attention expands keys and "
+                           f"values for every head: set it to model.num_attention_heads={self.num_attention_heads}")
+        for key in ("qkv_bias", "qk_layernorm", "head_dim"):
+            if getattr(self, key):
+                raise _invalid(f"model.{key}", getattr(self, key), "does not apply to multi-latent attention (its "
+                               "latent norms are always there, its head widths are the qk_*/v_head_dim fields, "
+                               "and Megatron-core's has no bias); set it to null")
 
     def _check_rope_scaling(self) -> None:
+        if self.family == "deepseek_v3":
+            self._check_yarn()
+            return
+        for key, default in self.YARN_ONLY.items():
+            if getattr(self, key) != default:
+                raise _invalid(f"model.{key}", getattr(self, key), "only deepseek_v3's YaRN scaling uses it; "
+                               f"set model.{key}={format_value(default)}")
         if self.rope_scaling_factor is None:
             for key, default in self.ROPE_SCALING_FIXED.items():
                 if getattr(self, key) != default:
@@ -232,6 +303,37 @@ class ModelConfig:
                                f"Megatron-core applies Llama 3.1 rope scaling with {key.removeprefix('rope_scaling_')}"
                                f"={format_value(fixed)} fixed (RotaryEmbedding._apply_scaling); only "
                                f"{format_value(fixed)} is supported")
+
+    def _check_yarn(self) -> None:
+        """deepseek_v3's rope_scaling_* fields: YaRN's, as Megatron-core's YarnRotaryEmbedding takes them."""
+        fixed = {k: v for k, v in self.ROPE_SCALING_FIXED.items()
+                 if k != "rope_scaling_original_max_position_embeddings"}
+        for key, default in fixed.items():
+            if getattr(self, key) != default:
+                raise _invalid(f"model.{key}", getattr(self, key), "is a Llama 3.1 scaling parameter; deepseek_v3 "
+                               f"scales RoPE with YaRN: set model.{key}={format_value(default)}")
+        if self.rope_scaling_factor is None:
+            for key, default in self.YARN_ONLY.items():
+                if getattr(self, key) != default:
+                    raise _invalid(f"model.{key}", getattr(self, key), "only applies with YaRN scaling; set "
+                                   f"model.rope_scaling_factor, or leave this at its default {format_value(default)}")
+            return
+        _check_min("model.rope_scaling_factor", self.rope_scaling_factor, 1)
+        _check_min("model.rope_scaling_original_max_position_embeddings",
+                   self.rope_scaling_original_max_position_embeddings, 1)
+        _check_min("model.rope_scaling_beta_fast", self.rope_scaling_beta_fast, 0, strict=True)
+        _check_min("model.rope_scaling_beta_slow", self.rope_scaling_beta_slow, 0, strict=True)
+        if self.rope_scaling_beta_slow >= self.rope_scaling_beta_fast:
+            raise _invalid("model.rope_scaling_beta_slow", self.rope_scaling_beta_slow,
+                           f"must be below model.rope_scaling_beta_fast={self.rope_scaling_beta_fast}")
+        _check_min("model.rope_scaling_mscale", self.rope_scaling_mscale, 0)
+        _check_min("model.rope_scaling_mscale_all_dim", self.rope_scaling_mscale_all_dim, 0)
+        both = self.rope_scaling_mscale > 0 and self.rope_scaling_mscale_all_dim > 0
+        if not both and self.rope_scaling_mscale != 1:
+            # HF then scales cos and sin by 0.1 ln(factor) + 1, ignoring mscale; Megatron-core by its ratio
+            raise _invalid("model.rope_scaling_mscale", self.rope_scaling_mscale,
+                           "with model.rope_scaling_mscale_all_dim=0 only mscale=1 is read alike by transformers "
+                           "and Megatron-core; set both (DeepSeek-V3: 1 and 1) or mscale=1")
 
     def _check_moe(self) -> None:
         moe_family = self.family in self.MOE_FAMILIES
@@ -270,8 +372,8 @@ class ModelConfig:
         self._check_dense_layers()
         if self.family == "qwen2_moe":
             self._check_qwen2_moe()
-        elif self.family == "glm4_moe":
-            self._check_glm4_moe()
+        elif self.family in self.SIGMOID_ROUTER_FAMILIES:
+            self._check_sigmoid_router()
         elif self.moe_shared_expert_intermediate_size is not None:
             raise _invalid("model.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
                            f"model.family={self.family} has no shared expert (only "
@@ -313,32 +415,40 @@ class ModelConfig:
             raise _invalid("model.qk_layernorm", True, "Qwen2-MoE attention has no qk layernorm; "
                            "set model.qk_layernorm=false or null")
 
-    def _check_glm4_moe(self) -> None:
-        """What Glm4MoeForCausalLM and Megatron's sigmoid router express alike: shared experts of
-        n_shared_experts x the expert width, dense layers first, renormalised top-k weights (Megatron's
-        sigmoid router always renormalises), groups ranked by their top-2 scores."""
-        if self.rope_scaling_factor is not None:
+    def _check_sigmoid_router(self) -> None:
+        """What Glm4MoeForCausalLM / DeepseekV3ForCausalLM and Megatron's sigmoid router express alike: shared
+        experts of n_shared_experts x the expert width, dense layers first, renormalised top-k weights
+        (Megatron's sigmoid router always renormalises), groups ranked by their top-2 scores."""
+        name = {"glm4_moe": "GLM-4.5 MoE", "deepseek_v3": "DeepSeek-V3"}[self.family]
+        if self.family == "glm4_moe" and self.rope_scaling_factor is not None:
             raise _invalid("model.rope_scaling_factor", self.rope_scaling_factor,
                            "GLM-4.5 MoE checkpoints use plain RoPE (on part of each head); set it to null")
         shared, width = self.moe_shared_expert_intermediate_size, self.moe_ffn_hidden_size
         if shared is None or shared < width or shared % width:
             raise _invalid("model.moe_shared_expert_intermediate_size", shared,
-                           f"GLM-4.5 MoE layers have n_shared_experts >= 1 shared experts of the expert width: set "
+                           f"{name} layers have n_shared_experts >= 1 shared experts of the expert width: set "
                            f"it to a multiple of model.moe_ffn_hidden_size={width}")
         dense = sorted(self.moe_dense_layers)
         if dense != list(range(len(dense))):
             raise _invalid("model.moe_dense_layers", list(self.moe_dense_layers),
-                           "GLM-4.5 MoE has its dense layers first (HF first_k_dense_replace): use [0, ..., k-1]")
+                           f"{name} has its dense layers first (HF first_k_dense_replace): use [0, ..., k-1]")
         if not self.moe_norm_topk_prob or self.moe_router_topk < 2:
             raise _invalid("model.moe_norm_topk_prob" if not self.moe_norm_topk_prob else "model.moe_router_topk",
                            self.moe_norm_topk_prob if not self.moe_norm_topk_prob else self.moe_router_topk,
                            "Megatron-core's sigmoid router renormalises the top-k weights, which needs "
                            "model.moe_norm_topk_prob=true and model.moe_router_topk >= 2")
+        if self.family == "glm4_moe":
+            self._check_partial_rope()
+        self._check_router_groups()
+
+    def _check_partial_rope(self) -> None:
         rotated = self.resolved_head_dim * self.rotary_percent
         if rotated != int(rotated) or int(rotated) % 2:
             raise _invalid("model.rotary_percent", self.rotary_percent,
                            f"must rotate an even number of each head's {self.resolved_head_dim} dimensions "
                            f"(here {rotated:g}): RoPE turns them in pairs")
+
+    def _check_router_groups(self) -> None:
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
         _check_min("model.moe_router_num_groups", groups, 1)
         if self.num_experts % groups:
@@ -374,6 +484,11 @@ class ModelConfig:
                            f"model.ffn_hidden_size={self.moe_ffn_hidden_size} (= model.moe_ffn_hidden_size)")
 
     @property
+    def multi_latent_attention(self) -> bool:
+        """Whether attention is DeepSeek's multi-latent attention (Megatron's MLASelfAttention)."""
+        return self.family == "deepseek_v3"
+
+    @property
     def is_moe(self) -> bool:
         """Whether the MLPs are mixtures of experts."""
         return self.num_experts is not None
@@ -399,7 +514,10 @@ class ModelConfig:
 
     @property
     def resolved_head_dim(self) -> int:
-        """head_dim, or hidden_size // num_attention_heads when unset."""
+        """head_dim, or hidden_size // num_attention_heads when unset (multi-latent attention: the query and
+        key width, qk_nope_head_dim + qk_rope_head_dim)."""
+        if self.multi_latent_attention:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
 

@@ -1,10 +1,12 @@
-"""Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense and Qwen3-MoE / Mixtral / Qwen2-MoE families.
+"""Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense and Qwen3-MoE / Mixtral / Qwen2-MoE /
+GLM-4.5 MoE / DeepSeek-V3 families.
 
 One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta and Llama 3.1 scaling,
 GQA, Qwen2 QKV bias, Qwen3 QK-norm, tied or untied embeddings, optionally a mixture of SwiGLU
-experts, with Qwen2-MoE's gated shared expert) becomes a Megatron `TransformerConfig` and a
-`GPTModel` stage for this rank's pipeline position. The local layer spec is used on CPU; the
-Transformer Engine spec when TE is importable and the device is a GPU (`uses_te`).
+experts, with Qwen2-MoE's gated shared expert; or DeepSeek's multi-latent attention with YaRN)
+becomes a Megatron `TransformerConfig` (`MLATransformerConfig`) and a `GPTModel` stage for this
+rank's pipeline position. The local layer spec is used on CPU; the Transformer Engine spec when TE
+is importable and the device is a GPU (`uses_te`).
 Conversion to and from Hugging Face layouts lives in `megatron_rl.weight_sync.families`.
 """
 
@@ -41,7 +43,12 @@ def transformer_config(model_cfg: Any, groups: ParallelGroups, *, deterministic:
 
     on_gpu = groups.device.type != "cpu"
     dtype = torch_dtype(model_cfg.dtype)
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if model_cfg.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class, mla = MLATransformerConfig, _mla_fields(model_cfg)
+    return config_class(
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
         ffn_hidden_size=model_cfg.ffn_hidden_size,
@@ -54,7 +61,7 @@ def transformer_config(model_cfg: Any, groups: ParallelGroups, *, deterministic:
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model_cfg.resolved_qkv_bias,
-        qk_layernorm=model_cfg.resolved_qk_layernorm,
+        qk_layernorm=model_cfg.resolved_qk_layernorm or model_cfg.multi_latent_attention,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=groups.tp_size,
@@ -74,6 +81,29 @@ def transformer_config(model_cfg: Any, groups: ParallelGroups, *, deterministic:
         deterministic_mode=deterministic and on_gpu,
         **_recompute_fields(model_cfg),
         **_moe_fields(model_cfg, groups),
+        **mla,
+    )
+
+
+def _mla_fields(model_cfg: Any) -> dict[str, Any]:
+    """MLATransformerConfig's fields: the latent and head widths, and RoPE (YaRN when scaled).
+
+    Megatron's names differ from HF's: qk_head_dim is HF's qk_nope_head_dim, qk_pos_emb_head_dim its
+    qk_rope_head_dim. DeepSeek checkpoints store the rotated dimensions interleaved in pairs; Megatron's
+    RoPE for multi-latent attention de-interleaves them (rope_utils._apply_rotary_pos_emb_bshd), as
+    transformers' apply_rotary_pos_emb_interleave does, so weights map one to one. `qk_layernorm` builds
+    the latent norms (q_layernorm, kv_layernorm: HF q_a_layernorm, kv_a_layernorm).
+    """
+    yarn = model_cfg.rope_scaling_factor is not None
+    return dict(
+        q_lora_rank=model_cfg.q_lora_rank, kv_lora_rank=model_cfg.kv_lora_rank,
+        qk_head_dim=model_cfg.qk_nope_head_dim, qk_pos_emb_head_dim=model_cfg.qk_rope_head_dim,
+        v_head_dim=model_cfg.v_head_dim, rotary_base=model_cfg.rope_theta, rope_type="yarn" if yarn else "rope",
+        # with rope_type "rope" Megatron still reads these two for the softmax scale: mscale_all_dim 0 leaves it
+        rotary_scaling_factor=model_cfg.rope_scaling_factor or 1.0,
+        original_max_position_embeddings=model_cfg.rope_scaling_original_max_position_embeddings,
+        beta_fast=model_cfg.rope_scaling_beta_fast, beta_slow=model_cfg.rope_scaling_beta_slow,
+        mscale=model_cfg.rope_scaling_mscale, mscale_all_dim=model_cfg.rope_scaling_mscale_all_dim,
     )
 
 
@@ -107,7 +137,7 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
     if not model_cfg.is_moe:
         return {}
     on_gpu = groups.device.type != "cpu"
-    sigmoid = model_cfg.family == "glm4_moe"
+    sigmoid = model_cfg.family in model_cfg.SIGMOID_ROUTER_FAMILIES
     grouped = model_cfg.moe_router_num_groups > 1
     return dict(
         num_moe_experts=model_cfg.num_experts,
@@ -141,8 +171,9 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
 
 def layer_spec(model_cfg: Any, use_te: bool, cp_size: int = 1, sparse: bool = True):
     """Megatron's TE layer spec, or its local spec (with the all-gather context-parallel
-    attention of `cp_attention` in place of the local attention when cp_size > 1); with
-    experts (a mixture-of-experts model's sparse layer) or a dense MLP."""
+    attention of `local_attention` in place of the local attention when cp_size > 1, and its masked
+    attention under multi-latent attention, whose key and value widths differ); with experts (a
+    mixture-of-experts model's sparse layer) or a dense MLP."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -150,14 +181,40 @@ def layer_spec(model_cfg: Any, use_te: bool, cp_size: int = 1, sparse: bool = Tr
 
     # moe_grouped_gemm=False: SequentialMLP, one MLP module per local expert (no TE grouped GEMM on CPU).
     moe = dict(num_experts=model_cfg.num_experts if sparse else None, moe_grouped_gemm=False)
+    mla = model_cfg.multi_latent_attention
+    attention = dict(qk_layernorm=model_cfg.resolved_qk_layernorm or mla, multi_latent_attention=mla)
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.resolved_qk_layernorm, **moe)
-    spec = get_gpt_layer_local_spec(qk_layernorm=model_cfg.resolved_qk_layernorm, normalization="RMSNorm", **moe)
+        return get_gpt_layer_with_transformer_engine_spec(**attention, **moe)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", **attention, **moe)
     if cp_size > 1:
-        from megatron_rl.models.cp_attention import AllGatherContextAttention
+        from megatron_rl.models.local_attention import AllGatherContextAttention
 
         spec.submodules.self_attention.submodules.core_attention = AllGatherContextAttention
+    elif mla:
+        from megatron_rl.models.local_attention import MaskedAttention
+
+        spec.submodules.self_attention.submodules.core_attention = MaskedAttention
+    if mla:
+        _replicated_mla_down_projections(spec.submodules.self_attention.submodules)
     return spec
+
+
+def _replicated_mla_down_projections(attention: Any) -> None:
+    """The local spec's multi-latent attention with its down projections replicated on every TP rank,
+    as in the TE spec (TELinear, parallel_mode "duplicated"), instead of column-parallel.
+
+    Column-parallel down projections give wrong gradients at TP > 1: the rotary key part of the kv latent
+    is all-gathered over the TP ranks (multi_latent_attention.py:608-617), whose backward only keeps each
+    rank's slice, but every rank's heads use the whole rotary key, so the contributions of the other ranks'
+    heads are lost (the gradient norm of a TP=2 + SP step was 1523.8 instead of 1525.9). Replicated, under
+    sequence parallelism (which mixtures of experts need at TP > 1), each rank projects its part of the
+    sequence, the rotary key is gathered over the sequence (backward: reduce-scatter, so every head
+    counts), and the projections' weights are marked sequence_parallel, so their gradients are summed over
+    the TP ranks like the norms'. modelopt's `Linear` is megatron-core's plain replicated linear."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attention.linear_q_down_proj = Linear
+    attention.linear_kv_down_proj = Linear
 
 
 def decoder_spec(model_cfg: Any, config: Any, use_te: bool, cp_size: int = 1):
@@ -208,7 +265,8 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
         position_embedding_type="rope",
         rotary_base=int(model_cfg.rope_theta),
         # Llama 3.1 scaling; its other parameters are Megatron's fixed ones, which ModelConfig enforces.
-        rope_scaling=model_cfg.rope_scaling_factor is not None,
+        # (multi-latent attention builds its own RoPE, YaRN-scaled or not: `_mla_fields`)
+        rope_scaling=model_cfg.rope_scaling_factor is not None and not model_cfg.multi_latent_attention,
         rope_scaling_factor=model_cfg.rope_scaling_factor or 8.0,
         rotary_percent=model_cfg.rotary_percent,
     )

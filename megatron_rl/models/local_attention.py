@@ -1,4 +1,5 @@
-"""Core attention for context parallelism on the local (CPU) layer spec.
+"""Core attention for the local (CPU) layer spec where Megatron-core's local one does not serve:
+context parallelism, and multi-latent attention.
 
 Megatron-core supports context parallelism only in `TEDotProductAttention` (its local
 `DotProductAttention` asserts `context_parallel_size == 1`), and Transformer Engine needs
@@ -14,6 +15,11 @@ the CPU path needs; the GPU path uses TE's ring attention instead.
 Inputs come in THD layout (the trainer passes `PackedSeqParams(qkv_format="thd")` under
 context parallelism, and Megatron's attention squeezes the batch dimension):
 query [t, heads, d], key and value [t, groups, d]; the output is [t, heads * d].
+
+Multi-latent attention (DeepSeek-V3) gives keys and values of different widths (`k_channels`,
+`v_channels`), which Megatron-core's local `DotProductAttention` does not take (only TE's does):
+`MaskedAttention` is its plain [s, b, heads, d] counterpart under the trainer's dense mask, and
+`AllGatherContextAttention` takes both widths too.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ class AllGatherContextAttention(MegatronModule):
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection: Optional[ProcessGroupCollection] = None):
+                 cp_comm_type: Optional[str] = None, pg_collection: Optional[ProcessGroupCollection] = None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None):
         super().__init__(config=config)
         if config.attention_dropout and attention_dropout != 0.0:
             raise ValueError("AllGatherContextAttention has no attention dropout (RL training runs without it)")
@@ -46,7 +53,7 @@ class AllGatherContextAttention(MegatronModule):
         tp_size = pg_collection.tp.size()
         self.heads = divide(config.num_attention_heads, tp_size)
         self.groups = divide(config.num_query_groups, tp_size)
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Tensor:
@@ -63,3 +70,41 @@ class AllGatherContextAttention(MegatronModule):
         probs = torch.softmax(scores, dim=-1).to(value.dtype)
         out = torch.einsum("hqk,khd->qhd", probs, value)
         return out.reshape(out.shape[0], -1)
+
+
+class MaskedAttention(MegatronModule):
+    """Drop-in `core_attention` of Megatron's local spec for multi-latent attention without context
+    parallelism: softmax(q k^T x scale, masked) v per head, with key and value widths of their own.
+
+    Inputs [s, b, heads, d] (query and key d = k_channels, value v_channels) and the trainer's dense
+    mask [b or 1, 1, s, s] (True = masked out; None: causal); output [s, b, heads * v_channels].
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection: Optional[ProcessGroupCollection] = None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None):
+        super().__init__(config=config)
+        if config.attention_dropout and attention_dropout != 0.0:
+            raise ValueError("MaskedAttention has no attention dropout (RL training runs without it)")
+        if config.context_parallel_size != 1:
+            raise ValueError("MaskedAttention does not split sequences: context parallelism uses "
+                             "AllGatherContextAttention")
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Tensor:
+        if query.dim() != 4:
+            raise ValueError("MaskedAttention takes [s, b, heads, d] inputs and a dense mask (THD layouts come "
+                             "with context parallelism or Transformer Engine)")
+        if key.shape[2] != query.shape[2]:  # grouped-query attention
+            key = key.repeat_interleave(query.shape[2] // key.shape[2], dim=2)
+            value = value.repeat_interleave(query.shape[2] // value.shape[2], dim=2)
+        scores = torch.einsum("qbhd,kbhd->bhqk", query.float(), key.float()) * self.scale
+        if attention_mask is None:
+            sq, sk = scores.shape[-2:]
+            attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(sk - sq + 1)
+        scores = scores.masked_fill(attention_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        out = torch.einsum("bhqk,kbhd->qbhd", probs, value)
+        return out.reshape(out.shape[0], out.shape[1], -1)

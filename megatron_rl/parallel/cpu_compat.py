@@ -1,8 +1,8 @@
 """CPU compatibility layer for megatron-core: the one place that patches it to run without CUDA.
 
 megatron-core assumes CUDA in a handful of places (device literals, the CUDA RNG tracker,
-a sequence-parallel assert on the torch norm) and, in the MoE router, Transformer Engine
-(absent on CPU). On a CPU-only torch build those places fail;
+a sequence-parallel assert on the torch norm) and, in the MoE router and multi-latent attention,
+Transformer Engine (absent on CPU). On a CPU-only torch build those places fail;
 everything else (tensor/sequence/pipeline/data parallelism over gloo) works unchanged.
 Each patch below is narrow (one module's global or one function), cites the upstream
 file:line it works around (megatron-core 0.16.1), and can be reverted, so that
@@ -401,6 +401,73 @@ def _moe_router_gemm_without_te():
     def revert() -> None:
         if not bound_upstream:
             vars(moe_utils).pop("te_general_gemm", None)
+
+    return apply, revert
+
+
+# --- 8. multi-latent attention's TE type check without Transformer Engine ------------------------------
+@_register(
+    "mla_without_te",
+    "multi_latent_attention imports TELinear from megatron.core.extensions.transformer_engine, which "
+    "without Transformer Engine binds it to a mock object rather than failing, so HAVE_TE is True and "
+    "MultiLatentAttention.__init__'s isinstance(self.linear_proj, TELinear) raises TypeError. HAVE_TE "
+    "False (what a failed import would have set) skips that FP8-only branch",
+    [
+        UpstreamSite("transformer/multi_latent_attention.py", 62, "HAVE_TE = True"),
+        UpstreamSite("transformer/multi_latent_attention.py", 185, "and isinstance(self.linear_proj, TELinear)"),
+    ],
+)
+def _mla_without_te():
+    from megatron.core.transformer import multi_latent_attention
+
+    upstream = multi_latent_attention.HAVE_TE
+
+    def apply() -> None:
+        if importlib.util.find_spec("transformer_engine") is None:
+            multi_latent_attention.HAVE_TE = False
+
+    def revert() -> None:
+        multi_latent_attention.HAVE_TE = upstream
+
+    return apply, revert
+
+
+# --- 9. a RoPE table's context-parallel slice through pinned memory ------------------------------------
+@_register(
+    "pos_emb_cp_rank_pinned",
+    "get_pos_emb_on_this_cp_rank builds its two chunk indices with pin_memory=True and .cuda(); YaRN's "
+    "embedding calls it at construction under context parallelism (its cos/sin cache), which raises on a "
+    "CPU build. The same selection, with the indices on the table's device",
+    [
+        UpstreamSite("models/common/embeddings/rope_utils.py", 62, "cp_idx = torch.tensor("),
+        UpstreamSite("models/common/embeddings/rope_utils.py", 63,
+                     '[cp_rank, (2 * cp_size - cp_rank - 1)], device="cpu", pin_memory=True'),
+        UpstreamSite("models/common/embeddings/yarn_rotary_pos_embedding.py", 186,
+                     "emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)"),
+    ],
+)
+def _pos_emb_cp_rank_pinned():
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    modules = (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding)
+    original = rope_utils.get_pos_emb_on_this_cp_rank
+
+    def on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+        mine = chunks.index_select(seq_dim, index)
+        return mine.view(*mine.shape[:seq_dim], -1, *mine.shape[seq_dim + 2:])
+
+    def apply() -> None:
+        for module in modules:
+            module.get_pos_emb_on_this_cp_rank = on_this_cp_rank
+
+    def revert() -> None:
+        for module in modules:
+            module.get_pos_emb_on_this_cp_rank = original
 
     return apply, revert
 

@@ -11,7 +11,7 @@ and long samples in the row.
 
 Attention needs the keys and values of other ranks' chunks. On GPU, Transformer Engine's
 attention exchanges them itself (given `cu_seqlens` of the whole row). On CPU the local
-layer spec gets `megatron_rl.models.cp_attention.AllGatherContextAttention`: keys and values
+layer spec gets `megatron_rl.models.local_attention.AllGatherContextAttention`: keys and values
 are all-gathered over the group, and the mask built here (`shard(with_mask=True)`) says which
 gathered positions each local query may see: same segment, not later in the row.
 

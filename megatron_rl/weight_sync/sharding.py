@@ -76,9 +76,12 @@ def _split(full: Tensor, dim: int, size: int, rank: int, glu: bool) -> Tensor:
 
 
 # The Transformer Engine spec fuses a layer's norms into the linear after them
-# (TELayerNormColumnParallelLinear): (its parameter name, the local spec's).
+# (TELayerNormColumnParallelLinear): (its parameter name, the local spec's). Under multi-latent
+# attention the input norm stays apart and the latent norms fuse into the up projections.
 _TE_FUSED_NORMS = ((".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
-                   (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"))
+                   (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
+                   (".self_attention.linear_q_up_proj.layer_norm_weight", ".self_attention.q_layernorm.weight"),
+                   (".self_attention.linear_kv_up_proj.layer_norm_weight", ".self_attention.kv_layernorm.weight"))
 
 
 def canonical_name(name: str) -> str:

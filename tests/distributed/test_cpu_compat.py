@@ -118,6 +118,39 @@ def _probe_moe_router_gemm_without_te():
     assert torch.allclose(weight.grad, torch.ones(5, 3).t() @ inp)
 
 
+def _probe_mla_without_te():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_rl.models.local_attention import MaskedAttention
+
+    config = MLATransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, q_lora_rank=8, kv_lora_rank=8,
+                                  qk_head_dim=4, qk_pos_emb_head_dim=2, v_head_dim=6, rope_type="rope",
+                                  normalization="RMSNorm", use_cpu_initialization=True, apply_rope_fusion=False,
+                                  attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    attention = spec.submodules.self_attention
+    attention.submodules.core_attention = MaskedAttention  # the local DotProductAttention takes no v_channels
+    out, _ = build_module(attention, config=config, layer_number=1)(torch.randn(5, 1, 16), None)
+    assert out.shape == (5, 1, 16)
+
+
+def _probe_pos_emb_cp_rank_pinned():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    class Group:  # rank 0 of two context-parallel ranks keeps chunks 0 and 3 of 4 (load-balanced order)
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    table = torch.arange(8.0).view(8, 1, 1, 1)
+    mine = rope_utils.get_pos_emb_on_this_cp_rank(table, 0, Group())
+    assert mine.flatten().tolist() == [0.0, 1.0, 6.0, 7.0]
+
+
 PROBES = {
     "current_device": _probe_current_device,
     "rng_tracker": _probe_rng_tracker,
@@ -127,6 +160,8 @@ PROBES = {
     "clip_grad_type_assert": _probe_clip_grad_type_assert,
     "torch_adam_step_state": _probe_torch_adam_step_state,
     "moe_router_gemm_without_te": _probe_moe_router_gemm_without_te,
+    "mla_without_te": _probe_mla_without_te,
+    "pos_emb_cp_rank_pinned": _probe_pos_emb_cp_rank_pinned,
 }
 
 

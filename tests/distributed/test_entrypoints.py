@@ -1,6 +1,7 @@
 """The main job as a user runs it: bad settings fail fast and write nothing; a short run
 writes a complete run directory with a falling loss; two ranks (TP=2 with sequence parallelism,
-or CP=2; local launcher) reproduce the single-process metrics."""
+or CP=2; local launcher) reproduce the single-process metrics; RL steps with CP=2 and with a
+DeepSeek-V3 model keep the trainer's log-probs equal to the rollout engine's."""
 
 from __future__ import annotations
 
@@ -105,6 +106,23 @@ def test_rl_loop_with_context_parallelism(tmp_path):
     proc, _ = _run(["mode=rl", "num_steps=2", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
                     "rollout.max_new_tokens=12", "task.sft_warmup_steps=10", "task.eval_every=0",
                     "cluster.nproc=2", "parallel.cp=2", f"run_dir={run_dir}", "logging.progress=false"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:
+        assert m["rollout/logprob_mismatch"] < 1e-4, m["rollout/logprob_mismatch"]
+        assert m["ppo_kl_first_update"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_rl_loop_with_a_deepseek_v3_model(tmp_path):
+    """Two RL steps of the tiny DeepSeek-V3 (multi-latent attention, biased sigmoid router) at TP=2 with
+    sequence parallelism: the hf engine (transformers' DeepseekV3ForCausalLM) generates with the synced
+    weights, and the trainer's log-probs of its samples equal the engine's."""
+    run_dir = tmp_path / "run"
+    proc, _ = _run(["mode=rl", "model=tiny_deepseek_v3", "num_steps=2", "global_batch_size=16",
+                    "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12", "task.sft_warmup_steps=10",
+                    "task.eval_every=0", "cluster.nproc=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                    f"run_dir={run_dir}", "logging.progress=false"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1]

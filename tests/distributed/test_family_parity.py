@@ -1,7 +1,8 @@
-"""Mixtral, Qwen2-MoE, GLM-4.5 MoE and Llama 3.1 (rope-scaled) checkpoints written by `transformers`
-itself: the architecture read from their config.json, loaded into Megatron (single process; Mixtral
-also at EP=2 and PP=2, Qwen2-MoE at EP=2 and at TP=2 with sequence parallelism, GLM-4.5 MoE at EP=2,
-PP=2 and TP=2 with sequence parallelism, the rope-scaled Llama at CP=2),
+"""Mixtral, Qwen2-MoE, GLM-4.5 MoE, DeepSeek-V3 and Llama 3.1 (rope-scaled) checkpoints written by
+`transformers` itself: the architecture read from their config.json, loaded into Megatron (single process;
+Mixtral also at EP=2 and PP=2, Qwen2-MoE at EP=2 and at TP=2 with sequence parallelism, GLM-4.5 MoE at EP=2,
+PP=2 and TP=2 with sequence parallelism, DeepSeek-V3 at EP=2, PP=2, TP=2 with sequence parallelism and
+CP=2, the rope-scaled Llama at CP=2),
 gives the log-probs and entropies `transformers` computes, and the export loads back into
 `transformers` bit-exactly with the same config.
 
@@ -25,6 +26,13 @@ shared experts without a gate. The checkpoint gets a random bias (transformers i
 and a router 8 times sharper, so that the bias changes which experts are chosen; a guard test
 checks that zeroing the bias, rotating whole heads, or not scaling moves `transformers`' log-probs
 by far more than the tolerance.
+
+DeepSeek-V3: multi-latent attention (compressed queries and key-values, YaRN-scaled RoPE on 8 of each
+head's 24 query/key dimensions, with YaRN's softmax scale) and GLM's router; a second checkpoint projects
+queries directly (q_lora_rank null, as DeepSeek-V2-Lite) with plain RoPE and tied embeddings. Query and
+key-value up projections are scaled by 6 and the router by 8, the selection bias random; a guard test
+checks that transformers without YaRN, with the rotated dimensions read as halves instead of interleaved
+pairs, or without YaRN's softmax scale, is far from the checkpoint's.
 """
 
 from __future__ import annotations
@@ -51,13 +59,26 @@ CHECKPOINTS = {
                      moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=128, moe_router_topk=2,
                      moe_dense_layers=[0], moe_router_num_groups=2, moe_router_group_topk=1,
                      moe_routed_scaling_factor=2.5, rotary_percent=0.5),
+    "deepseek_v3": dict(family="deepseek_v3", num_layers=4, tie_word_embeddings=False, num_query_groups=4,
+                        num_experts=4, moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=64,
+                        moe_router_topk=2, moe_dense_layers=[0], moe_router_num_groups=2, moe_router_group_topk=1,
+                        moe_routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=24, rope_scaling_factor=8.0, max_position_embeddings=512,
+                        rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
+                        rope_scaling_mscale_all_dim=1.0),
+    "deepseek_v3_direct_q": dict(family="deepseek_v3", num_layers=2, tie_word_embeddings=True, num_query_groups=4,
+                                 num_experts=4, moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=128,
+                                 moe_router_topk=2, moe_routed_scaling_factor=1.5, q_lora_rank=None, kv_lora_rank=16,
+                                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16),
 }
 LAYOUTS = {"tp1": dict(tp=1, pp=1, cp=1, ep=1), "ep2": dict(tp=1, pp=1, cp=1, ep=2),
            "pp2": dict(tp=1, pp=2, cp=1, ep=1), "cp2": dict(tp=1, pp=1, cp=2, ep=1),
            "tp2_sp": dict(tp=2, pp=1, cp=1, ep=1)}  # Megatron-core runs MoE layers at TP > 1 only with SP
 CASES = [("mixtral", "tp1"), ("mixtral", "ep2"), ("mixtral", "pp2"), ("llama3_1", "tp1"), ("llama3_1", "cp2"),
          ("qwen2_moe", "tp1"), ("qwen2_moe", "ep2"), ("qwen2_moe", "tp2_sp"),
-         ("glm4_moe", "tp1"), ("glm4_moe", "ep2"), ("glm4_moe", "pp2"), ("glm4_moe", "tp2_sp")]
+         ("glm4_moe", "tp1"), ("glm4_moe", "ep2"), ("glm4_moe", "pp2"), ("glm4_moe", "tp2_sp"),
+         ("deepseek_v3", "tp1"), ("deepseek_v3", "ep2"), ("deepseek_v3", "pp2"), ("deepseek_v3", "tp2_sp"),
+         ("deepseek_v3", "cp2"), ("deepseek_v3_direct_q", "tp1"), ("deepseek_v3_direct_q", "tp2_sp")]
 LENGTHS = (300, 77, 180)
 TOL = 2e-5
 
@@ -109,6 +130,16 @@ def checkpoints(tmp_path_factory):
             gen = torch.Generator().manual_seed(3)
             with torch.no_grad():
                 for layer in model.model.layers[1:]:  # the sparse ones: see the module docstring
+                    layer.mlp.gate.weight.mul_(8.0)
+                    layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(4, generator=gen))
+        if name.startswith("deepseek_v3"):
+            gen = torch.Generator().manual_seed(4)
+            with torch.no_grad():
+                for layer in model.model.layers:  # sharper attention and routing: see the module docstring
+                    for proj in ("q_b_proj", "q_proj", "kv_b_proj"):
+                        if getattr(layer.self_attn, proj, None) is not None:
+                            getattr(layer.self_attn, proj).weight.mul_(6.0)
+                for layer in model.model.layers[len(fields.get("moe_dense_layers", [])):]:
                     layer.mlp.gate.weight.mul_(8.0)
                     layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(4, generator=gen))
         model.save_pretrained(root / name)
@@ -191,6 +222,20 @@ def test_glm4_moe_bias_partial_rope_and_scaling_change_the_reference(checkpoints
         assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(reference, variant)) > 100 * TOL
 
 
+def test_deepseek_v3_yarn_interleave_and_softmax_scale_change_the_reference(checkpoints):
+    """Guards the deepseek_v3 comparison: transformers without YaRN, reading the rotated dimensions as
+    halves instead of interleaved pairs, or without YaRN's softmax scale is far from the checkpoint's."""
+    path = checkpoints / "deepseek_v3"
+    rope = json.loads((path / "config.json").read_text())["rope_parameters"]
+    assert rope["rope_type"] == "yarn"
+    reference = _hf_logprobs(path)
+    variants = [_hf_logprobs(path, rope_parameters={"rope_type": "default", "rope_theta": rope["rope_theta"]}),
+                _hf_logprobs(path, rope_interleave=False),
+                _hf_logprobs(path, rope_parameters={**rope, "mscale_all_dim": 0.0, "mscale": 1.0})]
+    for variant in variants:
+        assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(reference, variant)) > 100 * TOL
+
+
 @pytest.mark.parametrize(("name", "layout"), CASES)
 def test_export_round_trip_is_bit_exact(checkpoints, results, name, layout):
     from transformers import AutoModelForCausalLM
@@ -215,6 +260,12 @@ def test_export_round_trip_is_bit_exact(checkpoints, results, name, layout):
         assert (written["model_type"], written["n_routed_experts"], written["n_shared_experts"],
                 written["first_k_dense_replace"], written["n_group"], written["routed_scaling_factor"],
                 written["rope_parameters"]["partial_rotary_factor"]) == ("glm4_moe", 4, 2, 1, 2, 2.5, 0.5)
+    elif name.startswith("deepseek_v3"):
+        want = json.loads((checkpoints / name / "config.json").read_text())
+        keys = ("model_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "routed_scaling_factor",
+                "rope_parameters", "rope_interleave")
+        assert {k: written[k] for k in keys} == {k: want[k] for k in keys}
     elif name == "qwen2_moe":
         widths = (written["moe_intermediate_size"], written["shared_expert_intermediate_size"])
         assert (written["model_type"], written["num_experts"], widths, written["norm_topk_prob"]) == (

@@ -1,5 +1,6 @@
 """A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its gated shared expert and a dense layer
-among the sparse ones, GLM-4.5 MoE with its biased sigmoid router) gives the same forward and
+among the sparse ones, GLM-4.5 MoE with its biased sigmoid router, DeepSeek-V3 with GLM's router and
+multi-latent attention) gives the same forward and
 training step in every parallel layout as in a single process: EP=2 (the two ranks hold experts
 0-1 and 2-3 and exchange tokens), EP=2 with the distributed optimizer, TP=2 with sequence parallelism
 (Megatron-core trains MoE layers with TP only under SP), and PP=2. Qwen2-MoE's shared expert is split
@@ -45,6 +46,15 @@ MODELS = {
                      moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=128, moe_router_topk=2,
                      moe_dense_layers=[0], moe_router_num_groups=2, moe_router_group_topk=1,
                      moe_routed_scaling_factor=2.5, rotary_percent=0.5, qk_layernorm=True),
+    # DeepSeek-V3: multi-latent attention (latents and their norms replicated over TP ranks, up projections
+    # split by heads) with YaRN, GLM's router; layer 0 dense, one shared expert
+    "deepseek_v3": dict(family="deepseek_v3", num_layers=4, tie_word_embeddings=False, num_query_groups=4,
+                        num_experts=4, moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=64,
+                        moe_router_topk=2, moe_dense_layers=[0], moe_router_num_groups=2, moe_router_group_topk=1,
+                        moe_routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=24, rope_scaling_factor=8.0, max_position_embeddings=512,
+                        rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
+                        rope_scaling_mscale_all_dim=1.0),
 }
 LAYOUTS = {
     "ep2": dict(tp=1, pp=1, ep=2, sequence_parallel=False, distopt=False),
@@ -162,7 +172,7 @@ def test_reference_step_moves_every_weight_and_expert(results):
     initial = _initial_weights(model)
     sparse = 4 - len(MODELS[model].get("moe_dense_layers", []))
     assert sum(".local_experts." in k for k in ref["weights"]) == sparse * 4 * 2  # layers x experts x (fc1, fc2)
-    shared = {"qwen2_moe": 3, "glm4_moe": 2}.get(model, 0)  # per layer: fc1, fc2 (and gate_weight)
+    shared = {"qwen2_moe": 3, "glm4_moe": 2, "deepseek_v3": 2}.get(model, 0)  # per layer: fc1, fc2 (and gate_weight)
     assert sum(".shared_experts." in k for k in ref["weights"]) == sparse * shared
     for i in MODELS[model].get("moe_dense_layers", []):
         assert {k for k in ref["weights"] if k.startswith(f"decoder.layers.{i}.mlp.")} == {

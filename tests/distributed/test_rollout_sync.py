@@ -3,7 +3,9 @@
 After a sync at TP=1, TP=2 and PP=2 (and of a Mixtral mixture of experts at EP=2, whose experts
 transformers holds fused while the sync sends them one by one, and of a Qwen2-MoE at TP=2 with
 sequence parallelism, whose shared expert is split over the TP ranks and whose layer 1 is dense,
-and of a GLM-4.5 MoE at PP=2, whose routers' selection bias is a buffer, not a parameter)
+and of a GLM-4.5 MoE at PP=2, whose routers' selection bias is a buffer, not a parameter, and of a
+DeepSeek-V3 at TP=2 with sequence parallelism, whose multi-latent attention's projections are split
+over the TP ranks)
 the engine holds exactly the trainer's weights (bit-exact against an HF export), and the engine's
 log-probs of its sampled tokens equal Megatron's recomputed log-probs (fp32; bound 1e-4, observed
 ~5e-7), so the first update's importance ratio is 1. The colocation controller runs its phases in
@@ -23,7 +25,8 @@ from tests.distributed.launcher import run_spawned
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 LAYOUTS = {"tp1": (1, 1, 1, 1), "tp2": (2, 1, 1, 2), "pp2": (1, 2, 1, 2), "mixtral_ep2": (1, 1, 2, 2),
-           "qwen2_moe_tp2_sp": (2, 1, 1, 2), "glm4_moe_pp2": (1, 2, 1, 2)}  # tp pp ep world
+           "qwen2_moe_tp2_sp": (2, 1, 1, 2), "glm4_moe_pp2": (1, 2, 1, 2),
+           "deepseek_v3_tp2_sp": (2, 1, 1, 2)}  # tp pp ep world
 MODELS = {"mixtral_ep2": dict(family="mixtral", ffn_hidden_size=64, num_experts=4, moe_ffn_hidden_size=64,
                               tie_word_embeddings=False),
           "qwen2_moe_tp2_sp": dict(family="qwen2_moe", num_experts=4, moe_ffn_hidden_size=64,
@@ -31,8 +34,15 @@ MODELS = {"mixtral_ep2": dict(family="mixtral", ffn_hidden_size=64, num_experts=
                                    tie_word_embeddings=False, moe_dense_layers=[1]),
           "glm4_moe_pp2": dict(family="glm4_moe", num_experts=4, moe_ffn_hidden_size=64,
                                moe_shared_expert_intermediate_size=128, moe_dense_layers=[0], rotary_percent=0.5,
-                               moe_routed_scaling_factor=2.5, tie_word_embeddings=False)}
-SEQUENCE_PARALLEL = {"qwen2_moe_tp2_sp"}  # Megatron-core trains MoE layers at TP > 1 only with SP
+                               moe_routed_scaling_factor=2.5, tie_word_embeddings=False),
+          "deepseek_v3_tp2_sp": dict(family="deepseek_v3", num_query_groups=4, num_experts=4, moe_ffn_hidden_size=64,
+                                     moe_shared_expert_intermediate_size=64, moe_dense_layers=[0],
+                                     moe_routed_scaling_factor=2.5, tie_word_embeddings=False, q_lora_rank=32,
+                                     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+                                     rope_scaling_factor=8.0, max_position_embeddings=512,
+                                     rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
+                                     rope_scaling_mscale_all_dim=1.0)}
+SEQUENCE_PARALLEL = {"qwen2_moe_tp2_sp", "deepseek_v3_tp2_sp"}  # Megatron-core trains MoE layers at TP > 1 only with SP
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
 TEMPERATURE = 0.7
 

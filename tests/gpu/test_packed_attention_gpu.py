@@ -7,7 +7,9 @@ allows TF32 GEMMs; a sample that saw its row neighbours is off by ~1e-2 on the C
 Also for a GLM-4.5-style mixture of experts with a dense first layer: on the TE spec the dense
 layer's norm is fused into its `linear_fc1` while the MoE layers keep `pre_mlp_layernorm`
 (`weight_sync.sharding.canonical_name` maps both to the converters' names), and tokens travel
-with the all-to-all dispatcher, which the CPU path never uses."""
+with the all-to-all dispatcher, which the CPU path never uses. And for a DeepSeek-V3-style model:
+multi-latent attention on TE (replicated down projections, latent norms fused into the up
+projections, keys and values of different widths in TE's THD attention) with YaRN."""
 
 from __future__ import annotations
 
@@ -23,7 +25,13 @@ if not torch.cuda.is_available():
 MODELS = {"qwen2": dict(num_layers=2),
           "glm4_moe": dict(family="glm4_moe", num_layers=3, num_experts=4, moe_ffn_hidden_size=64,
                            moe_shared_expert_intermediate_size=64, moe_dense_layers=[0], rotary_percent=0.5,
-                           tie_word_embeddings=False)}
+                           tie_word_embeddings=False),
+          "deepseek_v3": dict(family="deepseek_v3", num_layers=3, num_query_groups=4, num_experts=4,
+                              moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=64, moe_dense_layers=[0],
+                              q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+                              rope_scaling_factor=8.0, max_position_embeddings=512,
+                              rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
+                              rope_scaling_mscale_all_dim=1.0, tie_word_embeddings=False)}
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

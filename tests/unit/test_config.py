@@ -144,6 +144,7 @@ def test_checkpoint_model_takes_user_path(hf_checkpoint: Path) -> None:
         ("tiny_mixtral", False, False, 32, False),
         ("tiny_qwen2_moe", True, False, 32, False),
         ("tiny_glm4_moe", True, False, 32, False),
+        ("tiny_deepseek_v3", False, False, 24, False),  # MLA: the query/key width, 16 + 8
     ],
 )
 def test_family_defaults(option: str, qkv_bias: bool, qk_layernorm: bool, head_dim: int, tied: bool) -> None:
@@ -161,6 +162,17 @@ def test_expert_parallel_layouts() -> None:
     load_config(["model=tiny_qwen3_moe", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2",
                  "global_batch_size=8"], world_size=4)
     assert not ModelConfig().is_moe
+
+
+def test_deepseek_v3_configs_compose() -> None:
+    """The real-size configs: DeepSeek-V3's YaRN and groups, Moonlight's uncompressed queries."""
+    v3 = load_config(["model=deepseek_v3", "model.path=null", "model.tokenizer=builtin:char", "parallel.tp=8",
+                      "parallel.sequence_parallel=true", "parallel.ep=8"], world_size=64).model
+    assert v3.multi_latent_attention and v3.resolved_head_dim == 192 and v3.rope_scaling_factor == 40
+    assert (v3.moe_router_num_groups, v3.moe_router_group_topk, v3.moe_dense_layers) == (8, 4, [0, 1, 2])
+    moonlight = load_config(["model=moonlight_16b_a3b", "model.path=null", "model.tokenizer=builtin:char"],
+                            world_size=1).model
+    assert moonlight.q_lora_rank is None and moonlight.rope_scaling_factor is None
 
 
 def test_resolved_fields_follow_family_when_unset() -> None:
@@ -252,9 +264,32 @@ INVALID_CASES = [
      ["model.moe_dense_layers=[0, 1, 2, 3]", "every layer dense"]),
     (["model=tiny_glm4_moe", "model.rope_scaling_factor=8"], 1, ["model.rope_scaling_factor=8", "plain RoPE"]),
     (["model=tiny_mixtral", "model.moe_dense_layers=[1]"], 1, ["model.moe_dense_layers=[1]", "Mixtral"]),
-    (["model.rotary_percent=0.5"], 1, ["model.rotary_percent=0.5", "only model.family=glm4_moe uses it"]),
+    (["model.rotary_percent=0.5"], 1, ["model.rotary_percent=0.5", "only model.family=glm4_moe rotates part"]),
     (["model=tiny_qwen3_moe", "model.moe_routed_scaling_factor=2"], 1,
-     ["model.moe_routed_scaling_factor=2", "only model.family=glm4_moe"]),
+     ["model.moe_routed_scaling_factor=2", "only the sigmoid routers of model.family=glm4_moe and deepseek_v3"]),
+    (["model=tiny_deepseek_v3", "model.rotary_percent=0.5"], 1,
+     ["model.rotary_percent=0.5", "set model.rotary_percent=1"]),
+    (["model.kv_lora_rank=16"], 1,
+     ["model.kv_lora_rank=16", "only model.family=deepseek_v3", "set model.kv_lora_rank=null"]),
+    (["model=tiny_deepseek_v3", "model.kv_lora_rank=null"], 1, ["model.kv_lora_rank=null", "deepseek_v3 needs it"]),
+    (["model=tiny_deepseek_v3", "model.qk_rope_head_dim=7"], 1, ["model.qk_rope_head_dim=7", "must be even"]),
+    (["model=tiny_deepseek_v3", "model.num_query_groups=2"], 1,
+     ["model.num_query_groups=2", "set it to model.num_attention_heads=4"]),
+    (["model=tiny_deepseek_v3", "model.qkv_bias=true"], 1, ["model.qkv_bias=true", "multi-latent attention"]),
+    (["model=tiny_deepseek_v3", "model.head_dim=32"], 1, ["model.head_dim=32", "qk_*/v_head_dim"]),
+    (["model=tiny_deepseek_v3", "model.moe_dense_layers=[2]"], 1,
+     ["model.moe_dense_layers=[2]", "DeepSeek-V3 has its dense layers first"]),
+    (["model=tiny_deepseek_v3", "model.moe_shared_expert_intermediate_size=null"], 1,
+     ["model.moe_shared_expert_intermediate_size=null", "DeepSeek-V3 layers have n_shared_experts"]),
+    (["model=tiny_deepseek_v3", "model.rope_scaling_factor=8", "model.rope_scaling_high_freq_factor=8"], 1,
+     ["model.rope_scaling_high_freq_factor=8", "Llama 3.1 scaling parameter", "YaRN"]),
+    (["model=tiny_deepseek_v3", "model.rope_scaling_beta_fast=16"], 1,
+     ["model.rope_scaling_beta_fast=16", "only applies with YaRN scaling"]),
+    (["model=tiny_deepseek_v3", "model.rope_scaling_factor=8", "model.rope_scaling_beta_slow=40"], 1,
+     ["model.rope_scaling_beta_slow=40", "below model.rope_scaling_beta_fast=32"]),
+    (["model=tiny_deepseek_v3", "model.rope_scaling_factor=8", "model.rope_scaling_mscale=0.7"], 1,
+     ["model.rope_scaling_mscale=0.7", "mscale_all_dim=0"]),
+    (["model.rope_scaling_mscale_all_dim=1"], 1, ["model.rope_scaling_mscale_all_dim=1", "only deepseek_v3's YaRN"]),
     (["model=tiny_glm4_moe", "model.rotary_percent=0"], 1, ["model.rotary_percent=0", "(0, 1]"]),
     (["model=tiny_glm4_moe", "model.rotary_percent=0.3"], 1, ["model.rotary_percent=0.3", "even number", "9.6"]),
     (["model=tiny_glm4_moe", "model.moe_shared_expert_intermediate_size=96"], 1,

@@ -26,10 +26,19 @@ FAMILIES = {
     "glm4_moe": ModelConfig(family="glm4_moe", tie_word_embeddings=False, num_layers=2, num_experts=4,
                             moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=96, moe_router_topk=2,
                             moe_dense_layers=[0], rotary_percent=0.5, moe_routed_scaling_factor=2.5),
+    # multi-latent attention with YaRN, all widths different (q latent 40, kv latent 28, no-RoPE 12, RoPE 6,
+    # value 20); layer 0 dense, layer 1 sparse with one shared expert
+    "deepseek_v3": ModelConfig(family="deepseek_v3", tie_word_embeddings=False, num_layers=2, num_query_groups=4,
+                               num_experts=4, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=48,
+                               moe_router_topk=2, moe_dense_layers=[0], moe_routed_scaling_factor=2.5,
+                               q_lora_rank=40, kv_lora_rank=28, qk_nope_head_dim=12, qk_rope_head_dim=6,
+                               v_head_dim=20, rope_scaling_factor=8.0, max_position_embeddings=512,
+                               rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
+                               rope_scaling_mscale_all_dim=1.0),
 }
-MOE_FAMILIES = ("glm4_moe", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe", "qwen3_moe")
 HF_MOE_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", "qwen2_moe": "mlp.",
-                "glm4_moe": "mlp."}  # where each keeps it
+                "glm4_moe": "mlp.", "deepseek_v3": "mlp."}  # where each keeps it
 
 
 def test_every_registered_family_is_covered():
@@ -82,7 +91,7 @@ def test_hf_config_round_trip(tmp_path, family):
     (tmp_path / "config.json").write_text(json.dumps(get_converter(family).config_dict(cfg)))
     arch = arch_from_hf_config(tmp_path)
     resolved = {"qkv_bias": cfg.resolved_qkv_bias, "qk_layernorm": cfg.resolved_qk_layernorm,
-                "head_dim": cfg.resolved_head_dim}
+                "head_dim": cfg.resolved_head_dim} if not cfg.multi_latent_attention else {}
     for key, value in arch.items():
         assert value == resolved.get(key, getattr(cfg, key, None)), key
 
@@ -96,7 +105,7 @@ def test_config_written_by_transformers_round_trip(tmp_path, family):
     hf_config(cfg).save_pretrained(tmp_path)
     arch = arch_from_hf_config(tmp_path)
     resolved = {"qkv_bias": cfg.resolved_qkv_bias, "qk_layernorm": cfg.resolved_qk_layernorm,
-                "head_dim": cfg.resolved_head_dim}
+                "head_dim": cfg.resolved_head_dim} if not cfg.multi_latent_attention else {}
     for key, value in arch.items():
         assert value == resolved.get(key, getattr(cfg, key, None)), key
 
@@ -329,3 +338,74 @@ def test_rope_scaling_megatron_cannot_apply_is_refused_naming_file_and_field(tmp
     with pytest.raises(ConfigError, match=r"config.json: model.rope_scaling_original_max_position_embeddings=4096 "
                                           r"is invalid: .*only 8192 is supported"):
         load_validated(["model=tiny_llama", f"model.path={tmp_path}"], world_size=1)
+
+
+def test_mla_tensors_map_one_to_one():
+    """Multi-latent attention: each HF projection is one Megatron tensor, unchanged (both order a head's
+    query rows [no-RoPE; RoPE] and its key-value rows [key; value]); without query compression the
+    query projection is direct."""
+    cfg = FAMILIES["deepseek_v3"]
+    conv = get_converter("deepseek_v3")
+    hf = hub_state_dict(build_hf_model(cfg, seed=0))
+    meg = conv.hf_to_megatron(hf, cfg)
+    att, m = "model.layers.1.self_attn.", "decoder.layers.1.self_attention."
+    pairs = {"q_a_proj": "linear_q_down_proj", "q_a_layernorm": "q_layernorm", "q_b_proj": "linear_q_up_proj",
+             "kv_a_proj_with_mqa": "linear_kv_down_proj", "kv_a_layernorm": "kv_layernorm",
+             "kv_b_proj": "linear_kv_up_proj", "o_proj": "linear_proj"}
+    for hf_name, meg_name in pairs.items():
+        assert torch.equal(meg[m + meg_name + ".weight"], hf[att + hf_name + ".weight"]), hf_name
+    assert meg[m + "linear_kv_down_proj.weight"].shape == (28 + 6, cfg.hidden_size)
+    assert meg[m + "linear_kv_up_proj.weight"].shape == (4 * (12 + 20), 28)
+    direct = ModelConfig(**{**vars(cfg), "q_lora_rank": None})
+    names = conv.hf_names(direct, [1], False, False)
+    assert att + "q_proj.weight" in names and not any("q_a_" in n or "q_b_" in n for n in names)
+    assert conv.expected_hf_shapes(direct, [att + "q_proj.weight"]) == {att + "q_proj.weight": (4 * 18, 128)}
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("rope_interleave", False, "rope_interleave=false"), ("attention_bias", True, "attention_bias=true"),
+    ("scoring_func", "softmax", "scoring_func='softmax'"), ("n_shared_experts", 0, "shared experts"),
+    ("first_k_dense_replace", 2, "leaves no layer with experts"),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "only default RoPE and YaRN")])
+def test_unsupported_deepseek_v3_configs_are_refused_naming_the_file(tmp_path, key, value, message):
+    cfg = get_converter("deepseek_v3").config_dict(FAMILIES["deepseek_v3"])
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json") as info:
+        arch_from_hf_config(tmp_path)
+    assert message in str(info.value)
+
+
+def test_deepseek_v3_config_json_as_published(tmp_path):
+    """DeepSeek-V3's config.json as released (transformers 4 spelling: rope_scaling with "type", the
+    attributes of its remote code); the architecture read from it is conf/model/deepseek_v3.yaml's."""
+    from megatron_rl.config import load_config
+
+    published = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "n_shared_experts": 1, "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+        "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+        "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-06, "rope_theta": 10000, "tie_word_embeddings": False, "attention_bias": False,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"}}
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    arch = arch_from_hf_config(tmp_path)
+    shipped = load_config(["model=deepseek_v3", "model.path=null", "model.tokenizer=builtin:char",
+                           "parallel.tp=8", "parallel.sequence_parallel=true"], world_size=8).model
+    for key, value in arch.items():
+        assert value == getattr(shipped, key), key
+
+
+def test_a_quantized_checkpoint_is_refused_naming_the_file(tmp_path):
+    """DeepSeek-V3 is released in fp8 with per-block scales (`weight_scale_inv`): a cast without them
+    would load wrong weights, so the config is refused before any tensor is read."""
+    cfg = get_converter("deepseek_v3").config_dict(FAMILIES["deepseek_v3"])
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config.json: quantization_config \(quant_method='fp8'\)"):
+        arch_from_hf_config(tmp_path)

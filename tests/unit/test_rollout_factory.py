@@ -85,7 +85,14 @@ MOE_MODELS = {"qwen3_moe": ModelConfig(family="qwen3_moe", num_experts=4, moe_ff
                                        moe_shared_expert_intermediate_size=96, moe_norm_topk_prob=False),
               "glm4_moe": ModelConfig(family="glm4_moe", num_experts=4, moe_ffn_hidden_size=64,
                                       moe_shared_expert_intermediate_size=128, moe_dense_layers=[0],
-                                      rotary_percent=0.5, moe_routed_scaling_factor=2.5)}
+                                      rotary_percent=0.5, moe_routed_scaling_factor=2.5),
+              "deepseek_v3": ModelConfig(family="deepseek_v3", num_query_groups=4, num_experts=4,
+                                         moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=64,
+                                         moe_dense_layers=[0], moe_routed_scaling_factor=2.5, q_lora_rank=32,
+                                         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+                                         rope_scaling_factor=8.0, max_position_embeddings=512,
+                                         rope_scaling_original_max_position_embeddings=64,
+                                         rope_scaling_mscale=1.0, rope_scaling_mscale_all_dim=1.0)}
 
 
 @pytest.mark.parametrize("family", sorted(MOE_MODELS))
@@ -102,7 +109,7 @@ def test_hf_engine_takes_moe_weights_in_the_hub_layout(family):
     cfg.model = MOE_MODELS[family]
     check_engine_config(cfg, world_size=1, local_world_size=1)
     source = build_hf_model(cfg.model, seed=7)
-    if family == "glm4_moe":  # the router's selection bias is a buffer, initialised to 0: make it count
+    if family in ("glm4_moe", "deepseek_v3"):  # the router's selection bias is a buffer, initialised to 0
         with torch.no_grad():
             source.model.layers[-1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.5, -1.0, 2.0, 0.1]))
     sent = hub_state_dict(source)
@@ -155,6 +162,12 @@ def test_engine_model_dir_holds_the_moe_architecture(tmp_path, family):
     if family == "glm4_moe":
         assert (hf.n_shared_experts, hf.first_k_dense_replace, hf.routed_scaling_factor) == (2, 1, 2.5)
         assert hf.rope_parameters["partial_rotary_factor"] == 0.5
+    if family == "deepseek_v3":
+        assert (hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim) == (
+            32, 32, 16, 8, 24)
+        rope = hf.rope_parameters
+        assert (rope["rope_type"], rope["factor"], hf.rope_interleave) == ("yarn", 8.0, True)
+        assert (hf.n_shared_experts, hf.first_k_dense_replace, hf.routed_scaling_factor) == (1, 1, 2.5)
 
 
 def test_engine_model_dir_holds_the_architecture(tmp_path):

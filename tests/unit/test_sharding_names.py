@@ -19,6 +19,13 @@ def test_fused_norms_get_their_local_names():
         "decoder.layers.3.input_layernorm.weight"
     assert canonical_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == \
         "decoder.layers.0.pre_mlp_layernorm.weight"
+    # multi-latent attention: the latent norms fuse into the up projections, the input norm stays apart
+    assert canonical_name("decoder.layers.2.self_attention.linear_q_up_proj.layer_norm_weight") == \
+        "decoder.layers.2.self_attention.q_layernorm.weight"
+    assert canonical_name("decoder.layers.2.self_attention.linear_kv_up_proj.layer_norm_weight") == \
+        "decoder.layers.2.self_attention.kv_layernorm.weight"
+    assert canonical_name("decoder.layers.2.self_attention.linear_kv_up_proj.weight") == \
+        "decoder.layers.2.self_attention.linear_kv_up_proj.weight"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -1,0 +1,158 @@
+"""DeepSeek-V3 (and the checkpoints of its architecture: Kimi-K2, Moonlight): multi-latent attention
+(MLA) with optional YaRN scaling, the first `first_k_dense_replace` layers dense, the others GLM-4.5's
+mixture of experts (a sigmoid router choosing by score + a per-expert bias from the best groups,
+renormalised and scaled weights, ungated shared experts; `glm4_moe.py`).
+
+Attention on disk (HF) and in Megatron's `MLASelfAttention` (local spec names), one to one:
+
+    self_attn.q_a_proj           [q_lora_rank, H]                   linear_q_down_proj
+    self_attn.q_a_layernorm      [q_lora_rank]                      q_layernorm
+    self_attn.q_b_proj           [heads x (nope + rope), q_lora]    linear_q_up_proj
+    self_attn.q_proj             [heads x (nope + rope), H]         linear_q_proj  (q_lora_rank null)
+    self_attn.kv_a_proj_with_mqa [kv_lora_rank + rope, H]           linear_kv_down_proj
+    self_attn.kv_a_layernorm     [kv_lora_rank]                     kv_layernorm
+    self_attn.kv_b_proj          [heads x (nope + v), kv_lora]      linear_kv_up_proj
+    self_attn.o_proj             [H, heads x v]                     linear_proj
+
+Both order each head's query rows [no-RoPE part; RoPE part] and each head's key-value rows [key
+no-RoPE part; value], and both store the rotated dimensions interleaved in pairs (see
+`models/gpt._mla_fields`), so nothing is permuted. The Transformer Engine spec fuses the latent norms
+into the up projections (`linear_q_up_proj.layer_norm_weight`); `weight_sync.sharding.canonical_name`
+maps them back. Multi-token-prediction layers (`num_nextn_predict_layers`) are not read: transformers
+does not run them either, and an export writes none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from megatron_rl.weight_sync.families import register
+from megatron_rl.weight_sync.families.dense import DenseDecoderConverter, Tensor
+from megatron_rl.weight_sync.families.moe import SparseMoeLayout
+
+# (HF name under self_attn., Megatron name under self_attention.) of the attention's tensors besides o_proj
+_COMPRESSED_QUERY = (("q_a_proj.weight", "linear_q_down_proj.weight"), ("q_a_layernorm.weight", "q_layernorm.weight"),
+                     ("q_b_proj.weight", "linear_q_up_proj.weight"))
+_DIRECT_QUERY = (("q_proj.weight", "linear_q_proj.weight"),)
+_KEY_VALUE = (("kv_a_proj_with_mqa.weight", "linear_kv_down_proj.weight"),
+              ("kv_a_layernorm.weight", "kv_layernorm.weight"), ("kv_b_proj.weight", "linear_kv_up_proj.weight"))
+
+_YARN_KEYS = (("beta_fast", "rope_scaling_beta_fast"), ("beta_slow", "rope_scaling_beta_slow"),
+              ("mscale", "rope_scaling_mscale"), ("mscale_all_dim", "rope_scaling_mscale_all_dim"))
+
+
+def _mla_pairs(arch: Any) -> tuple[tuple[str, str], ...]:
+    return (_COMPRESSED_QUERY if arch.q_lora_rank is not None else _DIRECT_QUERY) + _KEY_VALUE
+
+
+@register
+class DeepseekV3Converter(SparseMoeLayout, DenseDecoderConverter):
+    family = "deepseek_v3"
+    model_type = "deepseek_v3"
+    architecture = "DeepseekV3ForCausalLM"
+
+    # -- config.json ----------------------------------------------------------------------------
+    def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
+        cfg = super().config_dict(arch, eos_token_id)
+        theta = cfg.pop("rope_theta")
+        cfg.pop("rope_scaling", None)
+        del cfg["head_dim"]  # transformers sets it to qk_rope_head_dim itself
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+        if arch.rope_scaling_factor is not None:
+            rope.update(rope_type="yarn", factor=arch.rope_scaling_factor,
+                        original_max_position_embeddings=arch.rope_scaling_original_max_position_embeddings,
+                        **{hf_key: getattr(arch, key) for hf_key, key in _YARN_KEYS})
+        cfg.update(
+            rope_parameters=rope, rope_interleave=True, attention_bias=False,
+            q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank, qk_nope_head_dim=arch.qk_nope_head_dim,
+            qk_rope_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
+            n_routed_experts=arch.num_experts, num_experts_per_tok=arch.moe_router_topk,
+            moe_intermediate_size=arch.moe_ffn_hidden_size,
+            n_shared_experts=arch.moe_shared_expert_intermediate_size // arch.moe_ffn_hidden_size,
+            first_k_dense_replace=len(arch.moe_dense_layers), norm_topk_prob=arch.moe_norm_topk_prob,
+            routed_scaling_factor=arch.moe_routed_scaling_factor, n_group=arch.moe_router_num_groups,
+            topk_group=arch.moe_router_group_topk, num_nextn_predict_layers=0, output_router_logits=False)
+        return cfg
+
+    def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"{where}: rope_scaling={rope} is not supported (only default RoPE and YaRN)")
+        if hf.get("rope_interleave", True) is False:
+            raise ValueError(f"{where}: rope_interleave=false is not supported: Megatron-core's multi-latent "
+                             "attention reads the rotated dimensions interleaved, as DeepSeek's checkpoints store them")
+        if hf.get("attention_bias", False):
+            raise ValueError(f"{where}: attention_bias=true is not supported (Megatron-core's multi-latent "
+                             "attention has no bias; DeepSeek's checkpoints have none)")
+        if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"{where}: scoring_func={hf.get('scoring_func')!r}, "
+                             f"topk_method={hf.get('topk_method')!r}: "
+                             "only DeepSeek-V3's sigmoid router with the selection bias (noaux_tc) is supported")
+        experts = hf.get("n_routed_experts", hf.get("num_local_experts"))
+        if not experts:
+            raise ValueError(f"{where}: n_routed_experts={experts!r}: a deepseek_v3 checkpoint needs experts")
+        shared = hf.get("n_shared_experts", 1)
+        if not shared:
+            raise ValueError(f"{where}: n_shared_experts={shared!r}: DeepSeek-V3 MoE layers have shared experts")
+        layers, first_dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
+        if not 0 <= first_dense < layers:
+            raise ValueError(f"{where}: first_k_dense_replace={first_dense} leaves no layer with experts "
+                             f"(num_hidden_layers={layers})")
+        hf = {**hf, "head_dim": None}  # transformers writes qk_rope_head_dim there; MLA's widths are below
+        arch = super().arch_from_config(hf, where)
+        width = hf["moe_intermediate_size"]
+        arch.update(
+            qkv_bias=None, qk_layernorm=None, head_dim=None,
+            num_query_groups=hf["num_attention_heads"],  # every head gets its own keys and values
+            q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            num_experts=experts, moe_ffn_hidden_size=width, moe_router_topk=hf["num_experts_per_tok"],
+            moe_shared_expert_intermediate_size=shared * width, moe_dense_layers=list(range(first_dense)),
+            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            moe_routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            moe_router_num_groups=hf.get("n_group") or 1, moe_router_group_topk=hf.get("topk_group") or 1)
+        if rope_type == "yarn":
+            arch.update(rope_scaling_factor=float(rope["factor"]),
+                        rope_scaling_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                        **{key: float(rope.get(hf_key, default)) for (hf_key, key), default in
+                           zip(_YARN_KEYS, (32.0, 1.0, 1.0, 0.0), strict=True)})
+        return arch
+
+    @staticmethod
+    def _rope_scaling_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+        return {"rope_scaling_factor": None}  # YaRN: arch_from_config
+
+    # -- attention --------------------------------------------------------------------------------
+    def attention_hf_names(self, arch: Any, prefix: str) -> set[str]:
+        return {prefix + "self_attn." + hf for hf, _ in _mla_pairs(arch)}
+
+    def attention_to_megatron(self, hf: dict[str, Tensor], att: str, m: str, arch: Any) -> dict[str, Tensor]:
+        return {m + meg: hf[att + name] for name, meg in _mla_pairs(arch)}
+
+    def attention_to_hf(self, meg: dict[str, Tensor], att: str, m: str, arch: Any) -> dict[str, Tensor]:
+        return {att + name: meg[m + meg_name] for name, meg_name in _mla_pairs(arch)}
+
+    def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        names = list(names)
+        shapes = super().expected_hf_shapes(arch, names)
+        hidden, heads = arch.hidden_size, arch.num_attention_heads
+        qk, rope = arch.resolved_head_dim, arch.qk_rope_head_dim
+        mla = {"q_a_proj.weight": (arch.q_lora_rank, hidden), "q_a_layernorm.weight": (arch.q_lora_rank,),
+               "q_b_proj.weight": (heads * qk, arch.q_lora_rank), "q_proj.weight": (heads * qk, hidden),
+               "kv_a_proj_with_mqa.weight": (arch.kv_lora_rank + rope, hidden),
+               "kv_a_layernorm.weight": (arch.kv_lora_rank,),
+               "kv_b_proj.weight": (heads * (arch.qk_nope_head_dim + arch.v_head_dim), arch.kv_lora_rank),
+               "o_proj.weight": (hidden, heads * arch.v_head_dim)}
+        for n in names:
+            for ending, shape in mla.items():
+                if n.endswith(".self_attn." + ending):
+                    shapes[n] = shape
+        return shapes
+
+    # -- a sparse layer's MLP: GLM-4.5's --------------------------------------------------------------
+    hf_shared_expert = "mlp.shared_experts."
+    sparse_layer_extras = (("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias",
+                            lambda arch: (arch.num_experts,)),)
