@@ -147,7 +147,7 @@ class ModelConfig:
     """glm4_moe, deepseek_v3: factor on the routed experts' renormalised weights (HF routed_scaling_factor)."""
     q_lora_rank: Optional[int] = None
     """deepseek_v3 multi-latent attention: width of the compressed query (HF q_lora_rank; DeepSeek-V3: 1536);
-    null projects queries directly, without compression (DeepSeek-V2-Lite, Moonlight does compress)."""
+    null projects queries directly, without compression (as DeepSeek-V2-Lite and Moonlight do)."""
     kv_lora_rank: Optional[int] = None
     """deepseek_v3: width of the compressed key-value latent (HF kv_lora_rank; DeepSeek-V3: 512); required."""
     qk_nope_head_dim: Optional[int] = None
@@ -323,17 +323,18 @@ class ModelConfig:
                    self.rope_scaling_original_max_position_embeddings, 1)
         _check_min("model.rope_scaling_beta_fast", self.rope_scaling_beta_fast, 0, strict=True)
         _check_min("model.rope_scaling_beta_slow", self.rope_scaling_beta_slow, 0, strict=True)
-        if self.rope_scaling_beta_slow >= self.rope_scaling_beta_fast:
+        if self.rope_scaling_beta_slow > self.rope_scaling_beta_fast:  # equal: Kimi-K2's 1 and 1
             raise _invalid("model.rope_scaling_beta_slow", self.rope_scaling_beta_slow,
-                           f"must be below model.rope_scaling_beta_fast={self.rope_scaling_beta_fast}")
+                           f"must not exceed model.rope_scaling_beta_fast={self.rope_scaling_beta_fast}")
         _check_min("model.rope_scaling_mscale", self.rope_scaling_mscale, 0)
         _check_min("model.rope_scaling_mscale_all_dim", self.rope_scaling_mscale_all_dim, 0)
         both = self.rope_scaling_mscale > 0 and self.rope_scaling_mscale_all_dim > 0
         if not both and self.rope_scaling_mscale != 1:
             # HF then scales cos and sin by 0.1 ln(factor) + 1, ignoring mscale; Megatron-core by its ratio
             raise _invalid("model.rope_scaling_mscale", self.rope_scaling_mscale,
-                           "with model.rope_scaling_mscale_all_dim=0 only mscale=1 is read alike by transformers "
-                           "and Megatron-core; set both (DeepSeek-V3: 1 and 1) or mscale=1")
+                           "unless model.rope_scaling_mscale and rope_scaling_mscale_all_dim are both > 0, only "
+                           "mscale=1 is read alike by transformers and Megatron-core; set both (DeepSeek-V3: 1 "
+                           "and 1) or mscale=1")
 
     def _check_moe(self) -> None:
         moe_family = self.family in self.MOE_FAMILIES

@@ -24,6 +24,19 @@ from megatron_rl.rollout.base import (  # noqa: F401  (EngineStateError: re-expo
 logger = logging.getLogger(__name__)
 
 
+def _latent_norms_as_megatron(model: torch.nn.Module, model_cfg: Any) -> None:
+    """transformers builds DeepSeek-V3's latent norms (q_a_layernorm, kv_a_layernorm) with eps 1e-6 whatever
+    rms_norm_eps says (modeling_deepseek_v3.py:380, 392); Megatron-core's multi-latent attention, and SGLang,
+    use rms_norm_eps. The same for DeepSeek-V3 and Kimi-K2 (1e-6), not for Moonlight (1e-5): the engine takes
+    the trainer's, so that its log-probs stay the trainer's."""
+    if not model_cfg.multi_latent_attention:
+        return
+    for layer in model.model.layers:
+        for norm in (layer.self_attn.q_a_layernorm, layer.self_attn.kv_a_layernorm):
+            if norm is not None:
+                norm.variance_epsilon = model_cfg.norm_eps
+
+
 class HFEngine:
     def __init__(self, model_cfg: Any, *, device: str | torch.device = "cpu", eos_token_id: int = 0,
                  pad_token_id: int = 0, max_batch_size: int = 256) -> None:
@@ -42,6 +55,7 @@ class HFEngine:
         for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
             if kept_in_fp32(name, keep):
                 tensor.data = tensor.data.float()
+        _latent_norms_as_megatron(self.model, model_cfg)
         self.model.generation_config.pad_token_id = pad_token_id
         self.model_cfg = model_cfg
         # Weight sync sends the hub layout; transformers may hold it differently (fused experts).

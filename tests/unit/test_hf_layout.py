@@ -362,11 +362,55 @@ def test_mla_tensors_map_one_to_one():
     assert conv.expected_hf_shapes(direct, [att + "q_proj.weight"]) == {att + "q_proj.weight": (4 * 18, 128)}
 
 
+def test_kimi_k2_style_config_loads_as_deepseek_v3(tmp_path):
+    """Kimi-K2's config.json names model_type kimi_k2 (its remote code) and YaRN with beta_fast = beta_slow = 1,
+    one expert group; it reads as the deepseek_v3 family, whose export writes model_type deepseek_v3."""
+    cfg = get_converter("deepseek_v3").config_dict(FAMILIES["deepseek_v3"])
+    cfg.update(model_type="kimi_k2", n_group=1, topk_group=1)
+    cfg["rope_parameters"].update(beta_fast=1.0, beta_slow=1.0)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = ModelConfig(**arch_from_hf_config(tmp_path))  # validates
+    assert (arch.family, arch.rope_scaling_beta_fast, arch.rope_scaling_beta_slow) == ("deepseek_v3", 1.0, 1.0)
+    assert get_converter("deepseek_v3").config_dict(arch)["model_type"] == "deepseek_v3"
+
+
+def test_deepseek_v3_without_yarn_resets_every_rope_field(tmp_path):
+    """A checkpoint without YaRN gives every rope field its no-YaRN value, so that a config file's YaRN
+    settings (model=deepseek_v3 with another checkpoint's path) cannot survive beside it."""
+    cfg = get_converter("deepseek_v3").config_dict(ModelConfig(**{**vars(FAMILIES["deepseek_v3"]),
+                                                                  "rope_scaling_factor": None,
+                                                                  "rope_scaling_mscale_all_dim": 0.0}))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = arch_from_hf_config(tmp_path)
+    assert (arch["rope_scaling_factor"], arch["rope_scaling_mscale_all_dim"], arch["rope_scaling_mscale"],
+            arch["rope_scaling_original_max_position_embeddings"]) == (None, 0.0, 1.0, 8192)
+
+
+def test_deepseek_v3_defaults_are_transformers_defaults(tmp_path):
+    """Keys absent from config.json mean what transformers' DeepseekV3Config defaults to."""
+    from transformers import DeepseekV3Config
+
+    cfg = get_converter("deepseek_v3").config_dict(FAMILIES["deepseek_v3"])
+    for key in ("q_lora_rank", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace"):
+        del cfg[key]
+    cfg["num_hidden_layers"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = arch_from_hf_config(tmp_path)
+    ref = DeepseekV3Config()
+    assert (arch["q_lora_rank"], arch["moe_router_num_groups"], arch["moe_router_group_topk"],
+            arch["moe_routed_scaling_factor"], len(arch["moe_dense_layers"])) == (
+        ref.q_lora_rank, ref.n_group, ref.topk_group, ref.routed_scaling_factor, ref.first_k_dense_replace)
+
+
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("rope_interleave", False, "rope_interleave=false"), ("attention_bias", True, "attention_bias=true"),
     ("scoring_func", "softmax", "scoring_func='softmax'"), ("n_shared_experts", 0, "shared experts"),
     ("first_k_dense_replace", 2, "leaves no layer with experts"),
-    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "only default RoPE and YaRN")])
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "only default RoPE and YaRN"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "truncate": False},
+     "truncate=false"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                      "attention_factor": 1.5}, "attention_factor=1.5 differs from the 1.20794")])
 def test_unsupported_deepseek_v3_configs_are_refused_naming_the_file(tmp_path, key, value, message):
     cfg = get_converter("deepseek_v3").config_dict(FAMILIES["deepseek_v3"])
     cfg[key] = value

@@ -146,6 +146,28 @@ def test_hf_engine_keeps_glm4_moe_routing_in_fp32_at_bf16():
     assert torch.equal(router.e_score_correction_bias, bias)
 
 
+def test_hf_engine_latent_norms_take_the_trainers_epsilon():
+    """Moonlight's rms_norm_eps is 1e-5; transformers gives DeepSeek-V3's latent norms 1e-6 regardless,
+    Megatron-core (and SGLang) rms_norm_eps. The engine follows the trainer, and that changes its logits."""
+    import dataclasses
+
+    import torch
+
+    from megatron_rl.models.hf import build_hf_model
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    cfg = dataclasses.replace(MOE_MODELS["deepseek_v3"], norm_eps=1e-2)  # large, to see it in the logits
+    engine = HFEngine(cfg)
+    plain = build_hf_model(cfg, seed=0)
+    attention = engine.model.model.layers[1].self_attn
+    assert attention.q_a_layernorm.variance_epsilon == attention.kv_a_layernorm.variance_epsilon == 1e-2
+    assert plain.model.layers[1].self_attn.kv_a_layernorm.variance_epsilon == 1e-6  # transformers' own
+    assert engine.model.model.layers[1].input_layernorm.variance_epsilon == 1e-2
+    tokens = torch.tensor([[5, 9, 2, 40, 7, 7, 3]])
+    with torch.no_grad():
+        assert (engine.model(tokens).logits - plain(tokens).logits).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize("family", sorted(MOE_MODELS))
 def test_engine_model_dir_holds_the_moe_architecture(tmp_path, family):
     """What SGLang starts an MoE model from: transformers reads back the experts and their width."""

@@ -33,9 +33,9 @@ def get_converter(family: str) -> DenseDecoderConverter:
 
 def converter_for_model_type(model_type: str) -> DenseDecoderConverter:
     for conv in _REGISTRY.values():
-        if conv.model_type == model_type:
+        if model_type in (conv.model_type, *conv.model_type_aliases):
             return conv
-    supported = ", ".join(sorted(c.model_type for c in _REGISTRY.values()))
+    supported = ", ".join(sorted(t for c in _REGISTRY.values() for t in (c.model_type, *c.model_type_aliases)))
     raise ValueError(f"model_type={model_type!r} is not supported; supported: {supported}")
 
 

@@ -24,6 +24,7 @@ does not run them either, and an export writes none.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -40,6 +41,22 @@ _KEY_VALUE = (("kv_a_proj_with_mqa.weight", "linear_kv_down_proj.weight"),
 
 _YARN_KEYS = (("beta_fast", "rope_scaling_beta_fast"), ("beta_slow", "rope_scaling_beta_slow"),
               ("mscale", "rope_scaling_mscale"), ("mscale_all_dim", "rope_scaling_mscale_all_dim"))
+_NO_YARN_VALUES = (32.0, 1.0, 1.0, 0.0)  # HF's (and ModelConfig's) defaults
+# every rope field, so that a config file's YaRN values never survive a checkpoint that has none
+_NO_YARN = {"rope_scaling_factor": None, "rope_scaling_original_max_position_embeddings": 8192,
+            **{key: value for (_, key), value in zip(_YARN_KEYS, _NO_YARN_VALUES, strict=True)}}
+
+
+def _yarn_attention_factor(fields: dict[str, Any]) -> float:
+    """The cos/sin scale both sides derive (transformers' get_mscale ratio; ModelConfig refuses the cases
+    where they would not agree)."""
+    def mscale(factor: float, m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor, m, m_all = (fields[f"rope_scaling_{k}"] for k in ("factor", "mscale", "mscale_all_dim"))
+    if m and m_all:
+        return mscale(factor, m) / mscale(factor, m_all)
+    return mscale(factor, 1.0)
 
 
 def _mla_pairs(arch: Any) -> tuple[tuple[str, str], ...]:
@@ -50,6 +67,9 @@ def _mla_pairs(arch: Any) -> tuple[tuple[str, str], ...]:
 class DeepseekV3Converter(SparseMoeLayout, DenseDecoderConverter):
     family = "deepseek_v3"
     model_type = "deepseek_v3"
+    # Kimi-K2's config.json names its own model_type (its remote code) for this architecture; an export
+    # writes deepseek_v3, which transformers builds
+    model_type_aliases = ("kimi_k2",)
     architecture = "DeepseekV3ForCausalLM"
 
     # -- config.json ----------------------------------------------------------------------------
@@ -72,7 +92,9 @@ class DeepseekV3Converter(SparseMoeLayout, DenseDecoderConverter):
             n_shared_experts=arch.moe_shared_expert_intermediate_size // arch.moe_ffn_hidden_size,
             first_k_dense_replace=len(arch.moe_dense_layers), norm_topk_prob=arch.moe_norm_topk_prob,
             routed_scaling_factor=arch.moe_routed_scaling_factor, n_group=arch.moe_router_num_groups,
-            topk_group=arch.moe_router_group_topk, num_nextn_predict_layers=0, output_router_logits=False)
+            topk_group=arch.moe_router_group_topk, num_nextn_predict_layers=0, output_router_logits=False,
+            # what DeepSeek's own config.json says, and SGLang and vLLM read (transformers assumes them)
+            scoring_func="sigmoid", topk_method="noaux_tc")
         return cfg
 
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
@@ -100,26 +122,44 @@ class DeepseekV3Converter(SparseMoeLayout, DenseDecoderConverter):
         if not 0 <= first_dense < layers:
             raise ValueError(f"{where}: first_k_dense_replace={first_dense} leaves no layer with experts "
                              f"(num_hidden_layers={layers})")
+        # absent keys mean what transformers' DeepseekV3Config defaults to (DeepSeek-V3's values)
         hf = {**hf, "head_dim": None}  # transformers writes qk_rope_head_dim there; MLA's widths are below
         arch = super().arch_from_config(hf, where)
         width = hf["moe_intermediate_size"]
         arch.update(
             qkv_bias=None, qk_layernorm=None, head_dim=None,
             num_query_groups=hf["num_attention_heads"],  # every head gets its own keys and values
-            q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+            q_lora_rank=hf.get("q_lora_rank", 1536), kv_lora_rank=hf["kv_lora_rank"],
             qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
             v_head_dim=hf["v_head_dim"],
             num_experts=experts, moe_ffn_hidden_size=width, moe_router_topk=hf["num_experts_per_tok"],
             moe_shared_expert_intermediate_size=shared * width, moe_dense_layers=list(range(first_dense)),
             moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            moe_routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            moe_router_num_groups=hf.get("n_group") or 1, moe_router_group_topk=hf.get("topk_group") or 1)
-        if rope_type == "yarn":
-            arch.update(rope_scaling_factor=float(rope["factor"]),
-                        rope_scaling_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                        **{key: float(rope.get(hf_key, default)) for (hf_key, key), default in
-                           zip(_YARN_KEYS, (32.0, 1.0, 1.0, 0.0), strict=True)})
+            moe_routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
+            moe_router_num_groups=hf.get("n_group", 8) or 1, moe_router_group_topk=hf.get("topk_group", 4) or 1)
+        arch.update(self._yarn_fields(rope, where) if rope_type == "yarn" else _NO_YARN)
         return arch
+
+    @staticmethod
+    def _yarn_fields(rope: dict[str, Any], where: Path) -> dict[str, Any]:
+        """ModelConfig's YaRN fields, refusing the rope_parameters keys Megatron-core's YaRN cannot follow:
+        transformers skips rounding the correction range with `truncate: false`, and takes an explicit
+        `attention_factor` as the cos/sin scale, where Megatron-core always rounds and always derives it."""
+        if rope.get("truncate", True) is False:
+            raise ValueError(f"{where}: rope_parameters truncate=false is not supported (Megatron-core's YaRN "
+                             "rounds the correction range)")
+        fields = {"rope_scaling_factor": float(rope["factor"]),
+                  "rope_scaling_original_max_position_embeddings": int(rope["original_max_position_embeddings"])}
+        for (hf_key, key), default in zip(_YARN_KEYS, _NO_YARN_VALUES, strict=True):
+            value = rope.get(hf_key)
+            fields[key] = float(default if value is None else value)
+        given = rope.get("attention_factor")
+        if given is not None:
+            derived = _yarn_attention_factor(fields)
+            if abs(float(given) - derived) > 1e-9:
+                raise ValueError(f"{where}: rope_parameters attention_factor={given} differs from the {derived:.6g} "
+                                 "that mscale and mscale_all_dim give, the only one Megatron-core's YaRN applies")
+        return fields
 
     @staticmethod
     def _rope_scaling_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:

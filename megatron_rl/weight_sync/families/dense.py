@@ -44,6 +44,7 @@ class DenseDecoderConverter:
 
     family = "dense"
     model_type = ""
+    model_type_aliases: tuple[str, ...] = ()  # other config.json model_type values of the same architecture
     architecture = ""
 
     # -- architecture <-> config.json ---------------------------------------------------------
