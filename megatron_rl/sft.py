@@ -72,7 +72,7 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
     from megatron_rl.trainer.core import Trainer, TrainerOptions
 
     cfg = rt.cfg
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
     task = Task(cfg.task, tokenizer)
     train = [prompt_response_sample(tokenizer, p, r) for p, r in load_pairs(task, "train")]
     held_out = [prompt_response_sample(tokenizer, p, r) for p, r in load_pairs(task, "eval")]

@@ -44,7 +44,7 @@ def build(rt):
     from megatron_rl.trainer.core import Trainer, TrainerOptions
 
     cfg = rt.cfg
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
     task = make_task(cfg, tokenizer)  # a MultiTask over cfg.domains when set
     trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, TrainerOptions(
         micro_batch_tokens=cfg.micro_batch_tokens, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,

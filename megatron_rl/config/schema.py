@@ -68,6 +68,10 @@ class ModelConfig:
     """HF checkpoint directory with config.json; null builds the model from the fields below with random init."""
     tokenizer: str = "builtin:char"
     """``builtin:char`` (the shipped character tokenizer) or a path to a HF tokenizer directory."""
+    trust_remote_code: bool = False
+    """Let a tokenizer directory's own code run (its tokenizer_config.json auto_map, e.g. the TikToken
+    tokenizers of Kimi-K2 and Moonlight): it executes Python from that directory, so only for checkpoints
+    you trust. False refuses such a tokenizer with a message naming this setting."""
     num_layers: int = 4
     """Number of transformer blocks."""
     hidden_size: int = 128

@@ -91,16 +91,19 @@ def save_char_tokenizer(out_dir: Union[str, Path]) -> Path:
     return out
 
 
-def load_tokenizer(spec: str) -> PreTrainedTokenizerFast:
+def load_tokenizer(spec: str, trust_remote_code: bool = False) -> PreTrainedTokenizerFast:
     """Load a tokenizer offline.
 
     Args:
         spec: `"builtin:char"` for the shipped character tokenizer, or a path to a local
             Hugging Face tokenizer directory (one containing `tokenizer.json` or the files
             `AutoTokenizer` understands).
+        trust_remote_code: let the directory's own tokenizer code run (`model.trust_remote_code`);
+            without it such a tokenizer is refused at once (never an interactive prompt).
 
     Raises:
-        ValueError: unknown builtin name, or the path does not exist.
+        ValueError: unknown builtin name, the path does not exist, or the tokenizer is code that
+            `trust_remote_code` does not allow.
     """
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX):]
@@ -130,7 +133,15 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerFast:
         # generic backend; that class re-tokenizes differently (it drops our spaces). Load the
         # declared generic class directly so tokenizer.json is used exactly as written.
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if _declares_remote_code(path) and not trust_remote_code:
+        raise ValueError(f"tokenizer {str(path)!r} is code of its own (tokenizer_config.json auto_map), which runs "
+                         "only with model.trust_remote_code=true: set it if you trust that directory")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def _declares_remote_code(path: Path) -> bool:
+    config = path / "tokenizer_config.json"
+    return config.is_file() and "AutoTokenizer" in (json.loads(config.read_text()).get("auto_map") or {})
 
 
 def _declares_generic_backend(path: Path) -> bool:

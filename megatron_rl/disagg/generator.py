@@ -107,7 +107,7 @@ def run_generator(hub: Any, index: int, local_index: int) -> None:
                 os.getpid(), device, spec.store_host)
     error = None
     try:
-        tokenizer = load_tokenizer(cfg.model.tokenizer)
+        tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
         task = make_task(cfg, tokenizer)
         engine = make_standalone_engine(cfg, tokenizer, device=device, index=index, work_dir=run_dir)
         rewards = RewardService(task.verifier_factory(spec.sandbox_addresses))

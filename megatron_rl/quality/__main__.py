@@ -39,6 +39,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8, help="policy samples per task")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--tokenizer", default="builtin:char")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a tokenizer directory's own code run (as model.trust_remote_code)")
     p.add_argument("--environment", default="repo", help="the environment agent tasks run in (as task.environment)")
     p.add_argument("--runtime", default="bwrap", choices=("bwrap", "apptainer", "process"))
     p.add_argument("--sandbox", action="append", default=[], help="address of a running sandbox server "
@@ -85,7 +87,7 @@ def inspect(args: argparse.Namespace) -> list[dict[str, Any]]:
         if share >= args.contamination_threshold:
             row["flags"].append("contaminated")
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code)
     server, addresses = None, list(args.sandbox)
     if not addresses:
         from megatron_rl.rewards.service import start_local_sandbox

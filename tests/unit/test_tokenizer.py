@@ -140,3 +140,55 @@ def test_saved_beside_a_qwen2_config_still_round_trips(tmp_path):
     (tmp_path / "config.json").write_text(_json.dumps({"model_type": "qwen2"}))
     tok = load_tokenizer(str(tmp_path))
     assert tok.decode(tok("3 5 7 -> 22")["input_ids"]) == "3 5 7 -> 22"
+
+
+_REMOTE_TOKENIZER = '''
+from transformers import PreTrainedTokenizer
+
+
+class DigitTokenizer(PreTrainedTokenizer):
+    """A tokenizer that is only code: one token per character of '0123456789 +=', then the end token."""
+
+    vocab_files_names = {}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, **kwargs):
+        self._chars = list("0123456789 +=")
+        super().__init__(eos_token="</s>", pad_token="</s>", **kwargs)
+
+    @property
+    def vocab_size(self):
+        return len(self._chars) + 1
+
+    def get_vocab(self):
+        return {**{c: i for i, c in enumerate(self._chars)}, "</s>": len(self._chars)}
+
+    def _tokenize(self, text):
+        return list(text)
+
+    def _convert_token_to_id(self, token):
+        return self.get_vocab()[token]
+
+    def _convert_id_to_token(self, index):
+        return "</s>" if index == len(self._chars) else self._chars[index]
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens)
+
+    def save_vocabulary(self, save_directory, filename_prefix=None):
+        return ()
+'''
+
+
+def test_remote_code_tokenizer_runs_only_when_trusted(tmp_path):
+    """A tokenizer that is code of its own (Kimi-K2's, Moonlight's): refused with a message naming
+    model.trust_remote_code (never transformers' interactive prompt), loaded with it."""
+    (tmp_path / "digit_tokenizer.py").write_text(_REMOTE_TOKENIZER)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "DigitTokenizer", "auto_map": {"AutoTokenizer": ["digit_tokenizer.DigitTokenizer", None]}}))
+    with pytest.raises(ValueError, match="model.trust_remote_code=true"):
+        load_tokenizer(str(tmp_path))
+    tokenizer = load_tokenizer(str(tmp_path), trust_remote_code=True)
+    assert type(tokenizer).__name__ == "DigitTokenizer"
+    assert tokenizer("12+3").input_ids == [1, 2, 11, 3]
+    assert (tokenizer.eos_token_id, tokenizer.decode([4, 12, 4])) == (13, "4=4")
