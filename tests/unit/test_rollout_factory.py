@@ -190,6 +190,9 @@ def test_engine_model_dir_holds_the_moe_architecture(tmp_path, family):
         rope = hf.rope_parameters
         assert (rope["rope_type"], rope["factor"], hf.rope_interleave) == ("yarn", 8.0, True)
         assert (hf.n_shared_experts, hf.first_k_dense_replace, hf.routed_scaling_factor) == (1, 1, 2.5)
+        # SGLang's DeepseekV2 model reads these, which transformers does not define (it stopped at the
+        # first, moe_layer_freq, when tried)
+        assert (hf.moe_layer_freq, hf.scoring_func, hf.topk_method) == (1, "sigmoid", "noaux_tc")
 
 
 def test_engine_model_dir_holds_the_architecture(tmp_path):

@@ -94,7 +94,7 @@ class DeepseekV3Converter(SparseMoeLayout, DenseDecoderConverter):
             routed_scaling_factor=arch.moe_routed_scaling_factor, n_group=arch.moe_router_num_groups,
             topk_group=arch.moe_router_group_topk, num_nextn_predict_layers=0, output_router_logits=False,
             # what DeepSeek's own config.json says, and SGLang and vLLM read (transformers assumes them)
-            scoring_func="sigmoid", topk_method="noaux_tc")
+            scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
         return cfg
 
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
