@@ -16,7 +16,15 @@ from tests.distributed.launcher import run_spawned
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
-def _worker(rank: int, world: int, out_path: str) -> None:
+MODELS = {"qwen2": dict(num_layers=2),
+          # multi-latent attention: the local spec's own core attention (MaskedAttention) is what reruns
+          "deepseek_v3": dict(family="deepseek_v3", num_layers=2, num_query_groups=4, tie_word_embeddings=False,
+                              num_experts=4, moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=64,
+                              q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                              v_head_dim=24)}
+
+
+def _worker(rank: int, world: int, model: str, out_path: str) -> None:
     import dataclasses
 
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
@@ -28,7 +36,7 @@ def _worker(rank: int, world: int, out_path: str) -> None:
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=60)
     groups = state.initialize(1, 1)
-    base = ModelConfig(num_layers=2)
+    base = ModelConfig(**MODELS[model])
     full = random_state_dict(base, seed=5)
     gen = torch.Generator().manual_seed(2)
     samples = [Sample(torch.randint(0, 128, (n,), generator=gen), torch.ones(n - 1)) for n in (9, 14, 6)]
@@ -51,9 +59,10 @@ def _worker(rank: int, world: int, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(out))
 
 
-def test_recompute_reruns_layers_and_changes_nothing(tmp_path):
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_recompute_reruns_layers_and_changes_nothing(tmp_path, model):
     path = tmp_path / "out.json"
-    run_spawned(_worker, 1, str(path))
+    run_spawned(_worker, 1, model, str(path))
     out = json.loads(path.read_text())
     assert out["none"]["calls"] == {"layer": 1, "core_attention": 1}
     assert out["selective"]["calls"] == {"layer": 1, "core_attention": 2}
