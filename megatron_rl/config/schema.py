@@ -61,9 +61,9 @@ class ModelConfig:
     name: str = "tiny_qwen2"
     """Display name used in logs and run metadata."""
     family: str = "qwen2"
-    """Architecture family: llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, glm4_moe or deepseek_v3
-    (DeepSeek-V3 and its architecture's other checkpoints: Kimi-K2, Moonlight); selects the HF <-> Megatron
-    weight converter."""
+    """Architecture family: llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, glm4_moe, deepseek_v2 or
+    deepseek_v3 (DeepSeek-V3 and its architecture's other checkpoints: Kimi-K2, Moonlight); selects the
+    HF <-> Megatron weight converter."""
     path: Optional[str] = None
     """HF checkpoint directory with config.json; null builds the model from the fields below with random init."""
     tokenizer: str = "builtin:char"
@@ -95,23 +95,24 @@ class ModelConfig:
     """Llama 3.1 RoPE scaling (HF rope_scaling with rope_type llama3): frequencies whose wavelength exceeds
     rope_scaling_original_max_position_embeddings / rope_scaling_low_freq_factor are divided by this
     factor, those between that and the high-frequency bound interpolated; null means plain RoPE.
-    deepseek_v3: the YaRN factor instead (HF rope_type yarn; see rope_scaling_beta_fast and the fields after it)."""
+    deepseek_v2, deepseek_v3: the YaRN factor instead (HF rope_type yarn; see rope_scaling_beta_fast and the
+    fields after it)."""
     rope_scaling_low_freq_factor: float = 1.0
     """Llama 3.1 RoPE scaling: HF low_freq_factor. Megatron-core fixes it at 1 (see _check_rope_scaling)."""
     rope_scaling_high_freq_factor: float = 4.0
     """Llama 3.1 RoPE scaling: HF high_freq_factor. Megatron-core fixes it at 4."""
     rope_scaling_original_max_position_embeddings: int = 8192
     """Llama 3.1 RoPE scaling: HF original_max_position_embeddings (the pre-training context). Megatron-core
-    fixes it at 8192 for Llama 3.1 scaling; deepseek_v3's YaRN takes any value (DeepSeek-V3: 4096)."""
+    fixes it at 8192 for Llama 3.1 scaling; DeepSeek's YaRN takes any value (DeepSeek-V3: 4096)."""
     rope_scaling_beta_fast: float = 32.0
-    """deepseek_v3 YaRN: HF beta_fast (frequencies turning more than this often over the original context
+    """DeepSeek YaRN: HF beta_fast (frequencies turning more than this often over the original context
     keep their value)."""
     rope_scaling_beta_slow: float = 1.0
-    """deepseek_v3 YaRN: HF beta_slow (frequencies turning less often than this are divided by the factor)."""
+    """DeepSeek YaRN: HF beta_slow (frequencies turning less often than this are divided by the factor)."""
     rope_scaling_mscale: float = 1.0
-    """deepseek_v3 YaRN: HF mscale (with mscale_all_dim, the factor on the rotary cos and sin)."""
+    """DeepSeek YaRN: HF mscale (with mscale_all_dim, the factor on the rotary cos and sin)."""
     rope_scaling_mscale_all_dim: float = 0.0
-    """deepseek_v3 YaRN: HF mscale_all_dim (the attention softmax scale is multiplied by
+    """DeepSeek YaRN: HF mscale_all_dim (the attention softmax scale is multiplied by
     (0.1 x this x ln(factor) + 1) squared; 0: not)."""
     rotary_percent: float = 1.0
     """Share of each head's dimensions that RoPE rotates (the first ones; HF partial_rotary_factor); the
@@ -144,28 +145,31 @@ class ModelConfig:
     """Weight of Megatron's per-layer load-balancing loss (aux_loss); 0 disables it."""
     moe_router_num_groups: int = 1
     """glm4_moe, deepseek_v3: experts form this many equal groups (HF n_group) and each token picks its experts
-    from the moe_router_group_topk groups whose top-2 selection scores sum highest (HF topk_group); 1: no groups."""
+    from the moe_router_group_topk groups whose top-2 selection scores sum highest (HF topk_group); deepseek_v2:
+    the groups with the best single expert (topk_method group_limited_greedy); 1: no groups."""
     moe_router_group_topk: int = 1
-    """glm4_moe, deepseek_v3: groups each token's experts come from (HF topk_group); see moe_router_num_groups."""
+    """glm4_moe, deepseek_v2, deepseek_v3: groups each token's experts come from (HF topk_group); see
+    moe_router_num_groups."""
     moe_routed_scaling_factor: float = 1.0
-    """glm4_moe, deepseek_v3: factor on the routed experts' renormalised weights (HF routed_scaling_factor)."""
+    """glm4_moe, deepseek_v2, deepseek_v3: factor on the routed experts' weights (HF routed_scaling_factor)."""
     q_lora_rank: Optional[int] = None
-    """deepseek_v3 multi-latent attention: width of the compressed query (HF q_lora_rank; DeepSeek-V3: 1536);
+    """deepseek_v2, deepseek_v3 multi-latent attention: width of the compressed query (HF q_lora_rank;
+    DeepSeek-V3: 1536);
     null projects queries directly, without compression (as DeepSeek-V2-Lite and Moonlight do)."""
     kv_lora_rank: Optional[int] = None
-    """deepseek_v3: width of the compressed key-value latent (HF kv_lora_rank; DeepSeek-V3: 512); required."""
+    """DeepSeek MLA: width of the compressed key-value latent (HF kv_lora_rank; DeepSeek-V3: 512); required."""
     qk_nope_head_dim: Optional[int] = None
-    """deepseek_v3: per-head query/key dimensions without RoPE (HF qk_nope_head_dim; DeepSeek-V3: 128)."""
+    """DeepSeek MLA: per-head query/key dimensions without RoPE (HF qk_nope_head_dim; DeepSeek-V3: 128)."""
     qk_rope_head_dim: Optional[int] = None
-    """deepseek_v3: per-head query/key dimensions RoPE turns, the key's shared by all heads (HF
+    """DeepSeek MLA: per-head query/key dimensions RoPE turns, the key's shared by all heads (HF
     qk_rope_head_dim; DeepSeek-V3: 64)."""
     v_head_dim: Optional[int] = None
-    """deepseek_v3: per-head value width (HF v_head_dim; DeepSeek-V3: 128)."""
+    """DeepSeek MLA: per-head value width (HF v_head_dim; DeepSeek-V3: 128)."""
     moe_dense_layers: list[int] = field(default_factory=list)
     """Layers (0-based, global) whose MLP is a dense SwiGLU of width ffn_hidden_size instead of experts:
     HF's mlp_only_layers plus the layers decoder_sparse_step skips (qwen3_moe, qwen2_moe), or the first
-    first_k_dense_replace layers (glm4_moe, deepseek_v3); a dense layer has no shared expert. Empty: every layer is
-    sparse (mixtral always)."""
+    first_k_dense_replace layers (glm4_moe, deepseek_v2, deepseek_v3); a dense layer has no shared expert.
+    Empty: every layer is sparse (mixtral always)."""
     init_seed: int = 1234
     """Seed of the random initialisation when model.path is null."""
     dtype: str = "float32"
@@ -183,19 +187,24 @@ class ModelConfig:
     """recompute=full: layers per recomputed block (Megatron's uniform recompute_method)."""
 
     FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
-                                           "glm4_moe", "deepseek_v3")
+                                           "glm4_moe", "deepseek_v2", "deepseek_v3")
     RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
-    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
-    SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe", "deepseek_v3")
+    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2",
+                                               "deepseek_v3")
+    SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
+    # multi-latent attention (Megatron's MLASelfAttention) and DeepSeek's YaRN
+    MLA_FAMILIES: ClassVar[tuple[str, ...]] = ("deepseek_v2", "deepseek_v3")
     # families whose router is Megatron's sigmoid one with the selection bias (GLM-4.5's and DeepSeek-V3's)
     SIGMOID_ROUTER_FAMILIES: ClassVar[tuple[str, ...]] = ("glm4_moe", "deepseek_v3")
-    # fields only the sigmoid router uses, with the value every other family has
-    SIGMOID_ROUTER_ONLY: ClassVar[dict[str, float]] = {
+    # families whose router takes expert groups and a routed scaling factor
+    GROUPED_ROUTER_FAMILIES: ClassVar[tuple[str, ...]] = ("glm4_moe", "deepseek_v2", "deepseek_v3")
+    # fields only those routers use, with the value every other family has
+    GROUPED_ROUTER_ONLY: ClassVar[dict[str, float]] = {
         "moe_router_num_groups": 1, "moe_router_group_topk": 1, "moe_routed_scaling_factor": 1.0}
-    # multi-latent attention's widths (deepseek_v3 only; kv_lora_rank and the head widths required there)
+    # multi-latent attention's widths (MLA families only; kv_lora_rank and the head widths required there)
     MLA_FIELDS: ClassVar[tuple[str, ...]] = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                              "v_head_dim")
-    # deepseek_v3's YaRN parameters, with HF's (and Megatron's) defaults
+    # DeepSeek's YaRN parameters (MLA families), with HF's (and Megatron's) defaults
     YARN_ONLY: ClassVar[dict[str, float]] = {
         "rope_scaling_beta_fast": 32.0, "rope_scaling_beta_slow": 1.0, "rope_scaling_mscale": 1.0,
         "rope_scaling_mscale_all_dim": 0.0}
@@ -250,11 +259,11 @@ class ModelConfig:
             raise _invalid("model.rotary_percent", self.rotary_percent, "only model.family=glm4_moe rotates part of "
                            "each head; set model.rotary_percent=1")
         self._check_moe()
-        if self.family not in self.SIGMOID_ROUTER_FAMILIES:
-            for key, default in self.SIGMOID_ROUTER_ONLY.items():
+        if self.family not in self.GROUPED_ROUTER_FAMILIES:
+            for key, default in self.GROUPED_ROUTER_ONLY.items():
                 if getattr(self, key) != default:
-                    raise _invalid(f"model.{key}", getattr(self, key), "only the sigmoid routers of model.family="
-                                   f"{' and '.join(self.SIGMOID_ROUTER_FAMILIES)} use it; "
+                    raise _invalid(f"model.{key}", getattr(self, key), "only the routers of model.family="
+                                   f"{', '.join(self.GROUPED_ROUTER_FAMILIES)} use it; "
                                    f"set model.{key}={format_value(default)}")
         self._check_mla()
 
@@ -264,12 +273,12 @@ class ModelConfig:
         if not self.multi_latent_attention:
             for key in self.MLA_FIELDS:
                 if getattr(self, key) is not None:
-                    raise _invalid(f"model.{key}", getattr(self, key), "only model.family=deepseek_v3 (multi-latent "
-                                   f"attention) uses it; set model.{key}=null")
+                    raise _invalid(f"model.{key}", getattr(self, key), "only model.family=deepseek_v2 or "
+                                   f"deepseek_v3 (multi-latent attention) uses it; set model.{key}=null")
             return
         for key in self.MLA_FIELDS[1:]:
             if getattr(self, key) is None:
-                raise _invalid(f"model.{key}", None, f"model.family=deepseek_v3 needs it (HF {key})")
+                raise _invalid(f"model.{key}", None, f"model.family={self.family} needs it (HF {key})")
             _check_min(f"model.{key}", getattr(self, key), 1)
         if self.q_lora_rank is not None:
             _check_min("model.q_lora_rank", self.q_lora_rank, 1)
@@ -286,12 +295,13 @@ class ModelConfig:
                                "and Megatron-core's has no bias); set it to null")
 
     def _check_rope_scaling(self) -> None:
-        if self.family == "deepseek_v3":
+        if self.multi_latent_attention:
             self._check_yarn()
             return
         for key, default in self.YARN_ONLY.items():
             if getattr(self, key) != default:
-                raise _invalid(f"model.{key}", getattr(self, key), "only deepseek_v3's YaRN scaling uses it; "
+                raise _invalid(f"model.{key}", getattr(self, key), "only DeepSeek's YaRN scaling (deepseek_v2, "
+                               "deepseek_v3) uses it; "
                                f"set model.{key}={format_value(default)}")
         if self.rope_scaling_factor is None:
             for key, default in self.ROPE_SCALING_FIXED.items():
@@ -309,12 +319,12 @@ class ModelConfig:
                                f"{format_value(fixed)} is supported")
 
     def _check_yarn(self) -> None:
-        """deepseek_v3's rope_scaling_* fields: YaRN's, as Megatron-core's YarnRotaryEmbedding takes them."""
+        """DeepSeek's rope_scaling_* fields: YaRN's, as Megatron-core's YarnRotaryEmbedding takes them."""
         fixed = {k: v for k, v in self.ROPE_SCALING_FIXED.items()
                  if k != "rope_scaling_original_max_position_embeddings"}
         for key, default in fixed.items():
             if getattr(self, key) != default:
-                raise _invalid(f"model.{key}", getattr(self, key), "is a Llama 3.1 scaling parameter; deepseek_v3 "
+                raise _invalid(f"model.{key}", getattr(self, key), f"is a Llama 3.1 scaling parameter; {self.family} "
                                f"scales RoPE with YaRN: set model.{key}={format_value(default)}")
         if self.rope_scaling_factor is None:
             for key, default in self.YARN_ONLY.items():
@@ -379,6 +389,8 @@ class ModelConfig:
             self._check_qwen2_moe()
         elif self.family in self.SIGMOID_ROUTER_FAMILIES:
             self._check_sigmoid_router()
+        elif self.family == "deepseek_v2":
+            self._check_deepseek_v2_router()
         elif self.moe_shared_expert_intermediate_size is not None:
             raise _invalid("model.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
                            f"model.family={self.family} has no shared expert (only "
@@ -453,7 +465,28 @@ class ModelConfig:
                            f"must rotate an even number of each head's {self.resolved_head_dim} dimensions "
                            f"(here {rotated:g}): RoPE turns them in pairs")
 
-    def _check_router_groups(self) -> None:
+    def _check_deepseek_v2_router(self) -> None:
+        """What DeepseekV2ForCausalLM and Megatron's softmax router express alike: softmax over all experts,
+        the top k not renormalised (transformers' DeepseekV2 never does), groups ranked by their best expert;
+        ungated shared experts of n_shared_experts x the expert width, dense layers first."""
+        shared, width = self.moe_shared_expert_intermediate_size, self.moe_ffn_hidden_size
+        if shared is None or shared < width or shared % width:
+            raise _invalid("model.moe_shared_expert_intermediate_size", shared,
+                           f"DeepSeek-V2 layers have n_shared_experts >= 1 shared experts of the expert width: set "
+                           f"it to a multiple of model.moe_ffn_hidden_size={width}")
+        dense = sorted(self.moe_dense_layers)
+        if dense != list(range(len(dense))):
+            raise _invalid("model.moe_dense_layers", list(self.moe_dense_layers),
+                           "DeepSeek-V2 has its dense layers first (HF first_k_dense_replace): use [0, ..., k-1]")
+        if self.moe_norm_topk_prob:
+            raise _invalid("model.moe_norm_topk_prob", True, "DeepSeek-V2 keeps the top-k softmax weights as they "
+                           "are (times moe_routed_scaling_factor); set model.moe_norm_topk_prob=false")
+        self._check_router_groups(per_group=1)
+
+    def _check_router_groups(self, per_group: int = 2) -> None:
+        """Expert groups and the routed scaling factor; HF ranks groups by the sum of their best `per_group`
+        scores (GLM-4.5, DeepSeek-V3: 2; DeepSeek-V2: 1, its best expert), Megatron-core by their best
+        moe_router_topk // moe_router_group_topk."""
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
         _check_min("model.moe_router_num_groups", groups, 1)
         if self.num_experts % groups:
@@ -463,11 +496,11 @@ class ModelConfig:
         if not 1 <= group_topk <= groups:
             raise _invalid("model.moe_router_group_topk", group_topk,
                            f"must lie in [1, model.moe_router_num_groups={groups}]")
-        if groups > 1 and self.moe_router_topk // group_topk != 2:
+        if groups > 1 and self.moe_router_topk // group_topk != per_group:
             raise _invalid("model.moe_router_group_topk", group_topk,
-                           "HF ranks expert groups by the sum of their top 2 scores, Megatron-core by their top "
-                           f"moe_router_topk // moe_router_group_topk = {self.moe_router_topk // group_topk}: "
-                           "they agree only when that is 2")
+                           f"HF ranks expert groups by the sum of their top {per_group} scores, Megatron-core by "
+                           f"their top moe_router_topk // moe_router_group_topk = {self.moe_router_topk // group_topk}"
+                           f": they agree only when that is {per_group}")
         if self.moe_router_topk > group_topk * (self.num_experts // groups):
             raise _invalid("model.moe_router_topk", self.moe_router_topk,
                            f"exceeds the {group_topk * (self.num_experts // groups)} experts of the chosen groups")
@@ -491,7 +524,7 @@ class ModelConfig:
     @property
     def multi_latent_attention(self) -> bool:
         """Whether attention is DeepSeek's multi-latent attention (Megatron's MLASelfAttention)."""
-        return self.family == "deepseek_v3"
+        return self.family in self.MLA_FAMILIES
 
     @property
     def is_moe(self) -> bool:

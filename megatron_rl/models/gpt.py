@@ -132,7 +132,9 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
     top groups when there are groups), weighs them by their unbiased scores renormalised and scaled:
     Megatron's sigmoid score function with `moe_router_enable_expert_bias`, `moe_router_num_groups` /
     `moe_router_group_topk` and `moe_router_topk_scaling_factor` (moe_utils.py: topk_routing_with_score_function,
-    group_limited_topk); its shared experts have no gate.
+    group_limited_topk); its shared experts have no gate. DeepSeek-V3 routes the same way; DeepSeek-V2 takes
+    the softmax over all experts, keeps the top k as they are and scales them (`moe_router_pre_softmax` with
+    the scaling factor; groups ranked by their best expert, which ModelConfig enforces).
     """
     if not model_cfg.is_moe:
         return {}
@@ -150,7 +152,8 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
         moe_router_bias_update_rate=0.0,
         moe_router_num_groups=model_cfg.moe_router_num_groups if grouped else None,
         moe_router_group_topk=model_cfg.moe_router_group_topk if grouped else None,
-        moe_router_topk_scaling_factor=model_cfg.moe_routed_scaling_factor if sigmoid else None,
+        moe_router_topk_scaling_factor=(model_cfg.moe_routed_scaling_factor
+                                        if model_cfg.family in model_cfg.GROUPED_ROUTER_FAMILIES else None),
         moe_router_pre_softmax=not model_cfg.moe_norm_topk_prob and not sigmoid,
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,

@@ -33,6 +33,10 @@ queries directly (q_lora_rank null, as DeepSeek-V2-Lite) with plain RoPE and tie
 key-value up projections are scaled by 6 and the router by 8, the selection bias random; a guard test
 checks that transformers without YaRN, with the rotated dimensions read as halves instead of interleaved
 pairs, or without YaRN's softmax scale, is far from the checkpoint's.
+
+DeepSeek-V2: direct queries, YaRN with DeepSeek-V2-Lite's mscale 0.707, 8 experts in 4 groups, 3 per token
+from the 2 groups with the best expert, softmax weights scaled by 1.5 and not renormalised, checked at
+TP=1, EP=2 and TP=2 + SP; guarded by transformers choosing from all experts and without the scaling.
 """
 
 from __future__ import annotations
@@ -66,6 +70,13 @@ CHECKPOINTS = {
                         qk_rope_head_dim=8, v_head_dim=24, rope_scaling_factor=8.0, max_position_embeddings=512,
                         rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
                         rope_scaling_mscale_all_dim=1.0),
+    "deepseek_v2": dict(family="deepseek_v2", num_layers=4, tie_word_embeddings=False, num_query_groups=4,
+                        num_experts=8, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64,
+                        moe_router_topk=3, moe_norm_topk_prob=False, moe_router_num_groups=4, moe_router_group_topk=2,
+                        moe_routed_scaling_factor=1.5, moe_dense_layers=[0], q_lora_rank=None, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, rope_scaling_factor=8.0,
+                        max_position_embeddings=512, rope_scaling_original_max_position_embeddings=64,
+                        rope_scaling_mscale=0.707, rope_scaling_mscale_all_dim=0.707),
     "deepseek_v3_direct_q": dict(family="deepseek_v3", num_layers=2, tie_word_embeddings=True, num_query_groups=4,
                                  num_experts=4, moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=128,
                                  moe_router_topk=2, moe_routed_scaling_factor=1.5, q_lora_rank=None, kv_lora_rank=16,
@@ -78,7 +89,8 @@ CASES = [("mixtral", "tp1"), ("mixtral", "ep2"), ("mixtral", "pp2"), ("llama3_1"
          ("qwen2_moe", "tp1"), ("qwen2_moe", "ep2"), ("qwen2_moe", "tp2_sp"),
          ("glm4_moe", "tp1"), ("glm4_moe", "ep2"), ("glm4_moe", "pp2"), ("glm4_moe", "tp2_sp"),
          ("deepseek_v3", "tp1"), ("deepseek_v3", "ep2"), ("deepseek_v3", "pp2"), ("deepseek_v3", "tp2_sp"),
-         ("deepseek_v3", "cp2"), ("deepseek_v3_direct_q", "tp1"), ("deepseek_v3_direct_q", "tp2_sp")]
+         ("deepseek_v3", "cp2"), ("deepseek_v3_direct_q", "tp1"), ("deepseek_v3_direct_q", "tp2_sp"),
+         ("deepseek_v2", "tp1"), ("deepseek_v2", "ep2"), ("deepseek_v2", "tp2_sp")]
 LENGTHS = (300, 77, 180)
 TOL = 2e-5
 
@@ -132,7 +144,7 @@ def checkpoints(tmp_path_factory):
                 for layer in model.model.layers[1:]:  # the sparse ones: see the module docstring
                     layer.mlp.gate.weight.mul_(8.0)
                     layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(4, generator=gen))
-        if name.startswith("deepseek_v3"):
+        if name.startswith("deepseek"):
             gen = torch.Generator().manual_seed(4)
             with torch.no_grad():
                 for layer in model.model.layers:  # sharper attention and routing: see the module docstring
@@ -141,7 +153,8 @@ def checkpoints(tmp_path_factory):
                             getattr(layer.self_attn, proj).weight.mul_(6.0)
                 for layer in model.model.layers[len(fields.get("moe_dense_layers", [])):]:
                     layer.mlp.gate.weight.mul_(8.0)
-                    layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(4, generator=gen))
+                    if name.startswith("deepseek_v3"):
+                        layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(4, generator=gen))
         model.save_pretrained(root / name)
     return root
 
@@ -236,6 +249,16 @@ def test_deepseek_v3_yarn_interleave_and_softmax_scale_change_the_reference(chec
         assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(reference, variant)) > 100 * TOL
 
 
+def test_deepseek_v2_groups_and_scaling_change_the_reference(checkpoints):
+    """Guards the deepseek_v2 comparison: transformers choosing from all experts (greedy) or without the
+    routed scaling factor is far from the checkpoint's."""
+    path = checkpoints / "deepseek_v2"
+    reference = _hf_logprobs(path)
+    variants = [_hf_logprobs(path, topk_method="greedy"), _hf_logprobs(path, routed_scaling_factor=1.0)]
+    for variant in variants:
+        assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(reference, variant)) > 100 * TOL
+
+
 @pytest.mark.parametrize(("name", "layout"), CASES)
 def test_export_round_trip_is_bit_exact(checkpoints, results, name, layout):
     from transformers import AutoModelForCausalLM
@@ -260,11 +283,11 @@ def test_export_round_trip_is_bit_exact(checkpoints, results, name, layout):
         assert (written["model_type"], written["n_routed_experts"], written["n_shared_experts"],
                 written["first_k_dense_replace"], written["n_group"], written["routed_scaling_factor"],
                 written["rope_parameters"]["partial_rotary_factor"]) == ("glm4_moe", 4, 2, 1, 2, 2.5, 0.5)
-    elif name.startswith("deepseek_v3"):
+    elif name.startswith("deepseek"):
         want = json.loads((checkpoints / name / "config.json").read_text())
         keys = ("model_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "routed_scaling_factor",
-                "rope_parameters", "rope_interleave")
+                "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
+                "routed_scaling_factor", "rope_parameters", "topk_method", "scoring_func")
         assert {k: written[k] for k in keys} == {k: want[k] for k in keys}
     elif name == "qwen2_moe":
         widths = (written["moe_intermediate_size"], written["shared_expert_intermediate_size"])

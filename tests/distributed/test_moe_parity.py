@@ -1,6 +1,6 @@
 """A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its gated shared expert and a dense layer
 among the sparse ones, GLM-4.5 MoE with its biased sigmoid router, DeepSeek-V3 with GLM's router and
-multi-latent attention) gives the same forward and
+multi-latent attention, DeepSeek-V2 with its grouped softmax router) gives the same forward and
 training step in every parallel layout as in a single process: EP=2 (the two ranks hold experts
 0-1 and 2-3 and exchange tokens), EP=2 with the distributed optimizer, TP=2 with sequence parallelism
 (Megatron-core trains MoE layers with TP only under SP), and PP=2. Qwen2-MoE's shared expert is split
@@ -55,6 +55,12 @@ MODELS = {
                         qk_rope_head_dim=8, v_head_dim=24, rope_scaling_factor=8.0, max_position_embeddings=512,
                         rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
                         rope_scaling_mscale_all_dim=1.0),
+    # DeepSeek-V2: direct queries, softmax router over 8 experts in 4 groups, weights scaled, not renormalised
+    "deepseek_v2": dict(family="deepseek_v2", num_layers=4, tie_word_embeddings=False, num_query_groups=4,
+                        num_experts=8, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64,
+                        moe_router_topk=3, moe_norm_topk_prob=False, moe_router_num_groups=4, moe_router_group_topk=2,
+                        moe_routed_scaling_factor=1.5, moe_dense_layers=[0], q_lora_rank=None, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24),
 }
 LAYOUTS = {
     "ep2": dict(tp=1, pp=1, ep=2, sequence_parallel=False, distopt=False),
@@ -171,8 +177,10 @@ def test_reference_step_moves_every_weight_and_expert(results):
     model, ref, _ = results
     initial = _initial_weights(model)
     sparse = 4 - len(MODELS[model].get("moe_dense_layers", []))
-    assert sum(".local_experts." in k for k in ref["weights"]) == sparse * 4 * 2  # layers x experts x (fc1, fc2)
-    shared = {"qwen2_moe": 3, "glm4_moe": 2, "deepseek_v3": 2}.get(model, 0)  # per layer: fc1, fc2 (and gate_weight)
+    experts = MODELS[model]["num_experts"]
+    assert sum(".local_experts." in k for k in ref["weights"]) == sparse * experts * 2  # layers x experts x 2
+    # per sparse layer: fc1, fc2 (and gate_weight)
+    shared = {"qwen2_moe": 3, "glm4_moe": 2, "deepseek_v3": 2, "deepseek_v2": 2}.get(model, 0)
     assert sum(".shared_experts." in k for k in ref["weights"]) == sparse * shared
     for i in MODELS[model].get("moe_dense_layers", []):
         assert {k for k in ref["weights"] if k.startswith(f"decoder.layers.{i}.mlp.")} == {

@@ -145,6 +145,7 @@ def test_checkpoint_model_takes_user_path(hf_checkpoint: Path) -> None:
         ("tiny_qwen2_moe", True, False, 32, False),
         ("tiny_glm4_moe", True, False, 32, False),
         ("tiny_deepseek_v3", False, False, 24, False),  # MLA: the query/key width, 16 + 8
+        ("tiny_deepseek_v2", False, False, 24, False),
     ],
 )
 def test_family_defaults(option: str, qkv_bias: bool, qk_layernorm: bool, head_dim: int, tied: bool) -> None:
@@ -173,6 +174,10 @@ def test_deepseek_v3_configs_compose() -> None:
     moonlight = load_config(["model=moonlight_16b_a3b", "model.path=null", "model.tokenizer=builtin:char"],
                             world_size=1).model
     assert moonlight.q_lora_rank is None and moonlight.rope_scaling_factor is None
+    lite = load_config(["model=deepseek_v2_lite", "model.path=null", "model.tokenizer=builtin:char"],
+                       world_size=1).model
+    assert (lite.family, lite.q_lora_rank, lite.rope_scaling_mscale, lite.moe_norm_topk_prob) == (
+        "deepseek_v2", None, 0.707, False)
 
 
 def test_resolved_fields_follow_family_when_unset() -> None:
@@ -266,11 +271,11 @@ INVALID_CASES = [
     (["model=tiny_mixtral", "model.moe_dense_layers=[1]"], 1, ["model.moe_dense_layers=[1]", "Mixtral"]),
     (["model.rotary_percent=0.5"], 1, ["model.rotary_percent=0.5", "only model.family=glm4_moe rotates part"]),
     (["model=tiny_qwen3_moe", "model.moe_routed_scaling_factor=2"], 1,
-     ["model.moe_routed_scaling_factor=2", "only the sigmoid routers of model.family=glm4_moe and deepseek_v3"]),
+     ["model.moe_routed_scaling_factor=2", "only the routers of model.family=glm4_moe, deepseek_v2, deepseek_v3"]),
     (["model=tiny_deepseek_v3", "model.rotary_percent=0.5"], 1,
      ["model.rotary_percent=0.5", "set model.rotary_percent=1"]),
     (["model.kv_lora_rank=16"], 1,
-     ["model.kv_lora_rank=16", "only model.family=deepseek_v3", "set model.kv_lora_rank=null"]),
+     ["model.kv_lora_rank=16", "only model.family=deepseek_v2 or deepseek_v3", "set model.kv_lora_rank=null"]),
     (["model=tiny_deepseek_v3", "model.kv_lora_rank=null"], 1, ["model.kv_lora_rank=null", "deepseek_v3 needs it"]),
     (["model=tiny_deepseek_v3", "model.qk_rope_head_dim=7"], 1, ["model.qk_rope_head_dim=7", "must be even"]),
     (["model=tiny_deepseek_v3", "model.num_query_groups=2"], 1,
@@ -289,7 +294,13 @@ INVALID_CASES = [
      ["model.rope_scaling_beta_slow=40", "must not exceed model.rope_scaling_beta_fast=32"]),
     (["model=tiny_deepseek_v3", "model.rope_scaling_factor=8", "model.rope_scaling_mscale=0.7"], 1,
      ["model.rope_scaling_mscale=0.7", "both > 0"]),
-    (["model.rope_scaling_mscale_all_dim=1"], 1, ["model.rope_scaling_mscale_all_dim=1", "only deepseek_v3's YaRN"]),
+    (["model.rope_scaling_mscale_all_dim=1"], 1, ["model.rope_scaling_mscale_all_dim=1", "only DeepSeek's YaRN"]),
+    (["model=tiny_deepseek_v2", "model.moe_norm_topk_prob=true"], 1,
+     ["model.moe_norm_topk_prob=true", "DeepSeek-V2 keeps the top-k softmax weights"]),
+    (["model=tiny_deepseek_v2", "model.moe_router_topk=4"], 1,
+     ["model.moe_router_group_topk=2", "top 1 scores", "= 2"]),
+    (["model=tiny_deepseek_v2", "model.moe_dense_layers=[1]"], 1,
+     ["model.moe_dense_layers=[1]", "DeepSeek-V2 has its dense layers first"]),
     (["model=tiny_glm4_moe", "model.rotary_percent=0"], 1, ["model.rotary_percent=0", "(0, 1]"]),
     (["model=tiny_glm4_moe", "model.rotary_percent=0.3"], 1, ["model.rotary_percent=0.3", "even number", "9.6"]),
     (["model=tiny_glm4_moe", "model.moe_shared_expert_intermediate_size=96"], 1,

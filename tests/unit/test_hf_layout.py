@@ -35,10 +35,16 @@ FAMILIES = {
                                v_head_dim=20, rope_scaling_factor=8.0, max_position_embeddings=512,
                                rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
                                rope_scaling_mscale_all_dim=1.0),
+    # DeepSeek-V2: direct queries, 8 experts in 4 groups (3 per token from the 2 best), 2 shared experts
+    "deepseek_v2": ModelConfig(family="deepseek_v2", tie_word_embeddings=False, num_layers=2, num_query_groups=4,
+                               num_experts=8, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=96,
+                               moe_router_topk=3, moe_norm_topk_prob=False, moe_router_num_groups=4,
+                               moe_router_group_topk=2, moe_dense_layers=[0], q_lora_rank=None, kv_lora_rank=28,
+                               qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=20),
 }
-MOE_FAMILIES = ("deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe", "qwen3_moe")
 HF_MOE_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", "qwen2_moe": "mlp.",
-                "glm4_moe": "mlp.", "deepseek_v3": "mlp."}  # where each keeps it
+                "glm4_moe": "mlp.", "deepseek_v3": "mlp.", "deepseek_v2": "mlp."}  # where each keeps it
 
 
 def test_every_registered_family_is_covered():
@@ -452,4 +458,24 @@ def test_a_quantized_checkpoint_is_refused_naming_the_file(tmp_path):
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"config.json: quantization_config \(quant_method='fp8'\)"):
+        arch_from_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize(("method", "groups"), [("greedy", 1), ("group_limited_greedy", 4)])
+def test_deepseek_v2_router_reads_back(tmp_path, method, groups):
+    """DeepSeek-V2's topk_method: greedy ignores the groups (transformers does), group_limited_greedy keeps
+    them; norm_topk_prob is never applied by transformers' DeepseekV2, so it reads as false."""
+    cfg = get_converter("deepseek_v2").config_dict(FAMILIES["deepseek_v2"])
+    assert cfg["topk_method"] == "group_limited_greedy" and cfg["scoring_func"] == "softmax"
+    cfg.update(topk_method=method, norm_topk_prob=True)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = ModelConfig(**arch_from_hf_config(tmp_path))
+    assert (arch.moe_router_num_groups, arch.moe_norm_topk_prob) == (groups, False)
+
+
+def test_deepseek_v2_refuses_deepseek_v3_routing(tmp_path):
+    cfg = get_converter("deepseek_v2").config_dict(FAMILIES["deepseek_v2"])
+    cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="use model_type deepseek_v3"):
         arch_from_hf_config(tmp_path)

@@ -92,7 +92,11 @@ MOE_MODELS = {"qwen3_moe": ModelConfig(family="qwen3_moe", num_experts=4, moe_ff
                                          kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
                                          rope_scaling_factor=8.0, max_position_embeddings=512,
                                          rope_scaling_original_max_position_embeddings=64,
-                                         rope_scaling_mscale=1.0, rope_scaling_mscale_all_dim=1.0)}
+                                         rope_scaling_mscale=1.0, rope_scaling_mscale_all_dim=1.0),
+              "deepseek_v2": ModelConfig(family="deepseek_v2", num_query_groups=4, num_experts=4,
+                                         moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=128,
+                                         moe_norm_topk_prob=False, moe_dense_layers=[0], q_lora_rank=None,
+                                         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24)}
 
 
 @pytest.mark.parametrize("family", sorted(MOE_MODELS))
@@ -184,6 +188,8 @@ def test_engine_model_dir_holds_the_moe_architecture(tmp_path, family):
     if family == "glm4_moe":
         assert (hf.n_shared_experts, hf.first_k_dense_replace, hf.routed_scaling_factor) == (2, 1, 2.5)
         assert hf.rope_parameters["partial_rotary_factor"] == 0.5
+    if family == "deepseek_v2":
+        assert (hf.q_lora_rank, hf.n_shared_experts, hf.topk_method, hf.scoring_func) == (None, 2, "greedy", "softmax")
     if family == "deepseek_v3":
         assert (hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim) == (
             32, 32, 16, 8, 24)

@@ -1,7 +1,8 @@
-"""DeepSeek-V3 (and the checkpoints of its architecture: Kimi-K2, Moonlight): multi-latent attention
-(MLA) with optional YaRN scaling, the first `first_k_dense_replace` layers dense, the others GLM-4.5's
-mixture of experts (a sigmoid router choosing by score + a per-expert bias from the best groups,
-renormalised and scaled weights, ungated shared experts; `glm4_moe.py`).
+"""DeepSeek-V3 (and the checkpoints of its architecture: Kimi-K2, Moonlight) and DeepSeek-V2 (-Lite,
+V2.5): multi-latent attention (MLA) with optional YaRN scaling, the first `first_k_dense_replace` layers
+dense, the others a mixture of experts with ungated shared experts. DeepSeek-V3 routes as GLM-4.5 does
+(a sigmoid router choosing by score + a per-expert bias from the best groups, renormalised and scaled
+weights; `glm4_moe.py`), DeepSeek-V2 by a softmax over all experts (see `DeepseekV2Converter`).
 
 Attention on disk (HF) and in Megatron's `MLASelfAttention` (local spec names), one to one:
 
@@ -16,7 +17,9 @@ Attention on disk (HF) and in Megatron's `MLASelfAttention` (local spec names), 
 
 Both order each head's query rows [no-RoPE part; RoPE part] and each head's key-value rows [key
 no-RoPE part; value], and both store the rotated dimensions interleaved in pairs (see
-`models/gpt._mla_fields`), so nothing is permuted. The Transformer Engine spec fuses the latent norms
+`models/gpt._mla_fields`; transformers' DeepSeek-V2 rotates them as complex pairs and leaves them
+interleaved, V3 and Megatron-core de-interleave them, the same permutation for queries and keys, so the
+scores are equal), so nothing is permuted. The Transformer Engine spec fuses the latent norms
 into the up projections (`linear_q_up_proj.layer_norm_weight`); `weight_sync.sharding.canonical_name`
 maps them back. Multi-token-prediction layers (`num_nextn_predict_layers`) are not read: transformers
 does not run them either, and an export writes none.
@@ -63,14 +66,13 @@ def _mla_pairs(arch: Any) -> tuple[tuple[str, str], ...]:
     return (_COMPRESSED_QUERY if arch.q_lora_rank is not None else _DIRECT_QUERY) + _KEY_VALUE
 
 
-@register
-class DeepseekV3Converter(SparseMoeLayout, DenseDecoderConverter):
-    family = "deepseek_v3"
-    model_type = "deepseek_v3"
-    # Kimi-K2's config.json names its own model_type (its remote code) for this architecture; an export
-    # writes deepseek_v3, which transformers builds
-    model_type_aliases = ("kimi_k2",)
-    architecture = "DeepseekV3ForCausalLM"
+class MlaMoeConverter(SparseMoeLayout, DenseDecoderConverter):
+    """What DeepSeek-V2 and -V3 share: multi-latent attention, RoPE or YaRN, dense first layers, routed
+    plus ungated shared experts. Subclasses name their router (`_router_arch`, `_router_config`) and the
+    defaults transformers' config class gives absent keys (`defaults`)."""
+
+    name = ""
+    defaults: dict[str, Any] = {}
 
     # -- config.json ----------------------------------------------------------------------------
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
@@ -84,7 +86,7 @@ class DeepseekV3Converter(SparseMoeLayout, DenseDecoderConverter):
                         original_max_position_embeddings=arch.rope_scaling_original_max_position_embeddings,
                         **{hf_key: getattr(arch, key) for hf_key, key in _YARN_KEYS})
         cfg.update(
-            rope_parameters=rope, rope_interleave=True, attention_bias=False,
+            rope_parameters=rope, attention_bias=False,
             q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank, qk_nope_head_dim=arch.qk_nope_head_dim,
             qk_rope_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
             n_routed_experts=arch.num_experts, num_experts_per_tok=arch.moe_router_topk,
@@ -92,51 +94,50 @@ class DeepseekV3Converter(SparseMoeLayout, DenseDecoderConverter):
             n_shared_experts=arch.moe_shared_expert_intermediate_size // arch.moe_ffn_hidden_size,
             first_k_dense_replace=len(arch.moe_dense_layers), norm_topk_prob=arch.moe_norm_topk_prob,
             routed_scaling_factor=arch.moe_routed_scaling_factor, n_group=arch.moe_router_num_groups,
-            topk_group=arch.moe_router_group_topk, num_nextn_predict_layers=0, output_router_logits=False,
-            # what DeepSeek's own config.json says, and SGLang and vLLM read (transformers assumes them)
-            scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
+            topk_group=arch.moe_router_group_topk, output_router_logits=False,
+            # DeepSeek's own config.json has it, and SGLang reads it (transformers assumes it)
+            moe_layer_freq=1, **self._router_config(arch))
         return cfg
+
+    def _router_config(self, arch: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _router_arch(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
+        raise NotImplementedError
 
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "yarn"):
             raise ValueError(f"{where}: rope_scaling={rope} is not supported (only default RoPE and YaRN)")
-        if hf.get("rope_interleave", True) is False:
-            raise ValueError(f"{where}: rope_interleave=false is not supported: Megatron-core's multi-latent "
-                             "attention reads the rotated dimensions interleaved, as DeepSeek's checkpoints store them")
         if hf.get("attention_bias", False):
             raise ValueError(f"{where}: attention_bias=true is not supported (Megatron-core's multi-latent "
                              "attention has no bias; DeepSeek's checkpoints have none)")
-        if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise ValueError(f"{where}: scoring_func={hf.get('scoring_func')!r}, "
-                             f"topk_method={hf.get('topk_method')!r}: "
-                             "only DeepSeek-V3's sigmoid router with the selection bias (noaux_tc) is supported")
+        hf = {**self.defaults, **hf}  # absent keys mean what transformers' config class defaults to
         experts = hf.get("n_routed_experts", hf.get("num_local_experts"))
         if not experts:
-            raise ValueError(f"{where}: n_routed_experts={experts!r}: a deepseek_v3 checkpoint needs experts")
-        shared = hf.get("n_shared_experts", 1)
+            raise ValueError(f"{where}: n_routed_experts={experts!r}: a {self.family} checkpoint needs experts")
+        shared = hf["n_shared_experts"]
         if not shared:
-            raise ValueError(f"{where}: n_shared_experts={shared!r}: DeepSeek-V3 MoE layers have shared experts")
-        layers, first_dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
+            raise ValueError(f"{where}: n_shared_experts={shared!r}: {self.name} MoE layers have shared experts")
+        layers, first_dense = hf["num_hidden_layers"], hf["first_k_dense_replace"]
         if not 0 <= first_dense < layers:
             raise ValueError(f"{where}: first_k_dense_replace={first_dense} leaves no layer with experts "
                              f"(num_hidden_layers={layers})")
-        # absent keys mean what transformers' DeepseekV3Config defaults to (DeepSeek-V3's values)
         hf = {**hf, "head_dim": None}  # transformers writes qk_rope_head_dim there; MLA's widths are below
         arch = super().arch_from_config(hf, where)
         width = hf["moe_intermediate_size"]
         arch.update(
             qkv_bias=None, qk_layernorm=None, head_dim=None,
             num_query_groups=hf["num_attention_heads"],  # every head gets its own keys and values
-            q_lora_rank=hf.get("q_lora_rank", 1536), kv_lora_rank=hf["kv_lora_rank"],
+            q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"],
             qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
             v_head_dim=hf["v_head_dim"],
             num_experts=experts, moe_ffn_hidden_size=width, moe_router_topk=hf["num_experts_per_tok"],
             moe_shared_expert_intermediate_size=shared * width, moe_dense_layers=list(range(first_dense)),
-            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            moe_routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
-            moe_router_num_groups=hf.get("n_group", 8) or 1, moe_router_group_topk=hf.get("topk_group", 4) or 1)
+            moe_routed_scaling_factor=float(hf["routed_scaling_factor"]),
+            moe_router_num_groups=hf["n_group"] or 1, moe_router_group_topk=hf["topk_group"] or 1)
+        arch.update(self._router_arch(hf, where))
         arch.update(self._yarn_fields(rope, where) if rope_type == "yarn" else _NO_YARN)
         return arch
 
@@ -194,5 +195,69 @@ class DeepseekV3Converter(SparseMoeLayout, DenseDecoderConverter):
 
     # -- a sparse layer's MLP: GLM-4.5's --------------------------------------------------------------
     hf_shared_expert = "mlp.shared_experts."
+
+
+@register
+class DeepseekV3Converter(MlaMoeConverter):
+    """DeepSeek-V3's router: sigmoid scores, choice by score + a per-expert bias (noaux_tc) from the best
+    groups by their top-2 sum, weights renormalised and scaled (GLM-4.5's)."""
+
+    family = "deepseek_v3"
+    model_type = "deepseek_v3"
+    # Kimi-K2's config.json names its own model_type (its remote code) for this architecture; an export
+    # writes deepseek_v3, which transformers builds
+    model_type_aliases = ("kimi_k2",)
+    architecture = "DeepseekV3ForCausalLM"
+    name = "DeepSeek-V3"
+    defaults = {"q_lora_rank": 1536, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,  # DeepseekV3Config
+                "first_k_dense_replace": 3, "n_shared_experts": 1, "norm_topk_prob": True}
     sparse_layer_extras = (("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias",
                             lambda arch: (arch.num_experts,)),)
+
+    def _router_config(self, arch: Any) -> dict[str, Any]:
+        # scoring_func / topk_method: what DeepSeek's own config.json says, and SGLang and vLLM read
+        return dict(rope_interleave=True, num_nextn_predict_layers=0, scoring_func="sigmoid", topk_method="noaux_tc")
+
+    def _router_arch(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
+        if hf.get("rope_interleave", True) is False:
+            raise ValueError(f"{where}: rope_interleave=false is not supported: Megatron-core's multi-latent "
+                             "attention reads the rotated dimensions interleaved, as DeepSeek's checkpoints store them")
+        if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"{where}: scoring_func={hf.get('scoring_func')!r}, "
+                             f"topk_method={hf.get('topk_method')!r}: "
+                             "only DeepSeek-V3's sigmoid router with the selection bias (noaux_tc) is supported")
+        return {"moe_norm_topk_prob": bool(hf["norm_topk_prob"])}
+
+
+@register
+class DeepseekV2Converter(MlaMoeConverter):
+    """DeepSeek-V2 (-Lite, -Chat, V2.5): softmax over all experts, the top k kept without renormalising
+    (`topk_method` greedy) or from the best `topk_group` groups ranked by their best expert
+    (group_limited_greedy), weights times `routed_scaling_factor`; no selection bias. Megatron's softmax
+    router with `moe_router_pre_softmax` and the scaling factor; its groups rank by the sum of their top
+    moe_router_topk / moe_router_group_topk scores, which is the best expert when that is 1 (ModelConfig
+    refuses other settings: DeepSeek-V2's own 6 of 8 groups' 3 is one)."""
+
+    family = "deepseek_v2"
+    model_type = "deepseek_v2"
+    architecture = "DeepseekV2ForCausalLM"
+    name = "DeepSeek-V2"
+    defaults = {"q_lora_rank": 1536, "n_group": None, "topk_group": None,  # DeepseekV2Config
+                "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "n_shared_experts": 2,
+                "topk_method": "greedy"}
+
+    def _router_config(self, arch: Any) -> dict[str, Any]:
+        grouped = arch.moe_router_num_groups > 1
+        return dict(scoring_func="softmax", topk_method="group_limited_greedy" if grouped else "greedy")
+
+    def _router_arch(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
+        method = hf["topk_method"]
+        if method not in ("greedy", "group_limited_greedy") or hf.get("scoring_func", "softmax") != "softmax":
+            raise ValueError(f"{where}: scoring_func={hf.get('scoring_func')!r}, topk_method={method!r}: a "
+                             "deepseek_v2 checkpoint routes by softmax with greedy or group_limited_greedy (for "
+                             "noaux_tc, DeepSeek-V3's router, use model_type deepseek_v3)")
+        # transformers' DeepseekV2 never renormalises the top k, whatever norm_topk_prob says
+        router = {"moe_norm_topk_prob": False}
+        if method == "greedy":  # transformers ignores the groups then
+            router.update(moe_router_num_groups=1, moe_router_group_topk=1)
+        return router
