@@ -1,8 +1,9 @@
-"""DeepSeek-V3 (and the checkpoints of its architecture: Kimi-K2, Moonlight) and DeepSeek-V2 (-Lite,
-V2.5): multi-latent attention (MLA) with optional YaRN scaling, the first `first_k_dense_replace` layers
-dense, the others a mixture of experts with ungated shared experts. DeepSeek-V3 routes as GLM-4.5 does
-(a sigmoid router choosing by score + a per-expert bias from the best groups, renormalised and scaled
-weights; `glm4_moe.py`), DeepSeek-V2 by a softmax over all experts (see `DeepseekV2Converter`).
+"""DeepSeek-V3 (and the checkpoints of its architecture: Kimi-K2, Moonlight) and DeepSeek-V2-Lite (the
+full V2 and V2.5 group their experts in a way Megatron-core does not express: `DeepseekV2Converter`):
+multi-latent attention (MLA) with optional YaRN scaling, the first `first_k_dense_replace` layers dense,
+the others a mixture of experts with ungated shared experts. DeepSeek-V3 routes as GLM-4.5 does (a sigmoid
+router choosing by score + a per-expert bias from the best groups, renormalised and scaled weights;
+`glm4_moe.py`), DeepSeek-V2 by a softmax over all experts.
 
 Attention on disk (HF) and in Megatron's `MLASelfAttention` (local spec names), one to one:
 
@@ -231,12 +232,12 @@ class DeepseekV3Converter(MlaMoeConverter):
 
 @register
 class DeepseekV2Converter(MlaMoeConverter):
-    """DeepSeek-V2 (-Lite, -Chat, V2.5): softmax over all experts, the top k kept without renormalising
+    """DeepSeek-V2-Lite (and -Lite-Chat): softmax over all experts, the top k kept without renormalising
     (`topk_method` greedy) or from the best `topk_group` groups ranked by their best expert
     (group_limited_greedy), weights times `routed_scaling_factor`; no selection bias. Megatron's softmax
     router with `moe_router_pre_softmax` and the scaling factor; its groups rank by the sum of their top
     moe_router_topk / moe_router_group_topk scores, which is the best expert when that is 1 (ModelConfig
-    refuses other settings: DeepSeek-V2's own 6 of 8 groups' 3 is one)."""
+    refuses other settings, among them the full DeepSeek-V2's and V2.5's 6 experts from 3 of 8 groups)."""
 
     family = "deepseek_v2"
     model_type = "deepseek_v2"
