@@ -14,7 +14,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -263,6 +263,31 @@ def shaped_rewards(cfg, rollouts: list[Rollout]) -> torch.Tensor:
     return rewards + adjustment
 
 
+def combine_rounds(per_round: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One step's generation metrics from its dynamic-sampling rounds: times and counts add up; the
+    episode means (`agent/turns_mean`, `agent/env/...`) are averaged over the rounds that report them
+    (each round plays the same number of prompts); `sched/engine_busy` is weighted by each round's
+    `sched/wall_s`, the fraction of all the rounds' wall time the engine was busy. (Summing them, as
+    before, reported 2 for an engine busy throughout two rounds.)"""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for stats in per_round:
+        for key, value in stats.items():
+            if key.endswith("sched/engine_busy"):
+                value *= stats.get(key[:-len("engine_busy")] + "wall_s", 0.0)
+            sums[key] = sums.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+    out = {}
+    for key, total in sums.items():
+        if key.endswith("sched/engine_busy"):
+            out[key] = total / max(sums.get(key[:-len("engine_busy")] + "wall_s", 0.0), 1e-9)
+        elif key.endswith("agent/turns_mean") or "agent/env/" in key:
+            out[key] = total / counts[key]
+        else:
+            out[key] = total
+    return out
+
+
 def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str, float]]:
     """The step's rollouts, group ids unique across rounds. One round of global_batch_size / n
     prompts; with dynamic sampling, rounds repeat (inside one weight sync) until that many
@@ -278,6 +303,7 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
 
     def run() -> dict[str, float]:
         timing: dict[str, float] = {}
+        per_round: list[dict[str, float]] = []
         while not rounds.done:
             indices = parts["sampler"].next_batch(drawn)
             prompts = [parts["train"][i] for i in indices]
@@ -285,8 +311,7 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
             got, timing_round = _generate(rt, parts, prompts, params, training=True)
             for r in got:
                 r.source_index = indices[r.prompt_index]
-            for key, value in timing_round.items():
-                timing[key] = timing.get(key, 0.0) + value
+            per_round.append(timing_round)
             by_prompt: dict[int, list[Rollout]] = {}  # a joint run may skip prompts (_generate_domains)
             for r in got:
                 by_prompt.setdefault(r.prompt_index, []).append(r)
@@ -296,7 +321,7 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
                 timing["sched/groups_cut"] = timing.get("sched/groups_cut", 0.0) + sum(cut)
             groups = [group for group, was_cut in zip(groups, cut) if not was_cut]
             rounds.add_round(groups, [shaped_rewards(cfg, group) for group in groups])
-        return timing
+        return {**combine_rounds(per_round), **timing}
 
     timing, kept = parts["controller"].rollout(run), rounds.batch()
     if algo.dynamic_sampling:

@@ -8,7 +8,9 @@ groups are dropped and counted (`buffer/dropped_stale`), and the trainer asks fo
 prompts again. With dynamic sampling the trainer also refuses groups without reward variance
 (`accept`), up to a limit per step, and asks for new prompts in their place. Which prompts are
 in flight, and when they were asked for, is the controller's business
-(megatron_rl/disagg/controller.py).
+(megatron_rl/disagg/controller.py). A group also carries its share of the generator's
+rollout-scheduler statistics (`scheduler_shares`), which the trainer sums over a step's groups
+into colocated mode's `sched/...` metrics (`scheduler_metrics`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.rollout.collect import Rollout
 
@@ -30,6 +32,7 @@ class ExperienceGroup:
     token_versions: list[list[int]]  # per rollout: one per output token (an episode: one per model turn)
     generator: int
     generated: tuple[float, float]  # wall-clock start and end of its generation (and scoring) in its request
+    sched: dict[str, float] = dataclasses.field(default_factory=dict)  # its `scheduler_shares` (async scheduler)
 
     @property
     def version(self) -> int:
@@ -87,6 +90,69 @@ class ExperienceBuffer:
             stats.update({"dynamic_sampling/rejected": float(rejected),
                           "dynamic_sampling/exhausted": float(rejected >= max_rejects)})
         return kept, stats
+
+
+BUSY_S, WALL_S = "sched/engine_busy_s", "sched/generator_wall_s"
+
+
+def scheduler_shares(stats: dict[str, float], episodes: dict[int, list[Any]],
+                     prefix: str = "") -> dict[int, dict[str, float]]:
+    """What each group of one scheduler run sends along (`ExperienceGroup.sched`): `stats` are
+    `rollout.scheduler.run_episodes_async`'s for the run (one per request and agent domain) that
+    played `episodes` (group -> its episodes). Every quantity is one that adds up over groups:
+    the run's engine-busy, wall and back-pressure seconds in equal shares per group (its groups
+    have n episodes each and were played concurrently on one engine, so no group's own part of
+    the engine's time can be told apart), and the group's own episodes counted by status.
+    `prefix`: `domain/<d>/` for a joint run's agent domain, as colocated mode names its metrics.
+    Without stats (the lockstep scheduler keeps none, in either mode) the groups carry nothing."""
+    if not stats:
+        return {g: {} for g in episodes}
+    wall = stats["sched/wall_s"]
+    seconds = {BUSY_S: stats["sched/engine_busy"] * wall, WALL_S: wall,
+               "sched/backpressure_wait_s": stats["sched/backpressure_wait_s"]}
+    out: dict[int, dict[str, float]] = {}
+    for g, mine in episodes.items():
+        share = {key: value / len(episodes) for key, value in seconds.items()}
+        share.update({f"sched/{status}": float(sum(e.status == status for e in mine))
+                      for status in ("aborted", "deadline", "partial")})
+        out[g] = {prefix + key: value for key, value in share.items()}
+    return out
+
+
+def scheduler_metrics(groups: Sequence[ExperienceGroup]) -> dict[str, float]:
+    """The generators' scheduler metrics of the groups a step trains on, under colocated mode's
+    keys (`domain/<d>/` before them for a joint run's agent domain). Each group's shares
+    (`scheduler_shares`) are summed over the step's groups, so over requests and generators:
+
+    - `sched/aborted`, `sched/deadline`, `sched/partial`: episodes that ended so (counts; 0 here
+      unless the scheduler cuts episodes: the settings that do are colocated-only);
+    - `sched/backpressure_wait_s`: seconds episodes were held back by the sandbox's
+      back-pressure, summed as one scheduler sums them over its episodes;
+    - `sched/engine_busy`: summed engine-busy seconds / summed wall seconds, i.e. the mean of the
+      scheduler runs' busy fractions weighted by the wall seconds each brings to the step (its
+      wall time x the fraction of its groups trained at this step); with one run per step it is
+      that run's fraction, as in colocated mode. Busy means generating, as in colocated mode:
+      weight updates applied between turns (partial rollouts) are left out;
+    - `sched/generator_wall_s`, not colocated mode's `sched/wall_s`: the schedulers' wall seconds
+      for the step's groups, summed over generators. Colocated `sched/wall_s` is how long the step
+      waited for its episodes on one engine; here the episodes were played by several generators
+      while earlier steps trained, so no such per-step wall time exists (the trainer's wait is
+      `async/wait_s`) and the sum, up to num_generators times any wall time, gets a name of its own.
+
+    A step's groups may come from part of a run (its other groups trained at another step, or
+    dropped as stale): each step gets the shares of the groups it trained on."""
+    totals: dict[str, float] = {}
+    for group in groups:
+        for key, value in group.sched.items():
+            totals[key] = totals.get(key, 0.0) + value
+    out: dict[str, float] = {}
+    for key, value in totals.items():
+        if key.endswith(BUSY_S):
+            prefix = key[:-len(BUSY_S)]
+            out[prefix + "sched/engine_busy"] = value / max(totals[prefix + WALL_S], 1e-9)
+        else:
+            out[key] = value
+    return out
 
 
 def _size(source: Any) -> int:

@@ -13,7 +13,9 @@ computed as in `rollout.collect`: the decoded response and the prompt's meta go 
        colocated mode: rollout.multiturn / rollout.scheduler, this generator's environments;
        with partial rollouts, updates applied between turns)
     -> put one ExperienceGroup per prompt into the buffer (blocks while it is full, still
-       applying updates)
+       applying updates); with the async scheduler each group carries its share of the
+       scheduler's statistics (`buffer.scheduler_shares`), which become the trainer's `sched/...`
+       metrics
 
 Every engine call, weight update, scoring and blocked put is written to
 `<run_dir>/timeline/generator<i>.jsonl`; the log goes to `<run_dir>/logs/generator<i>.log`.
@@ -43,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_rl.disagg.buffer import ExperienceGroup
+from megatron_rl.disagg.buffer import ExperienceGroup, scheduler_shares
 from megatron_rl.disagg.events import EventLog
 from megatron_rl.rollout.base import SamplingParams
 
@@ -181,14 +183,17 @@ def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, reward
         shares.setdefault(domain if domain in agents else None, []).append(p)
     samples: dict[int, list[tuple[Any, list[int]]]] = {}
     spans: dict[int, tuple[float, float]] = {}
+    sched: dict[int, dict[str, float]] = {}
     for domain, positions in shares.items():
         start = time.time()
         if domain is None:
             got = _complete(cfg, request, positions, engine, rewards, tokenizer, between_calls, events)
         else:
             host = rewards.verifier if task.is_agent else rewards.verifier.verifiers[domain]
-            got = _play(cfg, request, positions, agents[domain], engine, host, rewards.loop, tokenizer, between_calls,
-                        events)
+            got, stats = _play(cfg, request, positions, agents[domain], engine, host, rewards.loop, tokenizer,
+                               between_calls, events)
+            played = {p: [episode for episode, _ in got[p]] for p in positions}
+            sched.update(scheduler_shares(stats, played, f"domain/{domain}/" if domain else ""))
         samples.update(got)
         spans.update({p: (start, time.time()) for p in positions})
     out = []
@@ -197,7 +202,7 @@ def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, reward
             rollout.prompt_index, rollout.source_index = p, request.source_indices[p]
             rollout.domain = meta.get("domain", "")
         out.append(ExperienceGroup(request.request_id, [r for r, _ in samples[p]], [v for _, v in samples[p]],
-                                   index, spans[p]))
+                                   index, spans[p], sched.get(p, {})))
     return out
 
 
@@ -232,12 +237,14 @@ def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rew
 
 def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engine: Any, host: Any, loop: Any,
           tokenizer: Any, between_turns: Callable[[], None],
-          events: EventLog) -> dict[int, list[tuple[Any, list[int]]]]:
+          events: EventLog) -> tuple[dict[int, list[tuple[Any, list[int]]]], dict[str, float]]:
     """An agent task's prompts: `params.n` episodes each, as colocated mode plays them
     (rollout.agent_scheduler: lockstep or async, the task's turn format and episode limits) on
     this generator's engine and environments. With partial rollouts (rollout.partial_rollout_tokens
     > 0) a pending weight update is applied before any turn, so an episode may span versions (its
-    turns keep theirs: `Episode.turn_versions`); otherwise updates wait for the whole request."""
+    turns keep theirs: `Episode.turn_versions`); otherwise updates wait for the whole request.
+    Also returns the async scheduler's statistics (none for lockstep), its engine-busy fraction
+    counting generation only: the updates ran inside its engine calls."""
     from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes, task_system_prompt
     from megatron_rl.rollout.scheduler import run_episodes_async
 
@@ -247,11 +254,15 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
     fmt, limits = TurnFormat(tokenizer, task_system_prompt(task_cfg)), EpisodeLimits.of(task_cfg)
     tasks = [request.prompts[p][1] for p in positions]
     version = engine.weight_version  # of the episodes that end before their first turn
+    stats: dict[str, float] = {}
     if r.agent_scheduler == "async":
         client = getattr(host, "client", None)
-        episodes, _ = run_episodes_async(turns, tasks, request.params.n, request.params, host.make_env, fmt, limits,
-                                         loop, max_concurrency=r.max_concurrent_episodes,
-                                         backpressure=getattr(client, "backpressure", None))
+        episodes, stats = run_episodes_async(turns, tasks, request.params.n, request.params, host.make_env, fmt,
+                                             limits, loop, max_concurrency=r.max_concurrent_episodes,
+                                             backpressure=getattr(client, "backpressure", None))
+        wall = stats["sched/wall_s"]
+        busy = max(stats["sched/engine_busy"] * wall - turns.before_s, 0.0)
+        stats["sched/engine_busy"] = busy / max(wall, 1e-9)
     else:
         episodes = run_episodes(turns, tasks, request.params.n, request.params, host.make_env, fmt, limits, loop)
     out: dict[int, list[tuple[Any, list[int]]]] = {}
@@ -259,24 +270,27 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
         if not episode.turn_versions:
             episode.weight_version = version
         out.setdefault(positions[episode.prompt_index], []).append((episode, episode.turn_versions or [version]))
-    return out
+    return out, stats
 
 
 class _LoggedEngine:
     """The engine as a request's generation sees it: each call goes to the timeline (`generate`
     events); `before()` runs before each call (episodes with partial rollouts: a pending weight
-    update; it raises when the trainer stops)."""
+    update; it raises when the trainer stops), `before_s` sums its time."""
 
     def __init__(self, engine: Any, before: Callable[[], None], events: EventLog, request_id: int) -> None:
         self.engine, self.before, self.events, self.request_id = engine, before, events, request_id
+        self.before_s = 0.0
 
     @property
     def weight_version(self) -> int:
         return self.engine.weight_version
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list:
+        called = time.time()
         self.before()
         start = time.time()
+        self.before_s += start - called
         gens = self.engine.generate(prompts, params)
         self.events.write("generate", start, time.time(), version=int(self.engine.weight_version),
                           sequences=len(gens), request=self.request_id)

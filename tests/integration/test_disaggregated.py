@@ -272,19 +272,25 @@ def test_dynamic_sampling_trains_only_on_groups_with_reward_variance(tmp_path):
 def test_agent_episodes_come_from_the_generator(tmp_path):
     """task.type=agent in disaggregated mode (the countdown agent experiment, shortened: its
     environment answers in-process, no sandbox): the generator plays whole multi-turn episodes
-    with its own environments and puts them in the buffer; the trainer logs their agent metrics as
-    colocated mode does and trains on them within the staleness bound (the entropy bonus makes
-    the policy move every step, so stale episodes differ from the trainer's weights). With
-    partial rollouts on, updates land between turns; at step 0 the episodes' log-probs (model
-    turns) equal the trainer's recomputed ones; the last step's evaluation plays episodes on the
-    trainer's engine."""
+    with its own environments and the async scheduler, and puts them in the buffer; the trainer
+    logs their agent metrics and the generator's scheduler metrics (`sched/...`) as colocated mode
+    does and trains on them within the staleness bound (the entropy bonus makes the policy move
+    every step, so stale episodes differ from the trainer's weights). With partial rollouts on,
+    updates land between turns; at step 0 the episodes' log-probs (model turns) equal the
+    trainer's recomputed ones; the last step's evaluation plays episodes on the trainer's engine.
+
+    The scheduler metrics are checked against the generator's own timeline: one generator and
+    one request per step, so a step's engine-busy seconds (`sched/engine_busy` x
+    `sched/generator_wall_s`) are its request's `generate` events (weight updates between turns
+    left out), and its wall seconds fit inside its groups' `generated` span. (The lockstep
+    scheduler on a generator is covered by tests/unit/test_disagg.py.)"""
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_agent_countdown", "num_steps=3",
             "task.sft_warmup_steps=60", "algorithm.entropy_coef=0.01", "task.num_train=16", "task.num_eval=4",
             "task.eval_samples=1", "task.eval_every=0", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
             "checkpoint.save_every=0", "checkpoint.save_at_end=false", "logging.progress=false",
             "rollout.mode=disaggregated", "algorithm.max_staleness=1", "rollout.partial_rollout_tokens=1",
-            f"run_dir={run_dir}"]
+            "rollout.agent_scheduler=async", f"run_dir={run_dir}"]
     proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -306,5 +312,18 @@ def test_agent_episodes_come_from_the_generator(tmp_path):
     assert len(groups) == 3 * 4 and all(g["step"] - min(g["versions"]) <= 1 for g in groups)
     generator = read_events(run_dir / "timeline" / "generator0.jsonl")
     assert [e["version"] for e in generator if e["event"] == "weights"] == [0, 1, 2]
+    for step, r in enumerate(rows):
+        # nothing is cut in this mode (no over-sampling, no step deadline) and no sandbox holds episodes back
+        assert (r["sched/aborted"], r["sched/deadline"], r["sched/partial"]) == (0, 0, 0)
+        assert r["sched/backpressure_wait_s"] == 0 and "sched/wall_s" not in r
+        mine = [g for g in groups if g["step"] == step]
+        (request,) = {g["request"] for g in mine}
+        assert len(mine) == 4 and sum(g["request"] == request for g in groups) == 4  # the whole request
+        busy = sum(e["end"] - e["start"] for e in generator if e["event"] == "generate" and e["request"] == request)
+        span = max(g["end"] for g in mine) - min(g["start"] for g in mine)
+        wall = r["sched/generator_wall_s"]
+        assert 0.5 * span <= wall <= span + 0.05, (wall, span)
+        assert 0 < r["sched/engine_busy"] <= 1
+        assert r["sched/engine_busy"] * wall == pytest.approx(busy, rel=0.1, abs=0.05)
     assert "local sandbox server" not in proc.stderr
     assert 0 <= rows[-1]["eval/accuracy"] <= 1  # evaluation plays episodes on the trainer's own engine

@@ -149,6 +149,45 @@ def test_overlap_of_two_timelines_merges_each_side_first():
     assert overlap_seconds(generate, [(3.0, 4.0)]) == 0.0
 
 
+def test_scheduler_metrics_sum_counts_and_weight_engine_busy_by_wall_time():
+    """Two generators' scheduler runs: run A (4 s, engine busy half of it, 1 s held back by the
+    sandbox) played groups a1, a2; run B (2 s, busy a quarter) played b1, one of whose episodes
+    was kept partial. Counts and seconds add up over the groups a step takes; engine_busy is busy
+    seconds over wall seconds (each group brings its equal share of its run's)."""
+    from megatron_rl.disagg.buffer import scheduler_metrics, scheduler_shares
+    from megatron_rl.rollout.multiturn import Episode
+
+    def episodes(*statuses: str) -> list[Episode]:
+        out = [Episode(0, [1], [], [], "stop", 0) for _ in statuses]
+        for e, status in zip(out, statuses):
+            e.status = status
+        return out
+
+    def run(wall: float, busy: float, waited: float) -> dict[str, float]:  # as run_episodes_async reports
+        return {"sched/wall_s": wall, "sched/engine_busy": busy, "sched/backpressure_wait_s": waited,
+                "sched/aborted": 0.0, "agent/turns_mean": 2.0}
+
+    a = scheduler_shares(run(4.0, 0.5, 1.0), {0: episodes("submitted"), 1: episodes("submitted")})
+    b = scheduler_shares(run(2.0, 0.25, 0.0), {0: episodes("partial", "max_turns")})
+    a1, a2, b1 = (_group(i, [[0]]) for i in range(3))
+    a1.sched, a2.sched, b1.sched = a[0], a[1], b[0]
+    single_turn = _group(3, [[0]])  # completions carry no scheduler statistics
+    got = scheduler_metrics([a1, a2, b1, single_turn])
+    assert got == pytest.approx({"sched/engine_busy": (2.0 + 0.5) / 6.0, "sched/generator_wall_s": 6.0,
+                                 "sched/backpressure_wait_s": 1.0, "sched/aborted": 0.0, "sched/deadline": 0.0,
+                                 "sched/partial": 1.0})
+    # a step that takes half of run A: half its seconds
+    assert scheduler_metrics([a2, b1])["sched/engine_busy"] == pytest.approx((1.0 + 0.5) / 4.0)
+    assert scheduler_metrics([single_turn]) == {} and scheduler_shares({}, {0: episodes("submitted")}) == {0: {}}
+    # a joint run's agent domain: colocated mode's domain/<d>/ keys, kept apart from another domain's
+    c = scheduler_shares(run(1.0, 1.0, 0.0), {0: episodes("submitted")}, "domain/cd/")
+    c1 = _group(4, [[0]])
+    c1.sched = c[0]
+    got = scheduler_metrics([a1, c1])
+    assert got["domain/cd/sched/engine_busy"] == 1.0 and got["sched/engine_busy"] == 0.5
+    assert got["domain/cd/sched/generator_wall_s"] == 1.0 and got["sched/generator_wall_s"] == 2.0
+
+
 @pytest.mark.parametrize("scheduler, partial", [("lockstep", 0), ("lockstep", 4), ("async", 4)],
                          ids=["updates_between_requests", "updates_between_turns", "async_scheduler"])
 def test_a_generator_plays_agent_prompts_as_episodes(tmp_path, scheduler, partial):
@@ -160,7 +199,8 @@ def test_a_generator_plays_agent_prompts_as_episodes(tmp_path, scheduler, partia
     bumps the version: turns at 1, then 2; the group is as old as its first turn); without,
     none lands inside the request. The async scheduler batches whatever turns are ready, so
     which call serves which turn varies; a second turn still comes from a later call than the
-    first, with a newer version."""
+    first, with a newer version. The async scheduler's groups carry its statistics: together,
+    the engine-busy seconds of the `generate` calls (the updates before them left out)."""
     from megatron_rl.config import compose, to_typed
     from megatron_rl.data.domains import make_task
     from megatron_rl.data.tokenizer import load_tokenizer
@@ -225,9 +265,15 @@ def test_a_generator_plays_agent_prompts_as_episodes(tmp_path, scheduler, partia
     assert (stats["agent/turns_mean"], stats["agent/submitted"], stats["agent/env/solved"]) == (2.0, 4.0, 1.0)
     if lockstep:
         assert [(e["request"], e["sequences"], e["version"]) for e in generate] == [(7, 4, v) for v in turns]
+        assert all(not g.sched for g in groups)  # the lockstep scheduler keeps no statistics
     else:  # one version per call: the update before it
         assert [e["version"] for e in generate] == list(range(1, len(generate) + 1))
         assert sum(e["sequences"] for e in generate) == 8 and all(e["request"] == 7 for e in generate)
+        shares = [g.sched for g in groups]
+        assert shares[0]["sched/generator_wall_s"] == shares[1]["sched/generator_wall_s"] > 0  # equal shares
+        assert all(s["sched/partial"] == s["sched/aborted"] == s["sched/deadline"] == 0 for s in shares)
+        busy = sum(s["sched/engine_busy_s"] for s in shares)
+        assert busy == pytest.approx(sum(e["end"] - e["start"] for e in generate), rel=0.2, abs=0.05)
 
 
 def test_a_joint_request_completes_single_turn_prompts_and_plays_agent_ones(tmp_path):

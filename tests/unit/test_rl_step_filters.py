@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl.config import load_config
-from megatron_rl.rl_step import shaped_rewards, select_samples
+from megatron_rl.rl_step import combine_rounds, shaped_rewards, select_samples
 from megatron_rl.rollout.collect import Rollout
 
 
@@ -52,3 +52,20 @@ def test_penalty_window_longer_than_the_response_limit_is_refused():
 
     with pytest.raises(ConfigError, match="overlong_penalty_window=9 must be <= rollout.max_new_tokens=8"):
         check_train_config(_cfg("mode=rl", "algorithm.overlong=penalty", "algorithm.overlong_penalty_window=9"))
+
+
+def test_dynamic_sampling_rounds_combine_into_one_steps_metrics():
+    """Two rounds: 4 s at 50 % engine busy and 2 s at 25 % are 2.5 of 6 s busy; times and counts add up;
+    episode means are the rounds' mean (equal rounds); a joint run's domain keys the same."""
+    rounds = [{"time/episodes": 4.0, "sched/wall_s": 4.0, "sched/engine_busy": 0.5, "agent/turns_mean": 3.0,
+               "agent/submitted": 5.0, "agent/env/tests_passed": 0.2, "domain/cd/sched/wall_s": 1.0,
+               "domain/cd/sched/engine_busy": 1.0},
+              {"time/episodes": 2.0, "sched/wall_s": 2.0, "sched/engine_busy": 0.25, "agent/turns_mean": 5.0,
+               "agent/submitted": 1.0, "agent/env/tests_passed": 0.6, "domain/cd/sched/wall_s": 3.0,
+               "domain/cd/sched/engine_busy": 0.0}]
+    got = combine_rounds(rounds)
+    assert got["sched/engine_busy"] == pytest.approx(2.5 / 6)
+    assert got["domain/cd/sched/engine_busy"] == pytest.approx(1.0 / 4)
+    assert (got["time/episodes"], got["sched/wall_s"], got["agent/submitted"]) == (6.0, 6.0, 6.0)
+    assert got["agent/turns_mean"] == 4.0 and got["agent/env/tests_passed"] == pytest.approx(0.4)
+    assert combine_rounds(rounds[:1]) == rounds[0]
