@@ -154,8 +154,8 @@ class ModelConfig:
     """glm4_moe, deepseek_v2, deepseek_v3: factor on the routed experts' weights (HF routed_scaling_factor)."""
     q_lora_rank: Optional[int] = None
     """deepseek_v2, deepseek_v3 multi-latent attention: width of the compressed query (HF q_lora_rank;
-    DeepSeek-V3: 1536);
-    null projects queries directly, without compression (as DeepSeek-V2-Lite and Moonlight do)."""
+    DeepSeek-V3: 1536); null projects queries directly, without compression (as DeepSeek-V2-Lite and
+    Moonlight do)."""
     kv_lora_rank: Optional[int] = None
     """DeepSeek MLA: width of the compressed key-value latent (HF kv_lora_rank; DeepSeek-V3: 512); required."""
     qk_nope_head_dim: Optional[int] = None
@@ -268,8 +268,9 @@ class ModelConfig:
         self._check_mla()
 
     def _check_mla(self) -> None:
-        """DeepSeek-V3's multi-latent attention as DeepseekV3ForCausalLM and Megatron-core's MLASelfAttention
-        both build it: every head has its own keys and values (expanded from one latent), no Q/K/V bias."""
+        """DeepSeek's multi-latent attention as transformers' DeepSeek-V2/-V3 and Megatron-core's
+        MLASelfAttention both build it: every head has its own keys and values (expanded from one latent),
+        no Q/K/V bias."""
         if not self.multi_latent_attention:
             for key in self.MLA_FIELDS:
                 if getattr(self, key) is not None:

@@ -1,5 +1,5 @@
 """Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense and Qwen3-MoE / Mixtral / Qwen2-MoE /
-GLM-4.5 MoE / DeepSeek-V3 families.
+GLM-4.5 MoE / DeepSeek-V2 / DeepSeek-V3 families.
 
 One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta and Llama 3.1 scaling,
 GQA, Qwen2 QKV bias, Qwen3 QK-norm, tied or untied embeddings, optionally a mixture of SwiGLU
