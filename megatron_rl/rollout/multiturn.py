@@ -328,5 +328,18 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
         verifier.errors += sum(e.status == "dropped" for e in local)
     elapsed = time.perf_counter() - start
     merged = gather_rollouts(local if plays else None)
-    local_only = {k: v for k, v in stats.items() if k.startswith("sched/")}  # this rank's engine
-    return merged, {"time/episodes": elapsed, **local_only, **episode_metrics(merged)}
+    sched = _all_engines({k: v for k, v in stats.items() if k.startswith("sched/")})
+    return merged, {"time/episodes": elapsed, **sched, **episode_metrics(merged)}
+
+
+def _all_engines(local: dict[str, float]) -> dict[str, float]:
+    """Every engine's scheduler metrics combined (`scheduler.combine_engines`), on every rank."""
+    import torch.distributed as dist
+
+    from megatron_rl.rollout.scheduler import combine_engines
+
+    everyone = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+    return combine_engines(everyone)

@@ -145,6 +145,23 @@ def run_episodes_async(engine: Any, tasks: Sequence[dict[str, Any]], n: int, par
     return episodes, stats
 
 
+def combine_engines(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One step's `sched/...` metrics from the schedulers of several engines (one per data-parallel
+    rank, or per block of rollout.tp ranks; `{}` from ranks that drive none), which ran at the same
+    time: the step waited for the slowest (`sched/wall_s`: the longest), `sched/engine_busy` is the
+    engines' busy seconds over their wall seconds (their utilisation, weighted by wall time), counts
+    and waits are summed. One engine's metrics come back as they are."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    keys = sorted({k for p in parts for k in p if k.startswith("sched/")})
+    out = {k: sum(p.get(k, 0.0) for p in parts) for k in keys}
+    walls = [p["sched/wall_s"] for p in parts]
+    out["sched/wall_s"] = max(walls)
+    out["sched/engine_busy"] = sum(p["sched/engine_busy"] * w for p, w in zip(parts, walls)) / max(sum(walls), 1e-9)
+    return out
+
+
 @dataclasses.dataclass
 class _Admission:
     target_groups: Optional[int]

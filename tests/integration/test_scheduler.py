@@ -123,10 +123,13 @@ def test_async_and_lockstep_agree_on_a_sandbox_task(tokenizer, loop):
     assert [e.model_mask for e in lockstep] == [e.model_mask for e in concurrent]
 
 
-def test_rl_loop_with_async_agent_rollouts_oversampling_and_traces(tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one_engine", "dp2"])
+def test_rl_loop_with_async_agent_rollouts_oversampling_and_traces(tmp_path, nproc):
     """task.type=agent with rollout.agent_scheduler=async and 50% over-sampling: every step
     trains on exactly global_batch_size / n complete groups, the cut groups are counted, and
-    the step's Chrome trace holds the colocation phases, generation batches and episodes."""
+    the step's Chrome trace holds the colocation phases, generation batches and episodes. At
+    DP=2 each rank's engine plays its share: the scheduler metrics cover both engines (the cut
+    episodes they count are those of all ranks' episodes; only rank 0's were counted before)."""
     import os
     import subprocess
     import sys
@@ -139,7 +142,7 @@ def test_rl_loop_with_async_agent_rollouts_oversampling_and_traces(tmp_path):
             "task.max_episode_tokens=500", "task.system_prompt=Use tools.", "num_steps=2", "global_batch_size=8",
             "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=16", "rollout.agent_scheduler=async",
             "rollout.oversample=0.5", "logging.trace_every=1", "logging.progress=false", "sandbox.runtime=process",
-            "sandbox.allow_unisolated=true", f"run_dir={run_dir}"]
+            "sandbox.allow_unisolated=true", f"run_dir={run_dir}", f"cluster.nproc={nproc}"]
     proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)),
                           capture_output=True, text=True, timeout=250)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -148,6 +151,7 @@ def test_rl_loop_with_async_agent_rollouts_oversampling_and_traces(tmp_path):
     for r in rows:
         assert r["filter/kept_samples"] == 8  # 4 complete groups of 2, every step
         assert r["sched/groups_cut"] == 2 and 0 < r["sched/engine_busy"] <= 1
+        assert r["sched/aborted"] == r["agent/aborted"] > 0  # from the schedulers vs from all the episodes
     trace = json.loads((run_dir / "traces" / "step_00000001.json").read_text())
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert {"phases", "engine"} <= names and any(n.startswith("episode") for n in names)

@@ -69,3 +69,16 @@ def test_dynamic_sampling_rounds_combine_into_one_steps_metrics():
     assert (got["time/episodes"], got["sched/wall_s"], got["agent/submitted"]) == (6.0, 6.0, 6.0)
     assert got["agent/turns_mean"] == 4.0 and got["agent/env/tests_passed"] == pytest.approx(0.4)
     assert combine_rounds(rounds[:1]) == rounds[0]
+
+
+def test_engines_of_one_step_combine_into_its_scheduler_metrics():
+    """Two engines at once (4 s at 50 % busy, 2 s at 25 %): the step waited 4 s, the engines were busy
+    2.5 of their 6 s; counts add up; a rank without an engine brings nothing."""
+    from megatron_rl.rollout.scheduler import combine_engines
+
+    a = {"sched/wall_s": 4.0, "sched/engine_busy": 0.5, "sched/aborted": 2.0, "sched/backpressure_wait_s": 1.0}
+    b = {"sched/wall_s": 2.0, "sched/engine_busy": 0.25, "sched/aborted": 1.0, "sched/backpressure_wait_s": 0.5}
+    got = combine_engines([a, {}, b])
+    assert got == pytest.approx({"sched/wall_s": 4.0, "sched/engine_busy": 2.5 / 6, "sched/aborted": 3.0,
+                                 "sched/backpressure_wait_s": 1.5})
+    assert combine_engines([a]) == a and combine_engines([{}, {}]) == {}
