@@ -6,8 +6,9 @@ the variants, side by side in the same run, as ratios; MFU on GPU.
         [--device cpu|cuda] [--peak-tflops 989]
 
 Variants: fused log-probs (model.fused_logprobs=true), full activation recomputation
-(model.recompute=full). MFU = 6 * parameters * tokens / time / peak (the dense-transformer
-estimate that ignores attention's quadratic term; `--peak-tflops` is the device's dense
+(model.recompute=full). MFU = 6 * active parameters * tokens / time / peak (the dense-transformer
+estimate that ignores attention's quadratic term; for a mixture of experts only the routed experts a
+token goes through count, topk / num_experts of them; `--peak-tflops` is the device's dense
 bf16 peak, 989 for an H100/H200 SXM).
 """
 
@@ -79,7 +80,7 @@ def main() -> None:
         trainer = Trainer(cfg, OptimizerConfig(lr=1e-5), groups,
                           TrainerOptions(micro_batch_tokens=args.micro_batch_tokens))
         trainer.initialize_weights()
-        params = sum(p.numel() for p in trainer.module.parameters())
+        params, active = parameter_counts(trainer.module, cfg)
         trainer.train_step(samples, loss_fn)  # warm-up
         times = []
         for _ in range(args.steps):
@@ -92,9 +93,10 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         step = statistics.median(times)
         tokens = args.samples * args.length
-        results[name] = (step, tokens / step, 6 * params * tokens / step / (args.peak_tflops * 1e12))
+        results[name] = (step, tokens / step, 6 * active * tokens / step / (args.peak_tflops * 1e12))
         del trainer
-    print(f"{args.model}: {params / 1e6:.1f}M parameters, {args.samples} x {args.length} tokens per step, "
+    print(f"{args.model}: {params / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token), "
+          f"{args.samples} x {args.length} tokens per step, "
           f"device {args.device}, {base.dtype}, median of {args.steps} steps")
     base_tps = next(iter(results.values()))[1]
     for name, (step, tps, mfu) in results.items():
@@ -102,6 +104,19 @@ def main() -> None:
         if device.type == "cuda":
             line += f"  MFU {mfu:.1%}"
         print(line)
+
+
+def parameter_counts(module: torch.nn.Module, model_cfg) -> tuple[int, int]:
+    """(all parameters, those one token goes through): of a mixture of experts' routed experts
+    (`local_experts`) a token uses moe_router_topk of num_experts; shared experts and the rest count
+    whole."""
+    total = routed = 0
+    for name, p in module.named_parameters():
+        total += p.numel()
+        if ".local_experts." in name:
+            routed += p.numel()
+    active = total - routed + (routed * model_cfg.moe_router_topk // model_cfg.num_experts if routed else 0)
+    return total, active
 
 
 if __name__ == "__main__":
