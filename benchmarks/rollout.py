@@ -56,7 +56,7 @@ def main() -> None:
     from megatron_rl.rollout.hf_engine import HFEngine
 
     cfg = load_config(args.overrides, world_size=1)
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
     device = torch.device(args.device)
     weights = hub_state_dict(build_hf_model(cfg.model, seed=cfg.model.init_seed))
     gen = torch.Generator().manual_seed(0)

@@ -8,7 +8,8 @@ the variants, side by side in the same run, as ratios; MFU on GPU.
 Variants: fused log-probs (model.fused_logprobs=true), full activation recomputation
 (model.recompute=full). MFU = 6 * active parameters * tokens / time / peak (the dense-transformer
 estimate that ignores attention's quadratic term; for a mixture of experts only the routed experts a
-token goes through count, topk / num_experts of them; `--peak-tflops` is the device's dense
+token goes through count, topk / num_experts of them, and an untied input embedding, a lookup, not at
+all; `--peak-tflops` is the device's dense
 bf16 peak, 989 for an H100/H200 SXM).
 """
 
@@ -107,15 +108,17 @@ def main() -> None:
 
 
 def parameter_counts(module: torch.nn.Module, model_cfg) -> tuple[int, int]:
-    """(all parameters, those one token goes through): of a mixture of experts' routed experts
-    (`local_experts`) a token uses moe_router_topk of num_experts; shared experts and the rest count
-    whole."""
-    total = routed = 0
+    """(all parameters, those one token's matrix products go through): of a mixture of experts' routed
+    experts (`local_experts`) a token uses moe_router_topk of num_experts; the input embedding is a
+    lookup (counted only when tied to the output layer, whose product it is too); the rest counts whole."""
+    total = routed = lookup = 0
     for name, p in module.named_parameters():
         total += p.numel()
         if ".local_experts." in name:
             routed += p.numel()
-    active = total - routed + (routed * model_cfg.moe_router_topk // model_cfg.num_experts if routed else 0)
+        elif name.endswith("embedding.word_embeddings.weight") and not model_cfg.tie_word_embeddings:
+            lookup += p.numel()
+    active = total - lookup - routed + (routed * model_cfg.moe_router_topk // model_cfg.num_experts if routed else 0)
     return total, active
 
 

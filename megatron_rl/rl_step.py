@@ -263,29 +263,38 @@ def shaped_rewards(cfg, rollouts: list[Rollout]) -> torch.Tensor:
     return rewards + adjustment
 
 
+_EPISODE_STATUSES = ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline", "partial")
+
+
+def _episode_mean_prefix(key: str) -> Optional[str]:
+    """The prefix ("" or "domain/<d>/") of an episode mean (`agent/turns_mean`, `agent/env/...`), else None."""
+    for marker in ("agent/turns_mean", "agent/env/"):
+        at = key.find(marker)
+        if at >= 0 and (at == 0 or key[:at].startswith("domain/")):
+            return key[:at]
+    return None
+
+
 def combine_rounds(per_round: Sequence[dict[str, float]]) -> dict[str, float]:
     """One step's generation metrics from its dynamic-sampling rounds: times and counts add up; the
-    episode means (`agent/turns_mean`, `agent/env/...`) are averaged over the rounds that report them
-    (each round plays the same number of prompts); `sched/engine_busy` is weighted by each round's
+    episode means (`agent/turns_mean`, `agent/env/...`, also a joint run's `domain/<d>/...`) are
+    weighted by each round's episodes (its `agent/<status>` counts); `sched/engine_busy` by each round's
     `sched/wall_s`, the fraction of all the rounds' wall time the engine was busy. (Summing them, as
     before, reported 2 for an engine busy throughout two rounds.)"""
     sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    weights: dict[str, float] = {}
     for stats in per_round:
         for key, value in stats.items():
+            weight = 1.0
             if key.endswith("sched/engine_busy"):
-                value *= stats.get(key[:-len("engine_busy")] + "wall_s", 0.0)
-            sums[key] = sums.get(key, 0.0) + value
-            counts[key] = counts.get(key, 0) + 1
-    out = {}
-    for key, total in sums.items():
-        if key.endswith("sched/engine_busy"):
-            out[key] = total / max(sums.get(key[:-len("engine_busy")] + "wall_s", 0.0), 1e-9)
-        elif key.endswith("agent/turns_mean") or "agent/env/" in key:
-            out[key] = total / counts[key]
-        else:
-            out[key] = total
-    return out
+                weight = stats.get(key[:-len("engine_busy")] + "wall_s", 0.0)
+            elif (prefix := _episode_mean_prefix(key)) is not None:
+                weight = sum(stats.get(f"{prefix}agent/{s}", 0.0) for s in _EPISODE_STATUSES)
+            sums[key] = sums.get(key, 0.0) + value * weight
+            weights[key] = weights.get(key, 0.0) + weight
+    return {key: (total / max(weights[key], 1e-9) if key.endswith("sched/engine_busy")
+                  or _episode_mean_prefix(key) is not None else total)
+            for key, total in sums.items()}
 
 
 def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str, float]]:

@@ -141,7 +141,11 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 def _declares_remote_code(path: Path) -> bool:
     config = path / "tokenizer_config.json"
-    return config.is_file() and "AutoTokenizer" in (json.loads(config.read_text()).get("auto_map") or {})
+    if not config.is_file():
+        return False
+    auto_map = json.loads(config.read_text()).get("auto_map") or {}
+    # the older spelling is the AutoTokenizer pair itself, a list
+    return isinstance(auto_map, (list, tuple)) or "AutoTokenizer" in auto_map
 
 
 def _declares_generic_backend(path: Path) -> bool:

@@ -78,6 +78,8 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
         server_args["disable_radix_cache"] = True
     if r.kv_cache_dtype != "auto":
         server_args["kv_cache_dtype"] = r.kv_cache_dtype
+    if cfg.model.trust_remote_code:  # e.g. Kimi-K2's config.json, which names a model_type of its own code
+        server_args["trust_remote_code"] = True
     server_args.update(dict(r.server_args))
     if r.base_url is not None:
         return SGLangEngineConfig(base_url=r.base_url, device=device_type, tp_size=r.tp)

@@ -464,18 +464,23 @@ def test_a_quantized_checkpoint_is_refused_naming_the_file(tmp_path):
 @pytest.mark.parametrize(("method", "groups"), [("greedy", 1), ("group_limited_greedy", 4)])
 def test_deepseek_v2_router_reads_back(tmp_path, method, groups):
     """DeepSeek-V2's topk_method: greedy ignores the groups (transformers does), group_limited_greedy keeps
-    them; norm_topk_prob is never applied by transformers' DeepseekV2, so it reads as false."""
+    them."""
     cfg = get_converter("deepseek_v2").config_dict(FAMILIES["deepseek_v2"])
     assert cfg["topk_method"] == "group_limited_greedy" and cfg["scoring_func"] == "softmax"
-    cfg.update(topk_method=method, norm_topk_prob=True)
+    cfg.update(topk_method=method)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     arch = ModelConfig(**arch_from_hf_config(tmp_path))
     assert (arch.moe_router_num_groups, arch.moe_norm_topk_prob) == (groups, False)
 
 
-def test_deepseek_v2_refuses_deepseek_v3_routing(tmp_path):
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(topk_method="noaux_tc", scoring_func="sigmoid"), "use model_type deepseek_v3"),
+    (dict(norm_topk_prob=True), "norm_topk_prob=true is not supported")])
+def test_deepseek_v2_refuses_routing_it_cannot_follow(tmp_path, change, message):
+    """DeepSeek-V3's router under the V2 model type; renormalised weights, which transformers' DeepseekV2
+    ignores but DeepSeek's code and SGLang apply (the trainer and the engine would route differently)."""
     cfg = get_converter("deepseek_v2").config_dict(FAMILIES["deepseek_v2"])
-    cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    cfg.update(change)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="use model_type deepseek_v3"):
+    with pytest.raises(ValueError, match=message):
         arch_from_hf_config(tmp_path)

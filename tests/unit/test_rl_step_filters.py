@@ -56,18 +56,20 @@ def test_penalty_window_longer_than_the_response_limit_is_refused():
 
 def test_dynamic_sampling_rounds_combine_into_one_steps_metrics():
     """Two rounds: 4 s at 50 % engine busy and 2 s at 25 % are 2.5 of 6 s busy; times and counts add up;
-    episode means are the rounds' mean (equal rounds); a joint run's domain keys the same."""
+    episode means are weighted by the rounds' episodes (5 + 1 here, of a joint run's domain 2 + 6)."""
     rounds = [{"time/episodes": 4.0, "sched/wall_s": 4.0, "sched/engine_busy": 0.5, "agent/turns_mean": 3.0,
                "agent/submitted": 5.0, "agent/env/tests_passed": 0.2, "domain/cd/sched/wall_s": 1.0,
-               "domain/cd/sched/engine_busy": 1.0},
+               "domain/cd/sched/engine_busy": 1.0, "domain/cd/agent/turns_mean": 1.0, "domain/cd/agent/submitted": 2.0},
               {"time/episodes": 2.0, "sched/wall_s": 2.0, "sched/engine_busy": 0.25, "agent/turns_mean": 5.0,
                "agent/submitted": 1.0, "agent/env/tests_passed": 0.6, "domain/cd/sched/wall_s": 3.0,
-               "domain/cd/sched/engine_busy": 0.0}]
+               "domain/cd/sched/engine_busy": 0.0, "domain/cd/agent/turns_mean": 3.0, "domain/cd/agent/max_turns": 6.0}]
     got = combine_rounds(rounds)
     assert got["sched/engine_busy"] == pytest.approx(2.5 / 6)
     assert got["domain/cd/sched/engine_busy"] == pytest.approx(1.0 / 4)
     assert (got["time/episodes"], got["sched/wall_s"], got["agent/submitted"]) == (6.0, 6.0, 6.0)
-    assert got["agent/turns_mean"] == 4.0 and got["agent/env/tests_passed"] == pytest.approx(0.4)
+    assert got["agent/turns_mean"] == pytest.approx((3.0 * 5 + 5.0 * 1) / 6)
+    assert got["agent/env/tests_passed"] == pytest.approx((0.2 * 5 + 0.6 * 1) / 6)
+    assert got["domain/cd/agent/turns_mean"] == pytest.approx((1.0 * 2 + 3.0 * 6) / 8)
     assert combine_rounds(rounds[:1]) == rounds[0]
 
 

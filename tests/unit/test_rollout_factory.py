@@ -56,6 +56,11 @@ def test_sglang_engine_arguments_from_the_config():
     attach = sglang_engine_config(rl_config(backend="sglang", base_url="http://node1:30000"), device_type="cuda",
                                   model_path=None, base_gpu_id=0, random_seed=0)
     assert attach.base_url == "http://node1:30000" and attach.model_path is None
+    trusted = rl_config(backend="sglang")
+    trusted.model = dataclasses.replace(trusted.model, trust_remote_code=True)
+    kwargs = sglang_engine_config(trusted, device_type="cuda", model_path="/m", base_gpu_id=0, random_seed=0)
+    assert kwargs.engine_kwargs()["trust_remote_code"] is True  # model.trust_remote_code reaches SGLang
+    assert "trust_remote_code" not in cpu
 
 
 def test_rollout_tp_must_divide_the_ranks_of_a_node():

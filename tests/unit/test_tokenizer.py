@@ -192,3 +192,8 @@ def test_remote_code_tokenizer_runs_only_when_trusted(tmp_path):
     assert type(tokenizer).__name__ == "DigitTokenizer"
     assert tokenizer("12+3").input_ids == [1, 2, 11, 3]
     assert (tokenizer.eos_token_id, tokenizer.decode([4, 12, 4])) == (13, "4=4")
+    # the older auto_map spelling (the AutoTokenizer pair alone) is code too
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "DigitTokenizer", "auto_map": ["digit_tokenizer.DigitTokenizer", None]}))
+    with pytest.raises(ValueError, match="model.trust_remote_code=true"):
+        load_tokenizer(str(tmp_path))

@@ -257,7 +257,11 @@ class DeepseekV2Converter(MlaMoeConverter):
             raise ValueError(f"{where}: scoring_func={hf.get('scoring_func')!r}, topk_method={method!r}: a "
                              "deepseek_v2 checkpoint routes by softmax with greedy or group_limited_greedy (for "
                              "noaux_tc, DeepSeek-V3's router, use model_type deepseek_v3)")
-        # transformers' DeepseekV2 never renormalises the top k, whatever norm_topk_prob says
+        if hf.get("norm_topk_prob"):
+            # transformers' DeepseekV2 ignores it, DeepSeek's own code and SGLang renormalise: the trainer and
+            # an SGLang engine would route differently
+            raise ValueError(f"{where}: norm_topk_prob=true is not supported for deepseek_v2 (transformers ignores "
+                             "it, DeepSeek's code and SGLang renormalise; DeepSeek-V2's checkpoints say false)")
         router = {"moe_norm_topk_prob": False}
         if method == "greedy":  # transformers ignores the groups then
             router.update(moe_router_num_groups=1, moe_router_group_topk=1)
