@@ -437,10 +437,23 @@ class ModelConfig:
         """What Glm4MoeForCausalLM / DeepseekV3ForCausalLM and Megatron's sigmoid router express alike: shared
         experts of n_shared_experts x the expert width, dense layers first, renormalised top-k weights
         (Megatron's sigmoid router always renormalises), groups ranked by their top-2 scores."""
-        name = {"glm4_moe": "GLM-4.5 MoE", "deepseek_v3": "DeepSeek-V3"}[self.family]
         if self.family == "glm4_moe" and self.rope_scaling_factor is not None:
             raise _invalid("model.rope_scaling_factor", self.rope_scaling_factor,
                            "GLM-4.5 MoE checkpoints use plain RoPE (on part of each head); set it to null")
+        names = {"glm4_moe": "GLM-4.5 MoE", "deepseek_v3": "DeepSeek-V3"}
+        self._check_shared_experts_and_dense_first(names[self.family])
+        if not self.moe_norm_topk_prob or self.moe_router_topk < 2:
+            raise _invalid("model.moe_norm_topk_prob" if not self.moe_norm_topk_prob else "model.moe_router_topk",
+                           self.moe_norm_topk_prob if not self.moe_norm_topk_prob else self.moe_router_topk,
+                           "Megatron-core's sigmoid router renormalises the top-k weights, which needs "
+                           "model.moe_norm_topk_prob=true and model.moe_router_topk >= 2")
+        if self.family == "glm4_moe":
+            self._check_partial_rope()
+        self._check_router_groups()
+
+    def _check_shared_experts_and_dense_first(self, name: str) -> None:
+        """GLM-4.5's and DeepSeek's layout: n_shared_experts >= 1 ungated shared experts of the expert
+        width, and the first first_k_dense_replace layers dense."""
         shared, width = self.moe_shared_expert_intermediate_size, self.moe_ffn_hidden_size
         if shared is None or shared < width or shared % width:
             raise _invalid("model.moe_shared_expert_intermediate_size", shared,
@@ -450,14 +463,6 @@ class ModelConfig:
         if dense != list(range(len(dense))):
             raise _invalid("model.moe_dense_layers", list(self.moe_dense_layers),
                            f"{name} has its dense layers first (HF first_k_dense_replace): use [0, ..., k-1]")
-        if not self.moe_norm_topk_prob or self.moe_router_topk < 2:
-            raise _invalid("model.moe_norm_topk_prob" if not self.moe_norm_topk_prob else "model.moe_router_topk",
-                           self.moe_norm_topk_prob if not self.moe_norm_topk_prob else self.moe_router_topk,
-                           "Megatron-core's sigmoid router renormalises the top-k weights, which needs "
-                           "model.moe_norm_topk_prob=true and model.moe_router_topk >= 2")
-        if self.family == "glm4_moe":
-            self._check_partial_rope()
-        self._check_router_groups()
 
     def _check_partial_rope(self) -> None:
         rotated = self.resolved_head_dim * self.rotary_percent
@@ -470,15 +475,7 @@ class ModelConfig:
         """What DeepseekV2ForCausalLM and Megatron's softmax router express alike: softmax over all experts,
         the top k not renormalised (transformers' DeepseekV2 never does), groups ranked by their best expert;
         ungated shared experts of n_shared_experts x the expert width, dense layers first."""
-        shared, width = self.moe_shared_expert_intermediate_size, self.moe_ffn_hidden_size
-        if shared is None or shared < width or shared % width:
-            raise _invalid("model.moe_shared_expert_intermediate_size", shared,
-                           f"DeepSeek-V2 layers have n_shared_experts >= 1 shared experts of the expert width: set "
-                           f"it to a multiple of model.moe_ffn_hidden_size={width}")
-        dense = sorted(self.moe_dense_layers)
-        if dense != list(range(len(dense))):
-            raise _invalid("model.moe_dense_layers", list(self.moe_dense_layers),
-                           "DeepSeek-V2 has its dense layers first (HF first_k_dense_replace): use [0, ..., k-1]")
+        self._check_shared_experts_and_dense_first("DeepSeek-V2")
         if self.moe_norm_topk_prob:
             raise _invalid("model.moe_norm_topk_prob", True, "DeepSeek-V2 keeps the top-k softmax weights as they "
                            "are (times moe_routed_scaling_factor); set model.moe_norm_topk_prob=false")

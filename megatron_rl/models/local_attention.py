@@ -37,8 +37,9 @@ from megatron.core.utils import divide
 Tensor = torch.Tensor
 
 
-class AllGatherContextAttention(MegatronModule):
-    """Drop-in `core_attention` of Megatron's local spec for context-parallel training."""
+class _CoreAttention(MegatronModule):
+    """What both take from Megatron's core-attention constructor (the arguments the attention layers
+    build it with): no dropout, and the softmax scale (MLA's own, or 1/sqrt of the key width)."""
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -46,14 +47,23 @@ class AllGatherContextAttention(MegatronModule):
                  k_channels: Optional[int] = None, v_channels: Optional[int] = None):
         super().__init__(config=config)
         if config.attention_dropout and attention_dropout != 0.0:
-            raise ValueError("AllGatherContextAttention has no attention dropout (RL training runs without it)")
+            raise ValueError(f"{type(self).__name__} has no attention dropout (RL training runs without it)")
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
+        self.pg_collection = pg_collection
+
+
+class AllGatherContextAttention(_CoreAttention):
+    """Drop-in `core_attention` of Megatron's local spec for context-parallel training."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any):
+        super().__init__(config, *args, **kwargs)
+        pg_collection = self.pg_collection
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.cp_group = pg_collection.cp
         tp_size = pg_collection.tp.size()
         self.heads = divide(config.num_attention_heads, tp_size)
         self.groups = divide(config.num_query_groups, tp_size)
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Tensor:
@@ -72,7 +82,7 @@ class AllGatherContextAttention(MegatronModule):
         return out.reshape(out.shape[0], -1)
 
 
-class MaskedAttention(MegatronModule):
+class MaskedAttention(_CoreAttention):
     """Drop-in `core_attention` of Megatron's local spec for multi-latent attention without context
     parallelism: softmax(q k^T x scale, masked) v per head, with key and value widths of their own.
 
@@ -80,17 +90,11 @@ class MaskedAttention(MegatronModule):
     mask [b or 1, 1, s, s] (True = masked out; None: causal); output [s, b, heads * v_channels].
     """
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection: Optional[ProcessGroupCollection] = None,
-                 k_channels: Optional[int] = None, v_channels: Optional[int] = None):
-        super().__init__(config=config)
-        if config.attention_dropout and attention_dropout != 0.0:
-            raise ValueError("MaskedAttention has no attention dropout (RL training runs without it)")
+    def __init__(self, config: Any, *args: Any, **kwargs: Any):
+        super().__init__(config, *args, **kwargs)
         if config.context_parallel_size != 1:
             raise ValueError("MaskedAttention does not split sequences: context parallelism uses "
                              "AllGatherContextAttention")
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Tensor:
