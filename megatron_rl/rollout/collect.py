@@ -50,11 +50,17 @@ class Rollout:
 def gather_rollouts(local: Optional[list]) -> list:
     """Every rank gets all the rollouts, ordered by prompt index: each data-parallel group
     contributes its first model-parallel rank's `local` list (the other ranks pass None)."""
-    everything = [local]
+    return gather_rollouts_with(local, None)[0]
+
+
+def gather_rollouts_with(local: Optional[list], extra: Any) -> tuple[list, list]:
+    """`gather_rollouts`, and in the same collective every rank's `extra`, in rank order."""
+    everything = [(local, extra)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everything = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, local)
-    return sorted((r for part in everything if part for r in part), key=lambda r: r.prompt_index)
+        dist.all_gather_object(everything, (local, extra))
+    rollouts = sorted((r for part, _ in everything if part for r in part), key=lambda r: r.prompt_index)
+    return rollouts, [e for _, e in everything]
 
 
 def _share(num: int, parts: int, index: int) -> range:

@@ -301,7 +301,8 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
     shares (`_episode_share`). scheduler="async" runs them concurrently (rollout/scheduler.py);
     with `target_groups` (over-sampling), the groups still incomplete when that many are done
     are cut."""
-    from megatron_rl.rollout.collect import gather_rollouts
+    from megatron_rl.rollout.collect import gather_rollouts_with
+    from megatron_rl.rollout.scheduler import combine_engines
 
     plays, mine, engine = _episode_share(engine, len(prompts), groups)
     start = time.perf_counter()
@@ -327,19 +328,7 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
         verifier.calls += len(local)
         verifier.errors += sum(e.status == "dropped" for e in local)
     elapsed = time.perf_counter() - start
-    merged = gather_rollouts(local if plays else None)
-    sched = _all_engines({k: v for k, v in stats.items() if k.startswith("sched/")})
-    return merged, {"time/episodes": elapsed, **sched, **episode_metrics(merged)}
-
-
-def _all_engines(local: dict[str, float]) -> dict[str, float]:
-    """Every engine's scheduler metrics combined (`scheduler.combine_engines`), on every rank."""
-    import torch.distributed as dist
-
-    from megatron_rl.rollout.scheduler import combine_engines
-
-    everyone = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
-    return combine_engines(everyone)
+    # every engine's scheduler metrics travel with the episodes, combined on every rank
+    merged, engines = gather_rollouts_with(local if plays else None,
+                                           {k: v for k, v in stats.items() if k.startswith("sched/")})
+    return merged, {"time/episodes": elapsed, **combine_engines(engines), **episode_metrics(merged)}
