@@ -99,33 +99,30 @@ def test_two_ranks_reproduce_single_process_metrics(single_run, tmp_path, layout
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
 
 
-def test_rl_loop_with_context_parallelism(tmp_path):
-    """Two RL steps with CP=2: the trainer's log-probs of the rollouts, computed from rows
-    split over two ranks, equal the rollout engine's (one process, whole sequences)."""
+def _two_rl_steps_keep_the_engines_logprobs(tmp_path, *layout: str) -> None:
+    """Two RL steps on two ranks: the trainer's log-probs of the rollouts equal the engine's, so
+    the first update's KL is 0."""
     run_dir = tmp_path / "run"
     proc, _ = _run(["mode=rl", "num_steps=2", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
                     "rollout.max_new_tokens=12", "task.sft_warmup_steps=10", "task.eval_every=0",
-                    "cluster.nproc=2", "parallel.cp=2", f"run_dir={run_dir}", "logging.progress=false"], cwd=tmp_path)
+                    "cluster.nproc=2", *layout, f"run_dir={run_dir}", "logging.progress=false"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1]
     for m in metrics:
         assert m["rollout/logprob_mismatch"] < 1e-4, m["rollout/logprob_mismatch"]
         assert m["ppo_kl_first_update"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_rl_loop_with_context_parallelism(tmp_path):
+    """Two RL steps with CP=2: the trainer's log-probs of the rollouts, computed from rows
+    split over two ranks, equal the rollout engine's (one process, whole sequences)."""
+    _two_rl_steps_keep_the_engines_logprobs(tmp_path, "parallel.cp=2")
 
 
 def test_rl_loop_with_a_deepseek_v3_model(tmp_path):
     """Two RL steps of the tiny DeepSeek-V3 (multi-latent attention, biased sigmoid router) at TP=2 with
     sequence parallelism: the hf engine (transformers' DeepseekV3ForCausalLM) generates with the synced
     weights, and the trainer's log-probs of its samples equal the engine's."""
-    run_dir = tmp_path / "run"
-    proc, _ = _run(["mode=rl", "model=tiny_deepseek_v3", "num_steps=2", "global_batch_size=16",
-                    "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12", "task.sft_warmup_steps=10",
-                    "task.eval_every=0", "cluster.nproc=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                    f"run_dir={run_dir}", "logging.progress=false"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == [0, 1]
-    for m in metrics:
-        assert m["rollout/logprob_mismatch"] < 1e-4, m["rollout/logprob_mismatch"]
-        assert m["ppo_kl_first_update"] == pytest.approx(0.0, abs=1e-6)
+    _two_rl_steps_keep_the_engines_logprobs(tmp_path, "model=tiny_deepseek_v3", "parallel.tp=2",
+                                            "parallel.sequence_parallel=true")

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_spawned
+from tests.distributed.test_family_parity import CHECKPOINTS as FAMILY_CHECKPOINTS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -47,14 +48,8 @@ MODELS = {
                      moe_dense_layers=[0], moe_router_num_groups=2, moe_router_group_topk=1,
                      moe_routed_scaling_factor=2.5, rotary_percent=0.5, qk_layernorm=True),
     # DeepSeek-V3: multi-latent attention (latents and their norms replicated over TP ranks, up projections
-    # split by heads) with YaRN, GLM's router; layer 0 dense, one shared expert
-    "deepseek_v3": dict(family="deepseek_v3", num_layers=4, tie_word_embeddings=False, num_query_groups=4,
-                        num_experts=4, moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=64,
-                        moe_router_topk=2, moe_dense_layers=[0], moe_router_num_groups=2, moe_router_group_topk=1,
-                        moe_routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                        qk_rope_head_dim=8, v_head_dim=24, rope_scaling_factor=8.0, max_position_embeddings=512,
-                        rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
-                        rope_scaling_mscale_all_dim=1.0),
+    # split by heads) with YaRN, GLM's router; layer 0 dense, one shared expert (test_family_parity's checkpoint)
+    "deepseek_v3": FAMILY_CHECKPOINTS["deepseek_v3"],
     # DeepSeek-V2: direct queries, softmax router over 8 experts in 4 groups, weights scaled, not renormalised
     "deepseek_v2": dict(family="deepseek_v2", num_layers=4, tie_word_embeddings=False, num_query_groups=4,
                         num_experts=8, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64,
