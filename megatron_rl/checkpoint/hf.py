@@ -78,9 +78,10 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 
 def read_tensors(path: str | Path, names: Optional[set[str]] = None,
-                 files: Optional[dict[str, Path]] = None) -> dict[str, Tensor]:
+                 files: Optional[dict[str, Path]] = None, rows: Optional[dict[str, range]] = None) -> dict[str, Tensor]:
     """Tensors of an HF checkpoint directory; with `names`, only those are read. `files` is
-    the tensor -> file map when the caller already resolved it."""
+    the tensor -> file map when the caller already resolved it; `rows` reads only those rows (dim 0)
+    of the tensors it names."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -97,7 +98,10 @@ def read_tensors(path: str | Path, names: Optional[set[str]] = None,
     for fpath, keys in by_file.items():
         with safe_open(str(fpath), framework="pt") as f:
             for key in keys:
-                out[key] = f.get_tensor(key)
+                if rows and key in rows:
+                    out[key] = f.get_slice(key)[rows[key].start:rows[key].stop]
+                else:
+                    out[key] = f.get_tensor(key)
     return out
 
 
@@ -118,11 +122,15 @@ def stage_tensors(path: str | Path, arch: Any, layers: range, first_stage: bool,
     converter = get_converter(arch.family)
     names = converter.hf_names(arch, layers, first_stage, last_stage, experts)
     files = _tensor_files(path)
-    tensors = read_tensors(path, names, files)
+    stacked = converter.stacked_expert_names(names)
+    rows = {name: experts for name in stacked} if experts is not None else {}
+    tensors = read_tensors(path, names, files, rows)
     sizes = f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size}, ffn_hidden_size={arch.ffn_hidden_size}"
     if arch.is_moe:
         sizes += f", num_experts={arch.num_experts}, moe_ffn_hidden_size={arch.moe_ffn_hidden_size}"
     for name, shape in converter.expected_hf_shapes(arch, names).items():
+        if name in rows:  # this rank's rows of a stacked expert tensor
+            shape = (len(rows[name]), *shape[1:])
         if tuple(tensors[name].shape) != shape:
             raise ValueError(f"{files[name]}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
                              f"the configured architecture needs {shape} ({sizes})")
@@ -141,7 +149,8 @@ def load_hf_into_model(model: torch.nn.Module, path: str | Path, arch: Any, grou
         experts = range(groups.ep_rank * per_rank, (groups.ep_rank + 1) * per_rank)
     tensors = stage_tensors(path, arch, range(offset, offset + num_local), groups.is_first_stage,
                             groups.is_last_stage, experts)
-    load_full_state_dict(model, get_converter(arch.family).hf_to_megatron(tensors, arch), groups)
+    converted = get_converter(arch.family).hf_to_megatron(tensors, arch, experts.start if experts else 0)
+    load_full_state_dict(model, converted, groups)
     logger.info("loaded %d tensors from %s", len(tensors), path)
 
 

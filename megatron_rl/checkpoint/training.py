@@ -43,7 +43,8 @@ _ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_a
                 "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_norm_topk_prob",
                 "moe_shared_expert_intermediate_size", "moe_dense_layers", "rope_scaling_factor", "rotary_percent",
                 "moe_router_num_groups", "moe_router_group_topk", "moe_routed_scaling_factor",
-                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "sliding_window", "sliding_window_layers", "swiglu_limit")
 
 
 def step_dir(root: Path, step: int) -> Path:

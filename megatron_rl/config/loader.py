@@ -131,6 +131,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"valid parallel.pp values divide {model.num_layers} ({_divisors(model.num_layers)})"
         )
     _validate_experts(cfg, world_size)
+    if par.cp > 1 and model.attention_sinks:
+        raise ConfigError(
+            f"parallel.cp={par.cp} is not supported with model.family={model.family}: its attention (sinks, "
+            "sliding windows) runs in the CPU path's own core attention, which does not split sequences, and TE's "
+            "context-parallel attention with sinks is unverified; set parallel.cp=1"
+        )
     dp = par.dp_size(world_size)
     if cfg.global_batch_size % dp != 0:
         raise ConfigError(
@@ -157,6 +163,9 @@ def load_config(overrides: Sequence[str], world_size: int) -> TrainConfig:
 def _validate_experts(cfg: TrainConfig, world_size: int) -> None:
     """Megatron-core's own conditions on expert parallelism, checked before any process starts."""
     model, par = cfg.model, cfg.parallel
+    if par.etp is not None and par.etp != par.tp and not model.is_moe:
+        raise ConfigError(f"parallel.etp={par.etp} is invalid for a dense model (model.family={model.family}): "
+                          "it splits experts; set parallel.etp=null")
     if par.ep > 1 and not model.is_moe:
         raise ConfigError(
             f"parallel.ep={par.ep} is invalid for a dense model (model.family={model.family}): "
@@ -169,14 +178,20 @@ def _validate_experts(cfg: TrainConfig, world_size: int) -> None:
             f"parallel.ep={par.ep} does not divide model.num_experts={model.num_experts}: "
             f"valid parallel.ep values divide {model.num_experts} ({_divisors(model.num_experts)})"
         )
-    expert_layout = par.tp * par.ep * par.pp  # megatron/core/parallel_state.py:789 (expert TP = tp)
+    etp = par.expert_tp(model)
+    expert_layout = etp * par.ep * par.pp  # megatron/core/parallel_state.py:789
     if world_size % expert_layout != 0:
-        valid = [e for e in range(1, world_size // (par.tp * par.pp) + 1)
-                 if world_size % (par.tp * e * par.pp) == 0 and model.num_experts % e == 0]
+        valid = [e for e in range(1, world_size // (etp * par.pp) + 1)
+                 if world_size % (etp * e * par.pp) == 0 and model.num_experts % e == 0]
         raise ConfigError(
-            f"parallel.ep={par.ep} is invalid for world_size={world_size} with parallel.tp={par.tp}, "
-            f"parallel.pp={par.pp}: tp*ep*pp={expert_layout} must divide the world size (experts are split "
-            f"over data-parallel ranks); valid parallel.ep values are {', '.join(map(str, valid))}"
+            f"parallel.ep={par.ep} is invalid for world_size={world_size} with expert tensor-parallel size "
+            f"{etp} (parallel.etp), parallel.pp={par.pp}: etp*ep*pp={expert_layout} must divide the world size "
+            f"(experts are split over data-parallel ranks); valid parallel.ep values are {', '.join(map(str, valid))}"
+        )
+    if model.linear_bias and etp != 1:  # megatron/core/transformer/transformer_config.py:1588-1591
+        raise ConfigError(
+            f"parallel.etp={etp} is invalid for model.family={model.family}: its experts have biases, which "
+            "Megatron-core supports only with expert tensor-parallel size 1; set parallel.etp=1 (or null)"
         )
     if par.tp > 1 and not par.sequence_parallel:  # megatron/core/transformer/moe/moe_layer.py:379
         raise ConfigError(

@@ -61,9 +61,9 @@ class ModelConfig:
     name: str = "tiny_qwen2"
     """Display name used in logs and run metadata."""
     family: str = "qwen2"
-    """Architecture family: llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, glm4_moe, deepseek_v2 or
-    deepseek_v3 (DeepSeek-V3 and its architecture's other checkpoints: Kimi-K2, Moonlight); selects the
-    HF <-> Megatron weight converter."""
+    """Architecture family: llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, glm4_moe, deepseek_v2,
+    deepseek_v3 (DeepSeek-V3 and its architecture's other checkpoints: Kimi-K2, Moonlight) or gpt_oss
+    (gpt-oss-20b, -120b); selects the HF <-> Megatron weight converter."""
     path: Optional[str] = None
     """HF checkpoint directory with config.json; null builds the model from the fields below with random init."""
     tokenizer: str = "builtin:char"
@@ -78,7 +78,8 @@ class ModelConfig:
     """Width of the residual stream."""
     ffn_hidden_size: int = 352
     """Inner width of the SwiGLU MLP (for qwen3_moe and qwen2_moe: HF's intermediate_size, unused by their
-    expert layers; for mixtral, which has no dense MLP: equal to moe_ffn_hidden_size, HF's intermediate_size)."""
+    expert layers; for mixtral and gpt_oss, which have no dense MLP: equal to moe_ffn_hidden_size, HF's
+    intermediate_size)."""
     num_attention_heads: int = 4
     """Number of query heads."""
     num_query_groups: int = 2
@@ -95,8 +96,8 @@ class ModelConfig:
     """Llama 3.1 RoPE scaling (HF rope_scaling with rope_type llama3): frequencies whose wavelength exceeds
     rope_scaling_original_max_position_embeddings / rope_scaling_low_freq_factor are divided by this
     factor, those between that and the high-frequency bound interpolated; null means plain RoPE.
-    deepseek_v2, deepseek_v3: the YaRN factor instead (HF rope_type yarn; see rope_scaling_beta_fast and the
-    fields after it)."""
+    deepseek_v2, deepseek_v3, gpt_oss: the YaRN factor instead (HF rope_type yarn; see rope_scaling_beta_fast
+    and the fields after it)."""
     rope_scaling_low_freq_factor: float = 1.0
     """Llama 3.1 RoPE scaling: HF low_freq_factor. Megatron-core fixes it at 1 (see _check_rope_scaling)."""
     rope_scaling_high_freq_factor: float = 4.0
@@ -105,15 +106,18 @@ class ModelConfig:
     """Llama 3.1 RoPE scaling: HF original_max_position_embeddings (the pre-training context). Megatron-core
     fixes it at 8192 for Llama 3.1 scaling; DeepSeek's YaRN takes any value (DeepSeek-V3: 4096)."""
     rope_scaling_beta_fast: float = 32.0
-    """DeepSeek YaRN: HF beta_fast (frequencies turning more than this often over the original context
+    """YaRN (deepseek_v2, deepseek_v3, gpt_oss): HF beta_fast (frequencies turning more than this often over the original context
     keep their value)."""
     rope_scaling_beta_slow: float = 1.0
-    """DeepSeek YaRN: HF beta_slow (frequencies turning less often than this are divided by the factor)."""
+    """YaRN: HF beta_slow (frequencies turning less often than this are divided by the factor)."""
     rope_scaling_mscale: float = 1.0
-    """DeepSeek YaRN: HF mscale (with mscale_all_dim, the factor on the rotary cos and sin)."""
+    """YaRN: HF mscale (with mscale_all_dim, the factor on the rotary cos and sin)."""
     rope_scaling_mscale_all_dim: float = 0.0
-    """DeepSeek YaRN: HF mscale_all_dim (the attention softmax scale is multiplied by
+    """YaRN: HF mscale_all_dim (multi-latent attention multiplies its softmax scale by
     (0.1 x this x ln(factor) + 1) squared; 0: not)."""
+    rope_scaling_truncate: bool = True
+    """YaRN: HF truncate (round the bounds of the frequencies YaRN ramps between to whole dimensions);
+    gpt-oss: false. Megatron-core's multi-latent attention always rounds, so deepseek_v2/_v3 need true."""
     rotary_percent: float = 1.0
     """Share of each head's dimensions that RoPE rotates (the first ones; HF partial_rotary_factor); the
     rest pass through. Only glm4_moe rotates part (its checkpoints: 0.5); 1 for the other families."""
@@ -123,13 +127,15 @@ class ModelConfig:
     """Share the input embedding and output projection weights."""
     qkv_bias: Optional[bool] = None
     """Bias on the Q/K/V projections; null means the family default (qwen2, glm4_moe: true, others: false;
-    mixtral: never; qwen2_moe: always)."""
+    mixtral: never; qwen2_moe, gpt_oss: always; gpt_oss also has biases on the attention output, router and
+    experts)."""
     qk_layernorm: Optional[bool] = None
     """RMSNorm on queries and keys per head; null means the family default (qwen3, qwen3_moe: true, others: false;
-    mixtral, qwen2_moe: never)."""
+    mixtral, qwen2_moe, gpt_oss: never)."""
     num_experts: Optional[int] = None
     """Routed experts in every MoE layer (HF num_experts, num_local_experts); null means a dense model.
-    Only families qwen3_moe, mixtral and qwen2_moe."""
+    Only the mixture-of-experts families (qwen3_moe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3,
+    gpt_oss)."""
     moe_ffn_hidden_size: Optional[int] = None
     """Inner width of each expert's SwiGLU MLP (HF moe_intermediate_size); required with num_experts."""
     moe_shared_expert_intermediate_size: Optional[int] = None
@@ -170,6 +176,15 @@ class ModelConfig:
     HF's mlp_only_layers plus the layers decoder_sparse_step skips (qwen3_moe, qwen2_moe), or the first
     first_k_dense_replace layers (glm4_moe, deepseek_v2, deepseek_v3); a dense layer has no shared expert.
     Empty: every layer is sparse (mixtral always)."""
+    sliding_window: Optional[int] = None
+    """gpt_oss: attention in the layers of sliding_window_layers sees only the last this many tokens, itself
+    included (HF sliding_window; gpt-oss: 128); null: every layer attends to the whole context."""
+    sliding_window_layers: list[int] = field(default_factory=list)
+    """gpt_oss: layers (0-based, global) with sliding-window attention (HF layer_types "sliding_attention";
+    gpt-oss: the even layers); the others attend to everything. Needs sliding_window."""
+    swiglu_limit: Optional[float] = None
+    """gpt_oss: the experts' clamped SwiGLU (HF swiglu_limit; gpt-oss: 7): out = (clamp(up, -limit, limit)
+    + 1) x g sigmoid(1.702 g), g = min(gate, limit); required there, null for the other families."""
     init_seed: int = 1234
     """Seed of the random initialisation when model.path is null."""
     dtype: str = "float32"
@@ -187,10 +202,10 @@ class ModelConfig:
     """recompute=full: layers per recomputed block (Megatron's uniform recompute_method)."""
 
     FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
-                                           "glm4_moe", "deepseek_v2", "deepseek_v3")
+                                           "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
     RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
     MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2",
-                                               "deepseek_v3")
+                                               "deepseek_v3", "gpt_oss")
     SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
     # multi-latent attention (Megatron's MLASelfAttention) and DeepSeek's YaRN
     MLA_FAMILIES: ClassVar[tuple[str, ...]] = ("deepseek_v2", "deepseek_v3")
@@ -204,10 +219,15 @@ class ModelConfig:
     # multi-latent attention's widths (MLA families only; kv_lora_rank and the head widths required there)
     MLA_FIELDS: ClassVar[tuple[str, ...]] = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                              "v_head_dim")
-    # DeepSeek's YaRN parameters (MLA families), with HF's (and Megatron's) defaults
-    YARN_ONLY: ClassVar[dict[str, float]] = {
+    # families whose rope_scaling_factor is YaRN's (Megatron's YarnRotaryEmbedding)
+    YARN_FAMILIES: ClassVar[tuple[str, ...]] = ("deepseek_v2", "deepseek_v3", "gpt_oss")
+    # YaRN's parameters (YaRN families only), with HF's (and Megatron's) defaults
+    YARN_ONLY: ClassVar[dict[str, Any]] = {
         "rope_scaling_beta_fast": 32.0, "rope_scaling_beta_slow": 1.0, "rope_scaling_mscale": 1.0,
-        "rope_scaling_mscale_all_dim": 0.0}
+        "rope_scaling_mscale_all_dim": 0.0, "rope_scaling_truncate": True}
+    # gpt-oss's own fields (attention sinks, biases everywhere, the clamped SwiGLU come with the family)
+    GPT_OSS_ONLY: ClassVar[dict[str, Any]] = {"sliding_window": None, "sliding_window_layers": [],
+                                              "swiglu_limit": None}
     DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
     # Megatron-core's GPTModel passes only the factor on to RotaryEmbedding._apply_scaling, whose
     # other parameters keep Llama 3.1's values (megatron/core/models/common/embeddings/
@@ -259,6 +279,7 @@ class ModelConfig:
             raise _invalid("model.rotary_percent", self.rotary_percent, "only model.family=glm4_moe rotates part of "
                            "each head; set model.rotary_percent=1")
         self._check_moe()
+        self._check_gpt_oss()
         if self.family not in self.GROUPED_ROUTER_FAMILIES:
             for key, default in self.GROUPED_ROUTER_ONLY.items():
                 if getattr(self, key) != default:
@@ -296,14 +317,13 @@ class ModelConfig:
                                "and Megatron-core's has no bias); set it to null")
 
     def _check_rope_scaling(self) -> None:
-        if self.multi_latent_attention:
+        if self.family in self.YARN_FAMILIES:
             self._check_yarn()
             return
         for key, default in self.YARN_ONLY.items():
             if getattr(self, key) != default:
-                raise _invalid(f"model.{key}", getattr(self, key), "only DeepSeek's YaRN scaling (deepseek_v2, "
-                               "deepseek_v3) uses it; "
-                               f"set model.{key}={format_value(default)}")
+                raise _invalid(f"model.{key}", getattr(self, key), "only YaRN scaling (model.family="
+                               f"{', '.join(self.YARN_FAMILIES)}) uses it; set model.{key}={format_value(default)}")
         if self.rope_scaling_factor is None:
             for key, default in self.ROPE_SCALING_FIXED.items():
                 if getattr(self, key) != default:
@@ -320,7 +340,8 @@ class ModelConfig:
                                f"{format_value(fixed)} is supported")
 
     def _check_yarn(self) -> None:
-        """DeepSeek's rope_scaling_* fields: YaRN's, as Megatron-core's YarnRotaryEmbedding takes them."""
+        """The rope_scaling_* fields of DeepSeek and gpt-oss: YaRN's, as Megatron-core's YarnRotaryEmbedding
+        takes them."""
         fixed = {k: v for k, v in self.ROPE_SCALING_FIXED.items()
                  if k != "rope_scaling_original_max_position_embeddings"}
         for key, default in fixed.items():
@@ -334,6 +355,10 @@ class ModelConfig:
                                    f"model.rope_scaling_factor, or leave this at its default {format_value(default)}")
             return
         _check_min("model.rope_scaling_factor", self.rope_scaling_factor, 1)
+        if self.multi_latent_attention and not self.rope_scaling_truncate:
+            # multi_latent_attention.py builds its YarnRotaryEmbedding without correction_range_round_to_int
+            raise _invalid("model.rope_scaling_truncate", False, "Megatron-core's multi-latent attention always "
+                           "rounds YaRN's correction range; set model.rope_scaling_truncate=true")
         _check_min("model.rope_scaling_original_max_position_embeddings",
                    self.rope_scaling_original_max_position_embeddings, 1)
         _check_min("model.rope_scaling_beta_fast", self.rope_scaling_beta_fast, 0, strict=True)
@@ -381,7 +406,7 @@ class ModelConfig:
         if self.moe_router_topk == 1 and self.moe_norm_topk_prob:
             # Megatron refuses a softmax over the top-1 logit (its gradient is zero):
             # megatron/core/transformer/transformer_config.py:1641.
-            fix = "topk >= 2" if self.family == "mixtral" else "set model.moe_norm_topk_prob=false or topk >= 2"
+            fix = "topk >= 2" if self.family in ("mixtral", "gpt_oss") else "set model.moe_norm_topk_prob=false or topk >= 2"
             raise _invalid("model.moe_router_topk", 1, "with model.moe_norm_topk_prob=true every routing weight "
                            f"is 1 and Megatron-core refuses it; {fix}")
         _check_min("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0)
@@ -397,7 +422,7 @@ class ModelConfig:
                            f"model.family={self.family} has no shared expert (only "
                            f"{' and '.join(self.SHARED_EXPERT_FAMILIES)} have); "
                            "set model.moe_shared_expert_intermediate_size=null")
-        if self.family == "mixtral":
+        if self.family in ("mixtral", "gpt_oss"):
             self._check_mixtral()
 
     def _check_dense_layers(self) -> None:
@@ -405,8 +430,9 @@ class ModelConfig:
         if not dense:
             return
         self.moe_dense_layers = sorted(dense)  # one spelling per layout (checkpoints compare it)
-        if self.family == "mixtral":
-            raise _invalid("model.moe_dense_layers", dense, "Mixtral has experts in every layer; "
+        if self.family in ("mixtral", "gpt_oss"):
+            name = {"mixtral": "Mixtral", "gpt_oss": "gpt-oss"}[self.family]
+            raise _invalid("model.moe_dense_layers", dense, f"{name} has experts in every layer; "
                            "set model.moe_dense_layers=[]")
         wrong = [i for i in dense if not 0 <= i < self.num_layers]
         if wrong:
@@ -505,24 +531,69 @@ class ModelConfig:
         _check_min("model.moe_routed_scaling_factor", self.moe_routed_scaling_factor, 0, strict=True)
 
     def _check_mixtral(self) -> None:
-        """What MixtralForCausalLM cannot express: its attention has no bias and no QK-norm, its
-        router always renormalises the top k, and HF's intermediate_size is the expert width."""
-        for key in ("qkv_bias", "qk_layernorm"):
-            if getattr(self, key):
-                raise _invalid(f"model.{key}", True, f"Mixtral attention has no {key.replace('_', ' ')}; "
-                               f"set model.{key}=false or null")
+        """What MixtralForCausalLM and GptOssForCausalLM cannot express: their routers softmax the top k
+        (always renormalised), HF's intermediate_size is the expert width; Mixtral's attention has no bias
+        and no QK-norm, gpt-oss's always has the bias and no QK-norm."""
+        name = {"mixtral": "Mixtral", "gpt_oss": "gpt-oss"}[self.family]
+        if self.family == "mixtral" and self.qkv_bias:
+            raise _invalid("model.qkv_bias", True, "Mixtral attention has no qkv bias; set model.qkv_bias=false or null")
+        if self.family == "gpt_oss" and self.qkv_bias is False:
+            raise _invalid("model.qkv_bias", False, "gpt-oss has a bias on every linear layer (HF attention_bias "
+                           "false is not supported); set model.qkv_bias=true or null")
+        if self.qk_layernorm:
+            raise _invalid("model.qk_layernorm", True, f"{name} attention has no qk layernorm; "
+                           "set model.qk_layernorm=false or null")
         if not self.moe_norm_topk_prob:
-            raise _invalid("model.moe_norm_topk_prob", False, "Mixtral always renormalises the top-k routing "
+            raise _invalid("model.moe_norm_topk_prob", False, f"{name} always renormalises the top-k routing "
                            "weights; set model.moe_norm_topk_prob=true")
         if self.ffn_hidden_size != self.moe_ffn_hidden_size:
             raise _invalid("model.ffn_hidden_size", self.ffn_hidden_size,
-                           "Mixtral has no dense MLP and one intermediate_size, the expert width: set "
+                           f"{name} has no dense MLP and one intermediate_size, the expert width: set "
                            f"model.ffn_hidden_size={self.moe_ffn_hidden_size} (= model.moe_ffn_hidden_size)")
+
+    def _check_gpt_oss(self) -> None:
+        """gpt-oss's own fields: the sliding window and the layers that use it, the SwiGLU clamp."""
+        if self.family != "gpt_oss":
+            for key, default in self.GPT_OSS_ONLY.items():
+                if getattr(self, key) != default:
+                    raise _invalid(f"model.{key}", getattr(self, key), "only model.family=gpt_oss uses it; set "
+                                   f"model.{key}={format_value(default)}")
+            return
+        if self.swiglu_limit is None:
+            raise _invalid("model.swiglu_limit", None, "model.family=gpt_oss clamps its experts' SwiGLU: set it "
+                           "(HF swiglu_limit; gpt-oss: 7)")
+        _check_min("model.swiglu_limit", self.swiglu_limit, 0, strict=True)
+        layers = list(self.sliding_window_layers)
+        self.sliding_window_layers = sorted(layers)  # one spelling per layout (checkpoints compare it)
+        if self.sliding_window is None:
+            if layers:
+                raise _invalid("model.sliding_window_layers", layers, "needs model.sliding_window (the window "
+                               "width); set it, or model.sliding_window_layers=[]")
+            return
+        _check_min("model.sliding_window", self.sliding_window, 1)
+        wrong = [i for i in layers if not 0 <= i < self.num_layers]
+        if wrong:
+            raise _invalid("model.sliding_window_layers", layers, f"layer(s) {wrong} outside "
+                           f"[0, model.num_layers={self.num_layers})")
+        if len(set(layers)) != len(layers):
+            raise _invalid("model.sliding_window_layers", layers, "names a layer twice")
 
     @property
     def multi_latent_attention(self) -> bool:
         """Whether attention is DeepSeek's multi-latent attention (Megatron's MLASelfAttention)."""
         return self.family in self.MLA_FAMILIES
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether every attention head has a learned sink logit in its softmax (gpt-oss; Megatron's
+        softmax_type "learnable")."""
+        return self.family == "gpt_oss"
+
+    @property
+    def linear_bias(self) -> bool:
+        """Whether every linear layer has a bias: attention, router and experts (gpt-oss; Megatron's
+        add_bias_linear)."""
+        return self.family == "gpt_oss"
 
     @property
     def is_moe(self) -> bool:
@@ -541,7 +612,8 @@ class ModelConfig:
     @property
     def resolved_qkv_bias(self) -> bool:
         """qkv_bias with the family default applied."""
-        return self.qkv_bias if self.qkv_bias is not None else self.family in ("qwen2", "qwen2_moe", "glm4_moe")
+        return self.qkv_bias if self.qkv_bias is not None else self.family in ("qwen2", "qwen2_moe", "glm4_moe",
+                                                                               "gpt_oss")
 
     @property
     def resolved_qk_layernorm(self) -> bool:
@@ -576,6 +648,10 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (Megatron's expert_model_parallel_size): experts are split over ep ranks
     taken from the data-parallel ranks; must divide model.num_experts and world_size / (tp * pp)."""
+    etp: Optional[int] = None
+    """Expert tensor-parallel size (Megatron's expert_tensor_parallel_size): experts split over etp ranks
+    of each tensor-parallel group; null means tp, except for model.family=gpt_oss, whose biased experts
+    Megatron-core runs only with etp=1."""
     sequence_parallel: bool = False
     """Shard activations along the sequence inside tensor-parallel regions; needs tp > 1."""
     use_distributed_optimizer: bool = False
@@ -588,11 +664,19 @@ class ParallelConfig:
         _check_min("parallel.pp", self.pp, 1)
         _check_min("parallel.cp", self.cp, 1)
         _check_min("parallel.ep", self.ep, 1)
+        if self.etp is not None and self.etp not in (1, self.tp):
+            raise _invalid("parallel.etp", self.etp, f"must be 1 or parallel.tp={self.tp} (or null: tp)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(
                 "parallel.sequence_parallel=true is invalid with parallel.tp=1: sequence parallelism "
                 "shards tensor-parallel regions; set parallel.tp>1 or parallel.sequence_parallel=false"
             )
+
+    def expert_tp(self, model: ModelConfig) -> int:
+        """etp with its default applied: tp, or 1 for a model whose experts have biases."""
+        if self.etp is not None:
+            return self.etp
+        return 1 if model.linear_bias else self.tp
 
     @property
     def model_parallel_size(self) -> int:

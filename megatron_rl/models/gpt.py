@@ -1,9 +1,10 @@
 """Build the Megatron GPT model for the Llama / Qwen2 / Qwen3 dense and Qwen3-MoE / Mixtral / Qwen2-MoE /
-GLM-4.5 MoE / DeepSeek-V2 / DeepSeek-V3 families.
+GLM-4.5 MoE / DeepSeek-V2 / DeepSeek-V3 / gpt-oss families.
 
 One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta and Llama 3.1 scaling,
 GQA, Qwen2 QKV bias, Qwen3 QK-norm, tied or untied embeddings, optionally a mixture of SwiGLU
-experts, with Qwen2-MoE's gated shared expert; or DeepSeek's multi-latent attention with YaRN)
+experts, with Qwen2-MoE's gated shared expert; or DeepSeek's multi-latent attention with YaRN; or gpt-oss's
+attention sinks, sliding windows, biases and clamped SwiGLU experts)
 becomes a Megatron `TransformerConfig` (`MLATransformerConfig`) and a `GPTModel` stage for this
 rank's pipeline position. The local layer spec is used on CPU; the Transformer Engine spec when TE
 is importable and the device is a GPU (`uses_te`).
@@ -38,7 +39,6 @@ def te_available() -> bool:
 
 def transformer_config(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool = False):
     """Megatron `TransformerConfig` for this architecture and parallel layout."""
-    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = groups.device.type != "cpu"
@@ -48,7 +48,7 @@ def transformer_config(model_cfg: Any, groups: ParallelGroups, *, deterministic:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         config_class, mla = MLATransformerConfig, _mla_fields(model_cfg)
-    return config_class(
+    config = config_class(
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
         ffn_hidden_size=model_cfg.ffn_hidden_size,
@@ -58,8 +58,8 @@ def transformer_config(model_cfg: Any, groups: ParallelGroups, *, deterministic:
         normalization="RMSNorm",
         layernorm_epsilon=model_cfg.norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        activation_func=_activation(model_cfg),
+        add_bias_linear=model_cfg.linear_bias,
         add_qkv_bias=model_cfg.resolved_qkv_bias,
         qk_layernorm=model_cfg.resolved_qk_layernorm or model_cfg.multi_latent_attention,
         hidden_dropout=0.0,
@@ -82,7 +82,66 @@ def transformer_config(model_cfg: Any, groups: ParallelGroups, *, deterministic:
         **_recompute_fields(model_cfg),
         **_moe_fields(model_cfg, groups),
         **mla,
+        **_gpt_oss_fields(model_cfg),
     )
+    if _gpt_yarn(model_cfg):
+        _set_yarn(config, model_cfg)
+    return config
+
+
+def _activation(model_cfg: Any):
+    """The gated unit's activation: SiLU (SwiGLU), or gpt-oss's quick_gelu (see `_gpt_oss_fields`)."""
+    if model_cfg.family == "gpt_oss":
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu
+    import torch.nn.functional as F
+
+    return F.silu
+
+
+def _gpt_oss_fields(model_cfg: Any) -> dict[str, Any]:
+    """gpt-oss's attention and experts in Megatron-core's terms.
+
+    Sinks: one learned logit per head joins each softmax and takes its share of the probability mass
+    (transformers' eager_attention_forward concatenates `sinks` to the scores and drops that column after
+    the softmax), Megatron's softmax_type "learnable" (`core_attention.softmax_offset`). Sliding windows:
+    transformers lets query i see keys j with i - j < sliding_window, Megatron's window_size (left, 0) keys
+    with i - j <= left, so left = sliding_window - 1; window_attn_skip_freq as a list marks the windowed
+    layers (transformer/utils.py:is_layer_window_attention, 1 = windowed). Experts: transformers computes
+    (clamp(up, -limit, limit) + 1) x g sigmoid(1.702 g) with g = min(gate, limit), which is Megatron's
+    gated unit with quick_gelu (x sigmoid(1.702 x)), activation_func_clamp_value = limit and
+    glu_linear_offset = 1 (moe/experts.py, mlp.py: glu). The router's logits have a bias and the top k are
+    softmaxed (Megatron's softmax router after the top k, `_moe_fields`), every linear layer has a bias
+    (add_bias_linear), expert outputs with theirs are weighted by the routing probabilities on both sides."""
+    if model_cfg.family != "gpt_oss":
+        return {}
+    windowed = set(model_cfg.sliding_window_layers)
+    window = dict(window_size=(model_cfg.sliding_window - 1, 0),
+                  window_attn_skip_freq=[int(i in windowed) for i in range(model_cfg.num_layers)])
+    return dict(activation_func_clamp_value=model_cfg.swiglu_limit, glu_linear_offset=1.0,
+                softmax_type="learnable", **(window if model_cfg.sliding_window is not None else {}))
+
+
+def _gpt_yarn(model_cfg: Any) -> bool:
+    """Whether GPTModel's own rotary embedding is YaRN (multi-latent attention builds its own)."""
+    return (model_cfg.family in model_cfg.YARN_FAMILIES and model_cfg.rope_scaling_factor is not None
+            and not model_cfg.multi_latent_attention)
+
+
+def _set_yarn(config: Any, model_cfg: Any) -> None:
+    """YaRN for GPTModel's rotary embedding (position_embedding_type "yarn"): Megatron-core reads its
+    parameters as `yarn_*` attributes of the config, which TransformerConfig does not declare
+    (models/gpt/gpt_model.py:172-190; transformer/attention.py applies the cos/sin factor from them,
+    yarn_rotary_pos_embedding.py:_yarn_get_concentration_factor_from_config). HF's truncate is
+    correction_range_round_to_int."""
+    config.yarn_rotary_scaling_factor = model_cfg.rope_scaling_factor
+    config.yarn_original_max_position_embeddings = model_cfg.rope_scaling_original_max_position_embeddings
+    config.yarn_beta_fast = model_cfg.rope_scaling_beta_fast
+    config.yarn_beta_slow = model_cfg.rope_scaling_beta_slow
+    config.yarn_mscale = model_cfg.rope_scaling_mscale
+    config.yarn_mscale_all_dim = model_cfg.rope_scaling_mscale_all_dim
+    config.yarn_correction_range_round_to_int = model_cfg.rope_scaling_truncate
 
 
 def _mla_fields(model_cfg: Any) -> dict[str, Any]:
@@ -163,6 +222,7 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
         # (token_dispatcher.py:445, 871-895); the all-gather one is plain collectives.
         moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
         expert_model_parallel_size=groups.ep_size,
+        expert_tensor_parallel_size=groups.etp_size,
         moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=model_cfg.family == "qwen2_moe",
         # Dense layers among the sparse ones: the layer specs come from `decoder_spec`; the list also makes
@@ -193,7 +253,7 @@ def layer_spec(model_cfg: Any, use_te: bool, cp_size: int = 1, sparse: bool = Tr
         from megatron_rl.models.local_attention import AllGatherContextAttention
 
         spec.submodules.self_attention.submodules.core_attention = AllGatherContextAttention
-    elif mla:
+    elif mla or model_cfg.attention_sinks:
         from megatron_rl.models.local_attention import MaskedAttention
 
         spec.submodules.self_attention.submodules.core_attention = MaskedAttention
@@ -265,12 +325,66 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
         post_process=groups.is_last_stage,
         parallel_output=True,  # logits stay vocab-parallel: never gathered to the full vocabulary
         share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if _gpt_yarn(model_cfg) else "rope",
         rotary_base=int(model_cfg.rope_theta),
         # Llama 3.1 scaling; its other parameters are Megatron's fixed ones, which ModelConfig enforces.
-        # (multi-latent attention builds its own RoPE, YaRN-scaled or not: `_mla_fields`)
-        rope_scaling=model_cfg.rope_scaling_factor is not None and not model_cfg.multi_latent_attention,
+        # (multi-latent attention builds its own RoPE, YaRN-scaled or not: `_mla_fields`; gpt-oss's YaRN:
+        # `_set_yarn`)
+        rope_scaling=model_cfg.rope_scaling_factor is not None and model_cfg.family not in model_cfg.YARN_FAMILIES,
         rope_scaling_factor=model_cfg.rope_scaling_factor or 8.0,
         rotary_percent=model_cfg.rotary_percent,
     )
+    _mark_sinks_tensor_parallel(model)
+    _unreduced_unsplit_expert_outputs(model)
+    if groups.etp_size != groups.tp_size:
+        _experts_reduced_over_expert_data_parallel(model)
     return model.to(groups.device)
+
+
+def _experts_reduced_over_expert_data_parallel(model: torch.nn.Module) -> None:
+    """Works around a Megatron-core bug that loses expert gradients when the expert tensor-parallel size
+    differs from the tensor-parallel size without expert parallelism (e.g. gpt-oss at TP=2, etp=1, EP=1).
+
+    Each TP rank then runs whole experts on its own tokens (the dispatcher's TP x EP group has one rank),
+    so an expert's gradient is the sum over the TP ranks, which DDP forms for parameters tagged
+    `allreduce=False` (reduced over the expert data-parallel group, distributed_data_parallel.py:122).
+    Megatron-core tags experts so only when EP > 1 (tensor_parallel/layers.py:886, 1209); untagged, they
+    were reduced over the dense data-parallel group only, each TP rank stepped with its own half of the
+    gradient (an Adam step off by 2 x lr at TP=2 + SP before this). Tagging also puts them in the expert
+    optimizer, whose gradient norm counts them once per expert-model-parallel group. Under sequence
+    parallelism Megatron-core also marks the experts' output biases `sequence_parallel`, which
+    finalize_model_grads sums over the TP ranks once more (finalize_model_grads.py:_allreduce_non_tensor_
+    model_parallel_grads): their gradient is complete after the expert data-parallel reduction, so the mark
+    is taken off (the gradient norm read 5.577 instead of 5.160 with it)."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+            param.sequence_parallel = False
+
+
+def _unreduced_unsplit_expert_outputs(model: torch.nn.Module) -> None:
+    """Works around a Megatron-core bug that stops biased experts from training without expert parallelism.
+
+    An expert MLP adds its output bias, weighted by the routing probability, in place
+    (transformer/mlp.py:244-248). Unless the expert's down projection talks to other ranks itself
+    (`explicit_expert_comm`: expert TP or EP > 1, tensor_parallel/layers.py:1164), its output went through
+    `reduce_from_tensor_model_parallel_region`, which returns its input as it is over a group of one, and
+    autograd refuses the in-place add on that view ("Output 0 of _ReduceFromModelParallelRegion is a view
+    and is being modified inplace"). Over a group of one the reduction does nothing, so taking the
+    explicit-communication path there (output = the matmul's own result) changes no value."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    for module in model.modules():
+        if (isinstance(module, RowParallelLinear) and module.is_expert and module.bias is not None
+                and not module.explicit_expert_comm and module.tp_group.size() == 1):
+            module.explicit_expert_comm = True
+
+
+def _mark_sinks_tensor_parallel(model: torch.nn.Module) -> None:
+    """Attention sinks (`core_attention.softmax_offset`, one per head) are split over the TP ranks with the
+    heads, but neither Megatron-core's attentions nor TE's tag them as tensor-parallel: tagged, weight loading
+    and gathering split them like the heads (`weight_sync.sharding`), and the gradient norm counts every
+    rank's part (Megatron counts an untagged parameter on TP rank 0 only)."""
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1

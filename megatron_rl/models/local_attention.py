@@ -19,7 +19,10 @@ query [t, heads, d], key and value [t, groups, d]; the output is [t, heads * d].
 Multi-latent attention (DeepSeek-V3) gives keys and values of different widths (`k_channels`,
 `v_channels`), which Megatron-core's local `DotProductAttention` does not take (only TE's does):
 `MaskedAttention` is its plain [s, b, heads, d] counterpart under the trainer's dense mask, and
-`AllGatherContextAttention` takes both widths too.
+`AllGatherContextAttention` takes both widths too. gpt-oss's attention sinks (softmax_type "learnable")
+and sliding windows are `MaskedAttention`'s as well: Megatron-core's local attention allocates its sinks
+on the CUDA device (dot_product_attention.py:126-136), and its sliding-window mask replaces the trainer's
+packing mask instead of joining it (fused_softmax.py:321-323).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
 Tensor = torch.Tensor
@@ -57,6 +61,8 @@ class AllGatherContextAttention(_CoreAttention):
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         super().__init__(config, *args, **kwargs)
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise ValueError("context-parallel attention has no attention sinks or sliding windows")
         pg_collection = self.pg_collection
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
@@ -83,18 +89,48 @@ class AllGatherContextAttention(_CoreAttention):
 
 
 class MaskedAttention(_CoreAttention):
-    """Drop-in `core_attention` of Megatron's local spec for multi-latent attention without context
-    parallelism: softmax(q k^T x scale, masked) v per head, with key and value widths of their own.
+    """Drop-in `core_attention` of Megatron's local spec for multi-latent attention and gpt-oss's attention
+    without context parallelism: softmax(q k^T x scale, masked) v per head, with key and value widths of their
+    own; optionally a learned sink logit per head in each softmax (`softmax_offset`, Megatron's name: its
+    share of the probability mass goes nowhere) and a sliding window (query i sees keys i - left .. i, on top
+    of the trainer's mask, in this layer when `config.window_attn_skip_freq` marks it).
 
     Inputs [s, b, heads, d] (query and key d = k_channels, value v_channels) and the trainer's dense
     mask [b or 1, 1, s, s] (True = masked out; None: causal); output [s, b, heads * v_channels].
     """
 
-    def __init__(self, config: Any, *args: Any, **kwargs: Any):
-        super().__init__(config, *args, **kwargs)
+    def __init__(self, config: Any, layer_number: int, *args: Any, **kwargs: Any):
+        super().__init__(config, layer_number, *args, **kwargs)
         if config.context_parallel_size != 1:
             raise ValueError("MaskedAttention does not split sequences: context parallelism uses "
                              "AllGatherContextAttention")
+        self.window: Optional[int] = None
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            left, right = config.window_size
+            if right != 0:
+                raise ValueError(f"window_size={config.window_size}: causal attention sees no later keys (right = 0)")
+            self.window = left
+        self.softmax_offset: Optional[torch.nn.Parameter] = None
+        if config.softmax_type == "learnable":
+            tp = (self.pg_collection or ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])).tp
+            heads = divide(config.num_attention_heads, tp.size())
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+        elif config.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r}: MaskedAttention has vanilla and learnable")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The sinks split over TP ranks along the heads in distributed checkpoints, as Megatron-core's
+        attentions save theirs (dot_product_attention.py:sharded_state_dict)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        if self.softmax_offset is None:
+            return {}
+        tp = (self.pg_collection or ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])).tp
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=tp, dp_cp_group=metadata["dp_cp_group"])
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Tensor:
@@ -105,10 +141,17 @@ class MaskedAttention(_CoreAttention):
             key = key.repeat_interleave(query.shape[2] // key.shape[2], dim=2)
             value = value.repeat_interleave(query.shape[2] // value.shape[2], dim=2)
         scores = torch.einsum("qbhd,kbhd->bhqk", query.float(), key.float()) * self.scale
+        sq, sk = scores.shape[-2:]
         if attention_mask is None:
-            sq, sk = scores.shape[-2:]
             attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(sk - sq + 1)
+        if self.window is not None:  # the last queries are the last positions
+            distance = torch.arange(sq, device=scores.device)[:, None] + (sk - sq) - torch.arange(sk, device=scores.device)
+            attention_mask = attention_mask | (distance > self.window)
         scores = scores.masked_fill(attention_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        if self.softmax_offset is None:
+            probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        else:
+            sinks = self.softmax_offset.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1].to(value.dtype)
         out = torch.einsum("bhqk,kbhd->qbhd", probs, value)
         return out.reshape(out.shape[0], out.shape[1], -1)

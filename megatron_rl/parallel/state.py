@@ -62,9 +62,11 @@ class ParallelGroups:
         return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
 
 
-def initialize(tp: int, pp: int, cp: int = 1, *, ep: int = 1, sequence_parallel: bool = False,
-               seed: int = 1234, device: Optional[torch.device] = None) -> ParallelGroups:
-    """Create Megatron's model-parallel groups over the default process group and seed its RNGs.
+def initialize(tp: int, pp: int, cp: int = 1, *, ep: int = 1, etp: Optional[int] = None,
+               sequence_parallel: bool = False, seed: int = 1234,
+               device: Optional[torch.device] = None) -> ParallelGroups:
+    """Create Megatron's model-parallel groups over the default process group and seed its RNGs;
+    `etp` is the expert tensor-parallel size (None: tp).
 
     The default process group must exist (see `megatron_rl.parallel.dist.init_distributed`).
     On a machine without CUDA the megatron-core CPU compatibility layer is switched on first.
@@ -80,8 +82,9 @@ def initialize(tp: int, pp: int, cp: int = 1, *, ep: int = 1, sequence_parallel:
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
-    if world % (tp * ep * pp):
-        raise ValueError(f"world size {world} is not divisible by tp*ep*pp = {tp}*{ep}*{pp}")
+    etp = tp if etp is None else etp
+    if world % (etp * ep * pp):
+        raise ValueError(f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -89,6 +92,7 @@ def initialize(tp: int, pp: int, cp: int = 1, *, ep: int = 1, sequence_parallel:
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)

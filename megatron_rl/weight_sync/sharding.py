@@ -57,8 +57,8 @@ def _is_expert(name: str) -> bool:
 
 
 def _is_glu_fc1(name: str, model: torch.nn.Module) -> bool:
-    # dense `mlp.linear_fc1` and each expert's `mlp.experts.local_experts.{j}.linear_fc1`
-    return name.endswith("linear_fc1.weight") and model.config.gated_linear_unit
+    # dense `mlp.linear_fc1` and each expert's `mlp.experts.local_experts.{j}.linear_fc1` (and its bias: gpt-oss)
+    return name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and model.config.gated_linear_unit
 
 
 def _tp_coords(name: str, groups: ParallelGroups) -> tuple[int, int, dist.ProcessGroup]:

@@ -1,6 +1,7 @@
 """A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE with its gated shared expert and a dense layer
 among the sparse ones, GLM-4.5 MoE with its biased sigmoid router, DeepSeek-V3 with GLM's router and
-multi-latent attention, DeepSeek-V2 with its grouped softmax router) gives the same forward and
+multi-latent attention, DeepSeek-V2 with its grouped softmax router, gpt-oss with its biases, sinks, sliding
+windows and clamped experts) gives the same forward and
 training step in every parallel layout as in a single process: EP=2 (the two ranks hold experts
 0-1 and 2-3 and exchange tokens), EP=2 with the distributed optimizer, TP=2 with sequence parallelism
 (Megatron-core trains MoE layers with TP only under SP), and PP=2. Qwen2-MoE's shared expert is split
@@ -29,6 +30,7 @@ import torch
 
 from tests.distributed.launcher import run_spawned
 from tests.distributed.test_family_parity import CHECKPOINTS as FAMILY_CHECKPOINTS
+from tests.distributed.test_gpt_oss import ARCH as GPT_OSS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -56,6 +58,9 @@ MODELS = {
                         moe_router_topk=3, moe_norm_topk_prob=False, moe_router_num_groups=4, moe_router_group_topk=2,
                         moe_routed_scaling_factor=1.5, moe_dense_layers=[0], q_lora_rank=None, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24),
+    # gpt-oss: biases everywhere (experts unsplit over TP: etp=1), attention sinks split over TP with the heads,
+    # sliding windows (16 tokens) in layers 0 and 2, YaRN, clamped SwiGLU experts (test_gpt_oss's architecture)
+    "gpt_oss": GPT_OSS,
 }
 LAYOUTS = {
     "ep2": dict(tp=1, pp=1, ep=2, sequence_parallel=False, distopt=False),
@@ -113,6 +118,7 @@ def _worker(rank: int, world: int, model: str, layouts: dict, out_path: str) -> 
     results = {}
     for name, layout in layouts.items():
         groups = state.initialize(layout["tp"], layout["pp"], layout.get("cp", 1), ep=layout["ep"],
+                                  etp=1 if model_cfg.linear_bias else None,
                                   sequence_parallel=layout["sequence_parallel"])
         trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-3, clip_grad=1.0), groups,
                           TrainerOptions(micro_batch_tokens=MICRO_BATCH_TOKENS,
@@ -173,7 +179,8 @@ def test_reference_step_moves_every_weight_and_expert(results):
     initial = _initial_weights(model)
     sparse = 4 - len(MODELS[model].get("moe_dense_layers", []))
     experts = MODELS[model]["num_experts"]
-    assert sum(".local_experts." in k for k in ref["weights"]) == sparse * experts * 2  # layers x experts x 2
+    per_expert = 4 if _model_cfg(model).linear_bias else 2  # fc1, fc2 (and their biases)
+    assert sum(".local_experts." in k for k in ref["weights"]) == sparse * experts * per_expert
     # per sparse layer: fc1, fc2 (and gate_weight)
     shared = {"qwen2_moe": 3, "glm4_moe": 2, "deepseek_v3": 2, "deepseek_v2": 2}.get(model, 0)
     assert sum(".shared_experts." in k for k in ref["weights"]) == sparse * shared

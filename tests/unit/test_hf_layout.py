@@ -41,8 +41,13 @@ FAMILIES = {
                                moe_router_topk=3, moe_norm_topk_prob=False, moe_router_num_groups=4,
                                moe_router_group_topk=2, moe_dense_layers=[0], q_lora_rank=None, kv_lora_rank=28,
                                qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=20),
+    # gpt-oss: biases, sinks, a sliding window in layer 0, YaRN without truncation; experts stacked on disk
+    "gpt_oss": ModelConfig(family="gpt_oss", tie_word_embeddings=False, num_layers=2, ffn_hidden_size=48,
+                           num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, head_dim=40,
+                           rope_scaling_factor=4.0, rope_scaling_original_max_position_embeddings=128,
+                           rope_scaling_truncate=False, sliding_window=8, sliding_window_layers=[0], swiglu_limit=7.0),
 }
-MOE_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe", "qwen3_moe")  # one tensor per expert
 HF_MOE_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", "qwen2_moe": "mlp.",
                 "glm4_moe": "mlp.", "deepseek_v3": "mlp.", "deepseek_v2": "mlp."}  # where each keeps it
 
@@ -484,3 +489,97 @@ def test_deepseek_v2_refuses_routing_it_cannot_follow(tmp_path, change, message)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=message):
         arch_from_hf_config(tmp_path)
+
+
+def test_gpt_oss_experts_compute_what_transformers_computes():
+    """Megatron's expert = transformers' GptOssExperts on the same input: fc1 rows [gate; up] from the
+    interleaved gate_up_proj columns, the clamped SwiGLU as Megatron-core computes it (quick_gelu(min(gate, 7))
+    x (clamp(up, -7, 7) + 1)), and fc2 from the transposed down_proj, biases included."""
+    cfg = FAMILIES["gpt_oss"]
+    model = build_hf_model(cfg, seed=0)
+    experts = model.model.layers[1].mlp.experts
+    with torch.no_grad():  # large enough that the clamp bites
+        experts.gate_up_proj.mul_(200.0)
+        experts.gate_up_proj_bias.copy_(torch.randn(experts.gate_up_proj_bias.shape, generator=torch.Generator().manual_seed(1)))
+    meg = get_converter("gpt_oss").hf_to_megatron(hub_state_dict(model), cfg)
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    for e in range(cfg.num_experts):
+        with torch.no_grad():
+            hidden = x @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
+            assert hidden.abs().max() > 7.0
+            want = experts._apply_gate(hidden) @ experts.down_proj[e] + experts.down_proj_bias[e]
+        m = f"decoder.layers.1.mlp.experts.local_experts.{e}."
+        gate, up = (x @ meg[m + "linear_fc1.weight"].t() + meg[m + "linear_fc1.bias"]).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        got = (gate * torch.sigmoid(1.702 * gate) * (up + 1)) @ meg[m + "linear_fc2.weight"].t() + meg[m + "linear_fc2.bias"]
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_gpt_oss_stacked_experts_are_read_by_rows():
+    """The stacked expert tensors are one name per layer: an expert-parallel rank names all of them and reads
+    its rows; Megatron names experts by their global index from `first_expert`; writing back needs them all."""
+    cfg = FAMILIES["gpt_oss"]
+    conv = get_converter("gpt_oss")
+    names = conv.hf_names(cfg, [1], False, True, experts=range(2, 4))
+    stacked = conv.stacked_expert_names(names)
+    assert stacked == {f"model.layers.1.mlp.experts.{n}" for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                                      "down_proj_bias")}
+    hf = hub_state_dict(build_hf_model(cfg, seed=0))
+    rows = {n: (hf[n][2:4] if n in stacked else hf[n]) for n in names}
+    meg = conv.hf_to_megatron(rows, cfg, first_expert=2)
+    full = conv.hf_to_megatron(hf, cfg)
+    experts = {n for n in meg if ".local_experts." in n}
+    assert experts == {f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc{k}.{p}"
+                       for e in (2, 3) for k in (1, 2) for p in ("weight", "bias")}
+    for name in experts:
+        assert torch.equal(meg[name], full[name]), name
+    with pytest.raises(ValueError, match="needs all 4 of them; got 2"):
+        conv.megatron_to_hf(meg, cfg)
+
+
+@pytest.mark.parametrize("size", ["20b", "120b"])
+def test_gpt_oss_config_json_as_published(tmp_path, size):
+    """gpt-oss's config.json as released (transformers 4 spelling, rope_scaling; quantization_config dropped, as
+    in a bf16 copy); the architecture read from it is conf/model/gpt_oss_{size}.yaml's."""
+    from megatron_rl.config import load_config
+
+    layers, experts = {"20b": (24, 32), "120b": (36, 128)}[size]
+    published = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2), "max_position_embeddings": 131072,
+        "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": layers,
+        "num_key_value_heads": 8, "num_local_experts": experts, "output_router_logits": False,
+        "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    arch = arch_from_hf_config(tmp_path)
+    shipped = load_config([f"model=gpt_oss_{size}", "model.path=null", "model.tokenizer=builtin:char",
+                           "parallel.tp=8", "parallel.sequence_parallel=true"], world_size=8).model
+    for key, value in arch.items():
+        assert value == getattr(shipped, key), key
+    published["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    with pytest.raises(ValueError, match=r"config.json: quantization_config \(quant_method='mxfp4'\)"):
+        arch_from_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("attention_bias", False, "attention_bias=false"), ("swiglu_alpha", 1.5, "swiglu_alpha=1.5"),
+    ("layer_types", ["sliding_attention", "chunked_attention"], "layer_types="),
+    ("layer_types", ["sliding_attention"], "layer_types="), ("num_local_experts", 0, "needs experts"),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "only default RoPE and YaRN"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                      "attention_factor": 1.5}, "attention_factor=1.5 differs")])
+def test_unsupported_gpt_oss_configs_are_refused_naming_the_file(tmp_path, key, value, message):
+    cfg = get_converter("gpt_oss").config_dict(FAMILIES["gpt_oss"])
+    cfg.pop("rope_parameters")
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json: ") as info:
+        arch_from_hf_config(tmp_path)
+    assert message in str(info.value)

@@ -1,7 +1,7 @@
 """Model-family converters between Hugging Face and Megatron layouts, registered by name.
 
 One file per family (`llama.py`, `qwen2.py`, `qwen3.py`, `qwen3_moe.py`, `mixtral.py`, `qwen2_moe.py`, `glm4_moe.py`,
-`deepseek.py`: DeepSeek-V2 and -V3); each
+`deepseek.py`: DeepSeek-V2 and -V3, `gpt_oss.py`; `yarn.py` holds the YaRN rope parameters both use); each
 declares what makes it differ from the dense decoder in `dense.py` (and, for a mixture of experts, uses the MLP layout
 of `moe.py`). `get_converter("qwen2")` or `converter_for_model_type(config["model_type"])` pick one;
 unknown names raise with the list.
@@ -40,4 +40,4 @@ def converter_for_model_type(model_type: str) -> DenseDecoderConverter:
 
 
 from megatron_rl.weight_sync.families import (  # noqa: E402,F401  (registration)
-    deepseek, glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)
+    deepseek, glm4_moe, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)

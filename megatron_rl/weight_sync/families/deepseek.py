@@ -28,13 +28,13 @@ does not run them either, and an export writes none.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Iterable
 
 from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter, Tensor
 from megatron_rl.weight_sync.families.moe import SparseMoeLayout
+from megatron_rl.weight_sync.families.yarn import NO_YARN, yarn_fields, yarn_rope_parameters
 
 # (HF name under self_attn., Megatron name under self_attention.) of the attention's tensors besides o_proj
 _COMPRESSED_QUERY = (("q_a_proj.weight", "linear_q_down_proj.weight"), ("q_a_layernorm.weight", "q_layernorm.weight"),
@@ -42,25 +42,6 @@ _COMPRESSED_QUERY = (("q_a_proj.weight", "linear_q_down_proj.weight"), ("q_a_lay
 _DIRECT_QUERY = (("q_proj.weight", "linear_q_proj.weight"),)
 _KEY_VALUE = (("kv_a_proj_with_mqa.weight", "linear_kv_down_proj.weight"),
               ("kv_a_layernorm.weight", "kv_layernorm.weight"), ("kv_b_proj.weight", "linear_kv_up_proj.weight"))
-
-_YARN_KEYS = (("beta_fast", "rope_scaling_beta_fast"), ("beta_slow", "rope_scaling_beta_slow"),
-              ("mscale", "rope_scaling_mscale"), ("mscale_all_dim", "rope_scaling_mscale_all_dim"))
-_NO_YARN_VALUES = (32.0, 1.0, 1.0, 0.0)  # HF's (and ModelConfig's) defaults
-# every rope field, so that a config file's YaRN values never survive a checkpoint that has none
-_NO_YARN = {"rope_scaling_factor": None, "rope_scaling_original_max_position_embeddings": 8192,
-            **{key: value for (_, key), value in zip(_YARN_KEYS, _NO_YARN_VALUES, strict=True)}}
-
-
-def _yarn_attention_factor(fields: dict[str, Any]) -> float:
-    """The cos/sin scale both sides derive (transformers' get_mscale ratio; ModelConfig refuses the cases
-    where they would not agree)."""
-    def mscale(factor: float, m: float) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-    factor, m, m_all = (fields[f"rope_scaling_{k}"] for k in ("factor", "mscale", "mscale_all_dim"))
-    if m and m_all:
-        return mscale(factor, m) / mscale(factor, m_all)
-    return mscale(factor, 1.0)
 
 
 def _mla_pairs(arch: Any) -> tuple[tuple[str, str], ...]:
@@ -83,9 +64,7 @@ class MlaMoeConverter(SparseMoeLayout, DenseDecoderConverter):
         del cfg["head_dim"]  # transformers sets it to qk_rope_head_dim itself
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
         if arch.rope_scaling_factor is not None:
-            rope.update(rope_type="yarn", factor=arch.rope_scaling_factor,
-                        original_max_position_embeddings=arch.rope_scaling_original_max_position_embeddings,
-                        **{hf_key: getattr(arch, key) for hf_key, key in _YARN_KEYS})
+            rope.update(yarn_rope_parameters(arch))
         cfg.update(
             rope_parameters=rope, attention_bias=False,
             q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank, qk_nope_head_dim=arch.qk_nope_head_dim,
@@ -139,29 +118,11 @@ class MlaMoeConverter(SparseMoeLayout, DenseDecoderConverter):
             moe_routed_scaling_factor=float(hf["routed_scaling_factor"]),
             moe_router_num_groups=hf["n_group"] or 1, moe_router_group_topk=hf["topk_group"] or 1)
         arch.update(self._router_arch(hf, where))
-        arch.update(self._yarn_fields(rope, where) if rope_type == "yarn" else _NO_YARN)
+        if rope_type == "yarn" and rope.get("truncate", True) is False:
+            raise ValueError(f"{where}: rope_parameters truncate=false is not supported (Megatron-core's multi-latent "
+                             "attention rounds YaRN's correction range)")
+        arch.update(yarn_fields(rope, where) if rope_type == "yarn" else NO_YARN)
         return arch
-
-    @staticmethod
-    def _yarn_fields(rope: dict[str, Any], where: Path) -> dict[str, Any]:
-        """ModelConfig's YaRN fields, refusing the rope_parameters keys Megatron-core's YaRN cannot follow:
-        transformers skips rounding the correction range with `truncate: false`, and takes an explicit
-        `attention_factor` as the cos/sin scale, where Megatron-core always rounds and always derives it."""
-        if rope.get("truncate", True) is False:
-            raise ValueError(f"{where}: rope_parameters truncate=false is not supported (Megatron-core's YaRN "
-                             "rounds the correction range)")
-        fields = {"rope_scaling_factor": float(rope["factor"]),
-                  "rope_scaling_original_max_position_embeddings": int(rope["original_max_position_embeddings"])}
-        for (hf_key, key), default in zip(_YARN_KEYS, _NO_YARN_VALUES, strict=True):
-            value = rope.get(hf_key)
-            fields[key] = float(default if value is None else value)
-        given = rope.get("attention_factor")
-        if given is not None:
-            derived = _yarn_attention_factor(fields)
-            if abs(float(given) - derived) > 1e-9:
-                raise ValueError(f"{where}: rope_parameters attention_factor={given} differs from the {derived:.6g} "
-                                 "that mscale and mscale_all_dim give, the only one Megatron-core's YaRN applies")
-        return fields
 
     @staticmethod
     def _rope_scaling_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:

@@ -156,9 +156,16 @@ class DenseDecoderConverter:
         """HF names of one layer's MLP (`prefix` = "model.layers.{i}."); `experts`: see hf_names."""
         return {prefix + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
 
+    def stacked_expert_names(self, names: Iterable[str]) -> set[str]:
+        """Those of `names` that hold every expert of a layer stacked along dim 0 (gpt-oss's
+        `mlp.experts.gate_up_proj`): an expert-parallel rank reads only its rows of them, and passes the
+        first row's expert index to `hf_to_megatron`. The other families store one tensor per expert."""
+        return set()
+
     # -- tensors ------------------------------------------------------------------------------
-    def hf_to_megatron(self, hf: dict[str, Tensor], arch: Any) -> dict[str, Tensor]:
-        """Megatron tensors (full, unsharded, global layer numbers) for whatever `hf` holds."""
+    def hf_to_megatron(self, hf: dict[str, Tensor], arch: Any, first_expert: int = 0) -> dict[str, Tensor]:
+        """Megatron tensors (full, unsharded, global layer numbers) for whatever `hf` holds; stacked expert
+        tensors (`stacked_expert_names`) hold the experts from `first_expert` on."""
         out: dict[str, Tensor] = {}
         if "model.embed_tokens.weight" in hf:
             out["embedding.word_embeddings.weight"] = hf["model.embed_tokens.weight"]
