@@ -355,11 +355,18 @@ def _experts_reduced_over_expert_data_parallel(model: torch.nn.Module) -> None:
     parallelism Megatron-core also marks the experts' output biases `sequence_parallel`, which
     finalize_model_grads sums over the TP ranks once more (finalize_model_grads.py:_allreduce_non_tensor_
     model_parallel_grads): their gradient is complete after the expert data-parallel reduction, so the mark
-    is taken off (the gradient norm read 5.577 instead of 5.160 with it)."""
+    is taken off (the gradient norm read 5.577 instead of 5.160 with it). And the expert optimizer counts a
+    parameter in its gradient norm when it is tagged tensor-parallel or this rank is the first of its dense
+    TP group (optimizer/__init__.py:468-473 gives it that group), so each TP rank's norm left out or kept the
+    untagged output biases: the ranks clipped by different factors and their copies of every replicated
+    weight drifted apart (by ~3e-6 per step); tagged, every rank counts its whole experts, once, as its
+    expert-model-parallel group (of one) requires."""
     for name, param in model.named_parameters():
         if ".mlp.experts." in name:
             param.allreduce = False
             param.sequence_parallel = False
+            if not getattr(param, "tensor_model_parallel", False):
+                param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
 
 
 def _unreduced_unsplit_expert_outputs(model: torch.nn.Module) -> None:

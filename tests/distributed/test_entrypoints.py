@@ -126,3 +126,12 @@ def test_rl_loop_with_a_deepseek_v3_model(tmp_path):
     weights, and the trainer's log-probs of its samples equal the engine's."""
     _two_rl_steps_keep_the_engines_logprobs(tmp_path, "model=tiny_deepseek_v3", "parallel.tp=2",
                                             "parallel.sequence_parallel=true")
+
+
+def test_rl_loop_with_a_gpt_oss_model(tmp_path):
+    """Two RL steps of the tiny gpt-oss (attention sinks, sliding windows, biased clamped experts) at TP=2 with
+    sequence parallelism and unsplit experts (parallel.etp defaults to 1 for gpt_oss): the hf engine
+    (transformers' GptOssForCausalLM) generates with the synced weights, and the trainer's log-probs of its
+    samples equal the engine's."""
+    _two_rl_steps_keep_the_engines_logprobs(tmp_path, "model=tiny_gpt_oss", "parallel.tp=2",
+                                            "parallel.sequence_parallel=true")

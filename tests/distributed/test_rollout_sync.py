@@ -5,7 +5,8 @@ transformers holds fused while the sync sends them one by one, and of a Qwen2-Mo
 sequence parallelism, whose shared expert is split over the TP ranks and whose layer 1 is dense,
 and of a GLM-4.5 MoE at PP=2, whose routers' selection bias is a buffer, not a parameter, and of a
 DeepSeek-V3 at TP=2 with sequence parallelism, whose multi-latent attention's projections are split
-over the TP ranks)
+over the TP ranks, and of a gpt-oss at TP=2 with sequence parallelism, whose attention sinks are split over
+the TP ranks and whose experts, unsplit, arrive stacked as transformers holds them)
 the engine holds exactly the trainer's weights (bit-exact against an HF export), and the engine's
 log-probs of its sampled tokens equal Megatron's recomputed log-probs (fp32; bound 1e-4, observed
 ~5e-7), so the first update's importance ratio is 1. The colocation controller runs its phases in
@@ -21,12 +22,13 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_spawned
+from tests.distributed.test_gpt_oss import ARCH as GPT_OSS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 LAYOUTS = {"tp1": (1, 1, 1, 1), "tp2": (2, 1, 1, 2), "pp2": (1, 2, 1, 2), "mixtral_ep2": (1, 1, 2, 2),
            "qwen2_moe_tp2_sp": (2, 1, 1, 2), "glm4_moe_pp2": (1, 2, 1, 2),
-           "deepseek_v3_tp2_sp": (2, 1, 1, 2)}  # tp pp ep world
+           "deepseek_v3_tp2_sp": (2, 1, 1, 2), "gpt_oss_tp2_sp": (2, 1, 1, 2)}  # tp pp ep world
 MODELS = {"mixtral_ep2": dict(family="mixtral", ffn_hidden_size=64, num_experts=4, moe_ffn_hidden_size=64,
                               tie_word_embeddings=False),
           "qwen2_moe_tp2_sp": dict(family="qwen2_moe", num_experts=4, moe_ffn_hidden_size=64,
@@ -41,8 +43,10 @@ MODELS = {"mixtral_ep2": dict(family="mixtral", ffn_hidden_size=64, num_experts=
                                      kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
                                      rope_scaling_factor=8.0, max_position_embeddings=512,
                                      rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
-                                     rope_scaling_mscale_all_dim=1.0)}
-SEQUENCE_PARALLEL = {"qwen2_moe_tp2_sp", "deepseek_v3_tp2_sp"}  # Megatron-core trains MoE layers at TP > 1 only with SP
+                                     rope_scaling_mscale_all_dim=1.0),
+          # gpt-oss: stacked experts (transformers holds them so too), sinks split over TP, experts not (etp=1)
+          "gpt_oss_tp2_sp": {k: v for k, v in GPT_OSS.items() if k != "num_layers"}}
+SEQUENCE_PARALLEL = {"qwen2_moe_tp2_sp", "deepseek_v3_tp2_sp", "gpt_oss_tp2_sp"}  # Megatron-core trains MoE layers at TP > 1 only with SP
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
 TEMPERATURE = 0.7
 
@@ -59,8 +63,9 @@ def _worker(rank, world, tp, pp, ep, sequence_parallel, model, out):
     from megatron_rl.weight_sync.families import get_converter
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
-    groups = state.initialize(tp, pp, ep=ep, sequence_parallel=sequence_parallel)
     model_cfg = ModelConfig(num_layers=4, **model)
+    groups = state.initialize(tp, pp, ep=ep, etp=1 if model_cfg.linear_bias else None,
+                              sequence_parallel=sequence_parallel)
     trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-2), groups,
                       TrainerOptions(micro_batch_tokens=256, logprob_temperature=TEMPERATURE))
     trainer.initialize_weights()
