@@ -104,10 +104,10 @@ class ModelConfig:
     """Llama 3.1 RoPE scaling: HF high_freq_factor. Megatron-core fixes it at 4."""
     rope_scaling_original_max_position_embeddings: int = 8192
     """Llama 3.1 RoPE scaling: HF original_max_position_embeddings (the pre-training context). Megatron-core
-    fixes it at 8192 for Llama 3.1 scaling; DeepSeek's YaRN takes any value (DeepSeek-V3: 4096)."""
+    fixes it at 8192 for Llama 3.1 scaling; YaRN takes any value (DeepSeek-V3, gpt-oss: 4096)."""
     rope_scaling_beta_fast: float = 32.0
-    """YaRN (deepseek_v2, deepseek_v3, gpt_oss): HF beta_fast (frequencies turning more than this often over the original context
-    keep their value)."""
+    """YaRN (deepseek_v2, deepseek_v3, gpt_oss): HF beta_fast (frequencies turning more than this often over the
+    original context keep their value)."""
     rope_scaling_beta_slow: float = 1.0
     """YaRN: HF beta_slow (frequencies turning less often than this are divided by the factor)."""
     rope_scaling_mscale: float = 1.0
@@ -406,7 +406,8 @@ class ModelConfig:
         if self.moe_router_topk == 1 and self.moe_norm_topk_prob:
             # Megatron refuses a softmax over the top-1 logit (its gradient is zero):
             # megatron/core/transformer/transformer_config.py:1641.
-            fix = "topk >= 2" if self.family in ("mixtral", "gpt_oss") else "set model.moe_norm_topk_prob=false or topk >= 2"
+            fix = ("topk >= 2" if self.family in ("mixtral", "gpt_oss")
+                   else "set model.moe_norm_topk_prob=false or topk >= 2")
             raise _invalid("model.moe_router_topk", 1, "with model.moe_norm_topk_prob=true every routing weight "
                            f"is 1 and Megatron-core refuses it; {fix}")
         _check_min("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0)
@@ -536,7 +537,8 @@ class ModelConfig:
         and no QK-norm, gpt-oss's always has the bias and no QK-norm."""
         name = {"mixtral": "Mixtral", "gpt_oss": "gpt-oss"}[self.family]
         if self.family == "mixtral" and self.qkv_bias:
-            raise _invalid("model.qkv_bias", True, "Mixtral attention has no qkv bias; set model.qkv_bias=false or null")
+            raise _invalid("model.qkv_bias", True, "Mixtral attention has no qkv bias; "
+                           "set model.qkv_bias=false or null")
         if self.family == "gpt_oss" and self.qkv_bias is False:
             raise _invalid("model.qkv_bias", False, "gpt-oss has a bias on every linear layer (HF attention_bias "
                            "false is not supported); set model.qkv_bias=true or null")

@@ -145,7 +145,8 @@ class MaskedAttention(_CoreAttention):
         if attention_mask is None:
             attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(sk - sq + 1)
         if self.window is not None:  # the last queries are the last positions
-            distance = torch.arange(sq, device=scores.device)[:, None] + (sk - sq) - torch.arange(sk, device=scores.device)
+            positions = torch.arange(sk, device=scores.device)
+            distance = positions[sk - sq:, None] - positions  # query i is key position i + sk - sq
             attention_mask = attention_mask | (distance > self.window)
         scores = scores.masked_fill(attention_mask, float("-inf"))
         if self.softmax_offset is None:

@@ -500,7 +500,8 @@ def test_gpt_oss_experts_compute_what_transformers_computes():
     experts = model.model.layers[1].mlp.experts
     with torch.no_grad():  # large enough that the clamp bites
         experts.gate_up_proj.mul_(200.0)
-        experts.gate_up_proj_bias.copy_(torch.randn(experts.gate_up_proj_bias.shape, generator=torch.Generator().manual_seed(1)))
+        bias = torch.randn(experts.gate_up_proj_bias.shape, generator=torch.Generator().manual_seed(1))
+        experts.gate_up_proj_bias.copy_(bias)
     meg = get_converter("gpt_oss").hf_to_megatron(hub_state_dict(model), cfg)
     x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     for e in range(cfg.num_experts):
@@ -511,7 +512,8 @@ def test_gpt_oss_experts_compute_what_transformers_computes():
         m = f"decoder.layers.1.mlp.experts.local_experts.{e}."
         gate, up = (x @ meg[m + "linear_fc1.weight"].t() + meg[m + "linear_fc1.bias"]).chunk(2, dim=-1)
         gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
-        got = (gate * torch.sigmoid(1.702 * gate) * (up + 1)) @ meg[m + "linear_fc2.weight"].t() + meg[m + "linear_fc2.bias"]
+        activated = gate * torch.sigmoid(1.702 * gate) * (up + 1)
+        got = activated @ meg[m + "linear_fc2.weight"].t() + meg[m + "linear_fc2.bias"]
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
@@ -522,8 +524,8 @@ def test_gpt_oss_stacked_experts_are_read_by_rows():
     conv = get_converter("gpt_oss")
     names = conv.hf_names(cfg, [1], False, True, experts=range(2, 4))
     stacked = conv.stacked_expert_names(names)
-    assert stacked == {f"model.layers.1.mlp.experts.{n}" for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
-                                                                      "down_proj_bias")}
+    endings = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    assert stacked == {f"model.layers.1.mlp.experts.{n}" for n in endings}
     hf = hub_state_dict(build_hf_model(cfg, seed=0))
     rows = {n: (hf[n][2:4] if n in stacked else hf[n]) for n in names}
     meg = conv.hf_to_megatron(rows, cfg, first_expert=2)

@@ -169,7 +169,8 @@ class GptOssConverter(DenseDecoderConverter):
             down.append(meg[src + "linear_fc2.weight"].t())
             down_bias.append(meg[src + "linear_fc2.bias"])
         block = h + "mlp.experts."
-        out.update({block + "gate_up_proj": torch.stack(gate_up), block + "gate_up_proj_bias": torch.stack(gate_up_bias),
+        out.update({block + "gate_up_proj": torch.stack(gate_up),
+                    block + "gate_up_proj_bias": torch.stack(gate_up_bias),
                     block + "down_proj": torch.stack(down), block + "down_proj_bias": torch.stack(down_bias)})
         return out
 
