@@ -126,17 +126,16 @@ class Runner:
 
 def policy_engine(path: str, tokenizer: Any) -> Any:
     """An hf rollout engine holding the weights of an HF checkpoint directory (e.g. one the
-    training run exported with checkpoint.hf_export_*)."""
+    training run exported with checkpoint.hf_export_*). The tensors are read from its safetensors
+    files as weight sync sends them (hub names), so a checkpoint whose config.json names a remote-code
+    model_type of a supported architecture (Kimi-K2's kimi_k2) loads without running its code."""
     import dataclasses
 
-    from transformers import AutoModelForCausalLM
-
-    from megatron_rl.checkpoint.hf import arch_from_hf_config
+    from megatron_rl.checkpoint.hf import arch_from_hf_config, read_tensors
     from megatron_rl.config import ModelConfig
     from megatron_rl.rollout.hf_engine import HFEngine
 
     cfg = dataclasses.replace(ModelConfig(), **arch_from_hf_config(path))
     engine = HFEngine(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    engine.update_weights(list(model.state_dict().items()), version=1)
+    engine.update_weights(read_tensors(path).items(), version=1)
     return engine

@@ -9,12 +9,15 @@ layer's norm is fused into its `linear_fc1` while the MoE layers keep `pre_mlp_l
 (`weight_sync.sharding.canonical_name` maps both to the converters' names), and tokens travel
 with the all-to-all dispatcher, which the CPU path never uses. And for a DeepSeek-V3-style model:
 multi-latent attention on TE (replicated down projections, latent norms fused into the up
-projections, keys and values of different widths in TE's THD attention) with YaRN."""
+projections, keys and values of different widths in TE's THD attention) with YaRN. And for a gpt-oss-style
+model: TE's attention with learned sinks and sliding windows over THD rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.distributed.test_gpt_oss import ARCH as GPT_OSS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -31,7 +34,11 @@ MODELS = {"qwen2": dict(num_layers=2),
                               q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
                               rope_scaling_factor=8.0, max_position_embeddings=512,
                               rope_scaling_original_max_position_embeddings=64, rope_scaling_mscale=1.0,
-                              rope_scaling_mscale_all_dim=1.0, tie_word_embeddings=False)}
+                              rope_scaling_mscale_all_dim=1.0, tie_word_embeddings=False),
+          # gpt-oss: TE's attention with sinks (softmax_type learnable) and a 16-token window in layers 0 and 2
+          # over THD rows, biased experts, YaRN on GPTModel
+          "gpt_oss": {k: v for k, v in GPT_OSS.items() if k != "num_layers"} | dict(num_layers=3,
+                                                                                sliding_window_layers=[0, 2])}
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from megatron_rl.quality import checks
 from megatron_rl.quality.audit import audit
@@ -88,3 +89,24 @@ def test_audit_flags_shortcuts_among_high_reward_trajectories(tmp_path):
     assert [r["model_tokens"] for r in records] == [5, 40, 42, 44]  # top reward, shortest first
     assert [r["flags"] for r in records] == [["suspiciously_short"], [], ["test_edit"], []]
     assert counts == {"audit/flagged": 2.0, "audit/flagged_rewarded": 2.0}
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen2", "tiny_qwen3_moe", "tiny_gpt_oss"])
+def test_policy_engine_holds_the_checkpoints_weights(tmp_path, model):
+    """The difficulty policy's engine holds exactly the checkpoint's tensors, whether transformers keeps them
+    as written (Qwen2), fuses the experts in memory (Qwen3-MoE) or stores them stacked (gpt-oss)."""
+    import types
+
+    from megatron_rl.checkpoint.hf import read_tensors
+    from megatron_rl.config import load_config
+    from megatron_rl.models.hf import build_hf_model
+    from megatron_rl.quality.runner import policy_engine
+
+    model_cfg = load_config([f"model={model}"], world_size=1).model
+    build_hf_model(model_cfg, seed=3).save_pretrained(tmp_path)
+    engine = policy_engine(str(tmp_path), types.SimpleNamespace(eos_token_id=0, pad_token_id=0))
+    held, written = engine.hf_state_dict(), read_tensors(tmp_path)
+    assert set(written) <= set(held)
+    for name, tensor in written.items():
+        assert torch.equal(held[name], tensor), name
+    assert engine.weight_version == 1
