@@ -44,7 +44,9 @@ _ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_a
                 "moe_shared_expert_intermediate_size", "moe_dense_layers", "rope_scaling_factor", "rotary_percent",
                 "moe_router_num_groups", "moe_router_group_topk", "moe_routed_scaling_factor",
                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                "sliding_window", "sliding_window_layers", "swiglu_limit")
+                "sliding_window", "sliding_window_layers", "swiglu_limit",
+                "rope_scaling_original_max_position_embeddings", "rope_scaling_beta_fast", "rope_scaling_beta_slow",
+                "rope_scaling_mscale", "rope_scaling_mscale_all_dim", "rope_scaling_truncate")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -106,7 +108,13 @@ def _sharded_state_dict(trainer, is_loading: bool) -> dict[str, Any]:
 
 def _layout(groups) -> dict[str, int]:
     return {"world_size": groups.world_size, "tp": groups.tp_size, "pp": groups.pp_size, "cp": groups.cp_size,
-            "dp": groups.dp_size, "ep": groups.ep_size}
+            "dp": groups.dp_size, "ep": groups.ep_size, "etp": groups.etp_size}
+
+
+def _expert_optimizer(layout: dict[str, int]) -> bool:
+    """Whether Megatron-core keeps the experts in an optimizer of their own: when they are expert-parallel
+    (ep > 1), or reduced over their own data-parallel group (etp != tp: models/gpt.py tags them so)."""
+    return layout["ep"] > 1 or layout["etp"] != layout["tp"]
 
 
 def _barrier() -> None:
@@ -218,7 +226,19 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
 
     path = Path(path)
     meta = check_compatible(path, trainer.model_cfg)
-    saved_layout = {"ep": 1, "cp": 1, **meta["layout"]}  # checkpoints from before expert / context parallelism
+    # checkpoints from before expert / context parallelism, and from before parallel.etp (expert TP = tp)
+    saved_layout = {"ep": 1, "cp": 1, **meta["layout"]}
+    saved_layout.setdefault("etp", saved_layout["tp"])
+    current = _layout(trainer.groups)
+    if _expert_optimizer(saved_layout) != _expert_optimizer(current) and saved_layout["ep"] == current["ep"]:
+        # as for ep below: the experts moved between the dense optimizer and one of their own
+        where = {True: "an optimizer of their own", False: "the dense optimizer"}
+        raise ValueError(f"checkpoint {path} keeps the experts in {where[_expert_optimizer(saved_layout)]} "
+                         f"(parallel.tp={saved_layout['tp']}, expert TP {saved_layout['etp']}), this run in "
+                         f"{where[_expert_optimizer(current)]} (parallel.tp={current['tp']}, "
+                         f"expert TP {current['etp']}): "
+                         "Megatron-core cannot load an optimizer across that; resume with expert TP equal to "
+                         "parallel.tp, or 1 at parallel.tp > 1, as the checkpoint has it")
     if saved_layout["ep"] != trainer.groups.ep_size:
         # Megatron-core keeps expert parameters in a separate optimizer when ep > 1 and saves a
         # chained optimizer in another structure (optimizer.py:1200-1213); loading across that

@@ -179,19 +179,21 @@ def _validate_experts(cfg: TrainConfig, world_size: int) -> None:
             f"valid parallel.ep values divide {model.num_experts} ({_divisors(model.num_experts)})"
         )
     etp = par.expert_tp(model)
-    expert_layout = etp * par.ep * par.pp  # megatron/core/parallel_state.py:789
-    if world_size % expert_layout != 0:
-        valid = [e for e in range(1, world_size // (etp * par.pp) + 1)
-                 if world_size % (etp * e * par.pp) == 0 and model.num_experts % e == 0]
-        raise ConfigError(
-            f"parallel.ep={par.ep} is invalid for world_size={world_size} with expert tensor-parallel size "
-            f"{etp} (parallel.etp), parallel.pp={par.pp}: etp*ep*pp={expert_layout} must divide the world size "
-            f"(experts are split over data-parallel ranks); valid parallel.ep values are {', '.join(map(str, valid))}"
-        )
     if model.linear_bias and etp != 1:  # megatron/core/transformer/transformer_config.py:1588-1591
         raise ConfigError(
             f"parallel.etp={etp} is invalid for model.family={model.family}: its experts have biases, which "
             "Megatron-core supports only with expert tensor-parallel size 1; set parallel.etp=1 (or null)"
+        )
+    expert_layout = etp * par.ep * par.pp  # megatron/core/parallel_state.py:789
+    if world_size % expert_layout != 0:
+        valid = [e for e in range(1, world_size // (etp * par.pp) + 1)
+                 if world_size % (etp * e * par.pp) == 0 and model.num_experts % e == 0]
+        etp_source = "parallel.etp" if par.etp is not None else "parallel.etp=null: parallel.tp"
+        raise ConfigError(
+            f"parallel.ep={par.ep} is invalid for world_size={world_size} with expert tensor-parallel size "
+            f"{etp} ({etp_source}), parallel.pp={par.pp}: etp*ep*pp={expert_layout} must divide the world size "
+            f"(experts are split over data-parallel ranks); valid parallel.ep values are {', '.join(map(str, valid))}"
+            + ("; or set parallel.etp=1" if etp > 1 else "")
         )
     if par.tp > 1 and not par.sequence_parallel:  # megatron/core/transformer/moe/moe_layer.py:379
         raise ConfigError(

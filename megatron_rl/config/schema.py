@@ -158,6 +158,11 @@ class ModelConfig:
     moe_router_num_groups."""
     moe_routed_scaling_factor: float = 1.0
     """glm4_moe, deepseek_v2, deepseek_v3: factor on the routed experts' weights (HF routed_scaling_factor)."""
+    moe_router_bias_update_rate: float = 0.0
+    """glm4_moe, deepseek_v3: auxiliary-loss-free load balancing (Megatron's moe_router_bias_update_rate): after
+    every optimizer step each expert's selection bias moves by this much, up when the step's real tokens (not
+    padding) chose it less often than the experts' mean, down when more often; 0 keeps the checkpoint's bias
+    (DeepSeek-V3's pre-training used 0.001)."""
     q_lora_rank: Optional[int] = None
     """deepseek_v2, deepseek_v3 multi-latent attention: width of the compressed query (HF q_lora_rank;
     DeepSeek-V3: 1536); null projects queries directly, without compression (as DeepSeek-V2-Lite and
@@ -279,6 +284,11 @@ class ModelConfig:
             raise _invalid("model.rotary_percent", self.rotary_percent, "only model.family=glm4_moe rotates part of "
                            "each head; set model.rotary_percent=1")
         self._check_moe()
+        _check_min("model.moe_router_bias_update_rate", self.moe_router_bias_update_rate, 0)
+        if self.moe_router_bias_update_rate and (not self.is_moe or self.family not in self.SIGMOID_ROUTER_FAMILIES):
+            raise _invalid("model.moe_router_bias_update_rate", self.moe_router_bias_update_rate,
+                           "only the sigmoid routers with a selection bias (model.family="
+                           f"{', '.join(self.SIGMOID_ROUTER_FAMILIES)}) have a bias to update; set it to 0")
         self._check_gpt_oss()
         if self.family not in self.GROUPED_ROUTER_FAMILIES:
             for key, default in self.GROUPED_ROUTER_ONLY.items():
@@ -649,7 +659,8 @@ class ParallelConfig:
     algorithm.policy_loss=gspo, whose ratio needs a whole sequence on one rank."""
     ep: int = 1
     """Expert-parallel size (Megatron's expert_model_parallel_size): experts are split over ep ranks
-    taken from the data-parallel ranks; must divide model.num_experts and world_size / (tp * pp)."""
+    taken from the data-parallel ranks; must divide model.num_experts, and etp * ep * pp the world size (etp:
+    the expert tensor-parallel size below)."""
     etp: Optional[int] = None
     """Expert tensor-parallel size (Megatron's expert_tensor_parallel_size): experts split over etp ranks
     of each tensor-parallel group; null means tp, except for model.family=gpt_oss, whose biased experts

@@ -14,13 +14,14 @@ Conversion to and from Hugging Face layouts lives in `megatron_rl.weight_sync.fa
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from megatron_rl.parallel.state import ParallelGroups
 
 logger = logging.getLogger(__name__)
+Tensor = torch.Tensor
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -206,9 +207,9 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
         moe_router_topk=model_cfg.moe_router_topk,
         moe_router_score_function="sigmoid" if sigmoid else "softmax",
         moe_router_enable_expert_bias=sigmoid,
-        # The selection bias stays the checkpoint's: Megatron's auxiliary-loss-free update would count the
-        # trainer's padding rows (added for equal shapes under EP) in its expert-load statistics.
-        moe_router_bias_update_rate=0.0,
+        # Auxiliary-loss-free balancing (0: the checkpoint's bias stays); the trainer passes its padding as
+        # padding_mask, so that only real tokens count in the expert loads (and in the load-balancing loss).
+        moe_router_bias_update_rate=model_cfg.moe_router_bias_update_rate,
         moe_router_num_groups=model_cfg.moe_router_num_groups if grouped else None,
         moe_router_group_topk=model_cfg.moe_router_group_topk if grouped else None,
         moe_router_topk_scaling_factor=(model_cfg.moe_routed_scaling_factor
@@ -300,6 +301,21 @@ def decoder_spec(model_cfg: Any, config: Any, use_te: bool, cp_size: int = 1):
         layer_norm=LayerNormImpl)
 
 
+def te_sink_attention_problem(te_version: str, cudnn_version: int) -> Optional[str]:
+    """Why Transformer Engine cannot run attention with learned sinks over the trainer's packed THD rows, or
+    None. Before TE 2.12 its backend selection turns every backend off for sinks in THD layout, and its fused
+    attention supports them there from cuDNN 9.18 (NVIDIA/TransformerEngine#2483 and #2568)."""
+    from packaging.version import Version
+
+    if Version(te_version) < Version("2.12"):
+        return (f"Transformer Engine {te_version} has no attention backend for sinks over packed (THD) rows; "
+                "it needs Transformer Engine >= 2.12 with cuDNN >= 9.18")
+    if cudnn_version < 91800:
+        return (f"cuDNN {cudnn_version} cannot run attention sinks over packed (THD) rows in Transformer Engine's "
+                "fused attention; it needs cuDNN >= 9.18 (91800)")
+    return None
+
+
 def uses_te(groups: ParallelGroups) -> bool:
     """Whether `build_model` picks the Transformer Engine spec by default."""
     return groups.device.type != "cpu" and te_available()
@@ -315,6 +331,12 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
 
     if use_te is None:
         use_te = uses_te(groups)
+    if use_te and model_cfg.attention_sinks:
+        import transformer_engine
+
+        problem = te_sink_attention_problem(transformer_engine.__version__, torch.backends.cudnn.version() or 0)
+        if problem:
+            raise RuntimeError(f"model.family={model_cfg.family} on the Transformer Engine spec: {problem}")
     config = transformer_config(model_cfg, groups, deterministic=deterministic)
     model = GPTModel(
         config=config,
@@ -335,7 +357,8 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
         rotary_percent=model_cfg.rotary_percent,
     )
     _mark_sinks_tensor_parallel(model)
-    _unreduced_unsplit_expert_outputs(model)
+    _expert_outputs_of_their_own(model)
+    _expert_loads_without_padding(model)
     if groups.etp_size != groups.tp_size:
         _experts_reduced_over_expert_data_parallel(model)
     return model.to(groups.device)
@@ -369,22 +392,48 @@ def _experts_reduced_over_expert_data_parallel(model: torch.nn.Module) -> None:
                 param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
 
 
-def _unreduced_unsplit_expert_outputs(model: torch.nn.Module) -> None:
-    """Works around a Megatron-core bug that stops biased experts from training without expert parallelism.
+def _expert_loads_without_padding(model: torch.nn.Module) -> None:
+    """Works around a Megatron-core bug in the expert loads behind the auxiliary-loss-free bias update: given a
+    padding mask, the router drops the padded tokens with `routing_map & ~padding_mask`, a [tokens, experts]
+    map against a [tokens] mask (moe/router.py:542, after routing() flattened the mask at :564), which
+    broadcasts over the experts and fails (or, with as many tokens as experts, masks the wrong entries).
+    Each router with a selection bias gets the same count with the mask over the tokens."""
+    import types
 
-    An expert MLP adds its output bias, weighted by the routing probability, in place
-    (transformer/mlp.py:244-248). Unless the expert's down projection talks to other ranks itself
-    (`explicit_expert_comm`: expert TP or EP > 1, tensor_parallel/layers.py:1164), its output went through
-    `reduce_from_tensor_model_parallel_region`, which returns its input as it is over a group of one, and
-    autograd refuses the in-place add on that view ("Output 0 of _ReduceFromModelParallelRegion is a view
-    and is being modified inplace"). Over a group of one the reduction does nothing, so taking the
-    explicit-communication path there (output = the matmul's own result) changes no value."""
-    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def apply_expert_bias(router: Any, routing_map: Tensor, padding_mask: Optional[Tensor] = None) -> None:
+        if router.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                router.local_tokens_per_expert += routing_map.sum(dim=0)
 
     for module in model.modules():
-        if (isinstance(module, RowParallelLinear) and module.is_expert and module.bias is not None
-                and not module.explicit_expert_comm and module.tp_group.size() == 1):
-            module.explicit_expert_comm = True
+        if isinstance(module, TopKRouter) and module.enable_expert_bias:
+            module._apply_expert_bias = types.MethodType(apply_expert_bias, module)
+
+
+def _expert_outputs_of_their_own(model: torch.nn.Module) -> None:
+    """Works around a Megatron-core bug that stops biased experts (gpt-oss) from training.
+
+    An expert MLP adds its output bias, weighted by the routing probability, in place onto its down
+    projection's output (transformer/mlp.py:244-248). That output is a view made inside an autograd function
+    wherever the projection returns its input as it is: the local spec's `RowParallelLinear` without expert
+    communication (EP 1 and expert TP 1) returns the reduction over a group of one
+    (tensor_parallel/layers.py:1286-1296, mappings.py:27), TE's linear a reshaped view of its GEMM output;
+    autograd refuses the in-place add there ("Output 0 of _ReduceFromModelParallelRegion is a view and is being
+    modified inplace"). A forward hook on each biased expert's down projection hands the MLP a copy instead
+    whenever the output is such a view (the same values; one copy of the expert's output)."""
+    def own_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        out, bias = output
+        return (out.clone() if out._base is not None else out), bias
+
+    if not model.config.add_bias_linear:
+        return
+    for name, module in model.named_modules():
+        if ".mlp.experts." in name and name.endswith("linear_fc2") and getattr(module, "bias", None) is not None:
+            module.register_forward_hook(own_output)
 
 
 def _mark_sinks_tensor_parallel(model: torch.nn.Module) -> None:

@@ -39,8 +39,9 @@ class ParallelGroups:
     pp_first_rank: int
     sequence_parallel: bool
     device: torch.device
-    # Experts: split over `ep_size` ranks carved out of the data-parallel ranks; within an
-    # expert, split over the expert tensor-parallel group (Megatron's default: size tp).
+    # Experts: split over `ep_size` ranks carved out of the data-parallel ranks (with an expert
+    # tensor-parallel size below tp, of the tensor-parallel ranks too); within an expert, split over the
+    # expert tensor-parallel group (size `etp`: tp, or 1 for gpt-oss).
     ep_size: int = 1
     ep_rank: int = 0
     ep_group: Optional[dist.ProcessGroup] = None

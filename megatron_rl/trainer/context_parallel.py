@@ -68,6 +68,7 @@ def shard(mb: MicroBatch, cp_size: int, cp_rank: int, with_mask: bool) -> MicroB
         mb,
         input_ids=mb.input_ids[:, held],
         position_ids=mb.position_ids[:, held],
+        padding=mb.padding[:, held],
         targets=mb.targets[:, held],
         attention_mask=mask,
         valid=local_of[mb.valid[keep]],

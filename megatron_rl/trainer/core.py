@@ -251,6 +251,19 @@ class Trainer:
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
 
+    def _padding_mask(self, mb: MicroBatch) -> Optional[Tensor]:
+        """The row's padding for a mixture of experts' routers (None for a dense model): their expert loads
+        (auxiliary-loss-free bias update) and load-balancing loss then count only real tokens. GPTModel splits
+        it over the TP ranks' sequence shards only on the first pipeline stage (gpt_model.py:314-321); the
+        other stages get their shard here."""
+        if not self.model_cfg.is_moe:
+            return None
+        if not (self.groups.sequence_parallel and not self.groups.is_first_stage):
+            return mb.padding
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        return scatter_to_sequence_parallel_region(mb.padding.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+
     def _run(self, micro: list[MicroBatch], loss_func_for: Callable[[MicroBatch], Callable],
              forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -258,7 +271,7 @@ class Trainer:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             output = model(mb.input_ids, mb.position_ids, mb.attention_mask,
-                           packed_seq_params=self._packed_seq_params(mb))
+                           packed_seq_params=self._packed_seq_params(mb), padding_mask=self._padding_mask(mb))
             return output, loss_func_for(mb)
 
         # Fused log-probs: the last stage's model returns hidden states, `_target_stats` does the rest.

@@ -65,6 +65,7 @@ class MicroBatch:
     position_ids: Tensor  # [1, S]
     targets: Tensor  # [1, S]
     attention_mask: Optional[Tensor]  # [1, 1, S, S] bool, True = masked out; None: THD attention
+    padding: Tensor  # [1, S] bool, True = a position no sample's token occupies
     cu_seqlens: Tensor  # [n+1] int32 (THD attention)
     valid: Tensor  # [T] long
     sample_ids: Tensor  # [T] long
@@ -168,6 +169,7 @@ def _pack_row(samples: Sequence[Sample], row: list[int], seq_len: int, pad_token
     targets = torch.full((seq_len,), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros(seq_len, dtype=torch.long)
     segment = torch.full((seq_len,), -1, dtype=torch.long)
+    padding = torch.ones(seq_len, dtype=torch.bool)
     valid, sample_ids, masks, cu = [], [], [], [0]
     extras: dict[str, list[Tensor]] = {k: [] for k in keys}
     offset = 0
@@ -176,6 +178,7 @@ def _pack_row(samples: Sequence[Sample], row: list[int], seq_len: int, pad_token
         n = s.tokens.numel()
         slot = _round_up(n, segment_multiple)
         input_ids[offset:offset + n] = s.tokens
+        padding[offset:offset + n] = False
         targets[offset:offset + n - 1] = s.tokens[1:]
         position_ids[offset:offset + slot] = torch.arange(slot)
         segment[offset:offset + slot] = seg
@@ -202,6 +205,7 @@ def _pack_row(samples: Sequence[Sample], row: list[int], seq_len: int, pad_token
         position_ids=position_ids.unsqueeze(0),
         targets=targets.unsqueeze(0),
         attention_mask=mask,
+        padding=padding.unsqueeze(0),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         valid=_cat(valid, torch.long),
         sample_ids=_cat(sample_ids, torch.long),

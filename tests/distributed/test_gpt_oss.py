@@ -1,11 +1,13 @@
 """gpt-oss checkpoints written by `transformers` itself: the architecture read from their config.json, loaded
-into Megatron (single process, EP=2, PP=2, TP=2 with sequence parallelism and expert TP 1), gives the
+into Megatron (single process, EP=2, PP=2, TP=2 with sequence parallelism and expert TP 1, the same with EP=2
+over the TP ranks), gives the
 log-probs and entropies `transformers` computes, and the export loads back into `transformers` bit-exactly.
 
 The checkpoint is made to exercise what gpt-oss adds, each guarded by a test that transformers without it is
 far (> 100x the tolerance) from the checkpoint's log-probs, so that a Megatron run ignoring it would fail:
 - attention sinks: random sink logits of std 2 (transformers initialises them near 0);
-- sliding windows of 16 tokens in layers 0 and 2 (sequences of 77-300 tokens; two share a packed row);
+- sliding windows of 16 tokens in layers 0 and 3 (sequences of 77-300 tokens; two share a packed row; under
+  PP=2 a window found by the stage's own layer index instead of the global one would fall on layer 2);
 - YaRN with truncate false (factor 4 over an original context of 128), the attention sharpened (Q, K x 4)
   so that positions matter;
 - the experts' clamped SwiGLU with the +1 on the up projection: expert weights scaled by 40 so that the
@@ -29,9 +31,10 @@ ARCH = dict(family="gpt_oss", num_layers=4, hidden_size=128, ffn_hidden_size=64,
             num_query_groups=2, head_dim=32, vocab_size=128, max_position_embeddings=512, rope_theta=150000.0,
             rope_scaling_factor=4.0, rope_scaling_original_max_position_embeddings=128, rope_scaling_truncate=False,
             norm_eps=1e-5, tie_word_embeddings=False, num_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2,
-            sliding_window=16, sliding_window_layers=[0, 2], swiglu_limit=7.0)
+            sliding_window=16, sliding_window_layers=[0, 3], swiglu_limit=7.0)
 LAYOUTS = {"tp1": dict(tp=1, pp=1, ep=1), "ep2": dict(tp=1, pp=1, ep=2), "pp2": dict(tp=1, pp=2, ep=1),
-           "tp2_sp": dict(tp=2, pp=1, ep=1)}  # experts unsplit (etp=1): Megatron-core's condition for their biases
+           "tp2_sp": dict(tp=2, pp=1, ep=1),  # experts unsplit (etp=1): Megatron-core's condition for their biases
+           "tp2_sp_ep2": dict(tp=2, pp=1, ep=2)}  # and the two TP ranks hold different experts
 LENGTHS = (300, 77, 180)
 TOL = 2e-5
 
@@ -91,7 +94,7 @@ def checkpoint(tmp_path_factory):
 def results(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     run_spawned(_worker, 1, str(checkpoint), ["tp1"], str(out))
-    run_spawned(_worker, 2, str(checkpoint), ["ep2", "pp2", "tp2_sp"], str(out))
+    run_spawned(_worker, 2, str(checkpoint), ["ep2", "pp2", "tp2_sp", "tp2_sp_ep2"], str(out))
     return out, {k: v for world in (1, 2) for k, v in torch.load(out / f"logprobs-{world}.pt").items()}
 
 
@@ -137,13 +140,14 @@ def test_export_is_bit_exact(checkpoint, results, layout):
 
 
 def test_sinks_windows_yarn_and_clamp_change_the_reference(checkpoint, tmp_path):
-    """Guards the comparison: transformers without the sinks, without sliding windows, with YaRN's correction
-    range rounded (truncate true), or with the SwiGLU clamp lifted, is far from the checkpoint's."""
+    """Guards the comparison: transformers without the sinks, without sliding windows, with the windows in the
+    layers a stage-local layer index would pick under PP=2 (0 and 2), with YaRN's correction range rounded
+    (truncate true), or with the SwiGLU clamp lifted, is far from the checkpoint's."""
     from transformers import AutoModelForCausalLM
 
     reference = _hf_logprobs(checkpoint)
     config = json.loads((checkpoint / "config.json").read_text())
-    assert config["layer_types"][:2] == ["sliding_attention", "full_attention"]
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -152,6 +156,7 @@ def test_sinks_windows_yarn_and_clamp_change_the_reference(checkpoint, tmp_path)
     variants = {
         "no sinks": _hf_logprobs(tmp_path / "no_sinks"),
         "no windows": _hf_logprobs(checkpoint, layer_types=["full_attention"] * 4),
+        "windows by stage index": _hf_logprobs(checkpoint, layer_types=["sliding_attention", "full_attention"] * 2),
         "truncated yarn": _hf_logprobs(checkpoint, rope_parameters={**config["rope_parameters"], "truncate": True}),
         "no clamp": _hf_logprobs(checkpoint, swiglu_limit=1e9),
     }

@@ -4,7 +4,8 @@ multi-latent attention, DeepSeek-V2 with its grouped softmax router, gpt-oss wit
 windows and clamped experts) gives the same forward and
 training step in every parallel layout as in a single process: EP=2 (the two ranks hold experts
 0-1 and 2-3 and exchange tokens), EP=2 with the distributed optimizer, TP=2 with sequence parallelism
-(Megatron-core trains MoE layers with TP only under SP), and PP=2. Qwen2-MoE's shared expert is split
+(Megatron-core trains MoE layers with TP only under SP), the same with the experts unsplit over the TP ranks
+(parallel.etp=1; gpt-oss's only TP layout), and PP=2. Qwen2-MoE's shared expert is split
 over TP ranks like a dense MLP and replicated over EP ranks; its gate weight is replicated on every
 rank, and under SP each TP rank sees only part of the sequence, so a gate gradient not summed over
 TP leaves the ranks' copies different after the step (by 2e-3 when tried: caught below).
@@ -50,8 +51,9 @@ MODELS = {
                      moe_dense_layers=[0], moe_router_num_groups=2, moe_router_group_topk=1,
                      moe_routed_scaling_factor=2.5, rotary_percent=0.5, qk_layernorm=True),
     # DeepSeek-V3: multi-latent attention (latents and their norms replicated over TP ranks, up projections
-    # split by heads) with YaRN, GLM's router; layer 0 dense, one shared expert (test_family_parity's checkpoint)
-    "deepseek_v3": FAMILY_CHECKPOINTS["deepseek_v3"],
+    # split by heads) with YaRN, GLM's router; layer 0 dense, one shared expert (test_family_parity's checkpoint);
+    # auxiliary-loss-free balancing on (GLM-4.5's bias stays frozen)
+    "deepseek_v3": {**FAMILY_CHECKPOINTS["deepseek_v3"], "moe_router_bias_update_rate": 1e-3},
     # DeepSeek-V2: direct queries, softmax router over 8 experts in 4 groups, weights scaled, not renormalised
     "deepseek_v2": dict(family="deepseek_v2", num_layers=4, tie_word_embeddings=False, num_query_groups=4,
                         num_experts=8, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64,
@@ -59,13 +61,15 @@ MODELS = {
                         moe_routed_scaling_factor=1.5, moe_dense_layers=[0], q_lora_rank=None, kv_lora_rank=32,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24),
     # gpt-oss: biases everywhere (experts unsplit over TP: etp=1), attention sinks split over TP with the heads,
-    # sliding windows (16 tokens) in layers 0 and 2, YaRN, clamped SwiGLU experts (test_gpt_oss's architecture)
+    # sliding windows (16 tokens) in layers 0 and 3, YaRN, clamped SwiGLU experts (test_gpt_oss's architecture)
     "gpt_oss": GPT_OSS,
 }
 LAYOUTS = {
     "ep2": dict(tp=1, pp=1, ep=2, sequence_parallel=False, distopt=False),
     "ep2_distopt": dict(tp=1, pp=1, ep=2, sequence_parallel=False, distopt=True),
     "tp2_sp": dict(tp=2, pp=1, ep=1, sequence_parallel=True, distopt=False),
+    # experts unsplit over the TP ranks (parallel.etp=1): each TP rank runs whole experts on its sequence shard
+    "tp2_sp_etp1": dict(tp=2, pp=1, ep=1, sequence_parallel=True, distopt=False, etp=1),
     "pp2": dict(tp=1, pp=2, ep=1, sequence_parallel=False, distopt=False),
 }
 REFERENCE = dict(tp=1, pp=1, ep=1, sequence_parallel=False, distopt=False)
@@ -136,7 +140,7 @@ def _worker(rank: int, world: int, model: str, layouts: dict, out_path: str) -> 
     results = {}
     for name, layout in layouts.items():
         groups = state.initialize(layout["tp"], layout["pp"], layout.get("cp", 1), ep=layout["ep"],
-                                  etp=1 if model_cfg.linear_bias else None,
+                                  etp=layout.get("etp", 1 if model_cfg.linear_bias else None),
                                   sequence_parallel=layout["sequence_parallel"])
         trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-3, clip_grad=1.0), groups,
                           TrainerOptions(micro_batch_tokens=MICRO_BATCH_TOKENS,
@@ -206,11 +210,73 @@ def test_reference_step_moves_every_weight_and_expert(results):
     for i in MODELS[model].get("moe_dense_layers", []):
         assert {k for k in ref["weights"] if k.startswith(f"decoder.layers.{i}.mlp.")} == {
             f"decoder.layers.{i}.mlp.linear_fc{j}.weight" for j in (1, 2)}
+    rate = MODELS[model].get("moe_router_bias_update_rate", 0.0)
     for key, value in ref["weights"].items():
-        if key.endswith(".router.expert_bias"):  # GLM-4.5's selection bias stays the checkpoint's
-            assert torch.equal(value, initial[key]), key
+        if key.endswith(".router.expert_bias"):
+            if rate == 0:  # GLM-4.5's selection bias stays the checkpoint's
+                assert torch.equal(value, initial[key]), key
             continue
         assert (value - initial[key]).abs().max() > 1e-5, f"{key} did not change"
+
+
+def _hf_expert_loads(model: str) -> dict[int, torch.Tensor]:
+    """Tokens of the samples (padding excluded) that transformers' model on the initial weights routes to
+    each expert, per sparse layer (counted from its routers' chosen indices)."""
+    from megatron_rl.models.hf import build_hf_model
+
+    hf = build_hf_model(_model_cfg(model), seed=3)
+    full = _initial_weights(model)
+    loads, hooks = {}, []
+    for i, layer in enumerate(hf.model.layers):
+        if f"decoder.layers.{i}.mlp.router.expert_bias" not in full:
+            continue
+        with torch.no_grad():
+            layer.mlp.gate.e_score_correction_bias.copy_(full[f"decoder.layers.{i}.mlp.router.expert_bias"])
+        loads[i] = torch.zeros(MODELS[model]["num_experts"])
+
+        def count(module, args, output, i=i):
+            loads[i] += torch.bincount(output[2].reshape(-1), minlength=len(loads[i])).float()
+        hooks.append(layer.mlp.gate.register_forward_hook(count))
+    with torch.no_grad():
+        for sample in _samples():
+            hf(sample.tokens[None])
+    for hook in hooks:
+        hook.remove()
+    return loads
+
+
+def test_selection_bias_moves_towards_balance(results):
+    """With moe_router_bias_update_rate, the step moves each expert's selection bias by the rate towards balance
+    (up if the batch's tokens chose it less often than the mean, down if more), counting the tokens as
+    transformers routes them: padding rows and padded positions (which the EP and TP layouts add and the
+    layouts below compare) do not count."""
+    model, ref, _ = results
+    rate = MODELS[model].get("moe_router_bias_update_rate", 0.0)
+    if not rate:
+        pytest.skip(f"{model}: no selection-bias update")
+    initial = _initial_weights(model)
+    loads = _hf_expert_loads(model)
+    assert loads and all(load.sum() == sum(LENGTHS) * MODELS[model]["moe_router_topk"] for load in loads.values())
+    for i, load in loads.items():
+        key = f"decoder.layers.{i}.mlp.router.expert_bias"
+        expected = initial[key] + rate * torch.sign(load.mean() - load)
+        assert torch.allclose(ref["weights"][key], expected, atol=1e-7), (i, load, ref["weights"][key] - initial[key])
+
+
+def test_tensor_pipeline_and_sequence_parallel_together(tmp_path):
+    """DeepSeek-V3 (selection bias updated) at TP=2 + SP x PP=2 on four ranks: the second stage's routers get
+    their sequence shard of the padding mask from the trainer (GPTModel splits it on the first stage only);
+    the step equals the single-process one, bias update included."""
+    run_spawned(_worker, 1, "deepseek_v3", {"ref": REFERENCE}, str(tmp_path / "ref.pt"))
+    layout = dict(tp=2, pp=2, ep=1, sequence_parallel=True, distopt=False)
+    run_spawned(_worker, 4, "deepseek_v3", {"tp2_pp2_sp": layout}, str(tmp_path / "run.pt"))
+    ref, run = torch.load(tmp_path / "ref.pt")["ref"], torch.load(tmp_path / "run.pt")["tp2_pp2_sp"]
+    for got, want in zip(run["logprobs"], ref["logprobs"], strict=True):
+        assert torch.allclose(got, want, atol=2e-5), (got - want).abs().max()
+    assert run["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
+    assert run["replica_drift"] == 0.0
+    for key, want in ref["weights"].items():
+        assert (run["weights"][key] - want).abs().max().item() <= 3e-5, key
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -237,6 +303,7 @@ def test_tensor_parallel_ranks_keep_equal_copies(results):
     on both ranks after the step (they drifted apart by ~3e-6 when the ranks clipped by different norms)."""
     _, _, runs = results
     assert runs["tp2_sp"]["replica_drift"] == 0.0
+    assert runs["tp2_sp_etp1"]["replica_drift"] == 0.0
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -276,3 +276,62 @@ def test_moe_checkpoint_resumes_at_its_expert_parallel_size_and_refuses_another(
     assert same["metrics"]["grad_norm"] == pytest.approx(writer["metrics"]["grad_norm"], rel=1e-5)
     error = torch.load(tmp_path / "ep1.pt")["error"]
     assert "parallel.ep=2" in error and "parallel.ep=1" in error and str(root) in error
+
+
+def _gpt_oss_setup(tp):
+    from megatron_rl.config.schema import ModelConfig, OptimizerConfig
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.core import Trainer, TrainerOptions
+    from tests.distributed.test_gpt_oss import ARCH
+
+    if not torch.distributed.is_initialized():
+        mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
+    groups = state.initialize(tp, 1, etp=1, sequence_parallel=tp > 1)
+    trainer = Trainer(ModelConfig(**ARCH), OptimizerConfig(lr=1e-3), groups, TrainerOptions(micro_batch_tokens=40))
+    trainer.initialize_weights()
+    return trainer
+
+
+def _gpt_oss_writer(rank, world, root, out):
+    from megatron_rl.checkpoint.training import save_checkpoint
+
+    trainer = _gpt_oss_setup(2)
+    trainer.train_step(_batch(0))
+    save_checkpoint(trainer, Path(root), 1, {}, _config_for(trainer))
+    at_save = trainer.full_state_dict()
+    metrics = trainer.train_step(_batch(1))
+    if rank == 0:
+        torch.save({"at_save": at_save, "metrics": metrics}, out)
+
+
+def _gpt_oss_reader(rank, world, root, tp, out):
+    from megatron_rl.checkpoint.training import find_latest, load_checkpoint
+
+    trainer = _gpt_oss_setup(tp)
+    try:
+        load_checkpoint(trainer, find_latest(Path(root)))
+    except ValueError as exc:
+        result = {"error": str(exc)}
+    else:
+        result = {"loaded": trainer.full_state_dict(), "metrics": trainer.train_step(_batch(1))}
+    if rank == 0:
+        torch.save(result, out)
+
+
+def test_gpt_oss_checkpoint_resumes_and_refuses_moving_its_experts_to_another_optimizer(tmp_path):
+    """gpt-oss at TP=2 + SP with unsplit experts (their own optimizer, sinks split over the TP ranks): resuming
+    gives the saved weights and the same next step; resuming at TP=1, where the experts are back in the dense
+    optimizer, is refused up front (Megatron-core cannot load across that)."""
+    root = tmp_path / "checkpoints"
+    run_spawned(_gpt_oss_writer, 2, str(root), str(tmp_path / "writer.pt"))
+    run_spawned(_gpt_oss_reader, 2, str(root), 2, str(tmp_path / "tp2.pt"))
+    run_spawned(_gpt_oss_reader, 2, str(root), 1, str(tmp_path / "tp1.pt"))
+    writer, same = torch.load(tmp_path / "writer.pt"), torch.load(tmp_path / "tp2.pt")
+    assert any(key.endswith("core_attention.softmax_offset") for key in writer["at_save"])
+    for key, value in writer["at_save"].items():
+        assert torch.equal(same["loaded"][key], value), key
+    assert same["metrics"]["loss"] == pytest.approx(writer["metrics"]["loss"], rel=1e-6)
+    assert same["metrics"]["grad_norm"] == pytest.approx(writer["metrics"]["grad_norm"], rel=1e-5)
+    error = torch.load(tmp_path / "tp1.pt")["error"]
+    assert "an optimizer of their own" in error and "the dense optimizer" in error and str(root) in error

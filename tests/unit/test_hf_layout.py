@@ -585,3 +585,29 @@ def test_unsupported_gpt_oss_configs_are_refused_naming_the_file(tmp_path, key, 
     with pytest.raises(ValueError, match="config.json: ") as info:
         arch_from_hf_config(tmp_path)
     assert message in str(info.value)
+
+
+def test_gpt_oss_config_without_rope_keys_reads_as_transformers_defaults(tmp_path):
+    """No rope_scaling / rope_parameters / rope_theta: transformers' GptOssConfig gives YaRN (factor 32 over 4096,
+    truncate false) and theta 150000, not plain RoPE at 10000."""
+    from transformers import GptOssConfig
+
+    cfg = get_converter("gpt_oss").config_dict(FAMILIES["gpt_oss"])
+    cfg.pop("rope_parameters")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = arch_from_hf_config(tmp_path)
+    ref = GptOssConfig().rope_parameters
+    assert (arch["rope_theta"], arch["rope_scaling_factor"], arch["rope_scaling_truncate"],
+            arch["rope_scaling_original_max_position_embeddings"], arch["rope_scaling_beta_fast"]) == (
+        ref["rope_theta"], ref["factor"], ref["truncate"], ref["original_max_position_embeddings"], ref["beta_fast"])
+
+
+@pytest.mark.parametrize(("te", "cudnn", "problem"), [
+    ("2.11.0", 91800, "Transformer Engine 2.11.0"), ("2.12.0", 91700, "cuDNN 91700"), ("2.12.0", 91800, None),
+    ("2.13.0.dev0+abc", 92600, None)])
+def test_transformer_engine_versions_for_attention_sinks(te, cudnn, problem):
+    """gpt-oss on the TE spec needs a TE and cuDNN that run sinks over packed rows; older ones are named."""
+    from megatron_rl.models.gpt import te_sink_attention_problem
+
+    got = te_sink_attention_problem(te, cudnn)
+    assert (got is None) if problem is None else (problem in got)

@@ -101,3 +101,16 @@ def test_min_shape_pads_rows_and_appends_rows_without_samples():
     assert empty.sample_indices == [] and empty.valid.numel() == 0 and empty.loss_mask.numel() == 0
     assert empty.extras["adv"].numel() == 0 and empty.input_ids.tolist() == [[0] * 7]
     assert not empty.attention_mask[0, 0].all(dim=-1).any(), "every padding position attends somewhere"
+
+
+def test_padding_marks_every_position_no_sample_token_occupies():
+    """The routers' padding mask: trailing padding, the rounding of each sample's slot to segment_multiple
+    (context parallelism), and rows without samples; a sample's own tokens (its last one included) are not."""
+    a, b = _sample([1, 2, 3]), _sample([4, 5, 6, 7, 8])
+    rows = pack([a, b], token_budget=12, segment_multiple=4, pad_multiple=4, min_shape=(2, 12))
+    # row 0 in sample order: a in slot [0, 4) (3 tokens, 1 padded), b in slot [4, 12) (5 tokens, 3 padded);
+    # row 1 empty
+    assert rows[0].padding.tolist() == [[False] * 3 + [True] + [False] * 5 + [True] * 3]
+    assert rows[1].padding.tolist() == [[True] * 12]
+    for mb in rows:
+        assert mb.padding.shape == mb.input_ids.shape

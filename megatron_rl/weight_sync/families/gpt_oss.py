@@ -39,6 +39,11 @@ _STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.ex
 _HF_STACKED = re.compile(r"^(model\.layers\.\d+\.)mlp\.experts\.gate_up_proj$")
 _MEG_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.)mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight$")
 _SWIGLU_ALPHA = 1.702  # Megatron-core's quick_gelu: x * sigmoid(1.702 x)
+# what transformers' GptOssConfig gives a config.json without rope keys (configuration_gpt_oss.py: __post_init__,
+# default_theta)
+_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+_DEFAULT_THETA = 150000.0
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -72,7 +77,10 @@ class GptOssConverter(DenseDecoderConverter):
         return cfg
 
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
-        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        # no rope entry at all: transformers' default for gpt-oss, YaRN (an entry without a type is plain RoPE)
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or dict(_DEFAULT_ROPE)
+        if "rope_theta" not in hf and "rope_theta" not in rope:
+            hf = {**hf, "rope_theta": _DEFAULT_THETA}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "yarn"):
             raise ValueError(f"{where}: rope_scaling={rope} is not supported (only default RoPE and YaRN)")
