@@ -111,6 +111,19 @@ def _layout(groups) -> dict[str, int]:
             "dp": groups.dp_size, "ep": groups.ep_size, "etp": groups.etp_size}
 
 
+def saved_layout_of(meta: dict[str, Any]) -> dict[str, int]:
+    """The parallel layout a checkpoint's meta.json records, with what older checkpoints did not record: ep and
+    cp 1 (before expert / context parallelism), and the expert TP size (before parallel.etp was recorded:
+    the run's setting, or its default, 1 for gpt-oss's biased experts, else tp)."""
+    layout = {"ep": 1, "cp": 1, **meta["layout"]}
+    if "etp" not in layout:
+        config = meta.get("config", {})
+        etp = config.get("parallel", {}).get("etp")
+        biased = config.get("model", {}).get("family") == "gpt_oss"  # ModelConfig.linear_bias
+        layout["etp"] = etp if etp is not None else (1 if biased else layout["tp"])
+    return layout
+
+
 def _expert_optimizer(layout: dict[str, int]) -> bool:
     """Whether Megatron-core keeps the experts in an optimizer of their own: when they are expert-parallel
     (ep > 1), or reduced over their own data-parallel group (etp != tp: models/gpt.py tags them so)."""
@@ -226,9 +239,7 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
 
     path = Path(path)
     meta = check_compatible(path, trainer.model_cfg)
-    # checkpoints from before expert / context parallelism, and from before parallel.etp (expert TP = tp)
-    saved_layout = {"ep": 1, "cp": 1, **meta["layout"]}
-    saved_layout.setdefault("etp", saved_layout["tp"])
+    saved_layout = saved_layout_of(meta)
     current = _layout(trainer.groups)
     if _expert_optimizer(saved_layout) != _expert_optimizer(current) and saved_layout["ep"] == current["ep"]:
         # as for ep below: the experts moved between the dense optimizer and one of their own

@@ -188,7 +188,9 @@ def _validate_experts(cfg: TrainConfig, world_size: int) -> None:
     if world_size % expert_layout != 0:
         valid = [e for e in range(1, world_size // (etp * par.pp) + 1)
                  if world_size % (etp * e * par.pp) == 0 and model.num_experts % e == 0]
-        etp_source = "parallel.etp" if par.etp is not None else "parallel.etp=null: parallel.tp"
+        etp_source = ("parallel.etp" if par.etp is not None
+                      else "parallel.etp=null: 1 for biased experts" if model.linear_bias
+                      else "parallel.etp=null: parallel.tp")
         raise ConfigError(
             f"parallel.ep={par.ep} is invalid for world_size={world_size} with expert tensor-parallel size "
             f"{etp} ({etp_source}), parallel.pp={par.pp}: etp*ep*pp={expert_layout} must divide the world size "

@@ -159,8 +159,8 @@ class ModelConfig:
     moe_routed_scaling_factor: float = 1.0
     """glm4_moe, deepseek_v2, deepseek_v3: factor on the routed experts' weights (HF routed_scaling_factor)."""
     moe_router_bias_update_rate: float = 0.0
-    """glm4_moe, deepseek_v3: auxiliary-loss-free load balancing (Megatron's moe_router_bias_update_rate): after
-    every optimizer step each expert's selection bias moves by this much, up when the step's real tokens (not
+    """glm4_moe, deepseek_v3: auxiliary-loss-free load balancing (Megatron's moe_router_bias_update_rate): once
+    per training step each expert's selection bias moves by this much, up when the step's real tokens (not
     padding) chose it less often than the experts' mean, down when more often; 0 keeps the checkpoint's bias
     (DeepSeek-V3's pre-training used 0.001)."""
     q_lora_rank: Optional[int] = None

@@ -301,18 +301,23 @@ def decoder_spec(model_cfg: Any, config: Any, use_te: bool, cp_size: int = 1):
         layer_norm=LayerNormImpl)
 
 
-def te_sink_attention_problem(te_version: str, cudnn_version: int) -> Optional[str]:
-    """Why Transformer Engine cannot run attention with learned sinks over the trainer's packed THD rows, or
-    None. Before TE 2.12 its backend selection turns every backend off for sinks in THD layout, and its fused
-    attention supports them there from cuDNN 9.18 (NVIDIA/TransformerEngine#2483 and #2568)."""
+def te_sink_attention_problem(te_version: str, cudnn_version: int, head_dim: int) -> Optional[str]:
+    """Why Transformer Engine cannot train attention with learned sinks over the trainer's packed THD rows, or
+    None. Before TE 2.12 its backend selection turns every backend off for sinks in THD layout; its fused
+    attention runs them there from cuDNN 9.18 (NVIDIA/TransformerEngine#2483, #2568), and before cuDNN 9.26 the
+    sinks' backward misreads its inputs for value head widths other than 64, 128 and 256 (#3249, #3470:
+    public reports, not reproduced here; gpt-oss's heads are 64 wide)."""
     from packaging.version import Version
 
-    if Version(te_version) < Version("2.12"):
+    if Version(te_version).release < (2, 12):  # release: a 2.12 pre-release or source build counts as 2.12
         return (f"Transformer Engine {te_version} has no attention backend for sinks over packed (THD) rows; "
                 "it needs Transformer Engine >= 2.12 with cuDNN >= 9.18")
     if cudnn_version < 91800:
         return (f"cuDNN {cudnn_version} cannot run attention sinks over packed (THD) rows in Transformer Engine's "
                 "fused attention; it needs cuDNN >= 9.18 (91800)")
+    if head_dim not in (64, 128, 256) and cudnn_version < 92600:
+        return (f"cuDNN {cudnn_version} computes the sinks' gradient wrongly over packed rows for heads "
+                f"{head_dim} wide (only 64, 128 and 256 are right before cuDNN 9.26, 92600)")
     return None
 
 
@@ -334,7 +339,8 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
     if use_te and model_cfg.attention_sinks:
         import transformer_engine
 
-        problem = te_sink_attention_problem(transformer_engine.__version__, torch.backends.cudnn.version() or 0)
+        problem = te_sink_attention_problem(transformer_engine.__version__, torch.backends.cudnn.version() or 0,
+                                            model_cfg.resolved_head_dim)
         if problem:
             raise RuntimeError(f"model.family={model_cfg.family} on the Transformer Engine spec: {problem}")
     config = transformer_config(model_cfg, groups, deterministic=deterministic)
@@ -358,7 +364,7 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
     )
     _mark_sinks_tensor_parallel(model)
     _expert_outputs_of_their_own(model)
-    _expert_loads_without_padding(model)
+    _routers_without_padding(model)
     if groups.etp_size != groups.tp_size:
         _experts_reduced_over_expert_data_parallel(model)
     return model.to(groups.device)
@@ -392,14 +398,25 @@ def _experts_reduced_over_expert_data_parallel(model: torch.nn.Module) -> None:
                 param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
 
 
-def _expert_loads_without_padding(model: torch.nn.Module) -> None:
-    """Works around a Megatron-core bug in the expert loads behind the auxiliary-loss-free bias update: given a
-    padding mask, the router drops the padded tokens with `routing_map & ~padding_mask`, a [tokens, experts]
-    map against a [tokens] mask (moe/router.py:542, after routing() flattened the mask at :564), which
-    broadcasts over the experts and fails (or, with as many tokens as experts, masks the wrong entries).
-    Each router with a selection bias gets the same count with the mask over the tokens."""
+def _routers_without_padding(model: torch.nn.Module) -> None:
+    """Works around two Megatron-core 0.16 bugs of the routers' padding mask (which the trainer passes so that
+    padding does not count in the expert loads and the load-balancing loss).
+
+    The expert loads behind the auxiliary-loss-free bias update drop the padded tokens with
+    `routing_map & ~padding_mask`, a [tokens, experts] map against a [tokens] mask (moe/router.py:542, after
+    routing() flattened the mask at :564), which broadcasts over the experts and fails (or, with as many tokens
+    as experts, masks the wrong entries): each router with a selection bias counts with the mask over the tokens.
+
+    The load-balancing loss divides by the number of real tokens in the row over the TP x CP ranks
+    (moe_utils.py:222-231, 128-131): zero on the rows without samples that expert parallelism adds for equal
+    shapes, so the loss and every router gradient became NaN. That count is taken as at least 1: the padded
+    tokens' scores are zeroed (compute_routing_scores_for_aux_loss), so such a row adds a loss of 0."""
     import types
 
+    from megatron.core.transformer.moe.moe_utils import (
+        get_tokens_per_expert_and_token_count,
+        switch_load_balancing_loss_func,
+    )
     from megatron.core.transformer.moe.router import TopKRouter
 
     def apply_expert_bias(router: Any, routing_map: Tensor, padding_mask: Optional[Tensor] = None) -> None:
@@ -409,9 +426,28 @@ def _expert_loads_without_padding(model: torch.nn.Module) -> None:
                     routing_map = routing_map & ~padding_mask.reshape(-1, 1)
                 router.local_tokens_per_expert += routing_map.sum(dim=0)
 
+    def apply_aux_loss(router: Any, probs: Tensor, scores_for_aux_loss: Tensor, routing_map: Tensor,
+                       with_padding_mask: bool = False) -> Tensor:
+        coeff = router.get_aux_loss_coeff("aux_loss")
+        if coeff == 0:
+            return probs
+        tokens_per_expert, local_tokens, total_tokens = get_tokens_per_expert_and_token_count(
+            routing_map=routing_map, reduce_group=router.tp_cp_group, topk=router.topk,
+            with_padding_mask=with_padding_mask)
+        if with_padding_mask:
+            total_tokens = total_tokens.clamp(min=1)
+        aux_loss = switch_load_balancing_loss_func(
+            probs=scores_for_aux_loss, tokens_per_expert=tokens_per_expert, total_num_tokens=total_tokens,
+            topk=router.topk, num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff,
+            fused=router.config.moe_router_fusion)
+        return router.attach_and_log_load_balancing_loss(probs, coeff, aux_loss, "load_balancing_loss",
+                                                         router.tp_cp_group, valid_token_count=local_tokens)
+
     for module in model.modules():
-        if isinstance(module, TopKRouter) and module.enable_expert_bias:
-            module._apply_expert_bias = types.MethodType(apply_expert_bias, module)
+        if isinstance(module, TopKRouter):
+            module._apply_aux_loss = types.MethodType(apply_aux_loss, module)
+            if module.enable_expert_bias:
+                module._apply_expert_bias = types.MethodType(apply_expert_bias, module)
 
 
 def _expert_outputs_of_their_own(model: torch.nn.Module) -> None:

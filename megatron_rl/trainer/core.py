@@ -125,17 +125,26 @@ class Trainer:
         load_full_state_dict(self.module, full, self.groups)
         self.optimizer.reload_model_params()
 
+    def _weight_tensors(self) -> list[Tensor]:
+        """This rank's parameter shards, then its weight buffers (the routers' selection bias, which
+        `model.moe_router_bias_update_rate` moves), in a fixed order."""
+        from megatron_rl.weight_sync.sharding import WEIGHT_BUFFERS
+
+        buffers = [b for name, b in self.module.named_buffers() if name.endswith(WEIGHT_BUFFERS)]
+        return [*self.module.parameters(), *buffers]
+
     def snapshot_weights(self) -> list[Tensor]:
-        """This rank's parameter shards, copied to host memory (e.g. the reference policy)."""
+        """This rank's weights (`_weight_tensors`), copied to host memory (e.g. the reference policy)."""
         pin = self.groups.device.type != "cpu"
         return [p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone()
-                for p in self.module.parameters()]
+                for p in self._weight_tensors()]
 
     @torch.no_grad()
     def swap_weights(self, snapshot: list[Tensor]) -> list[Tensor]:
-        """Load `snapshot` into the model and return the weights it replaced (swap back later)."""
+        """Load `snapshot` into the model and return the weights it replaced (swap back later). A snapshot
+        from before the weight buffers were part of it (a resumed reference policy) leaves them as they are."""
         current = self.snapshot_weights()
-        for p, saved in zip(self.module.parameters(), snapshot):
+        for p, saved in zip(self._weight_tensors(), snapshot):
             p.copy_(saved, non_blocking=True)
         return current
 

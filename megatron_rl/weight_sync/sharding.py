@@ -95,7 +95,7 @@ def canonical_name(name: str) -> str:
 
 # GLM-4.5's per-expert selection bias: part of the weights (HF e_score_correction_bias), which
 # Megatron holds as a buffer of the router since its optimizer never touches it.
-_WEIGHT_BUFFERS = (".router.expert_bias",)
+WEIGHT_BUFFERS = (".router.expert_bias",)
 
 
 def _local_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -109,7 +109,7 @@ def _local_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
                 seen.add(id(p))
                 yield canonical_name(prefix + name), p
         for name, b in module.named_buffers(recurse=False):
-            if (prefix + name).endswith(_WEIGHT_BUFFERS):
+            if (prefix + name).endswith(WEIGHT_BUFFERS):
                 yield prefix + name, b
 
 

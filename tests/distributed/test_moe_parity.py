@@ -77,10 +77,14 @@ LENGTHS = (31, 24, 4, 27, 7, 4)
 MICRO_BATCH_TOKENS = 48
 
 
+# Megatron's load-balancing loss (depends on the micro-batches by design: not compared across layouts)
+AUX_LOSS = {"qwen3_moe_aux_loss": {**MODELS["qwen3_moe"], "moe_aux_loss_coeff": 0.01}}
+
+
 def _model_cfg(model: str):
     from megatron_rl.config.schema import ModelConfig
 
-    return ModelConfig(**MODELS[model])
+    return ModelConfig(**{**MODELS, **AUX_LOSS}[model])
 
 
 def _initial_weights(model: str):
@@ -261,6 +265,21 @@ def test_selection_bias_moves_towards_balance(results):
         key = f"decoder.layers.{i}.mlp.router.expert_bias"
         expected = initial[key] + rate * torch.sign(load.mean() - load)
         assert torch.allclose(ref["weights"][key], expected, atol=1e-7), (i, load, ref["weights"][key] - initial[key])
+
+
+def test_load_balancing_loss_with_rows_without_samples(tmp_path):
+    """EP=2 packs a row without samples on one rank (see test_expert_parallel_ranks_pack_different_shapes): with
+    the load-balancing loss on, that row has no real token, and the step stays finite (Megatron-core divided by
+    its zero token count: NaN gradients) while the loss still changes the gradient."""
+    import math
+
+    layout = {"ep2": LAYOUTS["ep2"]}
+    run_spawned(_worker, 2, "qwen3_moe_aux_loss", layout, str(tmp_path / "aux.pt"))
+    run_spawned(_worker, 2, "qwen3_moe", layout, str(tmp_path / "plain.pt"))
+    aux, plain = torch.load(tmp_path / "aux.pt")["ep2"], torch.load(tmp_path / "plain.pt")["ep2"]
+    assert math.isfinite(aux["metrics"]["grad_norm"]) and math.isfinite(aux["metrics"]["loss"])
+    assert all(torch.isfinite(w).all() for w in aux["weights"].values())
+    assert aux["metrics"]["grad_norm"] != pytest.approx(plain["metrics"]["grad_norm"], rel=1e-4)
 
 
 def test_tensor_pipeline_and_sequence_parallel_together(tmp_path):

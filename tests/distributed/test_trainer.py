@@ -81,6 +81,21 @@ def _worker(rank: int, world: int, out_path: str) -> None:
     swapped_back = big.full_state_dict()
     results["swap"] = (before, trained, swapped_in, swapped_back)
 
+    # 4b. the same for a mixture of experts whose routers' selection bias (a buffer) the step moves
+    moe_cfg = ModelConfig(family="deepseek_v3", num_layers=2, num_query_groups=4, num_experts=4, moe_ffn_hidden_size=32,
+                          moe_shared_expert_intermediate_size=32, moe_dense_layers=[0], kv_lora_rank=16,
+                          qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, moe_router_bias_update_rate=1e-3)
+    moe = Trainer(moe_cfg, OptimizerConfig(), groups, TrainerOptions(micro_batch_tokens=64))
+    moe.initialize_weights()
+    reference = moe.snapshot_weights()
+    before = moe.full_state_dict()
+    moe.train_step(_samples())
+    trained = moe.full_state_dict()
+    current = moe.swap_weights(reference)
+    swapped_in = moe.full_state_dict()
+    moe.swap_weights(current)
+    results["moe_swap"] = (before, trained, swapped_in, moe.full_state_dict())
+
     # 5. LR schedule: warmup then cosine decay
     sched = Trainer(model_cfg, OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_style="cosine",
                                                lr_decay_steps=6), groups, TrainerOptions(micro_batch_tokens=64))
@@ -134,6 +149,17 @@ def test_gradient_clipping_bounds_the_sgd_update(results):
 def test_weight_snapshot_swaps_in_and_back(results):
     before, trained, swapped_in, swapped_back = results["swap"]
     assert any(not torch.equal(before[k], trained[k]) for k in before), "the step must change weights"
+    for key in before:
+        assert torch.equal(swapped_in[key], before[key]), key
+        assert torch.equal(swapped_back[key], trained[key]), key
+
+
+def test_weight_snapshot_includes_the_routers_selection_bias(results):
+    """With the auxiliary-loss-free update on, the step moves the routers' selection bias (a buffer); the
+    reference policy swapped in routes with the bias it started from, and swapping back restores the moved one."""
+    before, trained, swapped_in, swapped_back = results["moe_swap"]
+    biases = [k for k in before if k.endswith(".router.expert_bias")]
+    assert biases and all(not torch.equal(before[k], trained[k]) for k in biases)
     for key in before:
         assert torch.equal(swapped_in[key], before[key]), key
         assert torch.equal(swapped_back[key], trained[key]), key

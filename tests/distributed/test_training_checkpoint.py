@@ -335,3 +335,15 @@ def test_gpt_oss_checkpoint_resumes_and_refuses_moving_its_experts_to_another_op
     assert same["metrics"]["grad_norm"] == pytest.approx(writer["metrics"]["grad_norm"], rel=1e-5)
     error = torch.load(tmp_path / "tp1.pt")["error"]
     assert "an optimizer of their own" in error and "the dense optimizer" in error and str(root) in error
+
+
+@pytest.mark.parametrize(("layout", "config", "etp"), [
+    ({"tp": 2, "pp": 1, "ep": 1, "etp": 1}, {}, 1),  # recorded
+    ({"tp": 2, "pp": 1}, {"model": {"family": "qwen3_moe"}}, 2),  # before parallel.etp: expert TP = tp
+    ({"tp": 2, "pp": 1}, {"model": {"family": "gpt_oss"}, "parallel": {"etp": None}}, 1),  # gpt-oss's default
+    ({"tp": 2, "pp": 1}, {"model": {"family": "qwen3_moe"}, "parallel": {"etp": 1}}, 1)])  # the run's setting
+def test_saved_layout_fills_in_what_older_checkpoints_did_not_record(layout, config, etp):
+    from megatron_rl.checkpoint.training import saved_layout_of
+
+    got = saved_layout_of({"layout": layout, "config": config})
+    assert (got["etp"], got["ep"], got["cp"]) == (etp, layout.get("ep", 1), 1)

@@ -602,12 +602,13 @@ def test_gpt_oss_config_without_rope_keys_reads_as_transformers_defaults(tmp_pat
         ref["rope_theta"], ref["factor"], ref["truncate"], ref["original_max_position_embeddings"], ref["beta_fast"])
 
 
-@pytest.mark.parametrize(("te", "cudnn", "problem"), [
-    ("2.11.0", 91800, "Transformer Engine 2.11.0"), ("2.12.0", 91700, "cuDNN 91700"), ("2.12.0", 91800, None),
-    ("2.13.0.dev0+abc", 92600, None)])
-def test_transformer_engine_versions_for_attention_sinks(te, cudnn, problem):
+@pytest.mark.parametrize(("te", "cudnn", "head_dim", "problem"), [
+    ("2.11.0", 91800, 64, "Transformer Engine 2.11.0"), ("2.12.0", 91700, 64, "cuDNN 91700"),
+    ("2.12.0", 91800, 64, None), ("2.12.0rc1", 91800, 64, None), ("2.13.0.dev0+abc", 92600, 32, None),
+    ("2.12.0", 92500, 32, "heads 32 wide")])
+def test_transformer_engine_versions_for_attention_sinks(te, cudnn, head_dim, problem):
     """gpt-oss on the TE spec needs a TE and cuDNN that run sinks over packed rows; older ones are named."""
     from megatron_rl.models.gpt import te_sink_attention_problem
 
-    got = te_sink_attention_problem(te, cudnn)
+    got = te_sink_attention_problem(te, cudnn, head_dim)
     assert (got is None) if problem is None else (problem in got)
