@@ -445,12 +445,7 @@ class ModelConfig:
             name = {"mixtral": "Mixtral", "gpt_oss": "gpt-oss"}[self.family]
             raise _invalid("model.moe_dense_layers", dense, f"{name} has experts in every layer; "
                            "set model.moe_dense_layers=[]")
-        wrong = [i for i in dense if not 0 <= i < self.num_layers]
-        if wrong:
-            raise _invalid("model.moe_dense_layers", dense, f"layer(s) {wrong} outside "
-                           f"[0, model.num_layers={self.num_layers})")
-        if len(set(dense)) != len(dense):
-            raise _invalid("model.moe_dense_layers", dense, "names a layer twice")
+        self._check_layer_list("moe_dense_layers", dense)
         if len(dense) == self.num_layers:
             raise _invalid("model.moe_dense_layers", dense, "makes every layer dense, which a mixture-of-experts "
                            "family cannot express: leave at least one layer with experts")
@@ -583,12 +578,16 @@ class ModelConfig:
                                "width); set it, or model.sliding_window_layers=[]")
             return
         _check_min("model.sliding_window", self.sliding_window, 1)
+        self._check_layer_list("sliding_window_layers", layers)
+
+    def _check_layer_list(self, key: str, layers: list[int]) -> None:
+        """A list of global layer indices (model.moe_dense_layers, model.sliding_window_layers): each in
+        [0, num_layers), none twice."""
         wrong = [i for i in layers if not 0 <= i < self.num_layers]
         if wrong:
-            raise _invalid("model.sliding_window_layers", layers, f"layer(s) {wrong} outside "
-                           f"[0, model.num_layers={self.num_layers})")
+            raise _invalid(f"model.{key}", layers, f"layer(s) {wrong} outside [0, model.num_layers={self.num_layers})")
         if len(set(layers)) != len(layers):
-            raise _invalid("model.sliding_window_layers", layers, "names a layer twice")
+            raise _invalid(f"model.{key}", layers, "names a layer twice")
 
     @property
     def multi_latent_attention(self) -> bool:

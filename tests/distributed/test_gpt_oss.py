@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_spawned
+from tests.distributed.test_family_parity import TOL, _hf_logprobs, _sequences  # the same sequences and reference
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -35,13 +36,6 @@ ARCH = dict(family="gpt_oss", num_layers=4, hidden_size=128, ffn_hidden_size=64,
 LAYOUTS = {"tp1": dict(tp=1, pp=1, ep=1), "ep2": dict(tp=1, pp=1, ep=2), "pp2": dict(tp=1, pp=2, ep=1),
            "tp2_sp": dict(tp=2, pp=1, ep=1),  # experts unsplit (etp=1): Megatron-core's condition for their biases
            "tp2_sp_ep2": dict(tp=2, pp=1, ep=2)}  # and the two TP ranks hold different experts
-LENGTHS = (300, 77, 180)
-TOL = 2e-5
-
-
-def _sequences():
-    gen = torch.Generator().manual_seed(5)
-    return [torch.randint(0, 128, (n,), generator=gen) for n in LENGTHS]
 
 
 def _worker(rank: int, world: int, path: str, layouts: list, out_root: str) -> None:
@@ -96,20 +90,6 @@ def results(checkpoint, tmp_path_factory):
     run_spawned(_worker, 1, str(checkpoint), ["tp1"], str(out))
     run_spawned(_worker, 2, str(checkpoint), ["ep2", "pp2", "tp2_sp", "tp2_sp_ep2"], str(out))
     return out, {k: v for world in (1, 2) for k, v in torch.load(out / f"logprobs-{world}.pt").items()}
-
-
-def _hf_logprobs(path, **config_overrides):
-    """Per-sequence (log-probs, entropies) from transformers, in float64 after the logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path, **config_overrides)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
-    out = []
-    for seq in _sequences():
-        with torch.no_grad():
-            logp = torch.log_softmax(model(seq[None]).logits[0, :-1].double(), -1)
-        out.append((logp.gather(-1, seq[1:, None])[:, 0], -(logp.exp() * logp).sum(-1)))
-    return out
 
 
 def _distance(a, b) -> float:

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter, Tensor
 from megatron_rl.weight_sync.families.moe import SparseMoeLayout
-from megatron_rl.weight_sync.families.yarn import NO_YARN, yarn_fields, yarn_rope_parameters
+from megatron_rl.weight_sync.families.yarn import YarnRope, rope_fields
 
 # (HF name under self_attn., Megatron name under self_attention.) of the attention's tensors besides o_proj
 _COMPRESSED_QUERY = (("q_a_proj.weight", "linear_q_down_proj.weight"), ("q_a_layernorm.weight", "q_layernorm.weight"),
@@ -48,7 +48,7 @@ def _mla_pairs(arch: Any) -> tuple[tuple[str, str], ...]:
     return (_COMPRESSED_QUERY if arch.q_lora_rank is not None else _DIRECT_QUERY) + _KEY_VALUE
 
 
-class MlaMoeConverter(SparseMoeLayout, DenseDecoderConverter):
+class MlaMoeConverter(YarnRope, SparseMoeLayout, DenseDecoderConverter):
     """What DeepSeek-V2 and -V3 share: multi-latent attention, RoPE or YaRN, dense first layers, routed
     plus ungated shared experts. Subclasses name their router (`_router_arch`, `_router_config`) and the
     defaults transformers' config class gives absent keys (`defaults`)."""
@@ -62,11 +62,8 @@ class MlaMoeConverter(SparseMoeLayout, DenseDecoderConverter):
         theta = cfg.pop("rope_theta")
         cfg.pop("rope_scaling", None)
         del cfg["head_dim"]  # transformers sets it to qk_rope_head_dim itself
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-        if arch.rope_scaling_factor is not None:
-            rope.update(yarn_rope_parameters(arch))
         cfg.update(
-            rope_parameters=rope, attention_bias=False,
+            rope_parameters=self.rope_parameters(arch, theta), attention_bias=False,
             q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank, qk_nope_head_dim=arch.qk_nope_head_dim,
             qk_rope_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
             n_routed_experts=arch.num_experts, num_experts_per_tok=arch.moe_router_topk,
@@ -87,9 +84,7 @@ class MlaMoeConverter(SparseMoeLayout, DenseDecoderConverter):
 
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "yarn"):
-            raise ValueError(f"{where}: rope_scaling={rope} is not supported (only default RoPE and YaRN)")
+        rope_scaling = rope_fields(rope, where)
         if hf.get("attention_bias", False):
             raise ValueError(f"{where}: attention_bias=true is not supported (Megatron-core's multi-latent "
                              "attention has no bias; DeepSeek's checkpoints have none)")
@@ -118,15 +113,11 @@ class MlaMoeConverter(SparseMoeLayout, DenseDecoderConverter):
             moe_routed_scaling_factor=float(hf["routed_scaling_factor"]),
             moe_router_num_groups=hf["n_group"] or 1, moe_router_group_topk=hf["topk_group"] or 1)
         arch.update(self._router_arch(hf, where))
-        if rope_type == "yarn" and rope.get("truncate", True) is False:
+        if rope_scaling["rope_scaling_factor"] is not None and not rope_scaling["rope_scaling_truncate"]:
             raise ValueError(f"{where}: rope_parameters truncate=false is not supported (Megatron-core's multi-latent "
                              "attention rounds YaRN's correction range)")
-        arch.update(yarn_fields(rope, where) if rope_type == "yarn" else NO_YARN)
+        arch.update(rope_scaling)
         return arch
-
-    @staticmethod
-    def _rope_scaling_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:
-        return {"rope_scaling_factor": None}  # YaRN: arch_from_config
 
     # -- attention --------------------------------------------------------------------------------
     def attention_hf_names(self, arch: Any, prefix: str) -> set[str]:

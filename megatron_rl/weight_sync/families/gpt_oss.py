@@ -32,7 +32,7 @@ import torch
 
 from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter, Tensor
-from megatron_rl.weight_sync.families.yarn import NO_YARN, yarn_fields, yarn_rope_parameters
+from megatron_rl.weight_sync.families.yarn import YarnRope, rope_fields
 
 _STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj",
             "mlp.experts.down_proj_bias")
@@ -53,7 +53,7 @@ def _interleave(gate: Tensor, up: Tensor) -> Tensor:
 
 
 @register
-class GptOssConverter(DenseDecoderConverter):
+class GptOssConverter(YarnRope, DenseDecoderConverter):
     family = "gpt_oss"
     model_type = "gpt_oss"
     architecture = "GptOssForCausalLM"
@@ -63,12 +63,10 @@ class GptOssConverter(DenseDecoderConverter):
         cfg = super().config_dict(arch, eos_token_id)
         theta = cfg.pop("rope_theta")
         cfg.pop("rope_scaling", None)
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-        if arch.rope_scaling_factor is not None:
-            rope.update(yarn_rope_parameters(arch))
         windowed = set(arch.sliding_window_layers)
         cfg.update(
-            rope_parameters=rope, attention_bias=True, intermediate_size=arch.moe_ffn_hidden_size,
+            rope_parameters=self.rope_parameters(arch, theta), attention_bias=True,
+            intermediate_size=arch.moe_ffn_hidden_size,
             num_local_experts=arch.num_experts, num_experts_per_tok=arch.moe_router_topk,
             router_aux_loss_coef=arch.moe_aux_loss_coeff, output_router_logits=False,
             sliding_window=arch.sliding_window,
@@ -81,9 +79,7 @@ class GptOssConverter(DenseDecoderConverter):
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or dict(_DEFAULT_ROPE)
         if "rope_theta" not in hf and "rope_theta" not in rope:
             hf = {**hf, "rope_theta": _DEFAULT_THETA}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "yarn"):
-            raise ValueError(f"{where}: rope_scaling={rope} is not supported (only default RoPE and YaRN)")
+        rope_scaling = rope_fields(rope, where)
         if not hf.get("attention_bias", True):
             raise ValueError(f"{where}: attention_bias=false is not supported (Megatron-core gives every linear "
                              "layer a bias or none, and gpt-oss's experts and router have one)")
@@ -109,12 +105,8 @@ class GptOssConverter(DenseDecoderConverter):
             sliding_window=window,
             sliding_window_layers=[i for i, t in enumerate(types) if t == _LAYER_TYPES[0]] if window else [],
             swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
-        arch.update(yarn_fields(rope, where) if rope_type == "yarn" else NO_YARN)
+        arch.update(rope_scaling)
         return arch
-
-    @staticmethod
-    def _rope_scaling_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:
-        return {"rope_scaling_factor": None}  # YaRN: arch_from_config
 
     # -- attention: the dense layout plus the output projection's bias and the sinks ---------------
     def attention_hf_names(self, arch: Any, prefix: str) -> set[str]:

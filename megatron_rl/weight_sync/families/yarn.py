@@ -64,3 +64,30 @@ def yarn_rope_parameters(arch: Any) -> dict[str, Any]:
     if not arch.rope_scaling_truncate:
         rope["truncate"] = False
     return rope
+
+
+def rope_fields(rope: dict[str, Any], where: Path) -> dict[str, Any]:
+    """ModelConfig's rope_scaling_* fields from a `rope_parameters` / `rope_scaling` entry that is plain RoPE
+    or YaRN (any other type is refused naming the file)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"{where}: rope_scaling={rope} is not supported (only default RoPE and YaRN)")
+    return yarn_fields(rope, where) if rope_type == "yarn" else dict(NO_YARN)
+
+
+class YarnRope:
+    """Mixed in before `DenseDecoderConverter` by the families whose rope scaling is YaRN: `config_dict`
+    writes `rope_parameters(arch, theta)`, `arch_from_config` reads `rope_fields`; the dense layout's Llama 3.1
+    reading is off."""
+
+    @staticmethod
+    def rope_parameters(arch: Any, theta: float) -> dict[str, Any]:
+        """HF's `rope_parameters` of `arch`: plain RoPE, or YaRN's entries."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+        if arch.rope_scaling_factor is not None:
+            rope.update(yarn_rope_parameters(arch))
+        return rope
+
+    @staticmethod
+    def _rope_scaling_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+        return {"rope_scaling_factor": None}  # YaRN: arch_from_config, with rope_fields
