@@ -15,6 +15,7 @@ def check_run_config(cfg) -> None:
     from megatron_rl.rollout.factory import check_engine_config, job_shape
 
     check_engine_config(cfg, *job_shape(cfg))
+    _check_reward_functions(cfg)
     check_disaggregated_config(cfg)
     if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
@@ -34,3 +35,17 @@ def check_run_config(cfg) -> None:
     if cfg.algorithm.overlong == "penalty" and cfg.algorithm.overlong_penalty_window > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.overlong_penalty_window={cfg.algorithm.overlong_penalty_window} must be <= "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+
+
+def _check_reward_functions(cfg) -> None:
+    """Import every `task.reward=package.module:function` now: a typo fails before any work starts."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.rewards.custom import is_reward_path, load_reward_function
+
+    tasks = {"task": cfg.task} if not cfg.domains else {f"domains.{n}.task": d.task for n, d in cfg.domains.items()}
+    for where, task in tasks.items():
+        if is_reward_path(task.reward):
+            try:
+                load_reward_function(task.reward)
+            except ValueError as err:
+                raise ConfigError(str(err).replace("task.reward", f"{where}.reward", 1)) from None

@@ -1033,9 +1033,14 @@ class TaskConfig:
     reward: str = "auto"
     """Verifier: math (final answer, e.g. \\boxed{}, normalised), exact (exact match), countdown
     (expression executed in the sandbox), tests (the row's tests run in the sandbox: passed/total);
-    auto: countdown for type=countdown, tests for dataset rows with a `tests` column, else math."""
+    auto: countdown for type=countdown, tests for dataset rows with a `tests` column, else math;
+    or your own function, `package.module:function`, called as function(completion, sample) -> float
+    with sample = the prompt's dataset row (megatron_rl/rewards/custom.py)."""
     reward_tolerance: float = 1e-6
     """Absolute tolerance of numeric answers (reward=math)."""
+    reward_timeout_s: float = 60.0
+    """reward=package.module:function: seconds one call may take; a late one is a 0 reward, counted in
+    reward/verifier_errors."""
     environment: str = "repo"
     """type=agent: the environment episodes run in (registered in megatron_rl.envs)."""
     generator: str = "repo"
@@ -1086,7 +1091,9 @@ class TaskConfig:
         _check_min("task.eval_samples", self.eval_samples, 1)
         _check_min("task.sft_warmup_steps", self.sft_warmup_steps, 0)
         _check_min("task.sft_warmup_lr", self.sft_warmup_lr, 0, strict=True)
-        _check_choice("task.reward", self.reward, self.REWARDS)
+        custom_reward = ":" in self.reward  # package.module:function, imported by the run checks
+        if not custom_reward:
+            _check_choice("task.reward", self.reward, self.REWARDS)
         if self.type == "dataset" and not self.path:
             raise ValueError("task.path=null is invalid for task.type=dataset: set task.path=<file.jsonl|"
                              "file.parquet|saved dataset directory>")
@@ -1108,9 +1115,13 @@ class TaskConfig:
         allowed = {"countdown": ("auto", "countdown"), "math": ("auto", "math", "exact"),
                    "agent": ("auto",)}.get(
             self.type, ("auto", "math", "exact", "tests"))
-        if self.reward not in allowed:
+        if custom_reward and self.type == "agent":
+            raise _invalid("task.reward", self.reward, "agent tasks are scored by their environment "
+                           "(task.environment); a reward function serves countdown, math and dataset tasks")
+        if self.reward not in allowed and not custom_reward:
             raise _invalid("task.reward", self.reward, f"task.type={self.type} allows {', '.join(allowed)}")
         _check_min("task.reward_tolerance", self.reward_tolerance, 0)
+        _check_min("task.reward_timeout_s", self.reward_timeout_s, 0, strict=True)
         _check_min("task.reward_scale", self.reward_scale, 0, strict=True)
         _check_min("task.num_train", self.num_train, 1)
         _check_min("task.num_eval", self.num_eval, 0)

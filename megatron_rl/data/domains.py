@@ -43,6 +43,12 @@ class DomainVerifier:
         clients = [c for c in (getattr(v, "client", None) for v in self.verifiers.values()) if c is not None]
         return _Clients(clients) if clients else None
 
+    def close(self) -> None:
+        """Every domain verifier's own resources (a reward function's threads); clients: `client`."""
+        for verifier in self.verifiers.values():
+            if callable(getattr(verifier, "close", None)):
+                verifier.close()
+
     async def score(self, items: Sequence[tuple[dict[str, Any], str]]) -> list[float]:
         by_domain: dict[str, list[int]] = {}
         for i, (meta, _) in enumerate(items):

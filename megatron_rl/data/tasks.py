@@ -23,6 +23,7 @@ from typing import Any, Callable
 from megatron_rl.data import countdown
 from megatron_rl.data.countdown import generate_problems
 from megatron_rl.data.sources import load_rows
+from megatron_rl.rewards.custom import is_reward_path
 
 
 @dataclasses.dataclass
@@ -167,7 +168,11 @@ class Task:
         where = f"task {c.name} ({split} row {index})"
         if c.prompt_key not in row:
             raise ValueError(f"{where} has no {c.prompt_key!r} column (task.prompt_key); columns: {sorted(row)}")
-        if self.reward_kind == "tests":
+        if self.reward_kind == "custom":  # the user's function gets the whole row
+            meta = dict(row)
+            answer = row.get(c.answer_key)
+            reference = row.get(c.response_key) or ("" if answer is None else f"\\boxed{{{answer}}}")
+        elif self.reward_kind == "tests":
             if not row.get("tests"):
                 raise ValueError(f"{where} has no 'tests' for reward=tests")
             meta = {"tests": row["tests"], "files": row.get("files") or {},
@@ -185,6 +190,8 @@ class Task:
     @property
     def reward_kind(self) -> str:
         """The verifier actually used (task.reward with `auto` resolved)."""
+        if is_reward_path(self.cfg.reward):
+            return "custom"
         if self.cfg.reward != "auto":
             return self.cfg.reward
         if self.cfg.type == "countdown":
@@ -224,6 +231,10 @@ class Task:
         kind = self.reward_kind
         if kind in ("math", "exact"):
             return lambda: RuleVerifier(kind, self.cfg.reward_tolerance)
+        if kind == "custom":
+            from megatron_rl.rewards.custom import CustomVerifier
+
+            return lambda: CustomVerifier(self.cfg.reward, self.cfg.reward_timeout_s)
 
         def build():
             from megatron_rl.rewards.sandboxed import CountdownVerifier, TestsVerifier

@@ -32,6 +32,8 @@ class RewardService:
         client = getattr(self.verifier, "client", None)
         if client is not None:
             asyncio.run_coroutine_threadsafe(client.close(), self.loop).result(timeout=10)
+        if callable(getattr(self.verifier, "close", None)):  # e.g. a reward function's thread pool
+            self.verifier.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
 
