@@ -243,15 +243,50 @@ def apportion(sizes: list[int], total: int) -> list[int]:
     return shares
 
 
-def _advantages(rewards: torch.Tensor, rollouts: list[Rollout], estimator: str) -> torch.Tensor:
+LOST_STATUSES = ("dropped", "aborted", "deadline")  # sandbox failure, cut straggler, past the step deadline
+
+
+def is_scored(rollout: Rollout) -> bool:
+    """False for an episode that was lost (`LOST_STATUSES`): its 0 reward is no verdict on the model, so
+    it takes no part in group baselines, filters, calibration or the loss."""
+    return getattr(rollout, "status", "") not in LOST_STATUSES
+
+
+def scored_rewards(cfg, group: Sequence[Rollout]) -> torch.Tensor:
+    """The shaped rewards of a group's scored samples (what dynamic sampling judges a group by)."""
+    return shaped_rewards(cfg, [r for r in group if is_scored(r)])
+
+
+def _model_tokens(rollout: Rollout) -> list[int]:
+    """1 on the response tokens the policy wrote (an episode's tool output is 0)."""
+    return list(getattr(rollout, "model_mask", None) or [1] * len(rollout.output_ids))
+
+
+def token_advantages(algo, rewards: torch.Tensor, rollouts: list[Rollout]) -> list[torch.Tensor]:
+    """Per response token advantages [len(output_ids)] of each rollout, from rewards [N] of the SCORED
+    rollouts given (lost ones must be left out by the caller). Group estimators broadcast one value per
+    sample; gae (no critic: values 0) puts each reward on the sample's last model token and runs the
+    recursion over the model tokens with algorithm.gae_gamma / gae_lambda, whitened over the batch."""
+    from megatron_rl.algorithms.advantages import gae, place_sequence_rewards
     from megatron_rl.algorithms.registry import ADVANTAGE_ESTIMATORS
 
-    group_ids = torch.tensor([r.prompt_index for r in rollouts])
-    return ADVANTAGE_ESTIMATORS.get(estimator)(rewards, group_ids)
+    if algo.advantage_estimator != "gae":
+        group_ids = torch.tensor([r.prompt_index for r in rollouts])
+        per_sample = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)(rewards, group_ids)
+        return [torch.full((len(r.output_ids),), float(a)) for r, a in zip(rollouts, per_sample)]
+    width = max((len(r.output_ids) for r in rollouts), default=0)
+    mask = torch.zeros(len(rollouts), width)
+    for i, r in enumerate(rollouts):
+        mask[i, :len(r.output_ids)] = torch.tensor(_model_tokens(r), dtype=torch.float)
+    grid, _ = gae(place_sequence_rewards(rewards, mask), mask, None, algo.gae_gamma, algo.gae_lambda)
+    return [grid[i, :len(r.output_ids)].clone() for i, r in enumerate(rollouts)]
 
 
 def shaped_rewards(cfg, rollouts: list[Rollout]) -> torch.Tensor:
-    """Verifier rewards plus the overlong penalty (algorithm.overlong=penalty), per sample."""
+    """Verifier rewards plus the overlong penalty (algorithm.overlong=penalty), per sample. The overlong
+    shaping and filter judge single-turn responses against rollout.max_new_tokens; an agent episode
+    (tool output among its tokens, max_new_tokens a per-turn limit) is bounded by task.max_episode_tokens
+    instead and left as it is."""
     from megatron_rl.algorithms.filters import overlong
 
     rewards = torch.tensor([r.reward for r in rollouts])
@@ -260,7 +295,8 @@ def shaped_rewards(cfg, rollouts: list[Rollout]) -> torch.Tensor:
     lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts])
     _, adjustment = overlong(lengths, cfg.rollout.max_new_tokens, "penalty", cfg.algorithm.overlong_penalty_window,
                              cfg.algorithm.overlong_penalty)
-    return rewards + adjustment
+    single = torch.tensor([not hasattr(r, "model_mask") for r in rollouts], dtype=adjustment.dtype)
+    return rewards + adjustment * single
 
 
 _EPISODE_STATUSES = ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline", "partial")
@@ -329,7 +365,7 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
             if cfg.rollout.oversample:
                 timing["sched/groups_cut"] = timing.get("sched/groups_cut", 0.0) + sum(cut)
             groups = [group for group, was_cut in zip(groups, cut) if not was_cut]
-            rounds.add_round(groups, [shaped_rewards(cfg, group) for group in groups])
+            rounds.add_round(groups, [scored_rewards(cfg, group) for group in groups])
         return {**combine_rounds(per_round), **timing}
 
     timing, kept = parts["controller"].rollout(run), rounds.batch()
@@ -342,22 +378,38 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
     return rollouts, timing
 
 
+def step_advantages(cfg, rollouts: list[Rollout], rewards: torch.Tensor, joint: Any = None
+                    ) -> list[Optional[torch.Tensor]]:
+    """Per response token advantages of each rollout (None for a lost one) from the shaped rewards [N].
+    Lost episodes take no part in group baselines or in a joint run's per-domain calibration (a joint
+    run's `advantage_rewards` sees the scored rewards only)."""
+    scored = [r for r in rollouts if is_scored(r)]
+    values = rewards[torch.tensor([is_scored(r) for r in rollouts], dtype=torch.bool)]
+    if joint is not None:
+        values = joint.advantage_rewards(values, scored)
+    per_scored = iter(token_advantages(cfg.algorithm, values, scored))
+    return [next(per_scored) if is_scored(r) else None for r in rollouts]
+
+
 def select_samples(cfg, rollouts: list[Rollout], rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """Keep mask [N] after the zero-variance and overlong filters, and what each dropped."""
+    """Keep mask [N] after the zero-variance and overlong filters, and what each dropped. Lost episodes
+    (`is_scored` False) are dropped, and the zero-variance filter judges a group by its scored samples."""
     from megatron_rl.algorithms.filters import overlong, zero_variance_groups
 
-    lost = ("dropped", "aborted", "deadline")  # sandbox failure, cut straggler, past the step deadline
-    keep = torch.tensor([getattr(r, "status", "") not in lost for r in rollouts], dtype=torch.bool)
+    keep = torch.tensor([is_scored(r) for r in rollouts], dtype=torch.bool)
     stats = {"filter/dropped_episodes": float((~keep).sum())} if not keep.all() else {}
     if cfg.algorithm.filter_zero_variance:
-        informative = zero_variance_groups(rewards, torch.tensor([r.prompt_index for r in rollouts]))
-        stats["filter/zero_variance_dropped"] = float((~informative).sum())
+        informative = torch.zeros_like(keep)
+        informative[keep] = zero_variance_groups(rewards[keep], torch.tensor([r.prompt_index for r in rollouts])[keep])
+        stats["filter/zero_variance_dropped"] = float((keep & ~informative).sum())
         keep &= informative
     if cfg.algorithm.overlong == "filter":
+        single = torch.tensor([not hasattr(r, "model_mask") for r in rollouts])  # see shaped_rewards
         lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts])
         truncated = torch.tensor([r.finish_reason == "length" for r in rollouts])
         fits, _ = overlong(lengths, cfg.rollout.max_new_tokens, "filter", truncated=truncated)
-        stats["filter/overlong_dropped"] = float((~fits).sum())
+        fits |= ~single
+        stats["filter/overlong_dropped"] = float((keep & ~fits).sum())
         keep &= fits
     stats["filter/kept_samples"] = float(keep.sum())
     return keep, stats
@@ -378,11 +430,9 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
         rollouts, timing = generate_groups(rt, parts, step)
     rewards = shaped_rewards(cfg, rollouts)
     joint = parts.get("domains")  # multi-domain runs: per-domain calibration before the advantages
-    advantages = _advantages(joint.advantage_rewards(rewards, rollouts) if joint else rewards, rollouts,
-                             cfg.algorithm.advantage_estimator)
+    advantages = step_advantages(cfg, rollouts, rewards, joint)
     keep, filter_stats = select_samples(cfg, rollouts, rewards)
-    samples = [r.sample({"advantages": r.response_extra([float(a)] * len(r.output_ids)),
-                         "rollout_logprobs": r.response_extra(r.logprobs)})
+    samples = [r.sample({"advantages": r.response_extra(a), "rollout_logprobs": r.response_extra(r.logprobs)})
                for r, a, k in zip(rollouts, advantages, keep) if k]
     metrics: dict[str, float] = {}
     start = time.perf_counter()
@@ -392,20 +442,24 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     else:
         logger.warning("step %d: every sample was filtered out; no update this step", step)
     train_time = time.perf_counter() - start
-    raw = torch.tensor([r.reward for r in rollouts])
+    scored = [is_scored(r) for r in rollouts]
+    raw = torch.tensor([r.reward for r, s in zip(rollouts, scored) if s])
+    scored_values = rewards[torch.tensor(scored, dtype=torch.bool)]
     lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts])
-    group_ids = torch.tensor([r.prompt_index for r in rollouts])
+    group_ids = torch.tensor([r.prompt_index for r, s in zip(rollouts, scored) if s])
     tokens = sum(s.tokens.numel() for s in samples)
     metrics.update(controller.metrics(), **timing, **filter_stats)
     metrics.update({"reward/mean": raw.mean().item(), "response_length/mean": lengths.mean().item(),
-                    "reward/shaped_mean": rewards.mean().item(),
-                    "reward/zero_variance_groups": (~zero_variance_groups(rewards, group_ids)).float().mean().item(),
+                    "reward/shaped_mean": scored_values.mean().item(),
+                    "reward/zero_variance_groups": (~zero_variance_groups(scored_values, group_ids)).float().mean().item(),
                     "time/train": train_time, "tokens_per_s": tokens / max(train_time, 1e-9),
                     "weight_version": float(rollouts[0].weight_version) if rollouts else float(controller.version),
                     "reward/verifier_calls": float(getattr(verifier, "calls", 0) - calls_before),
                     "reward/verifier_errors": float(getattr(verifier, "errors", 0) - errors_before)})
     if joint:
-        metrics.update(joint.step_metrics(step, rollouts, advantages))
+        kept = [(r, a) for r, a in zip(rollouts, advantages) if a is not None]
+        metrics.update(joint.step_metrics(step, [r for r, _ in kept],
+                                          torch.tensor([a.mean().item() if a.numel() else 0.0 for _, a in kept])))
     metrics.update(_maintain(rt, parts, step, rollouts))
     if any(e["track"] == "engine" for e in timeline.events):  # the step's engine time, training included
         metrics["sched/step_engine_busy"] = timeline.busy("engine") / max(time.perf_counter() - timeline.origin, 1e-9)

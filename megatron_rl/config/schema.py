@@ -895,7 +895,13 @@ class AlgorithmConfig:
     """Advantage estimator and policy loss of the RL update."""
 
     advantage_estimator: str = "grpo"
-    """grpo, dr_grpo, rloo, reinforce_pp or gae."""
+    """grpo, dr_grpo, rloo, reinforce_pp (group mean, then batch whitening) or gae (no critic in this
+    version: values 0, so with gae_gamma = gae_lambda = 1 every token's advantage is its sample's reward,
+    whitened over the batch's tokens; works with one sample per prompt)."""
+    gae_gamma: float = 1.0
+    """advantage_estimator=gae: discount per response token."""
+    gae_lambda: float = 1.0
+    """advantage_estimator=gae: GAE's lambda."""
     policy_loss: str = "ppo_clip"
     """ppo_clip, clip_higher (DAPO), gspo (sequence-level ratio) or cispo (clipped IS weights)."""
     eps_clip: float = 0.2
@@ -914,7 +920,7 @@ class AlgorithmConfig:
     """Optimizer steps taken on each batch of rollouts."""
 
     ADVANTAGE_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
-    GROUP_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo")
+    GROUP_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
     POLICY_LOSSES: ClassVar[tuple[str, ...]] = ("ppo_clip", "clip_higher", "gspo", "cispo")
     KL_ESTIMATORS: ClassVar[tuple[str, ...]] = ("k1", "k2", "k3")
     LOSS_AGG_MODES: ClassVar[tuple[str, ...]] = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
@@ -967,6 +973,8 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         _check_choice("algorithm.advantage_estimator", self.advantage_estimator, self.ADVANTAGE_ESTIMATORS)
         _check_choice("algorithm.policy_loss", self.policy_loss, self.POLICY_LOSSES)
+        _check_unit_interval("algorithm.gae_gamma", self.gae_gamma, low_open=False, high_open=False)
+        _check_unit_interval("algorithm.gae_lambda", self.gae_lambda, low_open=False, high_open=False)
         _check_choice("algorithm.kl_estimator", self.kl_estimator, self.KL_ESTIMATORS)
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, self.LOSS_AGG_MODES)
         _check_choice("algorithm.old_logprobs", self.old_logprobs, self.OLD_LOGPROBS)

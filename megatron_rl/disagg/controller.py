@@ -249,21 +249,21 @@ class DisaggregatedController:
             self._in_flight.pop(group.request_id, None)
 
     def _dynamic_sampling(self) -> dict[str, Any]:
-        """`ExperienceBuffer.take`'s filter for algorithm.dynamic_sampling: a group is kept when its
-        shaped rewards vary; each refused one is replaced by a new prompt from the sampler, up to
+        """`ExperienceBuffer.take`'s filter for algorithm.dynamic_sampling: a group is kept when the
+        shaped rewards of its scored samples (lost episodes left out) vary; each refused one is replaced by a new prompt from the sampler, up to
         (dynamic_sampling_max_rounds - 1) * groups per step (what the colocated rounds may draw
         beyond the first); past that the next groups fill the batch as they come."""
         algo = self.cfg.algorithm
         if not algo.dynamic_sampling:
             return {}
         from megatron_rl.algorithms.filters import has_reward_variance
-        from megatron_rl.rl_step import shaped_rewards
+        from megatron_rl.rl_step import scored_rewards
 
         def replace(group: ExperienceGroup) -> None:
             self._consumed(group)
             self._request(self.sampler.next_batch(1))
 
-        return {"accept": lambda group: has_reward_variance(shaped_rewards(self.cfg, group.rollouts)),
+        return {"accept": lambda group: has_reward_variance(scored_rewards(self.cfg, group.rollouts)),
                 "on_reject": replace, "max_rejects": (algo.dynamic_sampling_max_rounds - 1) * self.num_groups}
 
     def _drop(self, group: ExperienceGroup) -> None:

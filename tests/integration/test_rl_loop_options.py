@@ -88,6 +88,39 @@ def test_dataset_chat_template_dynamic_sampling_and_filters(tmp_path, saved_data
     assert rows[-1]["eval/accuracy"] >= 0.0 and "held-out accuracy" in proc.stderr
 
 
+REWARD_MODULE = '''
+import json, os
+
+def score(completion, sample):  # partial credit: the share of the reference's characters written
+    target = set(f"\\boxed{{{sample['answer']}}}")
+    reward = len(target & set(completion)) / len(target)
+    with open(os.environ["REWARD_LOG"], "a") as log:
+        log.write(json.dumps({"sample": sample, "completion": completion, "reward": reward}) + "\\n")
+    return reward
+'''
+
+
+def test_a_reward_function_by_path_and_critic_free_ppo(tmp_path, saved_dataset):
+    """task.reward=module:function scores every training response with the whole dataset row, and the
+    loop trains with algorithm=ppo (critic-free GAE) on one sample per prompt."""
+    (tmp_path / "addition_reward.py").write_text(REWARD_MODULE)
+    log = tmp_path / "rewards.jsonl"
+    env = dict(_env(), PYTHONPATH=f"{REPO}:{tmp_path}", REWARD_LOG=str(log))
+    run_dir = tmp_path / "run"
+    args = _args(run_dir, saved_dataset, "num_steps=2", "task.num_eval=0", "task.reward=addition_reward:score",
+                 "algorithm=ppo", "rollout.n_samples_per_prompt=1", "global_batch_size=8")
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows, calls = _metrics(run_dir), [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and len(calls) == 16
+    assert all(set(c["sample"]) == {"question", "answer", "response"} for c in calls)
+    for step, row in enumerate(rows):
+        mine = calls[8 * step: 8 * step + 8]
+        assert row["reward/mean"] == pytest.approx(sum(c["reward"] for c in mine) / 8)
+        assert row["reward/verifier_errors"] == 0 and row["filter/kept_samples"] == 8
+        assert len({c["reward"] for c in mine}) > 1 and row["grad_norm"] > 0  # whitened rewards that vary
+
+
 def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, saved_dataset):
     common = [f"num_steps={STEPS}", "checkpoint.save_every=1", "task.eval_every=2", "algorithm.kl_coef=0.05"]
     reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"

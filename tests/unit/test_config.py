@@ -188,6 +188,15 @@ def test_resolved_fields_follow_family_when_unset() -> None:
     assert ModelConfig(hidden_size=128, num_attention_heads=4, head_dim=None).resolved_head_dim == 32
 
 
+def test_critic_free_gae_runs_with_one_sample_per_prompt() -> None:
+    from megatron_rl.train import check_train_config
+
+    cfg = load_config(["mode=rl", "algorithm=ppo", "rollout.n_samples_per_prompt=1", "global_batch_size=4"],
+                      world_size=1)
+    check_train_config(cfg)
+    assert cfg.algorithm.advantage_estimator == "gae" and cfg.algorithm.gae_gamma == 1.0
+
+
 def test_dp_size() -> None:
     assert ParallelConfig(tp=2, pp=2).dp_size(8) == 2
     with pytest.raises(ValueError, match="world_size=6"):
@@ -225,6 +234,9 @@ INVALID_CASES = [
     (["algorithm.overlong=penalty"], 1, ["algorithm.overlong_penalty_window=0", "must be >= 1"]),
     (["algorithm.overlong=drop"], 1, ["algorithm.overlong=drop", "none, filter, penalty"]),
     (["mode=rl", "rollout.n_samples_per_prompt=1"], 1, ["rollout.n_samples_per_prompt=1", "grpo"]),
+    (["mode=rl", "algorithm.advantage_estimator=reinforce_pp", "rollout.n_samples_per_prompt=1"], 1,
+     ["rollout.n_samples_per_prompt=1", "reinforce_pp", "all advantages would be 0"]),
+    (["algorithm.gae_gamma=1.5"], 1, ["algorithm.gae_gamma=1.5", "[0, 1]"]),
     (["parallel.tp=0"], 1, ["parallel.tp=0", ">= 1"]),
     (["cluster.master_port=70000"], 1, ["cluster.master_port=70000", "65535"]),
     (["optimizer.lr=="], 1, ["optimizer.lr=="]),

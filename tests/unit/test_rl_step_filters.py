@@ -84,3 +84,92 @@ def test_engines_of_one_step_combine_into_its_scheduler_metrics():
     assert got == pytest.approx({"sched/wall_s": 4.0, "sched/engine_busy": 2.5 / 6, "sched/aborted": 3.0,
                                  "sched/backpressure_wait_s": 1.5})
     assert combine_engines([a]) == a and combine_engines([{}, {}]) == {}
+
+
+def _episode(group, reward, status, turns=((3, 2), (3, 0)), length=None):
+    """An agent episode of model turns (model tokens, observation tokens after them)."""
+    from megatron_rl.rollout.multiturn import Episode
+
+    mask = [m for model, obs in turns for m in [1] * model + [0] * obs]
+    return Episode(group, [1, 2], [5] * len(mask), [0.0] * len(mask), "stop", 1, reward, model_mask=mask,
+                   status=status)
+
+
+def test_lost_episodes_take_no_part_in_the_group_baseline():
+    """Group 0: three correct answers and one episode lost to a sandbox failure: no variance among the
+    scored ones, so no advantage (a lost 0 in the baseline would give each survivor +0.5) and the
+    zero-variance filter drops the group. Group 1: 1, 0 and a deadline: GRPO over (1, 0) only."""
+    from megatron_rl.rl_step import step_advantages
+
+    rollouts = [_episode(0, 1.0, "submitted"), _episode(0, 1.0, "submitted"), _episode(0, 1.0, "max_turns"),
+                _episode(0, 0.0, "dropped"), _episode(1, 1.0, "submitted"), _episode(1, 0.0, "submitted"),
+                _episode(1, 0.0, "deadline")]
+    cfg = _cfg("algorithm.filter_zero_variance=true")
+    rewards = shaped_rewards(cfg, rollouts)
+    advantages = step_advantages(cfg, rollouts, rewards)
+    assert advantages[3] is None and advantages[6] is None
+    for i in (0, 1, 2):
+        assert advantages[i].tolist() == [0.0] * 8
+    # (1 - 0.5) / (std of (1, 0) = sqrt(0.5) + 1e-6), on every response token
+    expected = 0.5 / (0.5 ** 0.5 + 1e-6)
+    assert torch.allclose(advantages[4], torch.full((8,), expected)) and torch.allclose(advantages[5], -advantages[4])
+    keep, stats = select_samples(cfg, rollouts, rewards)
+    assert keep.tolist() == [False, False, False, False, True, True, False]
+    assert stats == {"filter/dropped_episodes": 2.0, "filter/zero_variance_dropped": 3.0, "filter/kept_samples": 2.0}
+
+
+def test_dynamic_sampling_judges_a_group_by_its_scored_samples():
+    from megatron_rl.algorithms.filters import has_reward_variance
+    from megatron_rl.rl_step import scored_rewards
+
+    cfg = _cfg()
+    assert not has_reward_variance(scored_rewards(cfg, [_episode(0, 1.0, "submitted"), _episode(0, 0.0, "dropped")]))
+    assert not has_reward_variance(scored_rewards(cfg, [_episode(0, 0.0, "deadline")] * 2))
+    assert has_reward_variance(scored_rewards(cfg, [_episode(0, 1.0, "submitted"), _episode(0, 0.0, "max_turns")]))
+
+
+def test_overlong_shaping_leaves_agent_episodes_alone():
+    """An episode of two 3-token turns plus tool output is 8 tokens long, which is rollout.max_new_tokens (a
+    per-turn limit): neither the penalty nor the filter applies to it; a single-turn response still gets both."""
+    single = _rollouts([1.0], [8], ["length"], [1])
+    rollouts = [_episode(0, 1.0, "submitted"), _episode(0, 0.0, "submitted"), *single]
+    penalty = _cfg("algorithm.overlong=penalty", "algorithm.overlong_penalty_window=4")
+    assert shaped_rewards(penalty, rollouts).tolist() == [1.0, 0.0, 0.0]
+    filtered = _cfg("algorithm.overlong=filter")
+    keep, stats = select_samples(filtered, rollouts, shaped_rewards(filtered, rollouts))
+    assert keep.tolist() == [True, True, False] and stats["filter/overlong_dropped"] == 1.0
+
+
+def test_gae_without_a_critic():
+    """advantage_estimator=gae, values 0: each reward sits on its sample's last model token; the recursion
+    skips tool output; the result is whitened over all model tokens of the batch. By hand for gamma = 0.5,
+    lambda = 1: a token k model tokens before the end gets r * 0.5**k."""
+    from megatron_rl.rl_step import step_advantages
+
+    cfg = _cfg("algorithm.advantage_estimator=gae", "algorithm.gae_gamma=0.5", "rollout.n_samples_per_prompt=1")
+    single = _rollouts([2.0], [3], ["stop"], [1])[0]
+    episode = _episode(0, 1.0, "submitted", turns=((2, 2), (1, 0)))
+    lost = _episode(2, 1.0, "dropped")
+    rollouts = [episode, single, lost]
+    advantages = step_advantages(cfg, rollouts, shaped_rewards(cfg, rollouts))
+    raw_episode = [0.25, 0.5, 0.0, 0.0, 1.0]  # model tokens 0, 1, (tool, tool), 2
+    raw_single = [0.5, 1.0, 2.0]
+    values = torch.tensor([0.25, 0.5, 1.0, 0.5, 1.0, 2.0])
+    mean, std = values.mean(), values.std(unbiased=False)
+    whiten = lambda xs, m: [(x - mean) / torch.sqrt(std ** 2 + 1e-8) * k for x, k in zip(xs, m)]  # noqa: E731
+    assert torch.allclose(advantages[0], torch.tensor(whiten(raw_episode, [1, 1, 0, 0, 1])))
+    assert torch.allclose(advantages[1], torch.tensor(whiten(raw_single, [1, 1, 1])))
+    assert advantages[2] is None
+
+
+def test_every_advantage_estimator_runs_in_the_step():
+    """Each estimator the config accepts gives finite per-token advantages through step_advantages."""
+    from megatron_rl.config import AlgorithmConfig
+    from megatron_rl.rl_step import step_advantages
+
+    rollouts = _rollouts([1, 0, 0.5, 1], [3, 2, 4, 1], ["stop"] * 4, [0, 0, 1, 1])
+    for estimator in AlgorithmConfig.ADVANTAGE_ESTIMATORS:
+        cfg = _cfg(f"algorithm.advantage_estimator={estimator}")
+        advantages = step_advantages(cfg, rollouts, shaped_rewards(cfg, rollouts))
+        assert [a.shape[0] for a in advantages] == [3, 2, 4, 1], estimator
+        assert all(torch.isfinite(a).all() for a in advantages) and any(a.abs().sum() > 0 for a in advantages)
