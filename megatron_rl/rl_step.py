@@ -451,7 +451,8 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     metrics.update(controller.metrics(), **timing, **filter_stats)
     metrics.update({"reward/mean": raw.mean().item(), "response_length/mean": lengths.mean().item(),
                     "reward/shaped_mean": scored_values.mean().item(),
-                    "reward/zero_variance_groups": (~zero_variance_groups(scored_values, group_ids)).float().mean().item(),
+                    "reward/zero_variance_groups":
+                        (~zero_variance_groups(scored_values, group_ids)).float().mean().item(),
                     "time/train": train_time, "tokens_per_s": tokens / max(train_time, 1e-9),
                     "weight_version": float(rollouts[0].weight_version) if rollouts else float(controller.version),
                     "reward/verifier_calls": float(getattr(verifier, "calls", 0) - calls_before),

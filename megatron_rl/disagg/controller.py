@@ -250,9 +250,10 @@ class DisaggregatedController:
 
     def _dynamic_sampling(self) -> dict[str, Any]:
         """`ExperienceBuffer.take`'s filter for algorithm.dynamic_sampling: a group is kept when the
-        shaped rewards of its scored samples (lost episodes left out) vary; each refused one is replaced by a new prompt from the sampler, up to
-        (dynamic_sampling_max_rounds - 1) * groups per step (what the colocated rounds may draw
-        beyond the first); past that the next groups fill the batch as they come."""
+        shaped rewards of its scored samples (lost episodes left out) vary; each refused one is
+        replaced by a new prompt from the sampler, up to (dynamic_sampling_max_rounds - 1) * groups
+        per step (what the colocated rounds may draw beyond the first); past that the next groups
+        fill the batch as they come."""
         algo = self.cfg.algorithm
         if not algo.dynamic_sampling:
             return {}

@@ -156,7 +156,9 @@ def test_gae_without_a_critic():
     raw_single = [0.5, 1.0, 2.0]
     values = torch.tensor([0.25, 0.5, 1.0, 0.5, 1.0, 2.0])
     mean, std = values.mean(), values.std(unbiased=False)
-    whiten = lambda xs, m: [(x - mean) / torch.sqrt(std ** 2 + 1e-8) * k for x, k in zip(xs, m)]  # noqa: E731
+
+    def whiten(xs, m):
+        return [(x - mean) / torch.sqrt(std ** 2 + 1e-8) * k for x, k in zip(xs, m)]
     assert torch.allclose(advantages[0], torch.tensor(whiten(raw_episode, [1, 1, 0, 0, 1])))
     assert torch.allclose(advantages[1], torch.tensor(whiten(raw_single, [1, 1, 1])))
     assert advantages[2] is None
