@@ -243,7 +243,8 @@ def apportion(sizes: list[int], total: int) -> list[int]:
     return shares
 
 
-LOST_STATUSES = ("dropped", "aborted", "deadline")  # sandbox failure, cut straggler, past the step deadline
+# sandbox failure, cut straggler, past the step deadline, no reward came (verifier late or failed)
+LOST_STATUSES = ("dropped", "aborted", "deadline", "unscored")
 
 
 def is_scored(rollout: Rollout) -> bool:
@@ -271,7 +272,7 @@ def token_advantages(algo, rewards: torch.Tensor, rollouts: list[Rollout]) -> li
     from megatron_rl.algorithms.registry import ADVANTAGE_ESTIMATORS
 
     if algo.advantage_estimator != "gae":
-        group_ids = torch.tensor([r.prompt_index for r in rollouts])
+        group_ids = torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long)
         per_sample = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)(rewards, group_ids)
         return [torch.full((len(r.output_ids),), float(a)) for r, a in zip(rollouts, per_sample)]
     width = max((len(r.output_ids) for r in rollouts), default=0)
@@ -446,7 +447,7 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     raw = torch.tensor([r.reward for r, s in zip(rollouts, scored) if s])
     scored_values = rewards[torch.tensor(scored, dtype=torch.bool)]
     lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts])
-    group_ids = torch.tensor([r.prompt_index for r, s in zip(rollouts, scored) if s])
+    group_ids = torch.tensor([r.prompt_index for r, s in zip(rollouts, scored) if s], dtype=torch.long)
     tokens = sum(s.tokens.numel() for s in samples)
     metrics.update(controller.metrics(), **timing, **filter_stats)
     metrics.update({"reward/mean": raw.mean().item(), "response_length/mean": lengths.mean().item(),

@@ -220,17 +220,19 @@ def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rew
     end = time.time()
     metas = [prompts[g.prompt_index][1] for g in gens]
     texts = [tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in gens]
+    status = ""
     try:
         scores = rewards.submit(list(zip(metas, texts))).result(timeout=300)
-    except concurrent.futures.TimeoutError:
-        logger.warning("request %d: rewards timed out; its samples score 0", request.request_id)
-        scores = [0.0] * len(gens)  # a late reward is a 0 reward, as in rollout.collect
+    except Exception as exc:  # noqa: BLE001  (late or failed: unscored, as in rollout.collect)
+        logger.warning("request %d: rewards %s; its samples are left out of the update", request.request_id,
+                       "timed out" if isinstance(exc, concurrent.futures.TimeoutError) else f"failed: {exc!r}")
+        scores, status = [0.0] * len(gens), "unscored"
     events.write("score", end, time.time(), request=request.request_id)
     out: dict[int, list[tuple[Any, list[int]]]] = {}
     for g, score in zip(gens, scores):
         p = positions[g.prompt_index]
         rollout = Rollout(p, list(request.prompts[p][0]), g.output_ids, g.logprobs, g.finish_reason,
-                          g.weight_version, reward=float(score))
+                          g.weight_version, reward=float(score), status=status)
         out.setdefault(p, []).append((rollout, g.token_versions))
     return out
 

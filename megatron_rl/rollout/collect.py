@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import time
 from typing import Any, Optional, Sequence
 
@@ -20,6 +21,8 @@ import torch.distributed as dist
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.trainer.packing import Sample
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -33,6 +36,7 @@ class Rollout:
     reward: float = 0.0
     domain: str = ""  # the prompt's meta["domain"] in a multi-domain run, else ""
     source_index: int = -1  # index of its prompt in the training prompt list (the sampler's index), if any
+    status: str = ""  # "unscored": no reward came (verifier late or failed), so it is no verdict (rl_step.is_scored)
 
     def sample(self, extras: dict[str, torch.Tensor]) -> Sample:
         tokens = torch.tensor(self.prompt_tokens + self.output_ids, dtype=torch.long)
@@ -94,14 +98,23 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
             pending.append((len(local), reward_service.submit(items)))
         local += rollouts
     start = time.perf_counter()
-    timeouts = 0
-    for offset, future in pending:
+    timeouts = failures = 0
+    ends = [offset for offset, _ in pending[1:]] + [len(local)]
+    for (offset, future), end in zip(pending, ends):
         try:
             scores = future.result(timeout=reward_timeout_s)
-        except concurrent.futures.TimeoutError:
-            timeouts += 1
-            continue  # a late reward is a 0 reward, not a hung step
+        except Exception as exc:  # noqa: BLE001  (late or failed: unscored, never a hung or crashed step)
+            late = isinstance(exc, concurrent.futures.TimeoutError)
+            timeouts, failures = timeouts + late, failures + (not late)
+            if not late:
+                logger.warning("rewards of %d samples failed (left out of the update): %s: %s", end - offset,
+                               type(exc).__name__, exc, exc_info=exc)
+            for r in local[offset:end]:
+                r.status = "unscored"
+            continue
         for k, score in enumerate(scores):
             local[offset + k].reward = score
     wait = time.perf_counter() - start
-    return gather_rollouts(local if first_mp_rank else None), {"time/generate_only": gen_time, "time/reward_wait": wait, "reward/timeouts": float(timeouts)}
+    return gather_rollouts(local if first_mp_rank else None), {
+        "time/generate_only": gen_time, "time/reward_wait": wait, "reward/timeouts": float(timeouts),
+        "reward/failed_batches": float(failures)}
