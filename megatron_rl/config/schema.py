@@ -867,6 +867,10 @@ class RolloutConfig:
         _check_unit_interval("rollout.top_p", self.top_p, low_open=True, high_open=False)
         if self.top_k != -1 and self.top_k < 1:
             raise _invalid("rollout.top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        if self.backend == "sglang" and self.top_k == 1 and self.temperature != 1.0:
+            raise _invalid("rollout.top_k", self.top_k, f"with rollout.temperature={self.temperature} and "
+                           "rollout.backend=sglang gives log-probs at temperature 1 (SGLang's greedy path) while the "
+                           "trainer's are at rollout.temperature: set rollout.temperature=1 with top_k=1")
         _check_min("rollout.max_new_tokens", self.max_new_tokens, 1)
         _check_min("rollout.n_samples_per_prompt", self.n_samples_per_prompt, 1)
         _check_unit_interval("rollout.mem_fraction_static", self.mem_fraction_static, low_open=True, high_open=True)

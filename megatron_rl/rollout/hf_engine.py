@@ -64,7 +64,9 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.weight_version = 0
-        self._names = set(self.model.state_dict())
+        # parameters no update has written since they were last allocated (random init, or
+        # uninitialised memory after release_memory / resume_memory): a flush leaving any is an error
+        self._unwritten = {name for name, _ in self.model.named_parameters()}
         self._released: set[str] = set()
         self._paused = threading.Event()
         self._weights_valid = False  # random init until the first update
@@ -90,7 +92,13 @@ class HFEngine:
                 raise ValueError(f"weight update {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the engine expects {tuple(target.shape)}")
             target.copy_(tensor.to(target.dtype))
+            self._unwritten.discard(held)
         if flush:
+            if self._unwritten:
+                missing = sorted(self._unwritten)
+                raise EngineStateError(
+                    f"weight update {version} left {len(missing)} engine parameters unwritten since they were "
+                    f"allocated (e.g. {', '.join(missing[:3])}): the update must send every weight")
             self.weight_version = version
             self._weights_valid = True
 
@@ -112,6 +120,7 @@ class HFEngine:
     def resume_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
         if TAG_WEIGHTS in tags and TAG_WEIGHTS in self._released:
             self.model.to_empty(device=self.device)  # allocated, uninitialised: sync weights next
+            self._unwritten = {name for name, _ in self.model.named_parameters()}
             with torch.no_grad():
                 for name, buf in self.model.named_buffers():
                     buf.copy_(self._buffers[name])
@@ -145,7 +154,9 @@ class HFEngine:
             raise EngineStateError("generate before any weight update: sync weights from the trainer first")
         jobs = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         out: list[Generation] = []
-        with torch.random.fork_rng(devices=[]):
+        # a seeded request leaves the global generator as it was; an unseeded one draws from it (forking
+        # it too would give every unseeded call the same samples)
+        with torch.random.fork_rng(devices=[], enabled=params.seed is not None):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             for start in range(0, len(jobs), self.max_batch_size):

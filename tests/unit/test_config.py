@@ -237,6 +237,8 @@ INVALID_CASES = [
     (["mode=rl", "algorithm.advantage_estimator=reinforce_pp", "rollout.n_samples_per_prompt=1"], 1,
      ["rollout.n_samples_per_prompt=1", "reinforce_pp", "all advantages would be 0"]),
     (["algorithm.gae_gamma=1.5"], 1, ["algorithm.gae_gamma=1.5", "[0, 1]"]),
+    (["rollout=sglang", "rollout.top_k=1", "rollout.temperature=0.7"], 1,
+     ["rollout.top_k=1", "rollout.temperature=0.7", "set rollout.temperature=1"]),
     (["parallel.tp=0"], 1, ["parallel.tp=0", ">= 1"]),
     (["cluster.master_port=70000"], 1, ["cluster.master_port=70000", "65535"]),
     (["optimizer.lr=="], 1, ["optimizer.lr=="]),

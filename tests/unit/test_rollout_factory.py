@@ -151,7 +151,8 @@ def test_hf_engine_keeps_glm4_moe_routing_in_fp32_at_bf16():
     assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
     assert engine.model.model.layers[-1].mlp.shared_experts.gate_proj.weight.dtype == torch.bfloat16
     bias = torch.tensor([1e-3, 1 + 2 ** -12, -0.3, 0.0])  # 1 + 2^-12 is not a bf16 number
-    engine.update_weights([(f"model.layers.{cfg.num_layers - 1}.mlp.gate.e_score_correction_bias", bias)], 1)
+    engine.update_weights([(f"model.layers.{cfg.num_layers - 1}.mlp.gate.e_score_correction_bias", bias)], 1,
+                          flush=False)  # one tensor of an update
     assert torch.equal(router.e_score_correction_bias, bias)
 
 
@@ -226,3 +227,53 @@ def test_hf_backend_builds_one_engine_per_rank(tmp_path):
     engine = make_engine(rl_config(), None, load_tokenizer("builtin:char"), local_rank=0, local_world_size=1,
                          work_dir=tmp_path)
     assert isinstance(engine, HFEngine)
+
+
+def test_hf_engine_refuses_an_update_that_leaves_weights_unwritten():
+    """After release / resume the engine's memory is uninitialised: an update that skips a weight (a
+    converter bug) must fail at its flush, not generate from garbage; a complete one is taken."""
+    import torch
+
+    from megatron_rl.models.hf import build_hf_model, hub_state_dict
+    from megatron_rl.rollout.base import EngineStateError
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    cfg = rl_config()
+    engine = HFEngine(cfg.model)
+    sent = hub_state_dict(build_hf_model(cfg.model, seed=7))
+    partial = [(k, v) for k, v in sent.items() if "layers.1.mlp.down_proj" not in k]
+    with pytest.raises(EngineStateError, match=r"left 1 engine parameters unwritten .*layers.1.mlp.down_proj"):
+        engine.update_weights(partial, version=1)  # even the first update: random init is no policy
+    engine.update_weights(sent.items(), version=1)
+    engine.release_memory()
+    engine.resume_memory()
+    engine.update_weights(partial[:3], version=2, flush=False)  # buckets before the last one are not checked
+    with pytest.raises(EngineStateError, match="unwritten"):
+        engine.update_weights(partial[3:], version=2)
+    assert engine.weight_version == 1
+    engine.update_weights(sent.items(), version=2)
+    held = engine.hf_state_dict()
+    assert all(torch.equal(held[k], v) for k, v in sent.items()) and engine.weight_version == 2
+
+
+def test_hf_engine_unseeded_requests_draw_new_samples():
+    """A seeded request is reproducible and leaves the global generator alone; unseeded ones draw
+    from it, so two of them differ (forking the generator for them repeated the same samples)."""
+    import torch
+
+    from megatron_rl.models.hf import build_hf_model, hub_state_dict
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    cfg = rl_config()
+    engine = HFEngine(cfg.model)
+    engine.update_weights(hub_state_dict(build_hf_model(cfg.model, seed=7)).items(), version=1)
+    prompts = [[5, 9, 2, 40]] * 4
+
+    def draw(seed=None):
+        return [g.output_ids for g in engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=seed))]
+
+    state = torch.random.get_rng_state()
+    assert draw(seed=3) == draw(seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert draw() != draw()
