@@ -119,7 +119,8 @@ class DisaggregatedController:
         num, external = cfg.rollout.num_generators, cfg.rollout.generator_nodes > 0
         # one node: everything on the loopback; other nodes: the address the trainer ranks rendezvous at
         host = _reachable_host(rt.env.master_addr) if external else LOOPBACK
-        self.store = weight_update_store(host, free_port(), 1 + num, is_master=True)
+        self.store = weight_update_store(host, free_port(), 1 + num, is_master=True,
+                                         timeout_s=cfg.rollout.weight_update_timeout_s)
         local_ranks = 0 if external else rt.env.local_world_size
         specs = [GeneratorSpec(i, cfg, str(rt.run_dir), host, self.store.port, num, local_ranks,
                                list(sandbox_addresses)) for i in range(num)]
@@ -193,7 +194,7 @@ class DisaggregatedController:
             time.sleep(0.2)
         self.store.set(GO_KEY, str(first_version))
         num = len(self.hub.specs)
-        group = WeightUpdateGroup(self.store, 0, 1 + num, self.device)
+        group = WeightUpdateGroup(self.store, 0, 1 + num, self.device, self.cfg.rollout.weight_update_timeout_s)
         self._sink = BroadcastSink(group, self.store)
         self.events.write("connect", start, time.time(), generators=num)
 

@@ -138,13 +138,14 @@ def _loop(spec: GeneratorSpec, index: int, hub: Any, engine: Any, rewards: Any, 
     from megatron_rl.parallel.dist import WeightUpdateGroup, weight_update_store
 
     world = 1 + spec.num_generators
-    store = weight_update_store(spec.store_host, spec.store_port, world, is_master=False)
+    timeout_s = spec.cfg.rollout.weight_update_timeout_s
+    store = weight_update_store(spec.store_host, spec.store_port, world, is_master=False, timeout_s=timeout_s)
     hub.ready(index)
     while not store.check([GO_KEY]):  # the trainer's warm start runs meanwhile
         if hub.stopping():
             return
         time.sleep(0.2)
-    group = WeightUpdateGroup(store, index + 1, world, device)
+    group = WeightUpdateGroup(store, index + 1, world, device, timeout_s)
     receiver = WeightReceiver(group, store, engine,
                               on_update=lambda v, s, e: events.write("weights", s, e, version=v))
     receiver.receive(int(store.get(GO_KEY)))
