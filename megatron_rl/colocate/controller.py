@@ -60,32 +60,49 @@ class ColocationController:
                 self.timeline.add(name, "phases", start, end)
 
     def rollout(self, generate: Callable[[], T]) -> T:
-        """Run `generate()` with the engine holding the trainer's current weights."""
+        """Run `generate()` with the engine holding the trainer's current weights. Whatever fails after
+        the trainer's offload (engine resume, weight sync, generation), the engine releases its memory
+        and the trainer gets its own back before the error propagates; the weight version advances only
+        when the sync completed."""
         self.timings = {}
-        self.version += 1
+        version = self.version + 1
         with self._phase("offload_trainer"):
             self.trainer.offload()
-        with self._phase("resume_engine_weights"):
-            if self.engine is not None:
-                self.engine.resume_memory([TAG_WEIGHTS])
-        with self._phase("sync_weights"):
-            self.trainer.onload_weights_for_sync()
-            self.last_sync = sync_weights(self.trainer.module, self.trainer.groups, self.trainer.model_cfg,
-                                          self.engine, self.version, self.bucket_bytes)
-            self.trainer.offload_weights_after_sync()
-        with self._phase("resume_engine_kv"):
-            if self.engine is not None:
-                self.engine.resume_memory([TAG_KV_CACHE])
         try:
+            with self._phase("resume_engine_weights"):
+                if self.engine is not None:
+                    self.engine.resume_memory([TAG_WEIGHTS])
+            with self._phase("sync_weights"):
+                self.trainer.onload_weights_for_sync()
+                self.last_sync = sync_weights(self.trainer.module, self.trainer.groups, self.trainer.model_cfg,
+                                              self.engine, version, self.bucket_bytes)
+                self.version = version
+                self.trainer.offload_weights_after_sync()
+            with self._phase("resume_engine_kv"):
+                if self.engine is not None:
+                    self.engine.resume_memory([TAG_KV_CACHE])
             with self._phase("generate"):
                 result = generate()
-        finally:
+        except BaseException:
+            self._hand_back(failed=True)
+            raise
+        self._hand_back(failed=False)
+        return result
+
+    def _hand_back(self, failed: bool) -> None:
+        """Release the engine, then onload the trainer (also when the release fails). After a failed
+        rollout a failing release is logged, not raised: the rollout's own error is the one to see."""
+        try:
             with self._phase("release_engine"):
                 if self.engine is not None:
                     self.engine.release_memory([TAG_WEIGHTS, TAG_KV_CACHE])
+        except Exception:
+            if not failed:
+                raise
+            logger.exception("releasing the engine's memory after a failed rollout failed too")
+        finally:
             with self._phase("onload_trainer"):
                 self.trainer.onload()
-        return result
 
     def metrics(self) -> dict[str, float]:
         out = dict(self.timings)
