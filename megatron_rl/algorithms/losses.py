@@ -102,12 +102,8 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *, eps_low:
         raise ValueError("gspo needs sample_ids [T] to group tokens into sequences")
     token_log_ratio = _log_ratio(logprobs, old_logprobs)
     mask = torch.ones_like(token_log_ratio) if loss_mask is None else loss_mask.to(token_log_ratio.dtype)
-    _, seq = torch.unique(sample_ids, return_inverse=True)
-    num_seqs = int(seq.max()) + 1 if seq.numel() else 0
-    zeros = torch.zeros(num_seqs, dtype=token_log_ratio.dtype, device=token_log_ratio.device)
-    seq_sum = zeros.index_add(0, seq, token_log_ratio.detach() * mask)
-    seq_len = zeros.index_add(0, seq, mask).clamp(min=1)
-    seq_log_ratio = (seq_sum / seq_len)[seq]
+    seq_sum, seq_len = sequence_sums(token_log_ratio.detach(), mask, sample_ids)
+    seq_log_ratio = seq_sum / seq_len.clamp(min=1)
     ratio = torch.exp(seq_log_ratio + logprobs - logprobs.detach())
     eps_high = eps_low if eps_high is None else eps_high
     return _clipped_surrogate(ratio, token_log_ratio, advantages, eps_low, eps_high)
@@ -134,20 +130,63 @@ def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *, eps_low
     return loss, {"ratio": ratio, "clipped": clipped, "approx_kl": _approx_kl(log_ratio)}
 
 
-def tis_weights(old_logprobs_train: Tensor, rollout_logprobs: Tensor, cap: float = 2.0) -> Tensor:
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
-    brings you off-policy RL training"): min(pi_train_old / pi_rollout, cap) per token.
+def sequence_sums(values: Tensor, mask: Tensor, sample_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Per token, the masked sum of `values` over its sequence and its sequence's mask count:
+    values, mask, sample_ids [T] -> ([T], [T]). All tokens of a sequence must be in the call."""
+    _, seq = torch.unique(sample_ids, return_inverse=True)
+    num_seqs = int(seq.max()) + 1 if seq.numel() else 0
+    zeros = torch.zeros(num_seqs, dtype=values.dtype, device=values.device)
+    mask = mask.to(values.dtype)
+    return zeros.index_add(0, seq, values * mask)[seq], zeros.index_add(0, seq, mask)[seq]
 
-    The rollout engine's log-probs differ from the trainer's for the same weights (kernels,
-    precision); multiplying the per-token loss by this detached weight corrects the
-    gradient for sampling from the engine. old_logprobs_train (the trainer's log-probs of
-    the rollout policy), rollout_logprobs: [T] -> weights [T], detached.
+
+ROLLOUT_IS_LEVELS = ("token", "sequence", "none")
+ROLLOUT_MASK_LEVELS = ("none", "token", "sequence", "geometric")
+
+
+def rollout_correction(old_logprobs_train: Tensor, rollout_logprobs: Tensor, mask: Tensor,
+                       sample_ids: Optional[Tensor], *, level: str = "token", cap: float = 2.0,
+                       mask_level: str = "none", low: float = 0.5, high: float = 2.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Weights and a keep mask that correct the policy loss for sampling from the rollout engine,
+    whose log-probs differ from the trainer's for the same weights. With log r_t = old_t - rollout_t
+    (the trainer's over the engine's probability of token t) on the loss tokens:
+
+        level    "token"     w_t = min(r_t, cap)                 truncated IS (Yao et al. 2025)
+                 "sequence"  w_t = min(prod_s r_s, cap)           over the tokens s of t's sequence
+                 "none"      w_t = 1
+        mask     "token"     keep_t = low <= r_t <= high          IcePop-style token rejection
+                 "sequence"  keep_t = low <= prod_s r_s <= high   the whole sequence kept or dropped
+                 "geometric" keep_t = low <= (prod_s r_s)^(1/n) <= high   (n loss tokens of the sequence)
+                 "none"      keep_t = 1
+
+    A dropped token contributes nothing to the loss (the batch's denominators stay as they are).
+    Sequence levels need `sample_ids` and all of a sequence's tokens in the call (no context
+    parallelism). Inputs [T]; returns (weights, keep, capped) [T], detached; `capped` marks tokens
+    whose weight the cap changed.
     """
-    if cap <= 0:
-        raise ValueError(f"tis cap={cap} is invalid: must be > 0 (typical 2.0)")
+    if cap <= 0 or not 0 < low < 1 < high:
+        raise ValueError(f"rollout correction needs cap > 0 and 0 < low < 1 < high, got cap={cap}, low={low}, "
+                         f"high={high}")
     if old_logprobs_train.shape != rollout_logprobs.shape:
         raise ValueError(f"old_logprobs_train and rollout_logprobs must have the same shape [T], got "
                          f"{tuple(old_logprobs_train.shape)} and {tuple(rollout_logprobs.shape)}")
-    # Clamping the log-ratio at log(cap) equals min(exp(.), cap) and cannot overflow.
-    log_ratio = (old_logprobs_train - rollout_logprobs).detach().clamp(max=math.log(cap))
-    return torch.exp(log_ratio)
+    if level not in ROLLOUT_IS_LEVELS or mask_level not in ROLLOUT_MASK_LEVELS:
+        raise ValueError(f"rollout correction level={level!r} / mask_level={mask_level!r}: allowed "
+                         f"{ROLLOUT_IS_LEVELS} / {ROLLOUT_MASK_LEVELS}")
+    mask = mask.to(old_logprobs_train.dtype)
+    log_ratio = (old_logprobs_train - rollout_logprobs).detach() * mask
+    needs_sequences = level == "sequence" or mask_level in ("sequence", "geometric")
+    if needs_sequences and sample_ids is None:
+        raise ValueError("sequence-level rollout correction needs sample_ids [T]")
+    seq_sum, seq_len = sequence_sums(log_ratio, mask, sample_ids) if needs_sequences else (None, None)
+    # the log-ratio the weight and the keep test use; clamped so that exp never overflows
+    weighed = {"token": log_ratio, "sequence": seq_sum, "none": torch.zeros_like(log_ratio)}[level]
+    weights = torch.exp(weighed.clamp(min=-_MAX_LOG_RATIO, max=math.log(cap)))
+    capped = (weighed > math.log(cap)).to(log_ratio.dtype)
+    if mask_level == "none":
+        keep = torch.ones_like(log_ratio)
+    else:
+        tested = {"token": log_ratio, "sequence": seq_sum,
+                  "geometric": seq_sum / seq_len.clamp(min=1) if seq_len is not None else None}[mask_level]
+        keep = ((tested >= math.log(low)) & (tested <= math.log(high))).to(log_ratio.dtype)
+    return weights, keep, capped

@@ -10,13 +10,12 @@ objective, whatever the parallel layout. Metrics are contributions in the same s
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from megatron_rl.algorithms.kl import kl_estimate
-from megatron_rl.algorithms.losses import tis_weights
+from megatron_rl.algorithms.losses import ROLLOUT_IS_LEVELS, ROLLOUT_MASK_LEVELS, rollout_correction
 from megatron_rl.algorithms.registry import KL_ESTIMATORS, POLICY_LOSSES
 
 if TYPE_CHECKING:  # the algorithms stay importable without the trainer's dependencies
@@ -60,15 +59,16 @@ def aggregate(per_token: Tensor, mask: Tensor, sample_num_tokens: Tensor, num_to
 def make_policy_loss_fn(cfg: Any) -> LossFn:
     """Build the RL loss from an object with `AlgorithmConfig`'s fields (`policy_loss`,
     `eps_clip`, `eps_clip_high`, `kl_coef`, `kl_estimator`, `entropy_coef`, `loss_agg_mode`),
-    plus two optional attributes read with getattr: `tis_cap` (default 2.0) and
-    `loss_norm_len` (norm_len of `seq_mean_token_sum_norm`, default None).
+    plus optional attributes read with getattr: the rollout correction's `tis_cap` (default 2.0),
+    `rollout_is` ("token"), `rollout_mask` ("none"), `rollout_mask_low` / `rollout_mask_high`
+    (0.5 / 2.0), and `loss_norm_len` (norm_len of `seq_mean_token_sum_norm`, default None).
 
     The returned function reads from `LossInputs.extras` (all [T], per target):
         "advantages"        required
         "old_logprobs"      required: the trainer's log-probs of the policy that sampled
         "ref_logprobs"      reference model's log-probs; required when kl_coef > 0
         "rollout_logprobs"  the rollout engine's log-probs; when present the policy loss is
-                            weighted per token by tis_weights(old_logprobs, rollout_logprobs, tis_cap)
+                            weighted per token by `losses.rollout_correction`'s weights and keep mask
     and `LossInputs.entropy` (required when entropy_coef > 0).
 
         loss = agg(pg_loss_t * tis_t) + kl_coef * agg(kl_t) - entropy_coef * agg(entropy_t)
@@ -78,7 +78,10 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
     Metrics (contributions to global sums): "loss" and "pg_loss" in the aggregation mode;
     "clip_frac", "ratio", "ppo_kl" (approx KL(old || current)), "kl" (policy vs reference,
     when ref_logprobs are given), "entropy" (when given), "tis_weight" and "tis_clip_frac"
-    (when rollout_logprobs are given) as token means over the global batch's loss tokens.
+    (when rollout_logprobs are given: the mean weight, the share of tokens the cap changed),
+    "rollout_kept" (share of tokens the rollout mask kept), "mismatch_k1" / "mismatch_k3" (estimates
+    of KL(engine || trainer) from the sampled tokens), all token means over the global batch's
+    loss tokens.
     """
     policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
     KL_ESTIMATORS.get(cfg.kl_estimator)  # fail at build time, not in the first micro-batch
@@ -90,6 +93,11 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
     kl_coef, kl_estimator = float(cfg.kl_coef), cfg.kl_estimator
     entropy_coef = float(cfg.entropy_coef)
     tis_cap = float(getattr(cfg, "tis_cap", 2.0))
+    is_level, mask_level = getattr(cfg, "rollout_is", "token"), getattr(cfg, "rollout_mask", "none")
+    mask_low, mask_high = float(getattr(cfg, "rollout_mask_low", 0.5)), float(getattr(cfg, "rollout_mask_high", 2.0))
+    if is_level not in ROLLOUT_IS_LEVELS or mask_level not in ROLLOUT_MASK_LEVELS:
+        raise ValueError(f"algorithm.rollout_is={is_level} / rollout_mask={mask_level} is invalid: allowed values are "
+                         f"{', '.join(ROLLOUT_IS_LEVELS)} / {', '.join(ROLLOUT_MASK_LEVELS)}")
     norm_len = getattr(cfg, "loss_norm_len", None)
     if mode == "seq_mean_token_sum_norm" and (norm_len is None or norm_len <= 0):
         raise ValueError("loss_agg_mode=seq_mean_token_sum_norm needs loss_norm_len > 0 "
@@ -114,10 +122,13 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
                    "ppo_kl": token_mean(token_metrics["approx_kl"])}
         if "rollout_logprobs" in inp.extras:
             rollout = inp.extras["rollout_logprobs"]
-            weights = tis_weights(old, rollout, tis_cap)
-            per_token = per_token * weights
-            metrics["tis_weight"] = token_mean(weights)
-            metrics["tis_clip_frac"] = token_mean((old - rollout) > math.log(tis_cap))
+            weights, keep, capped = rollout_correction(old, rollout, mask, inp.sample_ids, level=is_level, cap=tis_cap,
+                                                       mask_level=mask_level, low=mask_low, high=mask_high)
+            per_token = per_token * weights * keep
+            log_ratio = (old - rollout).detach()  # log of the trainer's over the engine's probability
+            metrics.update(tis_weight=token_mean(weights), tis_clip_frac=token_mean(capped),
+                           rollout_kept=token_mean(keep), mismatch_k1=token_mean(-log_ratio),
+                           mismatch_k3=token_mean(torch.exp(log_ratio.clamp(max=20.0)) - 1 - log_ratio))
         pg_loss = agg(per_token)
         loss = pg_loss
         if "ref_logprobs" in inp.extras:

@@ -30,6 +30,12 @@ def check_run_config(cfg) -> None:
         raise ConfigError(f"algorithm.policy_loss=gspo takes one importance ratio per sequence, a mean over all "
                           f"of its tokens, but parallel.cp={cfg.parallel.cp} splits every sequence over ranks: "
                           "use parallel.cp=1 or another policy loss")
+    algo = cfg.algorithm
+    if cfg.parallel.cp > 1 and (algo.rollout_is == "sequence" or algo.rollout_mask in ("sequence", "geometric")):
+        key, value = (("rollout_is", algo.rollout_is) if algo.rollout_is == "sequence"
+                      else ("rollout_mask", algo.rollout_mask))
+        raise ConfigError(f"algorithm.{key}={value} weighs whole sequences, but parallel.cp={cfg.parallel.cp} "
+                          "splits every sequence over ranks: use parallel.cp=1 or token-level correction")
     if cfg.domains and cfg.task.pool_refresh_every:
         raise ConfigError("task.pool_refresh_every > 0 is for single-task runs; set it to 0 with domains")
     if cfg.algorithm.overlong == "penalty" and cfg.algorithm.overlong_penalty_window > cfg.rollout.max_new_tokens:

@@ -938,6 +938,18 @@ class AlgorithmConfig:
 
     tis_cap: float = 2.0
     """Cap of the truncated importance-sampling weight that corrects rollout/training log-prob mismatch."""
+    rollout_is: str = "token"
+    """The rollout correction's weight (megatron_rl/algorithms/losses.py:rollout_correction), from r = the
+    trainer's over the engine's probability of a sampled token: token (min(r_t, tis_cap), truncated IS),
+    sequence (min(product of the sequence's r, tis_cap)) or none."""
+    rollout_mask: str = "none"
+    """Drop from the loss what the engine sampled too differently: token (tokens with r_t outside
+    [rollout_mask_low, rollout_mask_high]), sequence (sequences whose product of r is outside), geometric
+    (sequences whose geometric mean of r is outside) or none."""
+    rollout_mask_low: float = 0.5
+    """Lower bound of the rollout mask's range (< 1)."""
+    rollout_mask_high: float = 2.0
+    """Upper bound of the rollout mask's range (> 1)."""
     max_staleness: int = 1
     """rollout.mode=disaggregated: a group generated with weight version v (its oldest token) is trained
     on at trainer version <= v + max_staleness; older groups are dropped (counted). 0 = on-policy."""
@@ -994,6 +1006,12 @@ class AlgorithmConfig:
         _check_min("algorithm.overlong_penalty", self.overlong_penalty, 0)
         _check_min("algorithm.dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds, 1)
         _check_min("algorithm.tis_cap", self.tis_cap, 1.0)
+        _check_choice("algorithm.rollout_is", self.rollout_is, ("token", "sequence", "none"))
+        _check_choice("algorithm.rollout_mask", self.rollout_mask, ("none", "token", "sequence", "geometric"))
+        if not 0 < self.rollout_mask_low < 1:
+            raise _invalid("algorithm.rollout_mask_low", self.rollout_mask_low, "must lie in (0, 1)")
+        if self.rollout_mask_high <= 1:
+            raise _invalid("algorithm.rollout_mask_high", self.rollout_mask_high, "must be > 1")
         _check_min("algorithm.max_staleness", self.max_staleness, 0)
         if self.loss_agg_mode == "seq_mean_token_sum_norm" and not self.loss_norm_len:
             raise _invalid("algorithm.loss_norm_len", self.loss_norm_len,

@@ -188,6 +188,16 @@ def test_resolved_fields_follow_family_when_unset() -> None:
     assert ModelConfig(hidden_size=128, num_attention_heads=4, head_dim=None).resolved_head_dim == 32
 
 
+def test_sequence_level_rollout_correction_is_refused_with_context_parallelism() -> None:
+    from megatron_rl.train import check_train_config
+
+    for option in ("algorithm.rollout_is=sequence", "algorithm.rollout_mask=geometric"):
+        cfg = load_config(["mode=rl", "cluster.nproc=2", "parallel.cp=2", option], world_size=2)
+        with pytest.raises(ConfigError, match=f"{option} weighs whole sequences"):
+            check_train_config(cfg)
+        check_train_config(load_config(["mode=rl", option], world_size=1))
+
+
 def test_critic_free_gae_runs_with_one_sample_per_prompt() -> None:
     from megatron_rl.train import check_train_config
 
@@ -237,6 +247,8 @@ INVALID_CASES = [
     (["mode=rl", "algorithm.advantage_estimator=reinforce_pp", "rollout.n_samples_per_prompt=1"], 1,
      ["rollout.n_samples_per_prompt=1", "reinforce_pp", "all advantages would be 0"]),
     (["algorithm.gae_gamma=1.5"], 1, ["algorithm.gae_gamma=1.5", "[0, 1]"]),
+    (["algorithm.rollout_mask=seq"], 1, ["algorithm.rollout_mask=seq", "geometric"]),
+    (["algorithm.rollout_mask_low=1.2"], 1, ["algorithm.rollout_mask_low=1.2", "(0, 1)"]),
     (["rollout=sglang", "rollout.top_k=1", "rollout.temperature=0.7"], 1,
      ["rollout.top_k=1", "rollout.temperature=0.7", "set rollout.temperature=1"]),
     (["parallel.tp=0"], 1, ["parallel.tp=0", ">= 1"]),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_rl.algorithms import POLICY_LOSSES, Registry
-from megatron_rl.algorithms.losses import cispo, clip_higher, gspo, ppo_clip, tis_weights
+from megatron_rl.algorithms.losses import cispo, clip_higher, gspo, ppo_clip, rollout_correction
 
 OLD = torch.full((5,), -1.0, dtype=torch.float64)
 
@@ -112,15 +112,58 @@ def test_extreme_log_ratios_stay_finite():
         assert torch.isfinite(loss).all(), name
 
 
-def test_tis_weights_truncate_and_detach():
+def _correct(train, rollout, mask=None, ids=None, **kwargs):
+    mask = torch.ones_like(rollout) if mask is None else torch.tensor(mask, dtype=rollout.dtype)
+    return rollout_correction(train, rollout, mask, None if ids is None else torch.tensor(ids), **kwargs)
+
+
+def test_token_tis_weights_truncate_and_detach():
     train = torch.tensor([-1.0, -1.0, -1.0], dtype=torch.float64, requires_grad=True)
     rollout = torch.tensor([-1.5, -0.5, -1.0 - math.log(3.0)], dtype=torch.float64)
-    w = tis_weights(train, rollout, cap=2.0)
+    w, keep, capped = _correct(train, rollout, cap=2.0)
     assert not w.requires_grad
     assert torch.allclose(w, torch.tensor([math.exp(0.5), math.exp(-0.5), 2.0], dtype=torch.float64))
-    assert torch.isfinite(tis_weights(torch.tensor([0.0]), torch.tensor([-500.0]), cap=2.0)).all()
+    assert keep.tolist() == [1.0, 1.0, 1.0] and capped.tolist() == [0.0, 0.0, 1.0]
+    w, _, _ = _correct(torch.tensor([0.0]), torch.tensor([-500.0]), cap=2.0)
+    assert torch.isfinite(w).all()
     with pytest.raises(ValueError, match="cap"):
-        tis_weights(train, rollout, cap=0.0)
+        _correct(train, rollout, cap=0.0)
+    with pytest.raises(ValueError, match="low < 1 < high"):
+        _correct(train, rollout, mask_level="token", low=1.0)
+
+
+# Two sequences: tokens 0-2 (sample 0; token 2 is a prompt/tool token, mask 0) and 3-4 (sample 1),
+# log r = old - rollout per token, written out: sample 0: 0.5, -0.2, (9.0); sample 1: -1.0, -0.5.
+LOG_R = [0.5, -0.2, 9.0, -1.0, -0.5]
+IDS, MASK = [0, 0, 0, 1, 1], [1, 1, 0, 1, 1]
+
+
+def _sequence_case(**kwargs):
+    rollout = torch.zeros(5, dtype=torch.float64)
+    return _correct(torch.tensor(LOG_R, dtype=torch.float64), rollout, MASK, IDS, **kwargs)
+
+
+def test_sequence_weights_multiply_the_loss_tokens_ratios():
+    w, keep, capped = _sequence_case(level="sequence", cap=2.0)
+    # sample 0: exp(0.5 - 0.2) = 1.35 (the masked 9.0 does not count); sample 1: exp(-1.5)
+    assert torch.allclose(w, torch.tensor([math.exp(0.3)] * 3 + [math.exp(-1.5)] * 2, dtype=torch.float64))
+    assert capped.sum() == 0 and keep.sum() == 5
+    w, _, capped = _sequence_case(level="sequence", cap=1.2)
+    assert torch.allclose(w[:3], torch.tensor(1.2, dtype=torch.float64)) and capped.tolist() == [1, 1, 1, 0, 0]
+    w, _, _ = _sequence_case(level="none")
+    assert w.tolist() == [1.0] * 5
+
+
+@pytest.mark.parametrize("mask_level, low, high, kept", [
+    ("token", 0.5, 1.5, [0, 1, 1, 0, 1]),       # r: e^0.5 = 1.65 > 1.5 out; e^-1 = 0.37 < 0.5 out; masked 9.0: kept
+    ("sequence", 0.5, 1.5, [1, 1, 1, 0, 0]),    # e^0.3 = 1.35 in; e^-1.5 = 0.22 out
+    ("geometric", 0.5, 1.5, [1, 1, 1, 0, 0]),   # means: e^0.15 = 1.16 in; e^-0.75 = 0.47 < 0.5 out
+    ("geometric", 0.45, 1.1, [0, 0, 0, 1, 1]),  # 1.16 > 1.1 out; 0.47 in
+    ("none", 0.5, 1.5, [1, 1, 1, 1, 1]),
+])
+def test_rollout_masks_drop_tokens_or_sequences_outside_the_range(mask_level, low, high, kept):
+    _, keep, _ = _sequence_case(mask_level=mask_level, low=low, high=high)
+    assert keep.tolist() == kept
 
 
 def test_registry_refuses_duplicates_and_lists_valid_names():

@@ -168,3 +168,29 @@ def test_accepts_the_algorithm_config_dataclass():
         cfg = AlgorithmConfig(policy_loss=name, kl_coef=0.05, entropy_coef=0.001)
         loss, metrics = make_policy_loss_fn(cfg)(_full_inputs(torch.tensor(LOGP, dtype=D)))
         assert torch.isfinite(loss) and {"loss", "pg_loss", "kl", "entropy", "clip_frac"} <= set(metrics)
+
+
+def test_rollout_correction_options_and_mismatch_metrics():
+    """FULL's log r = old - rollout on the loss tokens: log 0.5, 0, log 3 (token 3 is masked).
+    Sequence level: sample 0 gets min(0.5 * 1, cap), sample 1 min(3, cap); the token mask at
+    [0.6, 2.5] drops tokens 0 and 2; none turns the correction off."""
+    logp = torch.tensor(LOGP, dtype=D)
+    adv = FULL["advantages"]
+
+    def run(**options):
+        return make_policy_loss_fn(_cfg(**options))(_full_inputs(logp))[1]
+
+    m = run(rollout_is="sequence", tis_cap=2.0)
+    assert math.isclose(float(m["pg_loss"]), (-adv[0] * 0.5 - adv[1] * 0.5 - adv[2] * 2.0) / 3, rel_tol=1e-12)
+    assert math.isclose(float(m["tis_clip_frac"]), 1 / 3, rel_tol=1e-12)
+    m = run(rollout_is="none", rollout_mask="token", rollout_mask_low=0.6, rollout_mask_high=2.5)
+    assert math.isclose(float(m["pg_loss"]), -adv[1] / 3, rel_tol=1e-12)  # only token 1 (r = 1) kept
+    assert math.isclose(float(m["rollout_kept"]), 1 / 3, rel_tol=1e-12)
+    m = run(rollout_is="none")
+    assert math.isclose(float(m["pg_loss"]), -sum(adv[:3]) / 3, rel_tol=1e-12)
+    # KL(engine || trainer) from the engine's samples: k1 = mean(-log r), k3 = mean(r - 1 - log r)
+    logs = [math.log(0.5), 0.0, math.log(3.0)]
+    assert math.isclose(float(m["mismatch_k1"]), -sum(logs) / 3, rel_tol=1e-12)
+    assert math.isclose(float(m["mismatch_k3"]), sum(math.exp(x) - 1 - x for x in logs) / 3, rel_tol=1e-12)
+    with pytest.raises(ValueError, match="rollout_is=seq"):
+        make_policy_loss_fn(_cfg(rollout_is="seq"))
