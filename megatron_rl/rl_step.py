@@ -31,10 +31,16 @@ def _decode(tokenizer):
     return decode
 
 
-def _sampling(cfg, parts: dict, n: int, seed: int) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                          n=n, seed=seed, stop_token_ids=parts["task"].stop_token_ids)
+def _sampling(cfg, parts: dict, n: int, seed: int, evaluation: bool = False) -> SamplingParams:
+    """Training's sampling settings (rollout.*), or evaluation's: task.eval_* where set."""
+    r, t = cfg.rollout, cfg.task
+
+    def pick(own: Any, default: Any) -> Any:
+        return default if own is None or not evaluation else own
+    return SamplingParams(temperature=pick(t.eval_temperature, r.temperature), top_p=pick(t.eval_top_p, r.top_p),
+                          top_k=pick(t.eval_top_k, r.top_k),
+                          max_new_tokens=pick(t.eval_max_new_tokens, r.max_new_tokens), n=n, seed=seed,
+                          stop_token_ids=parts["task"].stop_token_ids)
 
 
 def warm_start(rt, parts: dict) -> None:
@@ -538,7 +544,7 @@ def evaluation_records(rt, parts: dict, repeat: int = 0) -> tuple[list[dict[str,
     samples for each of `parts["eval"]`, with the current weights. Repeat 0 draws what every
     training-time evaluation draws; offline evaluation's further seeds are repeats 1, 2, ..."""
     cfg, prompts = rt.cfg, parts["eval"]
-    params = _sampling(cfg, parts, cfg.task.eval_samples, seed=cfg.seed * 7 + 1 + 7919 * repeat)
+    params = _sampling(cfg, parts, cfg.task.eval_samples, seed=cfg.seed * 7 + 1 + 7919 * repeat, evaluation=True)
     client = _sandbox_client(parts)
     trained_as = getattr(client, "priority_class", None)
     if trained_as is not None:  # evaluation traffic is its own class at the sandbox (weighted fair queueing)

@@ -213,6 +213,10 @@ def _validate_rl(cfg: TrainConfig) -> None:
             f"algorithm.advantage_estimator={algo.advantage_estimator}: group-relative advantages "
             "need >= 2 samples per prompt (all advantages would be 0)"
         )
+    eval_tokens = cfg.task.eval_max_new_tokens
+    if eval_tokens is not None and eval_tokens >= cfg.model.max_position_embeddings:
+        raise ConfigError(f"task.eval_max_new_tokens={eval_tokens} is invalid: must be < model.max_position_embeddings="
+                          f"{cfg.model.max_position_embeddings} to leave room for the prompt")
     if rollout.max_new_tokens >= cfg.model.max_position_embeddings:
         raise ConfigError(
             f"rollout.max_new_tokens={rollout.max_new_tokens} is invalid: must be < "

@@ -1114,6 +1114,14 @@ class TaskConfig:
     """RL steps between evaluations on the held-out split (0: only at the end)."""
     eval_samples: int = 4
     """Samples per held-out prompt at evaluation (pass@k uses k = this)."""
+    eval_temperature: Optional[float] = None
+    """Sampling temperature of evaluation (training-time and `python -m megatron_rl.eval`); null: rollout's."""
+    eval_top_p: Optional[float] = None
+    """Evaluation's top_p; null: rollout.top_p."""
+    eval_top_k: Optional[int] = None
+    """Evaluation's top_k (1: greedy, with eval_samples=1); null: rollout.top_k."""
+    eval_max_new_tokens: Optional[int] = None
+    """Evaluation's response length limit; null: rollout.max_new_tokens."""
     sft_warmup_steps: int = 0
     """Supervised steps on the task's reference answers before RL (a warm start; 0: none). Agent
     tasks: on their reference solutions played through the environment and verified."""
@@ -1124,6 +1132,14 @@ class TaskConfig:
         _check_choice("task.type", self.type, self.TYPES)
         _check_min("task.eval_every", self.eval_every, 0)
         _check_min("task.eval_samples", self.eval_samples, 1)
+        if self.eval_temperature is not None:
+            _check_min("task.eval_temperature", self.eval_temperature, 0, strict=True)
+        if self.eval_top_p is not None:
+            _check_unit_interval("task.eval_top_p", self.eval_top_p, low_open=True, high_open=False)
+        if self.eval_top_k is not None and self.eval_top_k != -1 and self.eval_top_k < 1:
+            raise _invalid("task.eval_top_k", self.eval_top_k, "must be -1 (disabled) or >= 1")
+        if self.eval_max_new_tokens is not None:
+            _check_min("task.eval_max_new_tokens", self.eval_max_new_tokens, 1)
         _check_min("task.sft_warmup_steps", self.sft_warmup_steps, 0)
         _check_min("task.sft_warmup_lr", self.sft_warmup_lr, 0, strict=True)
         custom_reward = ":" in self.reward  # package.module:function, imported by the run checks

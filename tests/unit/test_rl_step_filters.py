@@ -175,3 +175,20 @@ def test_every_advantage_estimator_runs_in_the_step():
         advantages = step_advantages(cfg, rollouts, shaped_rewards(cfg, rollouts))
         assert [a.shape[0] for a in advantages] == [3, 2, 4, 1], estimator
         assert all(torch.isfinite(a).all() for a in advantages) and any(a.abs().sum() > 0 for a in advantages)
+
+
+def test_evaluation_samples_with_its_own_settings():
+    """task.eval_* replace rollout.* for evaluation only; unset ones fall back to training's."""
+    import types
+
+    from megatron_rl.rl_step import _sampling
+
+    parts = {"task": types.SimpleNamespace(stop_token_ids=(7,))}
+    cfg = _cfg("rollout.temperature=0.9", "rollout.top_p=0.8", "task.eval_top_k=1", "task.eval_max_new_tokens=4")
+    train, held_out = _sampling(cfg, parts, 4, seed=1), _sampling(cfg, parts, 2, seed=3, evaluation=True)
+    assert (train.temperature, train.top_p, train.top_k, train.max_new_tokens, train.n) == (0.9, 0.8, -1, 8, 4)
+    assert (held_out.temperature, held_out.top_p, held_out.top_k, held_out.max_new_tokens) == (0.9, 0.8, 1, 4)
+    assert held_out.stop_token_ids == (7,) and held_out.seed == 3
+    cfg = _cfg("task.eval_temperature=0.3", "task.eval_top_p=0.5")
+    held_out = _sampling(cfg, parts, 2, seed=3, evaluation=True)
+    assert (held_out.temperature, held_out.top_p, held_out.max_new_tokens) == (0.3, 0.5, 8)
