@@ -431,10 +431,19 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     controller, verifier = parts["controller"], parts["rewards"].verifier
     calls_before, errors_before = getattr(verifier, "calls", 0), getattr(verifier, "errors", 0)
     controller.timeline = timeline = Timeline()  # this step's phases, generation batches, environment waits
-    if cfg.rollout.mode == "disaggregated":  # groups from the generators' experience buffer (megatron_rl/disagg/)
+    if cfg.rollout.replay_dir is not None:  # debugging: a dumped run's samples, nothing generated
+        from megatron_rl.rollout.dump import read_rollouts
+
+        rollouts, timing = read_rollouts(cfg.rollout.replay_dir, step), {}
+    elif cfg.rollout.mode == "disaggregated":  # groups from the generators' experience buffer (megatron_rl/disagg/)
         rollouts, timing = controller.step_rollouts(rt, parts, step)
     else:
         rollouts, timing = generate_groups(rt, parts, step)
+    if cfg.logging.dump_rollouts and rt.is_main:
+        from megatron_rl.rollout.dump import write_rollouts
+
+        tokenizer = parts["tokenizer"]
+        write_rollouts(rt.run_dir / "rollouts", step, rollouts, lambda ids: tokenizer.decode(ids))
     rewards = shaped_rewards(cfg, rollouts)
     joint = parts.get("domains")  # multi-domain runs: per-domain calibration before the advantages
     advantages = step_advantages(cfg, rollouts, rewards, joint)

@@ -4,6 +4,8 @@ process group, model or file exists. Each raises ConfigError with the fix."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def check_run_config(cfg) -> None:
     from megatron_rl.config import ConfigError
@@ -16,6 +18,7 @@ def check_run_config(cfg) -> None:
 
     check_engine_config(cfg, *job_shape(cfg))
     _check_reward_functions(cfg)
+    _check_replay(cfg)
     check_disaggregated_config(cfg)
     if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
@@ -55,3 +58,23 @@ def _check_reward_functions(cfg) -> None:
                 load_reward_function(task.reward)
             except ValueError as err:
                 raise ConfigError(str(err).replace("task.reward", f"{where}.reward", 1)) from None
+
+
+def _check_replay(cfg) -> None:
+    """rollout.replay_dir must hold dumps for the steps this run will take."""
+    from megatron_rl.config import ConfigError
+    from megatron_rl.rollout.dump import dumped_steps
+
+    where = cfg.rollout.replay_dir
+    if where is None:
+        return
+    if cfg.rollout.mode == "disaggregated":
+        raise ConfigError(f"rollout.replay_dir={where} replays rollouts in colocated mode: set "
+                          "rollout.mode=colocated (the generators would have nothing to do)")
+    steps = dumped_steps(where) if Path(where).is_dir() else []
+    missing = sorted(set(range(cfg.num_steps)) - set(steps))
+    if missing:
+        have = f"steps {steps[0]}..{steps[-1]}" if steps else "no step_<k>.jsonl files"
+        raise ConfigError(f"rollout.replay_dir={where} has no rollouts of step {missing[0]} (it holds {have}): "
+                          "point it at a run's rollouts/ directory written with logging.dump_rollouts=true, and "
+                          "replay at most as many steps (num_steps)")

@@ -773,6 +773,9 @@ class RolloutConfig:
     """Responses sampled per prompt (the group size of group-relative advantages)."""
     mem_fraction_static: float = 0.5
     """SGLang's share of GPU memory for weights and KV cache, in (0, 1)."""
+    replay_dir: Optional[str] = None
+    """Debugging: train on the rollouts a run dumped (logging.dump_rollouts; its run_dir/rollouts) instead
+    of generating: step k reads step_k.jsonl (megatron_rl/rollout/dump.py). Colocated mode only."""
     base_url: Optional[str] = None
     """sglang: attach to this running SGLang HTTP server (http://host:port) instead of starting an
     engine in the job; the server's tp_size must equal rollout.tp and the job must be one block
@@ -1274,6 +1277,9 @@ class LoggingConfig:
     trace_every: int = 0
     """RL steps between Chrome traces of a step's timeline (phases, generation batches, environment
     waits) in run_dir/traces/ (open in https://ui.perfetto.dev); 0: off."""
+    dump_rollouts: bool = False
+    """Write every RL step's samples (tokens, engine log-probs, rewards, statuses, decoded text) to
+    run_dir/rollouts/step_<k>.jsonl, for reading and for rollout.replay_dir."""
 
     LEVELS: ClassVar[tuple[str, ...]] = ("DEBUG", "INFO", "WARNING", "ERROR")
 

@@ -121,6 +121,31 @@ def test_a_reward_function_by_path_and_critic_free_ppo(tmp_path, saved_dataset):
         assert len({c["reward"] for c in mine}) > 1 and row["grad_norm"] > 0  # whitened rewards that vary
 
 
+def test_dumped_rollouts_replay_the_same_updates_without_generating(tmp_path, saved_dataset):
+    """logging.dump_rollouts writes each step's samples; a run from the same start with rollout.replay_dir
+    trains on them without a rollout phase and logs the same update metrics, bit for bit on CPU."""
+    common = ["num_steps=2", "task.num_eval=0"]
+    dumped, replayed = tmp_path / "dumped", tmp_path / "replayed"
+    first = subprocess.run(_args(dumped, saved_dataset, *common, "logging.dump_rollouts=true"), env=_env(),
+                           capture_output=True, text=True, timeout=800)
+    assert first.returncode == 0, first.stderr[-4000:]
+    lines = [json.loads(line) for line in (dumped / "rollouts" / "step_00000001.jsonl").read_text().splitlines()]
+    assert len(lines) == 32 and all(len(r["output_ids"]) == len(r["logprobs"]) for r in lines)
+    assert all(r["response_text"] for r in lines) and {r["prompt_index"] for r in lines} == set(range(8))
+    again = subprocess.run(_args(replayed, saved_dataset, *common, f"rollout.replay_dir={dumped / 'rollouts'}"),
+                           env=_env(), capture_output=True, text=True, timeout=800)
+    assert again.returncode == 0, again.stderr[-4000:]
+    for want, got in zip(_metrics(dumped), _metrics(replayed), strict=True):
+        assert "time/sync_weights" in want and "time/sync_weights" not in got  # nothing generated
+        for key in ("reward/mean", "loss", "grad_norm", "ppo_kl", "entropy", "response_length/mean",
+                    "rollout/logprob_mismatch"):
+            assert got[key] == want[key], (want["step"], key, got[key], want[key])
+    too_far = subprocess.run(_args(tmp_path / "far", saved_dataset, "num_steps=3", "task.num_eval=0",
+                                   f"rollout.replay_dir={dumped / 'rollouts'}"),
+                             env=_env(), capture_output=True, text=True, timeout=120)
+    assert too_far.returncode != 0 and "has no rollouts of step 2 (it holds steps 0..1)" in too_far.stderr
+
+
 def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, saved_dataset):
     common = [f"num_steps={STEPS}", "checkpoint.save_every=1", "task.eval_every=2", "algorithm.kl_coef=0.05"]
     reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
