@@ -59,7 +59,8 @@ def aggregate(per_token: Tensor, mask: Tensor, sample_num_tokens: Tensor, num_to
 def make_policy_loss_fn(cfg: Any) -> LossFn:
     """Build the RL loss from an object with `AlgorithmConfig`'s fields (`policy_loss`,
     `eps_clip`, `eps_clip_high`, `kl_coef`, `kl_estimator`, `entropy_coef`, `loss_agg_mode`),
-    plus optional attributes read with getattr: the rollout correction's `tis_cap` (default 2.0),
+    plus optional attributes read with getattr: `eps_clip_c` (dual-clip bound, default None: off),
+    the rollout correction's `tis_cap` (default 2.0),
     `rollout_is` ("token"), `rollout_mask` ("none"), `rollout_mask_low` / `rollout_mask_high`
     (0.5 / 2.0), and `loss_norm_len` (norm_len of `seq_mean_token_sum_norm`, default None).
 
@@ -73,7 +74,9 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
 
         loss = agg(pg_loss_t * tis_t) + kl_coef * agg(kl_t) - entropy_coef * agg(entropy_t)
 
-    with agg = `aggregate(..., mode=loss_agg_mode)`. ppo_clip clips the ratio to
+    with agg = `aggregate(..., mode=loss_agg_mode)`. Dual clip (Ye et al. 2020, `eps_clip_c` = c):
+    where A < 0, pg_loss_t = min(pg_loss_t, -A c), so that a token whose ratio ran far above 1 cannot
+    push the loss (and its gradient) without bound; "dual_clip_frac" counts those tokens. ppo_clip clips the ratio to
     [1 - eps_clip, 1 + eps_clip]; clip_higher, gspo and cispo use [1 - eps_clip, 1 + eps_clip_high].
     Metrics (contributions to global sums): "loss" and "pg_loss" in the aggregation mode;
     "clip_frac", "ratio", "ppo_kl" (approx KL(old || current)), "kl" (policy vs reference,
@@ -92,6 +95,12 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
     eps_high = eps_low if cfg.policy_loss == "ppo_clip" else float(cfg.eps_clip_high)
     kl_coef, kl_estimator = float(cfg.kl_coef), cfg.kl_estimator
     entropy_coef = float(cfg.entropy_coef)
+    clip_c = getattr(cfg, "eps_clip_c", None)
+    if clip_c is not None:
+        clip_c = float(clip_c)
+        if clip_c <= 1 or cfg.policy_loss not in ("ppo_clip", "clip_higher"):
+            raise ValueError(f"algorithm.eps_clip_c={clip_c} is invalid: dual clip needs a bound > 1 and "
+                             f"policy_loss ppo_clip or clip_higher (got {cfg.policy_loss})")
     tis_cap = float(getattr(cfg, "tis_cap", 2.0))
     is_level, mask_level = getattr(cfg, "rollout_is", "token"), getattr(cfg, "rollout_mask", "none")
     mask_low, mask_high = float(getattr(cfg, "rollout_mask_low", 0.5)), float(getattr(cfg, "rollout_mask_high", 2.0))
@@ -115,11 +124,16 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
         def token_mean(values: Tensor) -> Tensor:
             return agg(values.detach().to(mask.dtype), "token_mean")
 
-        old = inp.extras["old_logprobs"]
-        per_token, token_metrics = policy_loss(inp.logprobs, old, inp.extras["advantages"], eps_low=eps_low,
+        old, advantages = inp.extras["old_logprobs"], inp.extras["advantages"]
+        per_token, token_metrics = policy_loss(inp.logprobs, old, advantages, eps_low=eps_low,
                                                eps_high=eps_high, loss_mask=mask, sample_ids=inp.sample_ids)
         metrics = {"clip_frac": token_mean(token_metrics["clipped"]), "ratio": token_mean(token_metrics["ratio"]),
                    "ppo_kl": token_mean(token_metrics["approx_kl"])}
+        if clip_c is not None:  # dual clip: a negative advantage's loss is bounded by -A * clip_c
+            bound = -advantages * clip_c
+            bounded = (advantages < 0) & (per_token > bound)
+            per_token = torch.where(bounded, bound, per_token)
+            metrics["dual_clip_frac"] = token_mean(bounded)
         if "rollout_logprobs" in inp.extras:
             rollout = inp.extras["rollout_logprobs"]
             weights, keep, capped = rollout_correction(old, rollout, mask, inp.sample_ids, level=is_level, cap=tis_cap,

@@ -920,6 +920,9 @@ class AlgorithmConfig:
     """Lower clip range of the importance ratio (1 - eps_clip); also the upper one for ppo_clip."""
     eps_clip_high: float = 0.28
     """Upper clip range (1 + eps_clip_high) for clip_higher, gspo and cispo."""
+    eps_clip_c: Optional[float] = None
+    """Dual clip (ppo_clip, clip_higher): a token with negative advantage A contributes at most -A * eps_clip_c
+    (typical 3.0); null: off."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy; 0 skips the reference model."""
     kl_estimator: str = "k3"
@@ -1009,6 +1012,12 @@ class AlgorithmConfig:
         _check_min("algorithm.overlong_penalty", self.overlong_penalty, 0)
         _check_min("algorithm.dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds, 1)
         _check_min("algorithm.tis_cap", self.tis_cap, 1.0)
+        if self.eps_clip_c is not None:
+            if self.eps_clip_c <= 1:
+                raise _invalid("algorithm.eps_clip_c", self.eps_clip_c, "must be > 1 (typical 3.0) or null")
+            if self.policy_loss not in ("ppo_clip", "clip_higher"):
+                raise _invalid("algorithm.eps_clip_c", self.eps_clip_c, f"dual clip applies to policy_loss ppo_clip "
+                               f"or clip_higher, not {self.policy_loss}")
         _check_choice("algorithm.rollout_is", self.rollout_is, ("token", "sequence", "none"))
         _check_choice("algorithm.rollout_mask", self.rollout_mask, ("none", "token", "sequence", "geometric"))
         if not 0 < self.rollout_mask_low < 1:

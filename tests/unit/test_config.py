@@ -249,6 +249,7 @@ INVALID_CASES = [
     (["algorithm.gae_gamma=1.5"], 1, ["algorithm.gae_gamma=1.5", "[0, 1]"]),
     (["algorithm.rollout_mask=seq"], 1, ["algorithm.rollout_mask=seq", "geometric"]),
     (["task.eval_temperature=0"], 1, ["task.eval_temperature=0", "> 0"]),
+    (["algorithm=gspo", "algorithm.eps_clip_c=3"], 1, ["algorithm.eps_clip_c=3", "not gspo"]),
     (["mode=rl", "task.eval_max_new_tokens=100000"], 1, ["task.eval_max_new_tokens=100000",
                                                         "model.max_position_embeddings"]),
     (["algorithm.rollout_mask_low=1.2"], 1, ["algorithm.rollout_mask_low=1.2", "(0, 1)"]),

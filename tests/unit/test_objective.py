@@ -194,3 +194,19 @@ def test_rollout_correction_options_and_mismatch_metrics():
     assert math.isclose(float(m["mismatch_k3"]), sum(math.exp(x) - 1 - x for x in logs) / 3, rel_tol=1e-12)
     with pytest.raises(ValueError, match="rollout_is=seq"):
         make_policy_loss_fn(_cfg(rollout_is="seq"))
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    """ratio r = e^2 = 7.39 on every token. A = -1: PPO-clip's loss max(-A r, -A clip(r)) = 7.39 (gradient
+    -A r); dual clip c = 3 bounds it at -A c = 3, without gradient. A = -0.1: 0.739 bounded at 0.3.
+    A = +1: max(-7.39, -1.2) = -1.2, clipped (no gradient) with or without dual clip."""
+    old = [0.0, 0.0, 0.0]
+    logp = torch.tensor([2.0, 2.0, 2.0], dtype=D, requires_grad=True)
+    inp = _inputs(logp, [1, 1, 1], [0, 1, 2], 3, 3, advantages=[-1.0, -0.1, 1.0], old_logprobs=old)
+    loss, metrics = make_policy_loss_fn(_cfg(eps_clip_c=3.0))(inp)
+    assert math.isclose(float(loss), (3.0 + 0.3 - 1.2) / 3, rel_tol=1e-12)
+    assert math.isclose(float(metrics["dual_clip_frac"]), 2 / 3, rel_tol=1e-12)
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(3, dtype=D))
+    with pytest.raises(ValueError, match="dual clip"):
+        make_policy_loss_fn(_cfg(eps_clip_c=3.0, policy_loss="cispo"))
