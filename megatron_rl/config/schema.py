@@ -1067,6 +1067,9 @@ class TaskConfig:
     """Column holding a full reference response for the warm start (default: \\boxed{answer})."""
     num_train: int = 2000
     """Training prompts generated or read (at most)."""
+    max_prompt_tokens: Optional[int] = None
+    """Leave out prompts longer than this many tokens (after the chat template), counted in a warning;
+    null: keep all. Not for agent tasks (task.max_episode_tokens bounds those)."""
     num_eval: int = 200
     """Held-out evaluation prompts; 0 disables evaluation."""
     seed: int = 0
@@ -1187,6 +1190,8 @@ class TaskConfig:
         _check_min("task.reward_timeout_s", self.reward_timeout_s, 0, strict=True)
         _check_min("task.reward_scale", self.reward_scale, 0, strict=True)
         _check_min("task.num_train", self.num_train, 1)
+        if self.max_prompt_tokens is not None:
+            _check_min("task.max_prompt_tokens", self.max_prompt_tokens, 1)
         _check_min("task.num_eval", self.num_eval, 0)
         _check_min("task.seed", self.seed, 0)
 

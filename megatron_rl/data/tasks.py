@@ -17,6 +17,7 @@ responses and stops generation.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from typing import Any, Callable
 
@@ -24,6 +25,8 @@ from megatron_rl.data import countdown
 from megatron_rl.data.countdown import generate_problems
 from megatron_rl.data.sources import load_rows
 from megatron_rl.rewards.custom import is_reward_path
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -129,6 +132,21 @@ class Task:
         return Prompt(text, self._encode(text), meta, reference + self.end_of_turn)
 
     def prompts(self, split: str) -> list[Prompt]:
+        """The split's prompts; with task.max_prompt_tokens, those longer are left out (counted in a
+        warning; an error when none is left)."""
+        prompts, limit = self._prompts(split), self.cfg.max_prompt_tokens
+        if limit is None or self.is_agent:
+            return prompts
+        kept = [p for p in prompts if len(p.tokens) <= limit]
+        if len(kept) < len(prompts):
+            logger.warning("task %s: %d of %d %s prompts are longer than task.max_prompt_tokens=%d tokens and are "
+                           "left out", self.cfg.name, len(prompts) - len(kept), len(prompts), split, limit)
+        if prompts and not kept:
+            raise ValueError(f"task {self.cfg.name}: every {split} prompt is longer than task.max_prompt_tokens="
+                             f"{limit} (the shortest has {min(len(p.tokens) for p in prompts)} tokens)")
+        return kept
+
+    def _prompts(self, split: str) -> list[Prompt]:
         num = self.cfg.num_train if split == "train" else self.cfg.num_eval
         if num == 0:
             return []

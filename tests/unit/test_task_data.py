@@ -118,3 +118,14 @@ def test_missing_columns_are_named(tmp_path, tokenizer):
         _task(tmp_path, tokenizer, prompt_key="question").prompts("train")
     with pytest.raises(ValueError, match=r"has no 'answer' column"):
         _task(tmp_path, tokenizer, rows=[{"prompt": "p"}] * 3).prompts("train")
+
+
+def test_prompts_longer_than_the_limit_are_left_out(tmp_path, tokenizer, caplog):
+    rows = [{"prompt": "x" * n, "answer": "1"} for n in (3, 9, 5, 12, 4, 7)]  # the char tokenizer: a token a char
+    with caplog.at_level("WARNING"):
+        train = _task(tmp_path, tokenizer, rows=rows, max_prompt_tokens=6).prompts("train")
+    assert [len(p.tokens) for p in train] == [5, 4]  # rows 2.. (2 held out); 12 and 7 left out
+    assert "2 of 4 train prompts are longer than task.max_prompt_tokens=6" in caplog.text
+    with pytest.raises(ValueError, match=r"every train prompt is longer than task.max_prompt_tokens=3 \(the "
+                                         r"shortest has 4 tokens\)"):
+        _task(tmp_path, tokenizer, rows=rows, max_prompt_tokens=3).prompts("train")
