@@ -233,6 +233,22 @@ def _restore_adam_steps(optimizer, step: int) -> None:
                 state["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device)
 
 
+def load_weights(trainer, path: Path) -> int:
+    """Only the model's weights of a training checkpoint, into a trainer at any layout (TP, PP, EP, CP and
+    the optimizer's kind may all differ from the saving run's: Megatron-core's sharded model state
+    reshards; the optimizer state, which does not across EP, is not read). For evaluation and export,
+    never for resuming. Returns the checkpoint's step."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    meta = check_compatible(path, trainer.model_cfg)
+    state = dist_checkpointing.load({"model": trainer.module.sharded_state_dict()}, str(path))
+    trainer.module.load_state_dict(state["model"])
+    logger.info("loaded the weights of checkpoint %s (step %d, written at layout %s)", path, meta["step"],
+                meta["layout"])
+    return int(meta["step"])
+
+
 def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, step (and RNG at the same layout); returns `extra`."""
     from megatron.core import dist_checkpointing

@@ -51,7 +51,7 @@ class EvalSpec:
     num_resamples: int = 10_000
 
 
-def load_run_config(run: str | Path, out_dir: str | Path, overrides: Sequence[str]):
+def load_run_config(run: str | Path, out_dir: str | Path, overrides: Sequence[str], needs_held_out: bool = True):
     """The run's saved config.yaml with `overrides` (`key=value`) applied, its output moved to
     `out_dir` and resuming switched off, typed and validated for the world this process is in
     (torchrun / srun) or will launch (cluster.nproc); raises ConfigError."""
@@ -78,7 +78,7 @@ def load_run_config(run: str | Path, out_dir: str | Path, overrides: Sequence[st
         raise ConfigError(f"{path} with overrides {' '.join(overrides) or '(none)'}: {exc}") from None
     typed = to_typed(cfg)
     validate(typed, _world_size(typed))
-    if typed.task.num_eval < 1 and not typed.domains:
+    if needs_held_out and typed.task.num_eval < 1 and not typed.domains:
         raise ConfigError(f"task.num_eval={typed.task.num_eval}: the held-out set is empty; set task.num_eval>=1")
     return typed
 
@@ -218,12 +218,12 @@ def _one_line(ckpt: Checkpoint, records: list[dict[str, Any]], spec: EvalSpec, s
 
 
 def _load(trainer, ckpt: Checkpoint) -> None:
-    """The checkpoint's weights into the trainer (a training checkpoint brings its optimizer
-    state along; evaluation never steps it)."""
+    """The checkpoint's weights into the trainer (of a training checkpoint only the model: evaluation
+    never steps the optimizer, and so any layout can read it, another expert-parallel size included)."""
     if ckpt.kind == "train":
-        from megatron_rl.checkpoint.training import load_checkpoint
+        from megatron_rl.checkpoint.training import load_weights
 
-        load_checkpoint(trainer, Path(ckpt.path))
+        load_weights(trainer, Path(ckpt.path))
     else:
         trainer.load_hf(ckpt.path)
 
@@ -288,7 +288,8 @@ def _regression_parts(rt, parts: dict, spec: str, set_name: str) -> dict:
     task_cfg = regression_task_config(spec)
     if task_cfg is None:
         base = rt.cfg.task
-        reward = base.reward if base.reward in ("math", "exact", "tests") else "auto"
+        custom = ":" in base.reward  # a reward function by path serves the file's rows as well
+        reward = base.reward if base.reward in ("math", "exact", "tests") or custom else "auto"
         task_cfg = dataclasses.replace(base, name=set_name, type="dataset", path=spec, eval_path=spec,
                                        num_eval=10**9, reward=reward)
     task = Task(task_cfg, parts["tokenizer"])
