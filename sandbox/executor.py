@@ -68,8 +68,17 @@ class _Capped:
 
 
 async def run_confined(command: Command, limits: Limits, limiter: Limiter, stdin: bytes = b"") -> Outcome:
-    """Run `command` (already wrapped by a runtime) under `limits`."""
+    """Run `command` (already wrapped by a runtime) under `limits`. However the call ends,
+    cancelled by a client that went away included, the run's process tree is dead and its
+    cgroup removed when this returns or raises: the caller may then reuse the workspace."""
     group: Group = limiter.create(limits)
+    try:
+        return await _run_in_group(command, limits, limiter, group, stdin)
+    finally:
+        group.remove()  # kills whatever is left in the group first
+
+
+async def _run_in_group(command: Command, limits: Limits, limiter: Limiter, group: Group, stdin: bytes) -> Outcome:
     script = group.join_command() + 'exec "$@"'
     argv = ["/bin/sh", "-c", script, "sh", "prlimit", *limiter.prlimit_args(limits), "--", *command.argv]
     env = command.env or {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
@@ -79,7 +88,6 @@ async def run_confined(command: Command, limits: Limits, limiter: Limiter, stdin
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=env, cwd=command.cwd, start_new_session=True)
     except OSError as exc:
-        group.remove()
         return Outcome(exit_code=-1, termination=SETUP_ERROR, message=f"could not start: {exc}")
     overflow = asyncio.Event()
     out = _Capped(proc.stdout, limits.output_bytes, overflow)
@@ -89,15 +97,21 @@ async def run_confined(command: Command, limits: Limits, limiter: Limiter, stdin
     waiter = asyncio.create_task(proc.wait())
     overflowed = asyncio.create_task(overflow.wait())
     exited = _exit_future(proc.pid)  # the main process alone, whatever holds its pipes
-    done, _ = await asyncio.wait({exited, overflowed}, timeout=limits.wall_time_s,
-                                 return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({exited, overflowed}, timeout=limits.wall_time_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        for task in (*readers, waiter):
+            task.cancel()
+        raise
+    finally:
+        # Whatever ended the wait (the call's cancellation included), nothing of the run may
+        # outlive it: daemons and setsid children included (they may also hold the output pipes open).
+        exited.cancel()
+        _kill_tree(proc, group)
+        overflowed.cancel()
+        feeder.cancel()
     timed_out = not done
-    exited.cancel()
-    # Whatever ended the wait, nothing of the run may outlive it: daemons and setsid children
-    # included (they may also hold the output pipes open).
-    _kill_tree(proc, group)
-    overflowed.cancel()
-    feeder.cancel()
     await asyncio.wait(readers, timeout=5)
     for task in readers:
         task.cancel()
@@ -106,7 +120,6 @@ async def run_confined(command: Command, limits: Limits, limiter: Limiter, stdin
     waiter.cancel()
     wall = time.monotonic() - start
     acc = group.accounting()
-    group.remove()
     outcome = Outcome(stdout=bytes(out.data), stderr=bytes(err.data), stdout_truncated=out.truncated,
                       stderr_truncated=err.truncated, wall_time_s=wall, cpu_time_s=acc.cpu_time_s,
                       max_rss_bytes=acc.max_rss_bytes)
@@ -143,7 +156,8 @@ def _classify(timed_out: bool, overflowed: bool, oom: bool, sig: int, code: int,
     if code != 0 and limiter == "rlimit" and (b"MemoryError" in stderr or b"Cannot allocate memory" in stderr):
         return MEMORY_LIMIT, f"allocation failed at the address-space limit of {limits.memory_bytes} bytes"
     if sig:
-        return SIGNALED, f"killed by signal {signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig}"
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
+        return SIGNALED, f"killed by signal {name}"
     return EXITED, ""
 
 

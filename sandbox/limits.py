@@ -1,7 +1,8 @@
 """Execution limits and the mechanism that enforces memory / process / CPU-accounting limits.
 
 Limits travel in every request (`Limits` in the proto); zero fields take the server's
-defaults, and a request can never raise a limit above the server's maximum.
+defaults, and a request can never raise a limit above the server's maximum. A negative or
+non-finite limit is refused (ValueError): cgroup v1 reads a memory limit of -1 as "none".
 
 Enforcement, per execution:
 - wall time: the server's own timer, then the whole process tree is killed;
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import signal
@@ -40,6 +42,13 @@ class Limits:
     output_bytes: int = 1 * 2**20
     disk_bytes: int = 64 * 2**20
     network: bool = False
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name != "network" and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"limit {field.name}={value!r} must be a finite number >= 0 (0: the server's "
+                                 f"default)")
 
     def merged(self, request: Optional["Limits"], maximum: "Limits") -> "Limits":
         """`request`'s non-zero fields over these defaults, capped at `maximum`."""
@@ -111,17 +120,23 @@ class CgroupV1Limiter(Limiter):
     def create(self, limits: Limits) -> "Group":
         name = f"sbx-{uuid.uuid4().hex[:12]}"
         paths = {c: self.parents[c] / name for c in self.CONTROLLERS}
-        for path in paths.values():
-            path.mkdir()
-        (paths["memory"] / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
-        memsw = paths["memory"] / "memory.memsw.limit_in_bytes"
-        if memsw.exists():  # no escape into swap
-            try:
-                memsw.write_text(str(limits.memory_bytes))
-            except OSError:
-                pass
-        (paths["pids"] / "pids.max").write_text(str(limits.max_processes))
-        return Group(self, paths, limits)
+        group = Group(self, {}, limits)
+        try:
+            for controller, path in paths.items():
+                path.mkdir()
+                group.paths[controller] = path
+            (paths["memory"] / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+            memsw = paths["memory"] / "memory.memsw.limit_in_bytes"
+            if memsw.exists():  # no escape into swap
+                try:
+                    memsw.write_text(str(limits.memory_bytes))
+                except OSError:
+                    pass
+            (paths["pids"] / "pids.max").write_text(str(limits.max_processes))
+        except BaseException:
+            group.remove()  # no half-made group left behind
+            raise
+        return group
 
 
 class CgroupV2Limiter(Limiter):
@@ -133,11 +148,16 @@ class CgroupV2Limiter(Limiter):
     def create(self, limits: Limits) -> "Group":
         path = self.parent / f"sbx-{uuid.uuid4().hex[:12]}"
         path.mkdir()
-        (path / "memory.max").write_text(str(limits.memory_bytes))
-        if (path / "memory.swap.max").exists():
-            (path / "memory.swap.max").write_text("0")
-        (path / "pids.max").write_text(str(limits.max_processes))
-        return Group(self, {"unified": path}, limits)
+        group = Group(self, {"unified": path}, limits)
+        try:
+            (path / "memory.max").write_text(str(limits.memory_bytes))
+            if (path / "memory.swap.max").exists():
+                (path / "memory.swap.max").write_text("0")
+            (path / "pids.max").write_text(str(limits.max_processes))
+        except BaseException:
+            group.remove()  # no half-made group left behind
+            raise
+        return group
 
 
 class Group:

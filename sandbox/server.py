@@ -8,8 +8,12 @@
   bounds (`scheduler.py`). Health reports queue depth, waits and back-pressure per class.
 - Idempotency: the result of every mutating call is remembered under (method, key); a retry
   with the same key, even while the first is still running, gets the same result and the
-  command never runs twice.
-- Sessions keep a workspace between calls for multi-turn agents; snapshots are tar files.
+  command never runs twice. The most recent results are kept, up to `--remember-bytes` of
+  replies (outputs included) and 10,000 calls.
+- Sessions keep a workspace between calls for multi-turn agents; snapshots are tar files that
+  live as long as the session that took them.
+- File I/O on workspaces runs in worker threads, never on the event loop: a workspace is
+  written by untrusted code, and one slow or blocking file must not stall every other call.
 - SIGTERM drains: new calls are refused with UNAVAILABLE, running ones finish (up to
   `drain_s`), then the server exits and removes its discovery file.
 - With `--run-dir`, the address is written to `<run-dir>/sandbox/<name>.json` so that the
@@ -45,7 +49,7 @@ from megatron_rl_sandbox.proto import load as load_proto
 from megatron_rl_sandbox.runtimes import Runtime, RuntimeError_, make_runtime
 from megatron_rl_sandbox.scheduler import (CLASSES, DEFAULT_CLASS, DEFAULT_WEIGHTS, ClassPolicy, FairScheduler,
                                            Refused, SlotGate)
-from megatron_rl_sandbox.workspace import Workspace, WorkspaceError, WorkspacePool
+from megatron_rl_sandbox.workspace import Workspace, WorkspaceError, WorkspacePool, WorkspaceStateError
 
 pb2, pb2_grpc = load_proto()
 logger = logging.getLogger(__name__)
@@ -70,6 +74,7 @@ class Session:
     priority_class: str = DEFAULT_CLASS
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
+    snapshots: list[Path] = dataclasses.field(default_factory=list)  # deleted with the session
 
     @contextlib.asynccontextmanager
     async def use(self):
@@ -98,7 +103,7 @@ def priority_class(value: int, default: str = DEFAULT_CLASS) -> str:
 class SandboxService(pb2_grpc.SandboxServicer):
     def __init__(self, runtime: Runtime, limiter: Limiter, pool: WorkspacePool, defaults: Limits,
                  maximum: Limits, capacity: int, max_queue: int, max_sessions: int, name: str,
-                 snapshot_dir: Path, remembered: int = 10000,
+                 snapshot_dir: Path, remembered: int = 10000, remembered_bytes: int = 256 * 2**20,
                  classes: Optional[dict[str, ClassPolicy]] = None, session_idle_timeout_s: float = 0.0) -> None:
         self.runtime, self.limiter, self.pool = runtime, limiter, pool
         self.defaults, self.maximum = defaults, maximum
@@ -113,7 +118,9 @@ class SandboxService(pb2_grpc.SandboxServicer):
         self.draining = False
         self.address = ""
         self._results: collections.OrderedDict[tuple[str, str], asyncio.Future] = collections.OrderedDict()
-        self._remembered = remembered
+        self._result_bytes: dict[tuple[str, str], int] = {}  # of the finished results in _results
+        self._result_bytes_total = 0
+        self._remembered, self._remembered_bytes = remembered, remembered_bytes
         self.sessions: dict[str, Session] = {}
         self.session_idle_timeout_s = session_idle_timeout_s
         self.sessions_reaped = 0
@@ -146,19 +153,34 @@ class SandboxService(pb2_grpc.SandboxServicer):
         if key:
             future = asyncio.get_running_loop().create_future()
             self._results[slot] = future
-            while len(self._results) > self._remembered:
-                self._results.popitem(last=False)
         try:
             result = await work()
         except BaseException as exc:
             if future is not None:
-                self._results.pop(slot, None)
+                if self._results.get(slot) is future:
+                    del self._results[slot]
                 future.set_exception(exc)
                 future.exception()  # marks it retrieved
             return await self._mapped(_raise(exc), context)
         if future is not None:
             future.set_result(result)
+            if self._results.get(slot) is future:
+                self._result_bytes[slot] = result.ByteSize()
+                self._result_bytes_total += self._result_bytes[slot]
+                self._forget_oldest()
         return result
+
+    def _forget_oldest(self) -> None:
+        """Drop the oldest remembered results while more than `remembered` calls or
+        `remembered_bytes` of replies are kept. The newest result always stays (a retry of the
+        call that just finished must find it), and so do calls still running (their duplicates
+        wait on them)."""
+        while len(self._results) > self._remembered or self._result_bytes_total > self._remembered_bytes:
+            oldest = next((slot for slot in self._results if slot in self._result_bytes), None)
+            if oldest is None or len(self._result_bytes) == 1:
+                return
+            del self._results[oldest]
+            self._result_bytes_total -= self._result_bytes.pop(oldest)
 
     @staticmethod
     async def _mapped(awaitable, context):
@@ -167,7 +189,9 @@ class SandboxService(pb2_grpc.SandboxServicer):
             return await awaitable
         except _Busy as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except WorkspaceError as exc:
+        except WorkspaceStateError as exc:  # not retried: the same call fails the same way again
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:  # a bad request: a path, limits (WorkspaceError is one too)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc).strip("'\""))
@@ -199,7 +223,9 @@ class SandboxService(pb2_grpc.SandboxServicer):
         try:
             return await self._run_in(workspace, image, argv, stdin, env, limits, cls)
         finally:
-            await asyncio.to_thread(self.pool.release, workspace)
+            # run_confined has killed the run's processes by now; shielded so that a cancelled
+            # call (its client went away) still empties or destroys its workspace
+            await asyncio.shield(asyncio.to_thread(self.pool.release, workspace))
 
     def _limits(self, msg, base: Optional[Limits] = None) -> Limits:
         return (base or self.defaults).merged(limits_from_proto(msg), self.maximum)
@@ -267,7 +293,8 @@ class SandboxService(pb2_grpc.SandboxServicer):
         async def work():
             session = self._session(request.session_id)
             limit = min(request.max_bytes or self.defaults.output_bytes, self.maximum.output_bytes)
-            data, truncated, exists = session.workspace.read(request.path, limit)
+            async with session.use():
+                data, truncated, exists = await asyncio.to_thread(session.workspace.read, request.path, limit)
             return pb2.FileContent(content=data, truncated=truncated, exists=exists)
         return await self._once("ReadFile", "", context, work)
 
@@ -275,7 +302,8 @@ class SandboxService(pb2_grpc.SandboxServicer):
         async def work():
             session = self._session(request.session_id)
             async with session.use():
-                n = session.workspace.write(request.file.path, request.file.content, request.file.executable)
+                n = await asyncio.to_thread(session.workspace.write, request.file.path, request.file.content,
+                                            request.file.executable)
             return pb2.WriteFileResult(bytes_written=n)
         return await self._once("WriteFile", request.idempotency_key, context, work)
 
@@ -284,8 +312,10 @@ class SandboxService(pb2_grpc.SandboxServicer):
             session = self._session(request.session_id)
             async with session.use():
                 data = await asyncio.to_thread(session.workspace.snapshot)
-            snapshot_id = uuid.uuid4().hex
-            (self.snapshot_dir / f"{snapshot_id}.tar").write_bytes(data)
+                snapshot_id = uuid.uuid4().hex
+                path = self.snapshot_dir / f"{snapshot_id}.tar"
+                await asyncio.to_thread(path.write_bytes, data)
+                session.snapshots.append(path)
             return pb2.SnapshotInfo(snapshot_id=snapshot_id, size_bytes=len(data))
         return await self._once("Snapshot", request.idempotency_key, context, work)
 
@@ -293,10 +323,13 @@ class SandboxService(pb2_grpc.SandboxServicer):
         async def work():
             session = self._session(request.session_id)
             path = self.snapshot_dir / f"{Path(request.snapshot_id).name}.tar"
-            if not path.is_file():
-                raise KeyError(f"snapshot {request.snapshot_id!r} does not exist on {self.name}")
             async with session.use():
-                await asyncio.to_thread(session.workspace.restore, path.read_bytes())
+                try:
+                    data = await asyncio.to_thread(path.read_bytes)
+                except FileNotFoundError:
+                    raise KeyError(f"snapshot {request.snapshot_id!r} does not exist on {self.name} (a snapshot "
+                                   f"is deleted when the session that took it closes)") from None
+                await asyncio.to_thread(session.workspace.restore, data)
             return pb2.SessionInfo(session_id=session.id, server=self.name)
         return await self._once("Restore", request.idempotency_key, context, work)
 
@@ -305,7 +338,7 @@ class SandboxService(pb2_grpc.SandboxServicer):
             session = self.sessions.pop(request.session_id, None)
             if session is not None:
                 async with session.lock:
-                    await asyncio.to_thread(self.pool.destroy, session.workspace)
+                    await asyncio.to_thread(self._discard, session)
             return pb2.CloseResult()
         return await self._once("Close", request.idempotency_key, context, work)
 
@@ -335,7 +368,7 @@ class SandboxService(pb2_grpc.SandboxServicer):
                            self.name, now - session.last_used, self.session_idle_timeout_s)
             try:
                 async with session.lock:
-                    await asyncio.to_thread(self.pool.destroy, session.workspace)
+                    await asyncio.to_thread(self._discard, session)
             except Exception:  # one workspace that fails to go must not keep the others
                 logger.exception("destroying the workspace of session %s failed", session.id)
         self.sessions_reaped += len(idle)
@@ -344,7 +377,14 @@ class SandboxService(pb2_grpc.SandboxServicer):
     async def close_all_sessions(self) -> None:
         for session_id in list(self.sessions):
             session = self.sessions.pop(session_id)
-            await asyncio.to_thread(self.pool.destroy, session.workspace)
+            await asyncio.to_thread(self._discard, session)
+
+    def _discard(self, session: Session) -> None:
+        """Destroy a closed session's workspace and delete its snapshots (restores are only
+        ever into a session of this server; recovery elsewhere starts from the task's files)."""
+        for path in session.snapshots:
+            path.unlink(missing_ok=True)
+        self.pool.destroy(session.workspace)
 
 
 async def _reap_every(service: SandboxService, seconds: float) -> None:
@@ -421,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close sessions no call has used this long (a client that died never closes its "
                         "own); 0 keeps them until closed")
     p.add_argument("--prewarm", type=int, default=8, help="ready workspaces kept mounted")
+    p.add_argument("--remember-bytes", type=int, default=256 * 2**20,
+                   help="most bytes of replies kept for idempotent retries (the oldest are forgotten first)")
     p.add_argument("--work-dir", default=None, help="where workspaces live (default: a fresh temp dir)")
     p.add_argument("--run-dir", default=None, help="write the discovery file into <run-dir>/sandbox/")
     p.add_argument("--name", default=None, help="server name in results and the discovery file")
@@ -442,15 +484,27 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
         runtime = make_runtime("apptainer", images=_parse_images(args.image), apptainer_cmd=args.apptainer_cmd)
     else:
         runtime = make_runtime("bwrap", images=_parse_images(args.image))
+    try:
+        defaults = Limits(**{f.name: getattr(args, f"default_{f.name}") for f in dataclasses.fields(Limits)
+                             if f.name != "network"})
+    except ValueError as exc:
+        raise SystemExit(f"sandbox server: --default-*: {exc}") from None
     limiter = Limiter() if args.limiter == "rlimit" else detect_limiter(args.limiter)
-    defaults = Limits(**{f.name: getattr(args, f"default_{f.name}") for f in dataclasses.fields(Limits)
-                         if f.name != "network"})
+    if limiter.name == "rlimit":
+        logger.warning("limiter rlimit (no writable cgroup): memory is bounded as virtual memory (RLIMIT_AS) and "
+                       "processes per user (RLIMIT_NPROC); setsid / double-forked daemons are NOT killed when a run "
+                       "ends (outside a PID namespace: runtime process), and CPU time and peak memory are not "
+                       "measured")
     maximum = dataclasses.replace(MAXIMUM, network=args.allow_network)
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="megatron-rl-sandbox-"))
     pool = WorkspacePool(work_dir / "workspaces", defaults.disk_bytes, prewarm=args.prewarm)
+    if not pool.use_tmpfs:
+        logger.warning("workspaces are plain directories (not root: no tmpfs mount): the disk limit is NOT enforced "
+                       "per workspace, only per file (RLIMIT_FSIZE)")
     name = args.name or f"{socket.gethostname()}-{os.getpid()}"
     service = SandboxService(runtime, limiter, pool, defaults, maximum, args.capacity, args.max_queue,
-                             args.max_sessions, name, work_dir / "snapshots", classes=classes,
+                             args.max_sessions, name, work_dir / "snapshots", remembered_bytes=args.remember_bytes,
+                             classes=classes,
                              session_idle_timeout_s=args.session_idle_timeout_s)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 2**20),
                                       ("grpc.max_send_message_length", 256 * 2**20)])

@@ -8,7 +8,10 @@ each run. A pool of ready workspaces of the default size is kept warm so that a 
 does not wait for a mount.
 
 Paths in requests are confined to the workspace: absolute paths, `..` and writes through
-symlinks are refused.
+symlinks are refused. The sandboxed code owns the workspace's content, so the server opens
+its files without following symlinks or blocking and refuses anything but a regular file (a
+FIFO would block the open); clearing first makes read-only directories writable, and a
+workspace that still is not empty is destroyed instead of reused.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import io
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tarfile
+import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -28,7 +33,12 @@ logger = logging.getLogger(__name__)
 
 
 class WorkspaceError(ValueError):
-    pass
+    """A request the workspace refuses (a path outside it, over the disk limit)."""
+
+
+class WorkspaceStateError(WorkspaceError):
+    """A request the workspace's current state does not allow (writing onto a directory or a
+    FIFO, restoring a snapshot that cannot be unpacked)."""
 
 
 def _mountable() -> bool:
@@ -73,38 +83,146 @@ class Workspace:
 
     def write(self, rel: str, content: bytes, executable: bool = False) -> int:
         target = self.resolve(rel)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if self.tmpfs and self.usage() + len(content) > self.disk_bytes:
-            raise WorkspaceError(f"writing {rel!r} ({len(content)} bytes) exceeds the disk limit")
-        target.write_bytes(content)
-        target.chmod(0o755 if executable else 0o644)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if self.tmpfs and self.usage() + len(content) > self.disk_bytes:
+                raise WorkspaceError(f"writing {rel!r} ({len(content)} bytes) exceeds the disk limit")
+            fd = _open_regular(target, rel, os.O_WRONLY | os.O_CREAT)
+            try:
+                os.ftruncate(fd, 0)
+                view = memoryview(content)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchmod(fd, 0o755 if executable else 0o644)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # e.g. a directory or a file where the path needs a directory
+            raise WorkspaceStateError(f"cannot write {rel!r}: {exc.strerror or exc}") from None
         return len(content)
 
     def read(self, rel: str, max_bytes: int) -> tuple[bytes, bool, bool]:
         target = self.resolve(rel)
-        if not target.is_file():
+        try:
+            fd = _open_regular(target, rel, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
             return b"", False, False
-        with open(target, "rb") as f:
+        except OSError as exc:
+            raise WorkspaceStateError(f"cannot read {rel!r}: {exc.strerror or exc}") from None
+        with os.fdopen(fd, "rb") as f:
             data = f.read(max_bytes + 1)
         return data[:max_bytes], len(data) > max_bytes, True
 
     def clear(self) -> None:
-        for entry in self.path.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
+        """Empty the workspace; raises OSError when something stays (the workspace must then be
+        destroyed, never handed to the next execution)."""
+        _make_removable(self.path)
+        for entry in os.scandir(self.path):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
             else:
-                entry.unlink(missing_ok=True)
+                os.unlink(entry.path)
+        left = os.listdir(self.path)
+        if left:
+            raise OSError(f"workspace {self.path} still holds {left[:5]} after clearing")
+        os.chmod(self.path, 0o755)  # the run may have changed the mode of /workspace itself
 
     def snapshot(self) -> bytes:
         buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            tar.add(str(self.path), arcname=".")
+        try:
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                tar.add(str(self.path), arcname=".")
+        except OSError as exc:  # e.g. a file the run made unreadable
+            raise WorkspaceStateError(f"cannot snapshot the workspace: {exc}") from None
         return buf.getvalue()
 
     def restore(self, snapshot: bytes) -> None:
-        self.clear()
-        with tarfile.open(fileobj=io.BytesIO(snapshot), mode="r") as tar:
-            tar.extractall(self.path, filter="data")
+        """Replace the workspace's content by `snapshot`'s. The snapshot is unpacked next to the
+        workspace first, so a snapshot that cannot be unpacked leaves the workspace as it was."""
+        staging = Path(tempfile.mkdtemp(prefix=f"{self.path.name}.restore-", dir=self.path.parent))
+        try:
+            try:
+                with tarfile.open(fileobj=io.BytesIO(snapshot), mode="r") as tar:
+                    tar.extractall(staging, filter=_snapshot_filter)
+            except (tarfile.TarError, OSError) as exc:
+                raise WorkspaceStateError(f"cannot restore the snapshot: {exc}") from None
+            size = _tree_bytes(staging)
+            if size > self.disk_bytes:
+                raise WorkspaceStateError(f"the snapshot holds {size} bytes, more than this workspace's disk "
+                                          f"limit of {self.disk_bytes}")
+            try:
+                self.clear()
+                for entry in os.scandir(staging):
+                    shutil.move(entry.path, self.path / entry.name)  # a rename, or a copy into a tmpfs
+            except OSError as exc:
+                raise WorkspaceStateError(f"restoring the snapshot failed halfway: {exc}") from None
+        finally:
+            _remove_tree(staging)
+
+
+def _open_regular(target: Path, rel: str, flags: int) -> int:
+    """Open `target` without following a symlink and without blocking; refuses anything but a
+    regular file. The sandboxed code may have replaced the file by a FIFO, whose plain open()
+    would block the server until something opened the other end."""
+    try:
+        kind = _KINDS.get(stat.S_IFMT(os.lstat(target).st_mode))
+    except FileNotFoundError:
+        kind = None  # created below (O_CREAT) or reported missing
+    if kind is not None:
+        raise WorkspaceStateError(f"{rel!r} is {kind}, not a regular file")
+    fd = os.open(target, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the check and the open
+        os.close(fd)
+        raise WorkspaceStateError(f"{rel!r} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symlink"}
+
+
+def _snapshot_filter(member: tarfile.TarInfo, dest: str) -> Optional[tarfile.TarInfo]:
+    """tarfile's "data" filter, except that symlinks may point anywhere (`python -m venv` makes
+    absolute ones; inside the sandbox they resolve in the image) and special files (FIFOs,
+    devices) are left out. Writing through a symlink stays impossible: the filter refuses every
+    member whose own path resolves outside `dest`."""
+    if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+        return None
+    if member.issym():
+        checked = tarfile.data_filter(member.replace(linkname=".", deep=False), dest)
+        return checked.replace(linkname=member.linkname, deep=False)
+    return tarfile.data_filter(member, dest)
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        total += sum(os.lstat(os.path.join(root, name)).st_size for name in files)
+    return total
+
+
+def _make_removable(path: Path) -> None:
+    """Give the owner rwx on `path` and every directory below it (no symlink is followed): a
+    run can make its directories read-only, and without root their content could then not be
+    removed."""
+    stack = [str(path)]
+    while stack:
+        directory = stack.pop()
+        try:
+            mode = os.lstat(directory).st_mode
+            if stat.S_ISDIR(mode) and stat.S_IMODE(mode) & stat.S_IRWXU != stat.S_IRWXU:
+                os.chmod(directory, stat.S_IMODE(mode) | stat.S_IRWXU)
+            with os.scandir(directory) as entries:
+                stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
+        except OSError:
+            continue
+
+
+def _remove_tree(path: Path) -> bool:
+    """Remove `path` whatever the modes below it; True when it is gone."""
+    _make_removable(path)
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
 
 
 class WorkspacePool:
@@ -157,14 +275,15 @@ class WorkspacePool:
                         ws.clear()
                         self._ready.append(ws)
                         return
-                    except OSError:
-                        pass
+                    except OSError as exc:  # never hand a workspace with leftovers to the next run
+                        logger.warning("destroying workspace %s instead of reusing it: %s", ws.path, exc)
         self.destroy(ws)
 
     def destroy(self, ws: Workspace) -> None:
         if ws.tmpfs:
             subprocess.run(["umount", "-l", str(ws.path)], capture_output=True)
-        shutil.rmtree(ws.path, ignore_errors=True)
+        if not _remove_tree(ws.path):
+            logger.error("could not remove workspace %s", ws.path)
 
     def close(self) -> None:
         with self._lock:

@@ -4,7 +4,8 @@ Extraction order: the last `\\boxed{...}` (balanced braces), else the text after
 `####`, else the last number in the text. Normalisation drops `$`, spaces, thousands
 separators and a trailing period, and turns `a/b` and decimals into numbers; two answers
 match when both are numbers within `tol` (relative, with an absolute floor) or the strings
-are equal.
+are equal. A predicted answer longer than `MAX_ANSWER_CHARS` never matches: no reference
+answer is that long, and normalising such text costs time quadratic in its length.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fractions import Fraction
 from typing import Optional
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+MAX_ANSWER_CHARS = 512
 
 
 def _last_boxed(text: str) -> Optional[str]:
@@ -51,11 +53,13 @@ def as_number(answer: str) -> Optional[float]:
         return None
     try:
         return float(Fraction(answer))
-    except (ValueError, ZeroDivisionError):
+    except (ValueError, ZeroDivisionError, OverflowError):  # OverflowError: beyond float's range
         return None
 
 
 def answers_match(predicted: str, reference: str, tol: float = 1e-6) -> bool:
+    if len(predicted) > MAX_ANSWER_CHARS:
+        return False
     p, r = normalize(predicted), normalize(reference)
     pn, rn = as_number(p), as_number(r)
     if pn is not None and rn is not None:

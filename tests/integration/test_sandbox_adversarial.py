@@ -201,3 +201,114 @@ def test_invalid_image_or_command_is_a_clear_setup_error(server):
     else:
         assert bad_command.termination == pb2.SETUP_ERROR or bad_command.exit_code != 0
     assert empty.termination == pb2.SETUP_ERROR and "empty command" in empty.message
+
+
+def _processes_with(marker: str) -> list[str]:
+    return [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, marker)]
+
+
+def test_a_fifo_in_place_of_a_file_does_not_wedge_the_server(server):
+    """The code replaces a file by a FIFO; the server's next WriteFile / ReadFile of it must be
+    refused at once (a plain open() of a FIFO blocks until the other end opens: the event loop,
+    and every other call with it, would hang)."""
+    import grpc
+
+    from megatron_rl_sandbox.client import SandboxClient, pb2
+
+    async def go():
+        async with SandboxClient([server.address], deadline_s=10) as client:
+            session = await client.open_session({"t.py": "x = 1\n"}, image=_image(server))
+            made = await session.exec(["sh", "-c", "rm t.py && mkfifo t.py"])
+            errors = []
+            for call in (session.write_file("t.py", "x = 2\n"), session.read_file("t.py")):
+                try:
+                    await call
+                except grpc.aio.AioRpcError as exc:
+                    errors.append((exc.code(), exc.details()))
+            await session.snapshot()  # the FIFO is archived as a FIFO, never opened
+            health = (await client.health())[server.address]
+            await session.close()
+            return made, errors, health
+    made, errors, health = asyncio.run(go())
+    assert made.exit_code == 0, made
+    assert [code for code, _ in errors] == [grpc.StatusCode.FAILED_PRECONDITION] * 2, errors
+    assert all("FIFO" in details for _, details in errors), errors
+    assert isinstance(health, pb2.HealthReply) and health.serving
+
+
+@pytest.mark.timeout(60)
+def test_a_run_whose_caller_gave_up_is_killed_at_once(server):
+    """The client's deadline passes long before the run's wall limit: the server's call is
+    cancelled, and the run (with its workspace) must go with it, not run on unlimited."""
+    from megatron_rl_sandbox.client import SandboxClient, pb2
+
+    marker = f"megatron-rl-cancelled-{uuid.uuid4().hex}"
+    code = f"import time, sys; time.sleep(45)  # {marker}"
+
+    async def go():
+        async with SandboxClient([server.address]) as client:
+            result = await client.execute(["python3", "-c", code], image=_image(server),
+                                          limits={"wall_time_s": 50, "cpu_time_s": 50}, deadline_s=2.0)
+            for _ in range(50):  # the cancellation reaches the server right after the deadline
+                if not _processes_with(marker):
+                    break
+                await asyncio.sleep(0.1)
+            health = (await client.health())[server.address]
+            return result, health
+    result, health = asyncio.run(go())
+    assert result.termination == pb2.TIMEOUT and "deadline" in result.message
+    assert not _processes_with(marker), "the run outlived its cancelled call"
+    assert health.running == 0 and health.executions_started == health.executions_finished
+
+
+def test_read_only_directories_do_not_carry_files_into_the_next_run(tmp_path):
+    """Without root a workspace is a plain directory reused by the next run. A run that plants a
+    package and makes its directory read-only (`chmod 555`) must not leave it to the next run,
+    which would import it (a fake `unittest` that reports success). The server runs as
+    `nobody` when the tests run as root."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from megatron_rl_sandbox.client import SandboxClient
+
+    from tests.integration.sandbox_servers import REPO
+
+    if runtime_args("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    work_dir = Path(tempfile.mkdtemp(prefix="megatron-rl-sandbox-nonroot-"))
+    command = [sys.executable, "-m", "megatron_rl_sandbox.server", "--address", "127.0.0.1:0", "--runtime", "bwrap",
+               "--work-dir", str(work_dir), "--prewarm", "1", "--capacity", "1"]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root and setpriv (util-linux) is missing to drop to an unprivileged user")
+        os.chown(work_dir, 65534, 65534)
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("{"), (tmp_path / "server.log").read_text()[-2000:]
+        address = json.loads(line)["address"]
+        plant = ("mkdir unittest && printf 'print(\"planted\")\\n' > unittest/__init__.py && chmod 555 unittest "
+                 "&& chmod 555 .")
+
+        async def go():
+            async with SandboxClient([address], deadline_s=30) as client:
+                planted = await client.execute(["sh", "-c", plant])
+                after = await client.execute(["sh", "-c", "ls -A; touch fresh && echo writable"])
+                health = (await client.health())[address]
+                return planted, after, health
+        planted, after, health = asyncio.run(go())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+        shutil.rmtree(work_dir, ignore_errors=True)
+    assert planted.exit_code == 0, planted
+    assert after.stdout == b"writable\n", after
+    assert health.executions_finished == 2

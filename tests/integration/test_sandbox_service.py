@@ -244,3 +244,112 @@ def test_sessions_left_open_are_closed_after_the_idle_timeout():
     assert (health.sessions, health.sessions_reaped) == (2, 1)
     assert lost is not None and "is not open" in str(lost), lost
     assert "unused for" in srv.log.read_text()
+
+
+def test_workspace_errors_are_final_answers_not_a_dead_server(server):
+    """Writing onto a directory, or restoring a snapshot too large for the session's disk limit,
+    fails at once with FAILED_PRECONDITION (not UNKNOWN, which the client retries until its
+    deadline and then takes for a dead server); the failed restore leaves the workspace as it was.
+    A snapshot holding an absolute symlink (as `python -m venv` makes) restores."""
+    async def go():
+        async with _client(server.address, deadline_s=20) as client:
+            big = await client.open_session(image=server.image)
+            await big.exec(["sh", "-c", "head -c 3000000 /dev/zero > big && mkdir d && ln -s /usr/bin/python3 py"])
+            start = time.monotonic()
+            codes = []
+            try:
+                await big.write_file("d", "x")
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+            big_snapshot = await big.snapshot()
+            await big.restore(big_snapshot)
+            link = await big.exec(["readlink", "py"])
+            small = await client.open_session({"mine.txt": "mine"}, image=server.image, limits={"disk_bytes": 2**20})
+            try:
+                await small.restore(big_snapshot)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+            elapsed = time.monotonic() - start
+            kept = await small.read_file("mine.txt")
+            healthy = client.servers[0].healthy
+            await big.close()
+            await small.close()
+            return codes, elapsed, link, kept, healthy
+    codes, elapsed, link, kept, healthy = asyncio.run(go())
+    assert codes == [grpc.StatusCode.FAILED_PRECONDITION] * 2
+    assert elapsed < 10 and healthy
+    assert link.stdout == b"/usr/bin/python3\n"
+    assert kept.content == b"mine"
+
+
+def test_negative_or_nan_limits_are_invalid_arguments(server):
+    """cgroup v1 reads a memory limit of -1 as "none"; NaN reached the cgroup writes."""
+    from megatron_rl_sandbox.client import pb2, pb2_grpc
+
+    async def go():
+        codes = []
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb2_grpc.SandboxStub(channel)
+            for limits in (pb2.Limits(memory_bytes=-1), pb2.Limits(disk_bytes=-1),
+                           pb2.Limits(cpu_time_s=float("nan")), pb2.Limits(max_processes=-1)):
+                try:
+                    await stub.Execute(pb2.ExecuteRequest(idempotency_key=uuid.uuid4().hex, image=server.image,
+                                                          argv=["true"], limits=limits), timeout=10)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+            health = await stub.Health(pb2.HealthRequest(), timeout=10)
+        return codes, health
+    codes, health = asyncio.run(go())
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 4
+    assert health.running == 0
+
+
+def test_snapshots_go_with_their_session(tmp_path):
+    """A snapshot lives as long as the session that took it: deleted at Close and when an
+    abandoned session is closed after the idle timeout (restores are into a session of the same
+    server; recovery on another server starts from the task's files)."""
+    from megatron_rl_sandbox.client import SandboxUnavailable
+
+    work_dir = tmp_path / "work"
+    srv = start_server("bwrap", "--work-dir", str(work_dir), "--session-idle-timeout-s", "1")
+    snapshots = work_dir / "snapshots"
+
+    async def go():
+        async with _client(srv.address, deadline_s=20) as client:
+            closed = await client.open_session({"a.txt": "a"})
+            abandoned = await client.open_session({"b.txt": "b"})
+            snap = await closed.snapshot()
+            await abandoned.snapshot()
+            taken = len(list(snapshots.glob("*.tar")))
+            await closed.close()
+            after_close = len(list(snapshots.glob("*.tar")))
+            other = await client.open_session()
+            try:
+                await other.restore(snap, deadline_s=5)
+                restored = True
+            except (grpc.aio.AioRpcError, SandboxUnavailable):
+                restored = False
+            await asyncio.sleep(2.0)  # the abandoned session is reaped (other was used 2 s ago too)
+            return taken, after_close, restored, len(list(snapshots.glob("*.tar")))
+    try:
+        taken, after_close, restored, after_reap = asyncio.run(go())
+    finally:
+        srv.stop()
+    assert (taken, after_close, restored, after_reap) == (2, 1, False, 0)
+
+
+def test_a_server_without_cgroups_says_what_it_does_not_enforce():
+    from megatron_rl_sandbox.client import pb2, pb2_grpc
+
+    srv = start_server("bwrap", "--limiter", "rlimit")
+
+    async def go():
+        async with grpc.aio.insecure_channel(srv.address) as channel:
+            return await pb2_grpc.SandboxStub(channel).Health(pb2.HealthRequest(), timeout=10)
+    try:
+        health = asyncio.run(go())
+    finally:
+        srv.stop()
+    assert health.limiter == "rlimit"
+    warnings = [line for line in srv.log.read_text().splitlines() if " WARNING " in line]
+    assert any("NOT killed" in line and "RLIMIT_AS" in line for line in warnings), warnings
