@@ -150,11 +150,19 @@ def _play_lockstep(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params:
         if isinstance(outcome, Exception):
             _drop(x, outcome)
     turn = 0
-    while active := [x for x in live if not x.episode.status]:
-        turn_params = turn_sampling(params, fmt, None if params.seed is None else params.seed * 1009 + turn)
-        generations = engine.generate([x.episode.prompt_tokens + x.episode.output_ids for x in active], turn_params)
-        for x, gen in zip(active, generations):
-            x.closed, x.text = take_turn(x.episode, gen, fmt, limits)
+    # An episode with no room left for a turn ends here (max_tokens), without a request.
+    while active := [x for x in live if not x.episode.status and not end_if_full(x.episode, limits)]:
+        seed = None if params.seed is None else params.seed * 1009 + turn
+        # One call per turn; episodes near their token budget ask for less, in a call of their own per length.
+        calls: dict[int, list[_Live]] = {}
+        for x in active:
+            calls.setdefault(min(params.max_new_tokens, room_left(x.episode, limits)), []).append(x)
+        for length, batch in calls.items():
+            call_seed = seed if seed is None or length == params.max_new_tokens else seed * 7919 + length
+            generations = engine.generate([x.episode.prompt_tokens + x.episode.output_ids for x in batch],
+                                          turn_sampling(params, fmt, call_seed, length))
+            for x, gen in zip(batch, generations):
+                x.closed, x.text = take_turn(x.episode, gen, fmt, limits)
         steps = on_loop(_gather([x.env.step(x.text) for x in active]))
         for x, outcome in zip(active, steps):
             if isinstance(outcome, Exception):
@@ -182,16 +190,34 @@ def task_system_prompt(task_cfg: Any) -> str:
     return task_cfg.system_prompt or system_prompt(task_cfg.environment)
 
 
-def turn_sampling(params: SamplingParams, fmt: TurnFormat, seed: Optional[int]) -> SamplingParams:
-    """One model turn: one sample, stopped by the template's end-of-turn token too."""
+def turn_sampling(params: SamplingParams, fmt: TurnFormat, seed: Optional[int],
+                  room: Optional[int] = None) -> SamplingParams:
+    """One model turn: one sample, stopped by the template's end-of-turn token too, and no longer
+    than the episode's `room` (`room_left`; >= 1): a request past the episode's budget would
+    generate tokens that are thrown away, and past the engine's context length it fails."""
+    max_new_tokens = params.max_new_tokens if room is None else min(params.max_new_tokens, room)
     return dataclasses.replace(params, n=1, stop_token_ids=tuple(params.stop_token_ids) + fmt.stop_token_ids,
-                               seed=seed)
+                               seed=seed, max_new_tokens=max_new_tokens)
+
+
+def room_left(ep: Episode, limits: EpisodeLimits) -> int:
+    """The tokens an episode may still add (limits.max_tokens counts the prompt and every turn)."""
+    return max(limits.max_tokens - len(ep.prompt_tokens) - len(ep.output_ids), 0)
+
+
+def end_if_full(ep: Episode, limits: EpisodeLimits) -> bool:
+    """Before a turn: end an episode that has no room left (status max_tokens) instead of asking
+    the engine for a turn; True if it ended."""
+    if room_left(ep, limits) > 0:
+        return False
+    ep.status, ep.finish_reason = "max_tokens", "length"
+    return True
 
 
 def take_turn(ep: Episode, gen: Any, fmt: TurnFormat, limits: EpisodeLimits) -> tuple[bool, str]:
     """Append a generated turn (cut at the episode's token budget); returns (the turn ended with
     its stop token, the turn's text for the environment)."""
-    room = max(limits.max_tokens - len(ep.prompt_tokens) - len(ep.output_ids), 0)
+    room = room_left(ep, limits)
     ids = gen.output_ids[:room]
     ep.output_ids += ids
     ep.logprobs += gen.logprobs[:room]
@@ -200,8 +226,11 @@ def take_turn(ep: Episode, gen: Any, fmt: TurnFormat, limits: EpisodeLimits) -> 
         ep.weight_version = gen.weight_version  # a rollout's version is its first token's
     ep.turn_versions.append(gen.weight_version)
     ep.num_turns += 1
-    return gen.finish_reason == "stop" and len(ids) == len(gen.output_ids), \
-        fmt.tokenizer.decode(ids, skip_special_tokens=True)
+    # closed: the turn's own end-of-turn (or eos) token ended it; a stop string or the token limit leaves
+    # it open, and the observation closes it
+    closed = (gen.finish_reason == "stop" and len(ids) == len(gen.output_ids) and bool(ids)
+              and ids[-1] in (*fmt.stop_token_ids, fmt.tokenizer.eos_token_id))
+    return closed, fmt.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def after_step(ep: Episode, observation: str, done: bool, closed: bool, fmt: TurnFormat, limits: EpisodeLimits,

@@ -13,8 +13,12 @@ tool call or a reward the engine generates for the others.
   environments are closed, they are returned with status "aborted" and left out of the
   batch, and counted; or, with `keep_partial`, kept as partial rollouts (what they generated
   so far, rewarded by verifying the environment as it stands; status "partial").
-- A step deadline stops the episodes still running (status "deadline", counted); the
-  sandbox's back-pressure (its queue fill) holds new episodes back while it is high.
+- A step deadline stops the episodes still running or waiting to start (status "deadline",
+  counted); the sandbox's back-pressure (its queue fill) holds new episodes back while it is high.
+- A cut or a deadline stops generation too: the stopped episodes' queued requests are dropped,
+  the call in flight is aborted (`engine.abort()`) and waited for, so that when
+  `run_episodes_async` returns the engine is idle (its memory may be released, its weights
+  updated).
 - Sampling seeds: a batch is seeded from its first request's seed; which requests share a
   batch depends on timing, so sampled tokens are not reproducible run to run in this mode
   (the lockstep driver in multiturn.py is, and stays the default).
@@ -34,8 +38,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.observability.timeline import Timeline
 from megatron_rl.rollout.base import SamplingParams
-from megatron_rl.rollout.multiturn import (Episode, EpisodeLimits, TurnFormat, after_step, episode_metrics,
-                                           take_turn, turn_sampling)
+from megatron_rl.rollout.multiturn import (Episode, EpisodeLimits, TurnFormat, after_step, end_if_full,
+                                           episode_metrics, room_left, take_turn, turn_sampling)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class BatchingEngine:
         self._pending: list[_Request] = []
         self._cond = threading.Condition()
         self._closed = False
+        self._in_flight = False  # the worker is inside engine.generate
         self.batches = 0
         self._thread = threading.Thread(target=self._work, name="batching-engine", daemon=True)
         self._thread.start()
@@ -62,18 +67,51 @@ class BatchingEngine:
     async def generate(self, tokens: list[int], params: SamplingParams):
         request = _Request(list(tokens), params, self.loop.create_future())
         with self._cond:
+            if self._closed:
+                raise RuntimeError("generate on a closed BatchingEngine")
             self._pending.append(request)
             self._cond.notify()
-        return await request.future
+        try:
+            return await request.future
+        except asyncio.CancelledError:  # the episode was cut while queued: its turn is not generated
+            with self._cond:
+                self._pending = [r for r in self._pending if r is not request]
+            raise
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 600.0) -> None:
+        """Stop generating: queued requests are cancelled, a generate call in flight is aborted
+        (`engine.abort()`, where the engine has one) and waited for. Returns only once the worker
+        has left the engine, so that the caller may release the engine's memory or change its
+        weights; raises RuntimeError if the call in flight has not returned within `timeout_s`."""
         with self._cond:
             self._closed = True
+            dropped, self._pending = self._pending, []
             self._cond.notify()
-        self._thread.join(timeout=30)
+        for r in dropped:
+            self.loop.call_soon_threadsafe(_cancel, r.future)
+        abort = getattr(self.engine, "abort", None)
+        give_up = time.monotonic() + timeout_s
+        while self._thread.is_alive():
+            # Again each round: an abort that reached the engine before the call's requests did aborts nothing.
+            if self._in_flight and abort is not None:
+                try:
+                    abort()
+                except Exception as exc:  # e.g. a server that died: its generate call fails on its own
+                    logger.warning("aborting the generate call in flight: %s", exc)
+            left = give_up - time.monotonic()
+            if left <= 0:
+                how = "abort() did not stop it" if abort is not None else "it has no abort()"
+                raise RuntimeError(f"the engine's generate call did not return within {timeout_s:g} s of closing the "
+                                   f"batching front end ({type(self.engine).__name__}: {how}); it is still "
+                                   "generating, so its memory cannot be released nor its weights updated")
+            self._thread.join(timeout=min(1.0, left))
 
     def _take(self) -> list[_Request]:
-        """The oldest request's compatible requests (same sampling parameters but the seed)."""
+        """The oldest live request's compatible requests (same sampling parameters but the seed);
+        requests whose episode is gone (future already done: cancelled) are dropped."""
+        self._pending = [r for r in self._pending if not r.future.done()]
+        if not self._pending:
+            return []
         key = dataclasses.replace(self._pending[0].params, seed=None)
         batch = [r for r in self._pending if dataclasses.replace(r.params, seed=None) == key][:self.max_batch]
         taken = {id(r) for r in batch}
@@ -85,23 +123,35 @@ class BatchingEngine:
             with self._cond:
                 while not self._pending and not self._closed:
                     self._cond.wait()
-                if self._closed and not self._pending:
+                if self._closed:
                     return
                 full = len(self._pending) >= self.max_batch
             if not full:
                 time.sleep(self.linger_s)
             with self._cond:
+                if self._closed:
+                    return
                 batch = self._take()
+                self._in_flight = bool(batch)
+            if not batch:
+                continue
             start = time.perf_counter()
             try:
                 gens = self.engine.generate([r.tokens for r in batch], batch[0].params)
                 error = None
             except Exception as exc:  # handed to every waiting episode, never lost in this thread
                 gens, error = [], exc
+            finally:
+                with self._cond:
+                    self._in_flight = False
             self.timeline.add("generate", "engine", start, time.perf_counter(), batch=len(batch))
             self.batches += 1
             for i, r in enumerate(batch):
                 self.loop.call_soon_threadsafe(_settle, r.future, None if error else gens[i], error)
+
+
+def _cancel(future: asyncio.Future) -> None:
+    future.cancel()
 
 
 def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
@@ -123,7 +173,7 @@ def run_episodes_async(engine: Any, tasks: Sequence[dict[str, Any]], n: int, par
     """`n` episodes per task, concurrently; returns them all (dropped / aborted included) and
     the scheduling metrics (engine busy fraction, aborted count, episodes' wall time).
 
-    `deadline_s`: episodes still running then are stopped (status "deadline") and the step
+    `deadline_s`: episodes still running or not yet started then are stopped (status "deadline") and the step
     goes on with what completed. `backpressure`: an async callable returning the sandbox's
     load in [0, 1] (`SandboxClient.backpressure`); no new episode starts while it exceeds
     `max_backpressure` (episodes already running continue). `keep_partial`: stragglers cut at
@@ -197,6 +247,8 @@ async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_co
             await policy.wait_for_room()
             await _episode(k, ep, tasks[ep.prompt_index], batcher, params, make_env, fmt, limits, timeline,
                            policy)
+        if ep.status == "aborted":  # cancelled while it ran (`_episode` returns then): not a finished episode
+            return
         done_per_group[ep.prompt_index] += 1
         if target_groups is not None and sum(c == n for c in done_per_group) >= target_groups:
             complete.set()
@@ -212,10 +264,9 @@ async def _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_co
             r.cancel()
         await asyncio.gather(*runners, return_exceptions=True)
         waiter.cancel()
-        if late:
-            for ep in episodes:
-                if ep.status == "aborted":
-                    ep.status = "deadline"
+        for ep in episodes:  # cancelled while running ("aborted") or while waiting to start (no status yet)
+            if ep.status in ("", "aborted"):
+                ep.status, ep.reward = "deadline" if late else "aborted", 0.0
     finally:
         await asyncio.to_thread(batcher.close)
     for ep, outcome in zip(episodes, [r.exception() if r.done() and not r.cancelled() else None for r in runners]):
@@ -239,10 +290,11 @@ async def _episode(k: int, ep: Episode, task: dict[str, Any], batcher: BatchingE
         with timeline.span("reset", track):
             await env.reset(task)
         reset = True
-        while not ep.status:
+        while not ep.status and not end_if_full(ep, limits):
             seed = None if params.seed is None else params.seed * 1009 + k * 131 + ep.num_turns
+            turn_params = turn_sampling(params, fmt, seed, room_left(ep, limits))
             with timeline.span("generate (queued + batched)", track):
-                gen = await batcher.generate(ep.prompt_tokens + ep.output_ids, turn_sampling(params, fmt, seed))
+                gen = await batcher.generate(ep.prompt_tokens + ep.output_ids, turn_params)
             closed, text = take_turn(ep, gen, fmt, limits)
             with timeline.span("environment", track):
                 observation, done = await env.step(text)

@@ -13,7 +13,7 @@ import pytest
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.envs import make_environment
 from megatron_rl.observability.timeline import Timeline
-from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.base import Generation, SamplingParams
 from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes
 from megatron_rl.rollout.scheduler import run_episodes_async
 from megatron_rl.rollout.scripted import ScriptedPolicy
@@ -204,3 +204,102 @@ def test_stragglers_can_be_kept_as_partial_rollouts(tokenizer, loop):
     partial = episodes[4:]
     assert all(e.num_turns == 1 and e.finish_reason == "length" and e.reward == 0.0 for e in partial)
     assert all(sum(e.model_mask) > 0 for e in partial) and stats["sched/partial"] == 2.0
+
+
+def test_episodes_still_waiting_for_a_slot_at_the_deadline_are_counted(tokenizer, loop):
+    """At most 2 episodes at once; task 0's two take >= 2 x 3 s of tool calls, so at the 1 s
+    deadline they are running and the other four have not started: all six are "deadline"
+    (none left without a status, which the step would train on as empty 0-reward responses)."""
+    fmt = TurnFormat(tokenizer, "sys")
+    policy = SlowScript(tokenizer, ["a", "b"], end_of_turn=fmt.end_of_turn, cost_s=0.0)
+    episodes, stats = run_episodes_async(policy, _tasks(3, {0: 3.0}), 2, SamplingParams(max_new_tokens=16),
+                                         _fast_env, fmt, LIMITS, loop, max_concurrency=2, deadline_s=1.0)
+    assert [e.status for e in episodes] == ["deadline"] * 6 and all(e.reward == 0.0 for e in episodes)
+    assert stats["sched/deadline"] == 6.0 and stats["agent/deadline"] == 6.0
+
+
+def test_a_cut_group_is_left_out_whole(tokenizer, loop):
+    """Task 1's first episode finishes long before task 0's group completes (target 1 group);
+    its second one is slow and cut: the whole of group 1 is aborted, the finished episode too."""
+    fmt = TurnFormat(tokenizer, "sys")
+    policy = SlowScript(tokenizer, ["a", "b"], end_of_turn=fmt.end_of_turn, cost_s=0.0)
+    made = []
+
+    def make_env():  # made in episode order: the fourth (task 1's second) waits 5 s per tool call
+        made.append(None)
+        latency = 5.0 if len(made) == 4 else 0.05
+        return make_environment("synthetic", min_latency_s=latency, max_latency_s=latency, turns=2)
+
+    episodes, stats = run_episodes_async(policy, _tasks(2, {0: 0.5}), 2, SamplingParams(max_new_tokens=16),
+                                         make_env, fmt, LIMITS, loop, target_groups=1)
+    assert [e.status for e in episodes] == ["submitted", "submitted", "aborted", "aborted"]
+    assert stats["sched/aborted"] == 2.0
+
+
+class _Tracked(SlowScript):
+    """Records when each generate call starts and ends."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.spans: list[list[float]] = []
+
+    def generate(self, prompts, params):
+        span = [time.monotonic()]
+        self.spans.append(span)
+        try:
+            return super().generate(prompts, params)
+        finally:
+            span.append(time.monotonic())
+
+
+def test_a_deadline_stops_generation(tokenizer, loop):
+    """A slow engine (0.5 s a call, one request each) and a 0.8 s deadline: the requests of the
+    cut episodes are not generated, the call in flight is waited for (the scripted engine has
+    nothing to abort), and after run_episodes_async returns the engine is never called again and
+    the front end's worker thread is gone (the caller may now release the engine's memory)."""
+    import threading
+
+    fmt = TurnFormat(tokenizer, "sys")
+    policy = _Tracked(tokenizer, ["a", "b"], end_of_turn=fmt.end_of_turn, cost_s=0.5)
+    start = time.monotonic()
+    episodes, _ = run_episodes_async(policy, _tasks(6), 1, SamplingParams(max_new_tokens=16), _fast_env, fmt,
+                                     LIMITS, loop, max_batch=1, deadline_s=0.8)
+    returned = time.monotonic()
+    assert returned - start < 2.5  # the deadline, the call in flight, slack (draining the queue took 3.5 s)
+    assert all(len(span) == 2 and span[1] <= returned for span in policy.spans)  # no call in flight
+    assert not any(t.name == "batching-engine" and t.is_alive() for t in threading.enumerate())
+    calls = len(policy.spans)
+    time.sleep(1.0)
+    assert len(policy.spans) == calls
+    assert all(e.status == "deadline" for e in episodes)
+
+
+class _Abortable(SlowScript):
+    """An engine whose generate call takes 20 s unless aborted (as SGLang's: abort() ends the
+    requests in flight, which come back with finish_reason "abort")."""
+
+    def __init__(self, *args, **kwargs):
+        import threading
+
+        super().__init__(*args, **kwargs)
+        self.aborted = threading.Event()
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        if self.aborted.wait(timeout=20):
+            return [Generation(i, [], [], "abort", 0) for i in range(len(prompts))]
+        return ScriptedPolicy.generate(self, prompts, params)
+
+    def abort(self):
+        self.aborted.set()
+
+
+def test_a_deadline_aborts_the_generate_call_in_flight(tokenizer, loop):
+    fmt = TurnFormat(tokenizer, "sys")
+    policy = _Abortable(tokenizer, ["a", "b"], end_of_turn=fmt.end_of_turn, cost_s=0.0)
+    start = time.monotonic()
+    episodes, stats = run_episodes_async(policy, _tasks(2), 1, SamplingParams(max_new_tokens=16), _fast_env, fmt,
+                                         LIMITS, loop, deadline_s=0.5)
+    assert time.monotonic() - start < 5.0  # not the 20 s of the call
+    assert policy.aborted.is_set() and policy.calls == 1
+    assert [e.status for e in episodes] == ["deadline"] * 2 and stats["sched/deadline"] == 2.0
