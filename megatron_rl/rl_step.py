@@ -40,7 +40,7 @@ def _sampling(cfg, parts: dict, n: int, seed: int, evaluation: bool = False) -> 
     return SamplingParams(temperature=pick(t.eval_temperature, r.temperature), top_p=pick(t.eval_top_p, r.top_p),
                           top_k=pick(t.eval_top_k, r.top_k),
                           max_new_tokens=pick(t.eval_max_new_tokens, r.max_new_tokens), n=n, seed=seed,
-                          stop_token_ids=parts["task"].stop_token_ids)
+                          stop_token_ids=parts["task"].stop_token_ids, stop=tuple(r.stop))
 
 
 def warm_start(rt, parts: dict) -> None:

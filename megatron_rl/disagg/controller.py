@@ -80,6 +80,10 @@ def check_disaggregated_config(cfg: Any) -> None:
             raise ConfigError(f"rollout.{key}={value} is a colocated-mode setting (it cuts the stragglers of a "
                               f"step's rollout); with rollout.mode=disaggregated the experience buffer takes "
                               f"groups as they finish: drop the override")
+    if r.stop and r.partial_rollout_tokens:
+        raise ConfigError(f"rollout.stop={r.stop} with rollout.partial_rollout_tokens={r.partial_rollout_tokens}: "
+                          "a stop string may span two chunks of a partial rollout, which stop strings are not "
+                          "checked across; use stop token ids or partial_rollout_tokens=0")
     if algo.old_logprobs != "recompute":
         raise ConfigError(f"algorithm.old_logprobs={algo.old_logprobs} is invalid with rollout.mode=disaggregated: "
                           "stale rollouts need old_logprobs=recompute so that the truncated-IS weight "
@@ -236,7 +240,7 @@ class DisaggregatedController:
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_new_tokens, n=r.n_samples_per_prompt,
                                 seed=self.cfg.seed * 100_003 + 7919 * request_id,
-                                stop_token_ids=self.stop_token_ids)
+                                stop_token_ids=self.stop_token_ids, stop=tuple(r.stop))
         prompts = [(list(self.prompts[i].tokens), dict(self.prompts[i].meta)) for i in indices]
         self._in_flight[request_id] = list(indices)
         self.hub.requests.put(Request(request_id, list(indices), prompts, params))

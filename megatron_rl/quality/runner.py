@@ -136,6 +136,7 @@ def policy_engine(path: str, tokenizer: Any) -> Any:
     from megatron_rl.rollout.hf_engine import HFEngine
 
     cfg = dataclasses.replace(ModelConfig(), **arch_from_hf_config(path))
-    engine = HFEngine(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    engine = HFEngine(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                      tokenizer=tokenizer)
     engine.update_weights(read_tensors(path).items(), version=1)
     return engine

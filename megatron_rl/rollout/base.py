@@ -31,6 +31,7 @@ class SamplingParams:
     top_k: int = -1  # -1: no top-k truncation
     max_new_tokens: int = 32
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the response ends with the token that completes one (kept)
     n: int = 1  # samples per prompt
     seed: Optional[int] = None
 

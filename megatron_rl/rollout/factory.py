@@ -127,7 +127,8 @@ def _leader_engine(cfg: Any, groups: Any, tokenizer: Any, block: Any, work_dir: 
     if r.backend == "hf":
         from megatron_rl.rollout.hf_engine import HFEngine
 
-        return HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        return HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        tokenizer=tokenizer)
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
     model_path = None
@@ -154,7 +155,7 @@ def make_standalone_engine(cfg: Any, tokenizer: Any, *, device: Any, index: int,
         from megatron_rl.rollout.hf_engine import HFEngine
 
         return HFEngine(cfg.model, device=device, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
+                        pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
     model_path = None if r.base_url else engine_model_dir(cfg, tokenizer.eos_token_id, work_dir / f"generator{index}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ def _latent_norms_as_megatron(model: torch.nn.Module, model_cfg: Any) -> None:
 
 class HFEngine:
     def __init__(self, model_cfg: Any, *, device: str | torch.device = "cpu", eos_token_id: int = 0,
-                 pad_token_id: int = 0, max_batch_size: int = 256) -> None:
+                 pad_token_id: int = 0, max_batch_size: int = 256, tokenizer: Any = None) -> None:
         from megatron_rl.models.gpt import torch_dtype
         from megatron_rl.models.hf import build_hf_model, fp32_tensors, kept_in_fp32
         from megatron_rl.weight_sync.families import get_converter
@@ -63,6 +63,7 @@ class HFEngine:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
+        self.tokenizer = tokenizer  # for stop strings
         self.weight_version = 0
         # parameters no update has written since they were last allocated (random init, or
         # uninitialised memory after release_memory / resume_memory): a flush leaving any is an error
@@ -146,6 +147,8 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop} need the engine's tokenizer (HFEngine(tokenizer=...))")
         if self._released & {TAG_WEIGHTS, TAG_KV_CACHE}:
             raise EngineStateError(f"generate while memory is released ({sorted(self._released)}): resume_memory first")
         if self._paused.is_set():
@@ -163,6 +166,20 @@ class HFEngine:
                 out += self._generate_batch(jobs[start:start + self.max_batch_size], params)
         return out
 
+    def _stop_string_end(self, tokens: list[int], stops: Sequence[str]) -> Optional[int]:
+        """The shortest prefix length whose text holds one of `stops`, or None (a binary search: a
+        longer prefix's text holds what a shorter one's does)."""
+        def holds(n: int) -> bool:
+            text = self.tokenizer.decode(tokens[:n], skip_special_tokens=False)
+            return any(s in text for s in stops)
+        if not tokens or not holds(len(tokens)):
+            return None
+        low, high = 1, len(tokens)
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if holds(mid) else (mid + 1, high)
+        return low
+
     def _generate_batch(self, jobs: list[tuple[int, list[int]]], params: SamplingParams) -> list[Generation]:
         width = max(len(p) for _, p in jobs)
         ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
@@ -172,11 +189,12 @@ class HFEngine:
             mask[row, width - len(prompt):] = 1
         stop = sorted(set(params.stop_token_ids) | {self.eos_token_id})
         start = time.perf_counter()
+        strings = dict(stop_strings=list(params.stop), tokenizer=self.tokenizer) if params.stop else {}
         result = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
             max_new_tokens=params.max_new_tokens, eos_token_id=stop, pad_token_id=self.pad_token_id,
-            output_logits=True, return_dict_in_generate=True)
+            output_logits=True, return_dict_in_generate=True, **strings)
         new = result.sequences[:, width:].cpu()
         # Raw logits of each step -> the sampling distribution before truncation.
         logits = torch.stack(result.logits, dim=1).float().cpu() / params.temperature
@@ -189,6 +207,10 @@ class HFEngine:
                 if tok in stop:
                     length, reason = pos + 1, "stop"
                     break
+            if params.stop:  # a stop string ends the response at the token completing it
+                cut = self._stop_string_end(tokens[:length], params.stop)
+                if cut is not None:
+                    length, reason = cut, "stop"
             generations.append(Generation(prompt_index, tokens[:length], logprobs[row, :length].tolist(),
                                           reason, self.weight_version))
             self.generated_tokens += length

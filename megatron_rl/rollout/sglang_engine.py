@@ -239,6 +239,9 @@ class SGLangEngine:
         return [self._to_generation(out, idx) for out, idx in zip(outputs, prompt_index)]
 
     def _sampling_params(self, params: SamplingParams, prompt: int, sample: int) -> dict[str, Any]:
+        if params.stop:
+            raise ValueError(f"stop strings {params.stop}: the SGLang engine runs without a tokenizer (token ids "
+                             "only) and cannot match them; use stop token ids")
         sp: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                               "max_new_tokens": params.max_new_tokens, "n": 1}
         if params.stop_token_ids:

@@ -250,6 +250,8 @@ INVALID_CASES = [
     (["algorithm.rollout_mask=seq"], 1, ["algorithm.rollout_mask=seq", "geometric"]),
     (["task.eval_temperature=0"], 1, ["task.eval_temperature=0", "> 0"]),
     (["algorithm=gspo", "algorithm.eps_clip_c=3"], 1, ["algorithm.eps_clip_c=3", "not gspo"]),
+    (["rollout=sglang", "rollout.stop=[END]"], 1, ["rollout.stop=['END']", "without a tokenizer"]),
+    (["rollout.stop=['']"], 1, ["rollout.stop=['']", "non-empty"]),
     (["mode=rl", "task.eval_max_new_tokens=100000"], 1, ["task.eval_max_new_tokens=100000",
                                                         "model.max_position_embeddings"]),
     (["algorithm.rollout_mask_low=1.2"], 1, ["algorithm.rollout_mask_low=1.2", "(0, 1)"]),

@@ -277,3 +277,31 @@ def test_hf_engine_unseeded_requests_draw_new_samples():
     assert draw(seed=3) == draw(seed=3)
     assert torch.equal(torch.random.get_rng_state(), state)
     assert draw() != draw()
+
+
+def test_hf_engine_stops_at_a_stop_string():
+    """Greedy decoding (top_k=1) of a fixed model gives a known continuation; with a stop string taken
+    from it, the response ends with the token that completes the string's first occurrence, finish
+    reason stop, log-probs cut alike. The shipped tokenizer has one token per character."""
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.models.hf import build_hf_model, hub_state_dict
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    cfg = rl_config()
+    tokenizer = load_tokenizer("builtin:char")
+    engine = HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                      tokenizer=tokenizer)
+    engine.update_weights(hub_state_dict(build_hf_model(cfg.model, seed=7)).items(), version=1)
+    prompt = tokenizer("3+4=", add_special_tokens=False)["input_ids"]
+    greedy = SamplingParams(top_k=1, max_new_tokens=16, seed=0)
+    free = engine.generate([prompt], greedy)[0]
+    text = tokenizer.decode(free.output_ids, skip_special_tokens=False)
+    assert free.finish_reason == "length" and len(text) == 16
+    stop = text[5:7]  # ends at character 7 (or earlier, where it occurs first)
+    end = text.find(stop) + len(stop)
+    got = engine.generate([prompt], dataclasses.replace(greedy, stop=(stop, "never-there")))[0]
+    assert got.output_ids == free.output_ids[:end] and got.logprobs == free.logprobs[:end]
+    assert got.finish_reason == "stop" and tokenizer.decode(got.output_ids).endswith(stop)
+    with pytest.raises(ValueError, match="need the engine's tokenizer"):
+        HFEngine(cfg.model).generate([prompt], dataclasses.replace(greedy, stop=("x",)))
