@@ -106,6 +106,9 @@ def run_rl(rt) -> dict[str, float]:
         for step in bar:
             start = time.perf_counter()
             metrics = rl_step(rt, parts, step)
+            every = cfg.algorithm.ref_update_every
+            if every and "reference" in parts and (step + 1) % every == 0:  # the KL anchor moves to the policy
+                parts["reference"] = parts["trainer"].snapshot_weights()
             if (cfg.task.eval_every and (step + 1) % cfg.task.eval_every == 0) or step == cfg.num_steps - 1:
                 metrics.update(evaluate(rt, parts, step=step + 1))
             metrics["time/step"] = time.perf_counter() - start

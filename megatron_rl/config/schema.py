@@ -934,6 +934,9 @@ class AlgorithmConfig:
     (typical 3.0); null: off."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy; 0 skips the reference model."""
+    ref_update_every: int = 0
+    """kl_coef > 0: RL steps after which the reference policy becomes the current policy (the KL then
+    anchors to a recent policy instead of the start); 0: the reference stays the policy RL started from."""
     kl_estimator: str = "k3"
     """KL estimator: k1, k2 or k3 (Schulman's approximations)."""
     entropy_coef: float = 0.0
@@ -1012,6 +1015,10 @@ class AlgorithmConfig:
         _check_unit_interval("algorithm.gae_gamma", self.gae_gamma, low_open=False, high_open=False)
         _check_unit_interval("algorithm.gae_lambda", self.gae_lambda, low_open=False, high_open=False)
         _check_choice("algorithm.kl_estimator", self.kl_estimator, self.KL_ESTIMATORS)
+        _check_min("algorithm.ref_update_every", self.ref_update_every, 0)
+        if self.ref_update_every and self.kl_coef <= 0:
+            raise _invalid("algorithm.ref_update_every", self.ref_update_every, "moves the KL loss's reference "
+                           "policy: it needs algorithm.kl_coef > 0")
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, self.LOSS_AGG_MODES)
         _check_choice("algorithm.old_logprobs", self.old_logprobs, self.OLD_LOGPROBS)
         _check_choice("algorithm.overlong", self.overlong, self.OVERLONG_MODES)

@@ -146,6 +146,21 @@ def test_dumped_rollouts_replay_the_same_updates_without_generating(tmp_path, sa
     assert too_far.returncode != 0 and "has no rollouts of step 2 (it holds steps 0..1)" in too_far.stderr
 
 
+def test_the_reference_policy_follows_the_policy_every_step(tmp_path, saved_dataset):
+    """algorithm.ref_update_every=1: each step's reference is the policy that step starts from, so the KL
+    of its (single) update is exactly 0; without it the KL to the start grows from the second step."""
+    common = ["num_steps=3", "task.num_eval=0", "algorithm.kl_coef=0.05", "algorithm.kl_estimator=k1",
+              "algorithm.num_inner_updates=1"]
+    runs = {}
+    for name, extra in (("fixed", []), ("moving", ["algorithm.ref_update_every=1"])):
+        proc = subprocess.run(_args(tmp_path / name, saved_dataset, *common, *extra), env=_env(), capture_output=True,
+                              text=True, timeout=800)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = _metrics(tmp_path / name)
+    assert [r["kl"] for r in runs["moving"]] == [0.0, 0.0, 0.0]
+    assert runs["fixed"][0]["kl"] == 0.0 and all(r["kl"] != 0.0 for r in runs["fixed"][1:])
+
+
 def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, saved_dataset):
     common = [f"num_steps={STEPS}", "checkpoint.save_every=1", "task.eval_every=2", "algorithm.kl_coef=0.05"]
     reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
