@@ -237,10 +237,12 @@ class Trainer:
             shapes = [packed_shape([lengths[i] for i in share], self.options.micro_batch_tokens, pad_multiple,
                                    segment_multiple) for share in shares]
             min_shape = (max(r for r, _ in shapes), max(n for _, n in shapes))
+        if not mine:  # fewer samples than DP ranks: a row of padding still takes part in the gradient reduction
+            min_shape = (max(min_shape[0], 1), max(min_shape[1], pad_multiple))
         thd = self.use_te or cp > 1  # attention reads cu_seqlens: no [S, S] mask to build and move
         micro = pack([samples[i] for i in mine], self.options.micro_batch_tokens, pad_multiple,
-                     self.options.pad_token_id, min_shape=min_shape, segment_multiple=segment_multiple,
-                     dense_mask=not thd)
+                     self.options.pad_token_id, extras_keys=list(samples[0].extras), min_shape=min_shape,
+                     segment_multiple=segment_multiple, dense_mask=not thd)
         for mb in micro:  # map row-local sample indices back to global-batch indices
             mb.sample_ids = torch.tensor(mine, dtype=torch.long)[mb.sample_ids]
             mb.sample_indices = [mine[i] for i in mb.sample_indices]
@@ -350,7 +352,7 @@ class Trainer:
         flat = torch.zeros(sum(lengths) * width)
         if self.groups.is_last_stage:
             parts = [local[i][0] for i in mine] + ([local[i][1] for i in mine] if with_entropy else [])
-            flat = torch.cat(parts)
+            flat = torch.cat(parts) if parts else torch.zeros(0)
         per_rank = _share_across_ranks(flat, samples, shares, self.groups, width)
         logprobs: list[Optional[Tensor]] = [None] * len(samples)
         entropies: list[Optional[Tensor]] = [None] * len(samples)
@@ -421,22 +423,30 @@ def _optimizer_tensors(optimizer) -> list[Tensor]:
 
 def _share_across_ranks(flat: Tensor, samples: Sequence[Sample], shares: list[list[int]],
                         groups: ParallelGroups, width: int) -> list[Tensor]:
-    """Last stage's per-DP-rank results -> the results of every DP rank, on every rank."""
+    """Last stage's per-DP-rank results -> the results of every DP rank, on every rank (host tensors).
+    The collectives run on the groups' device: NCCL groups take device tensors only."""
     if groups.pp_size > 1:
+        flat = flat.to(groups.device)
         dist.broadcast(flat, src=groups.pp_last_rank, group=groups.pp_group)
     if groups.dp_size == 1:
-        return [flat]
+        return [flat.cpu()]
     sizes = [sum(samples[i].num_targets for i in share) * width for share in shares]
-    padded = torch.zeros(max(sizes))
-    padded[: flat.numel()] = flat
+    padded = torch.zeros(max(max(sizes), 1), device=groups.device)
+    padded[: flat.numel()] = flat.to(groups.device)
     gathered = [torch.zeros_like(padded) for _ in range(groups.dp_size)]
     dist.all_gather(gathered, padded, group=groups.dp_group)
-    return [g[:n] for g, n in zip(gathered, sizes)]
+    return [g[:n].cpu() for g, n in zip(gathered, sizes)]
 
 
 def _reduce_metrics(stored: list[dict], groups: ParallelGroups) -> dict[str, float]:
     keys = sorted({k for d in stored for k in d})  # padding rows report no metrics
-    local = torch.tensor([sum(float(d[k]) for d in stored if k in d) for k in keys], dtype=torch.float64)
+    if groups.dp_size * groups.cp_size > 1 and groups.is_last_stage:
+        # a rank holding only padding rows (fewer samples than ranks) knows no keys: agree on them first
+        every: list = [None] * dist.get_world_size(groups.dp_cp_group)
+        dist.all_gather_object(every, keys, group=groups.dp_cp_group)
+        keys = sorted({k for ks in every for k in ks})
+    local = torch.tensor([sum(float(d[k]) for d in stored if k in d) for k in keys], dtype=torch.float64,
+                         device=groups.device)  # NCCL groups take device tensors only
     if groups.dp_size * groups.cp_size > 1 and groups.is_last_stage:
         dist.all_reduce(local, group=groups.dp_cp_group)  # context-parallel ranks hold parts of each row
     payload = [dict(zip(keys, local.tolist()))]

@@ -138,7 +138,9 @@ def _row_length(lengths: Sequence[int], rows: list[list[int]], pad_multiple: int
 
 def packed_shape(lengths: Sequence[int], token_budget: int, pad_multiple: int = 1,
                  segment_multiple: int = 1) -> tuple[int, int]:
-    """(number of rows, row length) that `pack` gives samples of these lengths."""
+    """(number of rows, row length) that `pack` gives samples of these lengths ((0, 0) for none)."""
+    if not lengths:
+        return 0, 0
     slots = [_round_up(n, segment_multiple) for n in lengths]
     rows = assign_rows(slots, token_budget)
     return len(rows), _row_length(slots, rows, pad_multiple)
@@ -153,8 +155,13 @@ def pack(samples: Sequence[Sample], token_budget: int, pad_multiple: int = 1,
     `dense_mask=False` leaves out the [S, S] mask (attention that reads `cu_seqlens` instead)."""
     if pad_multiple % segment_multiple:
         raise ValueError(f"pad_multiple={pad_multiple} must be a multiple of segment_multiple={segment_multiple}")
-    if not samples:
-        return []
+    if not samples:  # rows of padding only where a shape is asked for (a rank without samples)
+        if min_shape[0] == 0:
+            return []
+        if extras_keys is None:
+            raise ValueError("pack of no samples into rows of padding needs extras_keys")
+        return [_pack_row(samples, [], min_shape[1], pad_token_id, list(extras_keys), segment_multiple, dense_mask)
+                for _ in range(min_shape[0])]
     slots = [_round_up(s.tokens.numel(), segment_multiple) for s in samples]
     rows = assign_rows(slots, token_budget)
     seq_len = max(_row_length(slots, rows, pad_multiple), min_shape[1])
@@ -222,10 +229,10 @@ def _cat(parts: list[Tensor], empty_dtype: torch.dtype) -> Tensor:
 def split_for_data_parallel(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
     """Sample indices per DP rank, balancing total tokens (longest first to the lightest rank).
 
-    Deterministic; every rank computes the same split from the same global batch.
+    Deterministic; every rank computes the same split from the same global batch. With fewer
+    samples than ranks (a filtered batch) some shares are empty: those ranks train on a row of
+    padding (`Trainer._micro_batches`).
     """
-    if len(lengths) < dp_size:
-        raise ValueError(f"{len(lengths)} samples cannot feed {dp_size} data-parallel ranks")
     shares: list[list[int]] = [[] for _ in range(dp_size)]
     load = [0] * dp_size
     for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):

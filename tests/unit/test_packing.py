@@ -78,9 +78,15 @@ def test_data_parallel_split_balances_tokens_deterministically():
     assert shares == split_for_data_parallel(lengths, 2)
 
 
-def test_data_parallel_split_needs_a_sample_per_rank():
-    with pytest.raises(ValueError, match="3 samples cannot feed 4"):
-        split_for_data_parallel([1, 2, 3], 4)
+def test_data_parallel_split_of_fewer_samples_than_ranks_leaves_shares_empty():
+    assert split_for_data_parallel([1, 2, 3], 4) == [[2], [1], [0], []]
+
+
+def test_no_samples_pack_into_rows_of_padding_only_when_a_shape_is_asked_for():
+    assert pack([], 64) == []
+    rows = pack([], 64, pad_multiple=4, extras_keys=["advantages"], min_shape=(2, 8))
+    assert len(rows) == 2 and all(r.sample_indices == [] and r.input_ids.shape == (1, 8) for r in rows)
+    assert all(r.padding.all() and r.valid.numel() == 0 and set(r.extras) == {"advantages"} for r in rows)
 
 
 def test_sample_validates_mask_length():
