@@ -153,7 +153,11 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
+    extra = dict(extra)
+    reference = extra.pop("reference", None)  # this rank's shards: saved sharded, not in rank 0's common state
     state = _sharded_state_dict(trainer, is_loading=False)
+    if reference is not None:
+        state["reference"] = _reference_sharded_state_dict(trainer, reference)
     state["extra"] = extra
     dist_checkpointing.save(state, str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
@@ -161,7 +165,8 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     _barrier()
     if rank == 0:
         meta = {"step": step, "layout": _layout(trainer.groups), "config": config, "time": time.time(),
-                "distributed_optimizer": trainer.options.use_distributed_optimizer}
+                "distributed_optimizer": trainer.options.use_distributed_optimizer,
+                "reference": reference is not None}
         with open(tmp / _META, "w") as f:
             json.dump(meta, f, indent=2, default=str)
             f.flush()
@@ -174,6 +179,38 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     _barrier()
     logger.info("saved checkpoint %s (%.2fs)", final, time.perf_counter() - start)
     return final
+
+
+def _reference_sharded_state_dict(trainer, reference: Optional[list[torch.Tensor]]) -> dict[str, Any]:
+    """The KL reference policy (`Trainer.snapshot_weights()`, this rank's shards) as a sharded state dict
+    under the keys "reference.<model key>", so that it reshards like the model (it travelled in the
+    common state before, which holds rank 0's copy only). The tensors are copies: saving and loading
+    leave the model's own parameters alone. `reference` None: the structure for loading."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    current = trainer.swap_weights(reference) if reference is not None else None
+    try:
+        sharded = trainer.module.sharded_state_dict(prefix="reference.")
+
+        def detach(value: Any) -> Any:
+            if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.Tensor):
+                value.data = value.data.detach().clone()
+            return value
+        dict_list_map_inplace(detach, sharded)
+    finally:
+        if current is not None:
+            trainer.swap_weights(current)
+    return sharded
+
+
+def _load_reference(trainer, loaded: dict[str, Any]) -> list[torch.Tensor]:
+    """The reference snapshot (`snapshot_weights` order) from its loaded state dict."""
+    current = trainer.snapshot_weights()
+    trainer.module.load_state_dict({key[len("reference."):]: value for key, value in loaded.items()})
+    reference = trainer.snapshot_weights()
+    trainer.swap_weights(current)
+    return reference
 
 
 def _write_latest(root: Path, name: str) -> None:
@@ -283,7 +320,10 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
                          f"parallel.use_distributed_optimizer={str(saved_distopt).lower()} to resume from it")
     start = time.perf_counter()
     _ensure_optimizer_state(trainer.optimizer)
-    state = dist_checkpointing.load(_sharded_state_dict(trainer, is_loading=True), str(path))
+    wanted = _sharded_state_dict(trainer, is_loading=True)
+    if meta.get("reference"):
+        wanted["reference"] = _reference_sharded_state_dict(trainer, None)
+    state = dist_checkpointing.load(wanted, str(path))
     trainer.module.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
     # Megatron's scheduler *adds* the saved step count to its current one.
@@ -299,5 +339,8 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
     else:
         logger.warning("checkpoint %s was written at layout %s; RNG states are not restored at %s",
                        path, meta["layout"], _layout(trainer.groups))
+    extra = dict(state.get("extra", {}))
+    if meta.get("reference"):
+        extra["reference"] = _load_reference(trainer, state["reference"])
     logger.info("loaded checkpoint %s at step %d (%.2fs)", path, meta["step"], time.perf_counter() - start)
-    return state.get("extra", {})
+    return extra

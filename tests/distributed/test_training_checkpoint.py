@@ -347,3 +347,51 @@ def test_saved_layout_fills_in_what_older_checkpoints_did_not_record(layout, con
 
     got = saved_layout_of({"layout": layout, "config": config})
     assert (got["etp"], got["ep"], got["cp"]) == (etp, layout.get("ep", 1), 1)
+
+
+def _reference_writer(rank, world, root, out):
+    """TP=2: the KL reference is the policy before two steps; the checkpoint after them holds it."""
+    from megatron_rl.checkpoint.training import save_checkpoint
+
+    trainer = _setup(tp=2, pp=1)
+    reference = trainer.snapshot_weights()
+    want = trainer.full_state_dict()
+    for step in range(2):
+        trainer.train_step(_batch(step))
+    save_checkpoint(trainer, Path(root), 2, {"reference": reference, "sampler": {"position": 8}},
+                    _config_for(trainer))
+    policy = trainer.full_state_dict()  # collective: every rank
+    if rank == 0:
+        torch.save({"reference": want, "policy": policy}, out)
+
+
+def _reference_reader(rank, world, root, out, tp, pp):
+    from megatron_rl.checkpoint.training import find_latest, load_checkpoint
+
+    trainer = _setup(tp=tp, pp=pp)
+    extra = load_checkpoint(trainer, find_latest(Path(root)))
+    policy = trainer.full_state_dict()
+    current = trainer.swap_weights(extra["reference"])
+    reference = trainer.full_state_dict()
+    trainer.swap_weights(current)
+    after_swap = trainer.full_state_dict()
+    if rank == 0:
+        torch.save({"reference": reference, "policy": policy, "after_swap": after_swap,
+                    "sampler": extra["sampler"]}, out)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_the_kl_reference_resumes_with_each_ranks_own_shards(tmp_path, tp, pp):
+    """Every rank gets its own shards of the reference back, at the saving layout and at another one
+    (the reference travelled in the common state before: at TP=2 rank 1 got rank 0's shards)."""
+    root, written, read = tmp_path / "ckpt", tmp_path / "w.pt", tmp_path / "r.pt"
+    run_spawned(_reference_writer, 2, str(root), str(written))
+    run_spawned(_reference_reader, 2, str(root), str(read), tp, pp)
+    want, got = torch.load(written, weights_only=False), torch.load(read, weights_only=False)
+    assert got["sampler"] == {"position": 8}
+    moved = [k for k in want["reference"] if not torch.equal(want["reference"][k], want["policy"][k])]
+    assert moved  # the two steps changed the policy: the reference is another model
+    for name, tensor in want["reference"].items():
+        assert torch.equal(got["reference"][name], tensor), name
+        assert torch.equal(got["policy"][name], want["policy"][name]), name
+        assert torch.equal(got["after_swap"][name], want["policy"][name]), name
