@@ -61,13 +61,15 @@ def sandbox_addresses(rt: Runtime, timeout_s: float = 120.0) -> list[str]:
     import torch.distributed as dist
 
     from megatron_rl.rewards.service import start_local_sandbox
-    from megatron_rl_sandbox.client import discover
+    from megatron_rl_sandbox.client import discover, prune_unreachable
 
     cfg = rt.cfg.sandbox
     if cfg.address:
         return [a.strip() for a in cfg.address.split(",") if a.strip()]
     # Rank 0 alone decides whether to start one, and every rank passes the barrier: a rank that
     # looked after rank 0's server registered must not skip a collective the others are in.
+    if rt.is_main:
+        prune_unreachable(rt.run_dir)  # a killed server's file names nobody
     if rt.is_main and not discover(rt.run_dir):
         rt.sandbox_proc, _ = start_local_sandbox(rt.run_dir, cfg.runtime, cfg.allow_unisolated,
                                                  capacity=cfg.num_workers)

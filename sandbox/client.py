@@ -58,6 +58,29 @@ def discover(run_dir: str | Path) -> list[str]:
     return out
 
 
+def prune_unreachable(run_dir: str | Path, timeout_s: float = 3.0) -> list[str]:
+    """Remove the discovery files under `<run_dir>/sandbox/` whose server does not accept a
+    connection within `timeout_s` (left by a server that was killed: a run started again in the
+    same directory would otherwise send every verification to it and score 0); returns the
+    addresses removed."""
+    removed = []
+    for path in sorted((Path(run_dir) / "sandbox").glob("*.json")):
+        try:
+            address = json.loads(path.read_text())["address"]
+        except (OSError, ValueError, KeyError):
+            continue
+        channel = grpc.insecure_channel(address)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            path.unlink(missing_ok=True)
+            removed.append(address)
+            logger.warning("removed the discovery file %s: no sandbox server answers at %s", path.name, address)
+        finally:
+            channel.close()
+    return removed
+
+
 def make_files(files: Mapping[str, bytes | str] | Iterable[Any]) -> list:
     if isinstance(files, Mapping):
         return [pb2.File(path=p, content=c.encode() if isinstance(c, str) else c) for p, c in files.items()]

@@ -50,7 +50,7 @@ def start_local_sandbox(run_dir: Path, runtime: str, allow_unisolated: bool, cap
     args = ["--address", "127.0.0.1:0", "--runtime", runtime, "--run-dir", str(run_dir), "--capacity", str(capacity)]
     if allow_unisolated:
         args.append("--allow-unisolated")
-    proc, info = spawn_server(args, Path(run_dir) / "logs" / "sandbox-server.log", timeout_s)
+    proc, info = spawn_server(args, Path(run_dir) / "logs" / "sandbox-server.log", timeout_s, die_with_parent=True)
     logger.info("local sandbox server (%s) on %s", runtime, info["address"])
     return proc, info["address"]
 
