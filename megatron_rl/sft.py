@@ -87,6 +87,7 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
     resumed = checkpoints.resume()
     if resumed is None:
         trainer.initialize_weights()
+        rt.writer.rewind(0)  # a run started again before its first checkpoint logs its steps afresh
         first_eval = eval_loss(trainer, held_out)
     else:
         sampler.load_state_dict(resumed["sampler"])

@@ -83,6 +83,7 @@ def run_rl(rt) -> dict[str, float]:
         parts["trainer"].initialize_weights()
         warm_start(rt, parts)
         parts["trainer"].reset_optimizer(cfg.optimizer, cfg.num_steps * cfg.algorithm.num_inner_updates)
+        rt.writer.rewind(0)  # a run started again before its first checkpoint logs its steps afresh
         start_step, history = 0, {"sft_eval": evaluate(rt, parts, step=0)}
     else:
         parts["sampler"].load_state_dict(resumed["sampler"])

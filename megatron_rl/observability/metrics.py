@@ -112,8 +112,7 @@ class MetricsWriter:
             return
         self._file.close()
         path = self.run_dir / METRICS_FILENAME
-        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get(STEP_KEY, -1) < step]
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines() if _step_of(line) < step]
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, path)
@@ -220,3 +219,12 @@ def format_step_summary(
         else:
             parts.append(f"{label} {_format_value(value)}")
     return " | ".join(parts)
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity (dropped by any rewind) for a blank or cut line,
+    e.g. the last one of a job killed while writing it."""
+    try:
+        return json.loads(line).get(STEP_KEY, -1) if line.strip() else float("inf")
+    except ValueError:
+        return float("inf")

@@ -107,6 +107,18 @@ def test_metrics_appends_on_resume_and_accepts_tensors(tmp_path):
     assert not (tmp_path / "tensorboard").exists()
 
 
+def test_rewind_drops_later_steps_and_a_line_cut_by_a_kill(tmp_path):
+    """A job killed while writing leaves a cut last line; the resumed run's rewind must not fail on it."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    with MetricsWriter(tmp_path, enabled_tensorboard=False, rank=0) as writer:
+        writer.rewind(1)
+        writer.log(1, {"loss": 5.0})
+    assert read_metrics(tmp_path) == [{"step": 0, "loss": 1.0}, {"step": 1, "loss": 5.0}]
+    with MetricsWriter(tmp_path, enabled_tensorboard=False, rank=0) as writer:
+        writer.rewind(0)  # a run started again before its first checkpoint
+    assert read_metrics(tmp_path) == []
+
+
 def test_metrics_nonzero_rank_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     writer = MetricsWriter(run_dir, enabled_tensorboard=True, rank=1)
