@@ -4,10 +4,12 @@ Per task: solvability (the reference passes), verifier stability (reference and 
 candidate verified `--reruns` times; flaky = a flip rate > 0), exact and near duplicates,
 contamination against `--eval-set` files, empty or ambiguous descriptions, and with
 `--policy HF_DIR` the policy's pass rate (difficulty bucket; always / never solved
-flagged). Writes to `--out`:
+flagged). A verification the sandbox lost is replayed (`--attempts` rounds) and never counted
+as a verdict; a task left without enough verdicts is flagged `unverified`. Writes to `--out`:
 
     report.jsonl    one object per task: every measurement and its flags
-    summary.md      counts per flag, difficulty histogram, flaky tasks, duplicate pairs (+ PNGs)
+    summary.md      counts per flag, difficulty histogram, flaky tasks, duplicate pairs, sandbox
+                    failures (+ PNGs)
     filtered.jsonl  the tasks without a blocking flag (see BLOCKING)
 
 Exit code 0 even when tasks are flagged (the report is the output); 2 on bad input.
@@ -35,6 +37,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--eval-set", type=Path, action="append", default=[], help="evaluation set to check "
                    "contamination against (repeatable)")
     p.add_argument("--reruns", type=int, default=3, help="verifications per candidate (flakiness)")
+    p.add_argument("--attempts", type=int, default=3, help="rounds of verifications per candidate: the sandbox's "
+                   "lost ones (infrastructure failures, not verdicts) are replayed in the rounds after the first")
     p.add_argument("--policy", type=str, default=None, help="HF checkpoint directory whose pass rate sets difficulty")
     p.add_argument("--samples", type=int, default=8, help="policy samples per task")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -53,6 +57,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.reruns < 2:
         p.error("--reruns must be >= 2 to measure flakiness")
+    if args.attempts < 1:
+        p.error("--attempts must be >= 1 (1: no replay of verifications the sandbox lost)")
     for path in [args.tasks, *args.eval_set]:
         if not path.exists():
             p.error(f"{path} does not exist")
@@ -96,27 +102,30 @@ def inspect(args: argparse.Namespace) -> list[dict[str, Any]]:
         (scratch / "logs").mkdir()
         server, address = start_local_sandbox(scratch, args.runtime, allow_unisolated=args.runtime == "process")
         addresses = [address]
-    runner = Runner(addresses, tokenizer, args.environment)
+    runner = Runner(addresses, tokenizer, args.environment, attempts=args.attempts)
     engine = policy_engine(args.policy, tokenizer) if args.policy else None
     try:
         from tqdm import tqdm
 
         for row, task in tqdm(list(zip(rows, tasks)), desc="quality", unit="task"):
-            good, bad, info = runner.verdicts(task, args.reruns)
-            row.update(reference_rewards=good, bad_rewards=bad, flip_rate=max(checks.flip_rate(good),
-                                                                              checks.flip_rate(bad)))
-            if row["flip_rate"] > 0:
-                row["flags"].append("flaky")
-            elif good and min(good) < 1.0:
-                row["flags"].append("unsolvable")
-                row["reference_info"] = info
-            if bad and max(bad) > 0 and row["flip_rate"] == 0:
-                row["flags"].append("accepts_bad_candidate")
+            verdicts = runner.verdicts(task, args.reruns)
+            flip_rate, flags = checks.verdict_flags(verdicts.reference, verdicts.bad)
+            row.update(reference_rewards=verdicts.reference, bad_rewards=verdicts.bad, flip_rate=flip_rate,
+                       lost=dict(verdicts.lost))
+            row["flags"] += flags
+            if "unsolvable" in flags:
+                row["reference_info"] = verdicts.info
             if engine is not None:
-                rate = runner.pass_rate(task, engine, args.samples, args.max_new_tokens, args.seed)
-                row.update(pass_rate=rate, difficulty=checks.difficulty_bucket(rate))
-                if row["difficulty"] in ("always", "never"):
-                    row["flags"].append(f"{row['difficulty']}_solved")
+                rewards, num_lost = runner.policy_rewards(task, engine, args.samples, args.max_new_tokens, args.seed)
+                row["lost"]["policy"] = num_lost
+                row["pass_rate"] = rate = checks.pass_rate(rewards)
+                if rate is None:  # every sample lost to the sandbox: no difficulty to report
+                    if "unverified" not in row["flags"]:
+                        row["flags"].append("unverified")
+                else:
+                    row["difficulty"] = checks.difficulty_bucket(rate)
+                    if row["difficulty"] in ("always", "never"):
+                        row["flags"].append(f"{row['difficulty']}_solved")
     finally:
         runner.close()
         if server is not None:
@@ -133,6 +142,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = inspect(args)
     write_report(rows, load_tasks(args.tasks), out)
     blocked = sum(bool(set(r["flags"]) & BLOCKING) for r in rows)
+    unverified = sum("unverified" in r["flags"] for r in rows)
+    lost = sum(sum(r.get("lost", {}).values()) for r in rows)
+    if lost:
+        logger.warning("the sandbox lost %d verifications (replayed where it could); %d tasks unverified: "
+                       "see summary.md, rerun when the sandbox is healthy", lost, unverified)
     logger.info("%d tasks, %d blocked, %d kept -> %s", len(rows), blocked, len(rows) - blocked, out)
     return 0
 

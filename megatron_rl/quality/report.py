@@ -11,7 +11,8 @@ from typing import Any, Sequence
 from megatron_rl.quality.checks import DIFFICULTY_BUCKETS
 
 # Flags that remove a task from filtered.jsonl. always/never_solved are kept: whether to
-# train on them depends on the policy; the report shows them.
+# train on them depends on the policy; the report shows them. So is `unverified`: the sandbox
+# failed, which says nothing against the task; the summary lists those tasks to check again.
 BLOCKING = frozenset({"unsolvable", "flaky", "accepts_bad_candidate", "duplicate", "near_duplicate", "contaminated",
                       "empty_description", "ambiguous"})
 
@@ -34,6 +35,13 @@ def write_report(rows: Sequence[dict[str, Any]], tasks: Sequence[dict[str, Any]]
                   "|---|---|---|---|"]
         lines += [f"| {r['id']} | {r['flip_rate']:.2f} | {r['reference_rewards']} | {r['bad_rewards']} |"
                   for r in flaky]
+    lost = [r for r in rows if any(r.get("lost", {}).values())]
+    if lost:
+        lines += ["", "## Sandbox failures (not verdicts)", "",
+                  "Verifications the sandbox lost, replays included; `unverified`: too few came back to judge.", "",
+                  "| task | reference | known-bad | policy | unverified |", "|---|---|---|---|---|"]
+        lines += [f"| {r['id']} | {r['lost'].get('reference', 0)} | {r['lost'].get('known_bad', 0)} | "
+                  f"{r['lost'].get('policy', 0)} | {'yes' if 'unverified' in r['flags'] else 'no'} |" for r in lost]
     pairs = [r for r in rows if r.get("duplicate_of")]
     if pairs:
         lines += ["", "## Duplicates", "", "| task | duplicate of | similarity |", "|---|---|---|"]

@@ -17,9 +17,34 @@ BASE = ("Write a function that returns the sum of the two integers it is given, 
         "negative numbers and zero are valid inputs and the result is returned as a plain integer value.")
 
 
-def test_exact_duplicates_ignore_case_punctuation_and_spacing():
-    texts = [BASE, "something else entirely", BASE.upper().replace(" ", "   ") + "!!", "x"]
-    assert checks.exact_duplicates(texts) == {2: 0}
+def test_exact_duplicates_ignore_case_and_spacing_only():
+    texts = [BASE, "something else entirely", BASE.upper().replace(" ", "   \n"), "x", BASE + "!!"]
+    assert checks.exact_duplicates(texts) == {2: 0}  # BASE + "!!" is another text (a near duplicate at most)
+
+
+def test_exact_duplicates_keep_code_operators():
+    """`a + b`, `a - b` and `a * b` are different code tasks, not one task three times."""
+    code = "Fix the bug in calc/ops.py.\n\ndef f(a, b):\n    return a {} b\n"
+    texts = [code.format(op) for op in "+-*/"] + [code.format("+").upper().replace("    ", "\t")]
+    assert checks.exact_duplicates(texts) == {4: 0}
+    assert checks.normalize("Return A  *\tB") == "return a * b"
+
+
+def test_generated_repo_tasks_are_exact_duplicates_only_when_their_text_is_the_same():
+    """repo_tasks differ in which operator is broken; only those whose whole text is the same
+    (modulo case and whitespace: compared independently here) are duplicates, and a pair whose
+    code differs by an operator is not a near duplicate at 1.0 either."""
+    from megatron_rl.data.agent_tasks import repo_tasks
+
+    tasks = repo_tasks(40)
+    texts = [checks.task_text(t) for t in tasks]
+    keys = [" ".join(t.lower().split()) for t in texts]
+    same = {i: keys.index(k) for i, k in enumerate(keys) if keys.index(k) < i}
+    assert checks.exact_duplicates(texts) == same
+    ids = {t["id"]: i for i, t in enumerate(tasks)}
+    mul, add = ids["repo-8-mul"], ids["repo-11-add"]
+    assert texts[mul] != texts[add] and mul not in same and add not in same
+    assert (mul, add, 1.0) not in checks.near_duplicates(texts)
 
 
 def test_near_duplicates_catch_small_edits_only():
@@ -28,7 +53,7 @@ def test_near_duplicates_catch_small_edits_only():
     pairs = checks.near_duplicates([BASE, unrelated, edited], threshold=0.6)
     assert [(i, j) for i, j, _ in pairs] == [(0, 2)]
     # the estimate is close to the true Jaccard of the 5-shingles, computed by hand here
-    a, b = (checks.ngrams(checks.words(t), 5) for t in (BASE, edited))
+    a, b = (checks.ngrams(checks.tokens(t), 5) for t in (BASE, edited))
     assert abs(pairs[0][2] - len(a & b) / len(a | b)) < 0.15
 
 
@@ -42,6 +67,15 @@ def test_contamination_is_the_shared_ngram_fraction():
     grams = checks.ngrams(tokens, 8)
     expected = len(grams & checks.ngrams(checks.words(eval_text), 8)) / len(grams)
     assert checks.contamination([half], [eval_text], n=8) == [pytest.approx(expected)] and 0 < expected < 1
+
+
+def test_contamination_of_a_task_shorter_than_n_words():
+    """No 8-gram in a 6-word task: it is contaminated when its word sequence occurs inside an
+    evaluation text (whole words, one text), whatever the punctuation and case."""
+    eval_texts = ["Ann has 3 pens and gets 2 more. How many pens does Ann have now?", "Bob reads a book."]
+    tasks = ["ann has 3 pens, and gets", "Ann has 3 pens and loses", "nn has 3 pens", "have now? Bob reads",
+             "Bob reads a book", ""]
+    assert checks.contamination(tasks, eval_texts, n=8) == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
 
 
 def test_empty_and_ambiguous_descriptions():
