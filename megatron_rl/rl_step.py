@@ -511,7 +511,8 @@ def _maintain(rt, parts: dict, step: int, rollouts: list[Rollout]) -> dict[str, 
     pool = parts.get("env_pool")
     if pool is not None:
         for r in rollouts:
-            pool.observe(r.source_index, r.reward, str(hash(tuple(r.output_ids))))
+            if is_scored(r):  # a lost episode's 0 is no verdict (it made good tasks look flaky)
+                pool.observe(r.source_index, r.reward, str(hash(tuple(r.output_ids))))
         if (step + 1) % cfg.task.pool_refresh_every == 0:
             pool.gc_and_refresh(step)
         out.update(pool.metrics())

@@ -89,7 +89,7 @@ def run_rl(rt) -> dict[str, float]:
         parts["sampler"].load_state_dict(resumed["sampler"])
         if parts["domains"]:
             parts["domains"].load_state_dict(resumed.get("domains"))
-        if parts["env_pool"]:
+        if parts["env_pool"] and resumed.get("env_pool"):  # none saved: the pool was switched on now, starts fresh
             parts["env_pool"].load_state_dict(resumed["env_pool"])
         parts["controller"].version = resumed.get("weight_version", 0)
         if cfg.rollout.mode == "disaggregated":
@@ -97,6 +97,10 @@ def run_rl(rt) -> dict[str, float]:
         start_step, history = resumed["rl_step"], resumed["history"]
         rt.writer.rewind(start_step)
     if cfg.algorithm.kl_coef > 0:  # reference = the policy RL started from (kept in host memory)
+        if resumed is not None and resumed.get("reference") is None:
+            raise ValueError(f"algorithm.kl_coef={cfg.algorithm.kl_coef}, but the checkpoint this run resumes from "
+                             f"({parts['checkpoints'].root}) was written with kl_coef=0 and holds no reference "
+                             "policy: resume with algorithm.kl_coef=0, or start a new run (another run_dir)")
         parts["reference"] = parts["trainer"].snapshot_weights() if resumed is None else resumed["reference"]
     show = rt.is_main and cfg.logging.progress
     bar = tqdm(range(start_step, cfg.num_steps), desc="rl", unit="step", initial=start_step, total=cfg.num_steps,

@@ -175,7 +175,7 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_latest(root, final.name)
-        _apply_retention(root, keep_last, keep_every)
+        _apply_retention(root, keep_last, keep_every, saved=step)
     _barrier()
     logger.info("saved checkpoint %s (%.2fs)", final, time.perf_counter() - start)
     return final
@@ -219,9 +219,11 @@ def _write_latest(root: Path, name: str) -> None:
     os.replace(tmp, root / _LATEST)
 
 
-def _apply_retention(root: Path, keep_last: int, keep_every: Optional[int]) -> None:
+def _apply_retention(root: Path, keep_last: int, keep_every: Optional[int], saved: Optional[int] = None) -> None:
+    """Keep the `keep_last` newest, every multiple of `keep_every`, and always the one just `saved` (the
+    directory may hold higher steps of an earlier run: ranked by step, the new one would go at once)."""
     found = list_checkpoints(root)
-    keep = {step for step, _ in found[-keep_last:]}
+    keep = {step for step, _ in found[-keep_last:]} | ({saved} if saved is not None else set())
     if keep_every:
         keep |= {step for step, _ in found if step % keep_every == 0}
     for step, path in found:

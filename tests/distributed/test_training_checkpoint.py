@@ -183,6 +183,11 @@ def test_retention_keeps_last_n_and_every_k(tmp_path):
         (step_dir(tmp_path, step) / "meta.json").write_text("{}")
     _apply_retention(tmp_path, keep_last=2, keep_every=3)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 6, 7]
+    # a directory holding higher steps of an earlier run: the checkpoint just saved (step 2) stays
+    step_dir(tmp_path, 2).mkdir()
+    (step_dir(tmp_path, 2) / "meta.json").write_text("{}")
+    _apply_retention(tmp_path, keep_last=2, keep_every=None, saved=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 6, 7]
 
 
 def test_incomplete_checkpoints_are_never_picked(tmp_path):

@@ -192,3 +192,21 @@ def test_evaluation_samples_with_its_own_settings():
     cfg = _cfg("task.eval_temperature=0.3", "task.eval_top_p=0.5")
     held_out = _sampling(cfg, parts, 2, seed=3, evaluation=True)
     assert (held_out.temperature, held_out.top_p, held_out.max_new_tokens) == (0.3, 0.5, 8)
+
+
+def test_the_environment_pool_sees_scored_samples_only():
+    """A response scored 1 that is lost (a sandbox failure) in another step is no contradiction: the pool
+    would have called the task flaky; its pass rate counts scored samples only."""
+    import types
+
+    from megatron_rl.quality.env_pool import EnvPool
+    from megatron_rl.rl_step import _maintain
+
+    pool = EnvPool(["t0"], task_id=str)
+    solved, lost = _episode(0, 1.0, "submitted"), _episode(0, 0.0, "dropped")
+    for r in (solved, lost):
+        r.source_index = 0
+    cfg = types.SimpleNamespace(task=types.SimpleNamespace(pool_refresh_every=100),
+                                logging=types.SimpleNamespace(audit_every=0))
+    _maintain(types.SimpleNamespace(cfg=cfg, is_main=True), {"env_pool": pool}, 0, [solved, lost])
+    assert list(pool.stats[0].rewards) == [1.0] and pool.stats[0].contradictions == 0
