@@ -578,4 +578,9 @@ def evaluate(rt, parts: dict, step: int) -> dict[str, float]:
     accuracy, pass_k = found["accuracy"], found[f"pass@{k}"]
     logger.info("eval at step %d: accuracy %.3f, pass@%d %.3f (%d prompts)", step, accuracy, k, pass_k, len(prompts))
     per_domain = parts["domains"].eval_metrics(step, prompts, rollouts) if parts.get("domains") else {}
-    return {"eval/accuracy": accuracy, "eval/pass@k": pass_k, "eval/samples": float(len(rollouts)), **per_domain}
+    lost = sum(bool(r["lost"]) for r in records)
+    if lost:
+        logger.warning("eval at step %d: %d of %d samples got no verdict (sandbox or verifier failures) and are "
+                       "left out of the metrics", step, lost, len(records))
+    return {"eval/accuracy": accuracy, "eval/pass@k": pass_k, "eval/samples": float(len(rollouts) - lost),
+            "eval/lost": float(lost), **per_domain}

@@ -3,11 +3,14 @@ evaluation (`rl_step.evaluate`) and offline evaluation (`python -m megatron_rl.e
 
 A record is one sampled completion of one held-out prompt, as plain JSON data:
 
-    {"prompt": 3, "sample": 1, "domain": "math", "reward": 1.0, "correct": true}
+    {"prompt": 3, "sample": 1, "domain": "math", "reward": 1.0, "correct": true, "lost": false}
 
 `reward` is the verifier's reward divided by the task's `reward_scale` (so it lies in [0, 1]
-for 0/1 verifiers and partial-credit ones alike) and `correct` is `reward >= 1`. Offline
-evaluation adds `set`, `checkpoint`, `step` and `seed`.
+for 0/1 verifiers and partial-credit ones alike) and `correct` is `reward >= 1`. `lost`: no
+verdict came (a sandbox failure, a verifier that was late or raised: `rl_step.is_scored`); such
+a record counts in no metric (accuracy over the scored samples, pass@k over the prompts with at
+least k scored samples) and is reported as `num_lost`. Offline evaluation adds `set`,
+`checkpoint`, `step` and `seed`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def records_from_rollouts(prompts: Sequence[Any], rollouts: Sequence[Any],
                           reward_scale_of: Callable[[Mapping[str, Any]], float]) -> list[dict[str, Any]]:
     """One record per rollout (objects with `.prompt_index` and `.reward`), in rollout order;
     `sample` counts the rollouts of each prompt from 0."""
+    from megatron_rl.rl_step import is_scored
+
     seen: dict[int, int] = {}
     out = []
     for r in rollouts:
@@ -40,28 +45,37 @@ def records_from_rollouts(prompts: Sequence[Any], rollouts: Sequence[Any],
         sample = seen.get(r.prompt_index, 0)
         seen[r.prompt_index] = sample + 1
         out.append({"prompt": int(r.prompt_index), "sample": sample, "domain": str(meta.get("domain", "")),
-                    "reward": reward, "correct": reward >= 1.0})
+                    "reward": reward, "correct": reward >= 1.0, "lost": not is_scored(r)})
     return out
 
 
+def scored(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The records that carry a verdict (not `lost`)."""
+    return [r for r in records if not r.get("lost")]
+
+
 def counts_per_prompt(records: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int, int, float]]:
-    """prompt -> (samples, correct samples, summed reward), prompts in first-seen order."""
+    """prompt -> (scored samples, correct samples, summed reward), prompts in first-seen order (a
+    prompt whose samples were all lost is left out)."""
     out: dict[int, tuple[int, int, float]] = {}
-    for r in records:
+    for r in scored(records):
         n, c, total = out.get(r["prompt"], (0, 0, 0.0))
         out[r["prompt"]] = (n + 1, c + int(bool(r["correct"])), total + float(r["reward"]))
     return out
 
 
 def eval_metrics(records: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, float]:
-    """One evaluation's metrics: `accuracy` (mean reward over all samples) and `pass@<k>` for each
-    k (unbiased pass@k per prompt, averaged over prompts)."""
+    """One evaluation's metrics: `accuracy` (mean reward over the scored samples) and `pass@<k>` for
+    each k (unbiased pass@k per prompt, averaged over the prompts with at least k scored samples);
+    nan where nothing qualifies (every sample lost)."""
     if not records:
         raise ValueError("no evaluation records: the evaluation set is empty")
+    counted = scored(records)
     counts = list(counts_per_prompt(records).values())
-    out = {"accuracy": sum(float(r["reward"]) for r in records) / len(records)}
+    out = {"accuracy": sum(float(r["reward"]) for r in counted) / len(counted) if counted else float("nan")}
     for k in ks:
-        out[f"pass@{k}"] = mean_pass_at_k([n for n, _, _ in counts], [c for _, c, _ in counts], k)
+        full = [(n, c) for n, c, _ in counts if n >= k]
+        out[f"pass@{k}"] = mean_pass_at_k([n for n, _ in full], [c for _, c in full], k) if full else float("nan")
     return out
 
 
@@ -72,7 +86,7 @@ def per_prompt_scores(records: Sequence[Mapping[str, Any]], metric: str) -> dict
     if metric == "accuracy":
         return {p: total / n for p, (n, _, total) in counts.items()}
     k = _k_of(metric)
-    return {p: pass_at_k(n, c, k) for p, (n, c, _) in counts.items()}
+    return {p: pass_at_k(n, c, k) for p, (n, c, _) in counts.items() if n >= k}
 
 
 def _k_of(metric: str) -> int:
@@ -105,7 +119,9 @@ def _summary(records, ks, confidence, num_resamples, seed) -> dict[str, Any]:
                          "prompts": bootstrap_interval(scores, confidence, num_resamples, seed).to_dict(),
                          "per_seed": {str(s): m[name] for s, m in per_seed.items()}}
     counts = counts_per_prompt(records)
-    out = {"num_prompts": len(counts), "num_samples": len(records), "num_seeds": len(per_seed), "metrics": metrics}
+    counted = len(scored(records))
+    out = {"num_prompts": len(counts), "num_samples": counted, "num_lost": len(records) - counted,
+           "num_seeds": len(per_seed), "metrics": metrics}
     episodes = [r for r in records if "turns" in r]
     if episodes:
         out["episodes"] = episode_summary(episodes)
@@ -130,11 +146,13 @@ def compare(baseline: Sequence[Mapping[str, Any]], candidate: Sequence[Mapping[s
     """`candidate - baseline` per metric, paired by prompt (both evaluated on the same prompts)."""
     out = {}
     for name in ["accuracy", *(f"pass@{k}" for k in ks)]:
+        prompts_a, prompts_b = {r["prompt"] for r in baseline}, {r["prompt"] for r in candidate}
+        if prompts_a != prompts_b:
+            raise ValueError(f"the two checkpoints were evaluated on different prompts ({len(prompts_a)} vs "
+                             f"{len(prompts_b)}, {len(prompts_a ^ prompts_b)} not shared): compare evaluations of "
+                             "the same set")
         a, b = per_prompt_scores(baseline, name), per_prompt_scores(candidate, name)
-        if set(a) != set(b):
-            raise ValueError(f"the two checkpoints were evaluated on different prompts ({len(a)} vs {len(b)}, "
-                             f"{len(set(a) ^ set(b))} not shared): compare evaluations of the same set")
-        order = sorted(a)
+        order = sorted(set(a) & set(b))  # a prompt lost verdicts left out of one side is left out of both
         out[name] = paired_comparison(np.array([a[p] for p in order]), np.array([b[p] for p in order]),
                                       confidence, num_resamples, seed).to_dict()
     return out

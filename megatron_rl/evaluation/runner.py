@@ -9,6 +9,7 @@ records to `records.jsonl` as each (checkpoint, set, seed) finishes and writes t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -114,11 +115,28 @@ def resolve_checkpoints(run: str | Path, selectors: Sequence[str]) -> tuple[Chec
             found.append(_by_path(root / sel, sel))
         else:
             found.append(_by_path(Path(sel), sel))
-    unique = list({c.path: c for c in found}.values())
+    unique = _distinct_names(list({c.path: c for c in found}.values()))
     if not unique:
         raise ValueError(f"--checkpoints {' '.join(selectors)} found no checkpoint under {root}: train with "
                          "checkpoint.save_every=N, or pass checkpoint directories")
     return tuple(unique)
+
+
+def _distinct_names(found: list[Checkpoint]) -> list[Checkpoint]:
+    """Records and reports group by checkpoint name: two checkpoints of one name (step_00000050 of two
+    runs) are named after their run directory too, `<run>/<name>` (they were pooled into one before)."""
+    counts = collections.Counter(c.name for c in found)
+    out = []
+    for c in found:
+        if counts[c.name] > 1:
+            run = Path(c.path).parent.parent.name  # run/checkpoints/step_N, run/hf/step_N
+            c = dataclasses.replace(c, name=f"{run}/{c.name}")
+        out.append(c)
+    names = [c.name for c in out]
+    if len(set(names)) < len(names):
+        clash = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"two checkpoints would be called {clash!r}: pass checkpoints of differently named runs")
+    return out
 
 
 def _train(path: Path) -> Checkpoint:

@@ -61,6 +61,12 @@ def test_checkpoint_selectors(tmp_path):
         resolve_checkpoints(tmp_path, ["5"])
     with pytest.raises(ValueError, match="found no checkpoint"):
         resolve_checkpoints(tmp_path / "empty", ["all"])
+    # step 1 of another run: named after its run, not pooled with this run's step 1
+    other = tmp_path / "other" / "checkpoints" / "step_00000001"
+    other.mkdir(parents=True)
+    (other / "meta.json").write_text(json.dumps({"step": 1}))
+    names = [c.name for c in resolve_checkpoints(tmp_path, ["1", str(other)])]
+    assert names == [f"{tmp_path.name}/step_00000001", "other/step_00000001"]
 
 
 def test_agent_episodes_get_turn_and_ending_statistics(tmp_path):

@@ -141,8 +141,8 @@ def test_paired_comparison_on_planted_data():
 
 
 class _R:
-    def __init__(self, prompt_index, reward):
-        self.prompt_index, self.reward = prompt_index, reward
+    def __init__(self, prompt_index, reward, status=""):
+        self.prompt_index, self.reward, self.status = prompt_index, reward, status
 
 
 class _P:
@@ -159,7 +159,8 @@ def _records(rewards_per_prompt, seed=0, domains=None):
 def test_records_and_metrics_by_hand():
     recs = _records([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 1]])
     assert [r["sample"] for r in recs[:5]] == [0, 1, 2, 3, 0]
-    assert recs[0] == {"prompt": 0, "sample": 0, "domain": "", "reward": 1.0, "correct": True, "seed": 0}
+    assert recs[0] == {"prompt": 0, "sample": 0, "domain": "", "reward": 1.0, "correct": True, "lost": False,
+                       "seed": 0}
     m = eval_metrics(recs, [1, 2, 4])
     assert m["accuracy"] == pytest.approx(4 / 12)
     assert m["pass@1"] == pytest.approx((1 / 4 + 0 + 3 / 4) / 3)
@@ -167,6 +168,23 @@ def test_records_and_metrics_by_hand():
     assert m["pass@4"] == pytest.approx(2 / 3)
     scaled = records_from_rollouts([_P()], [_R(0, 5.0), _R(0, 10.0)], lambda meta: 10.0)
     assert [r["reward"] for r in scaled] == [0.5, 1.0] and [r["correct"] for r in scaled] == [False, True]
+
+
+def test_lost_samples_count_in_no_metric():
+    """Prompt 0: samples 1, lost, 0, 1 (three scored); prompt 1: 0, 0, lost, lost (two scored). Accuracy
+    over the five scored samples; pass@2 over both prompts; pass@3 over prompt 0 only (one prompt has 3)."""
+    prompts = [_P(), _P()]
+    rollouts = [_R(0, 1.0), _R(0, 0.0, "unscored"), _R(0, 0.0), _R(0, 1.0),
+                _R(1, 0.0), _R(1, 0.0), _R(1, 0.0, "dropped"), _R(1, 0.0, "deadline")]
+    recs = records_from_rollouts(prompts, rollouts, lambda meta: 1.0)
+    assert [r["lost"] for r in recs] == [False, True, False, False, False, False, True, True]
+    m = eval_metrics(recs, [2, 3])
+    assert m["accuracy"] == pytest.approx(2 / 5)
+    assert m["pass@2"] == pytest.approx((closed_form(3, 2, 2) + 0.0) / 2)
+    assert m["pass@3"] == pytest.approx(closed_form(3, 2, 3))
+    out = summarize([dict(r, seed=0) for r in recs], [2], num_resamples=100)
+    assert (out["num_samples"], out["num_lost"], out["num_prompts"]) == (5, 3, 2)
+    assert math.isnan(eval_metrics([dict(recs[1])], [1])["accuracy"])
 
 
 def test_summarize_and_compare_records():
