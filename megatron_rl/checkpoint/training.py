@@ -130,6 +130,9 @@ def _expert_optimizer(layout: dict[str, int]) -> bool:
     return layout["ep"] > 1 or layout["etp"] != layout["tp"]
 
 
+_SCHEDULE_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -328,6 +331,11 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
     state = dist_checkpointing.load(wanted, str(path))
     trainer.module.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
+    changed = {k: (v, getattr(trainer.scheduler, k)) for k, v in state["scheduler"].items()
+               if k in _SCHEDULE_FIELDS and getattr(trainer.scheduler, k) != v}
+    if changed:
+        logger.warning("checkpoint %s: the LR schedule follows this run's config, which changed %s", path,
+                       ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
     # Megatron's scheduler *adds* the saved step count to its current one.
     trainer.scheduler.num_steps = 0
     trainer.scheduler.load_state_dict(state["scheduler"])

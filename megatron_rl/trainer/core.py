@@ -487,6 +487,9 @@ def _build_optimizer(model: torch.nn.Module, optim_cfg: Any, options: TrainerOpt
         end_wd=optim_cfg.weight_decay,
         wd_incr_steps=1,
         wd_incr_style="constant",
+        # a resumed run follows its own config (e.g. num_steps extended), not the checkpoint's schedule;
+        # checkpoint.training.load_checkpoint warns about what changed
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
     )
     # Megatron's schedule gives lr(0) = init_lr (0 with warmup): a wasted first step. Step k
     # (0-based) trains with lr(k + 1) instead, so warmup reaches max_lr at step warmup - 1.

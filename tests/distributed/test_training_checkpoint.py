@@ -400,3 +400,39 @@ def test_the_kl_reference_resumes_with_each_ranks_own_shards(tmp_path, tp, pp):
         assert torch.equal(got["reference"][name], tensor), name
         assert torch.equal(got["policy"][name], want["policy"][name]), name
         assert torch.equal(got["after_swap"][name], want["policy"][name]), name
+
+
+def _schedule_worker(rank, world, root, out):
+    import dataclasses
+
+    from megatron_rl.checkpoint.training import find_latest, load_checkpoint, save_checkpoint
+
+    short = _setup(tp=1, pp=1)  # total_steps 10: warmup 2, cosine to step 10
+    lrs_short = [short.train_step(_batch(step))["lr"] for step in range(2)]
+    save_checkpoint(short, Path(root), 2, {}, _config_for(short))
+    lrs_short.append(short.train_step(_batch(2))["lr"])
+    longer = _setup(tp=1, pp=1)
+    longer.options = dataclasses.replace(longer.options, total_steps=20)
+    longer.reset_optimizer(longer_optimizer(), 20)
+    load_checkpoint(longer, find_latest(Path(root)))
+    resumed = longer.train_step(_batch(2))["lr"]
+    fresh = _setup(tp=1, pp=1)
+    fresh.reset_optimizer(longer_optimizer(), 20)
+    lrs_fresh = [fresh.train_step(_batch(step))["lr"] for step in range(3)]
+    torch.save({"short": lrs_short, "resumed": resumed, "fresh": lrs_fresh}, out)
+
+
+def longer_optimizer():
+    from megatron_rl.config.schema import OptimizerConfig
+
+    return OptimizerConfig(lr=1e-3, lr_warmup_steps=2, lr_decay_style="cosine")
+
+
+def test_a_resumed_run_follows_its_own_schedule(tmp_path):
+    """num_steps extended from 10 to 20 at resume: the next step's LR is that of a 20-step schedule (it kept
+    the checkpoint's 10-step decay before, reaching min_lr at step 10 and staying there)."""
+    out = tmp_path / "lr.pt"
+    run_spawned(_schedule_worker, 1, str(tmp_path / "ckpt"), str(out))
+    got = torch.load(out, weights_only=False)
+    assert got["resumed"] == pytest.approx(got["fresh"][2], rel=1e-12)
+    assert got["fresh"][2] != pytest.approx(got["short"][2], rel=1e-6)
