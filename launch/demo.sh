@@ -16,4 +16,4 @@ if ! command -v bwrap >/dev/null; then
   fi
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
-exec .venv/bin/python -m megatron_rl.train +experiment=demo_countdown "${sandbox[@]}" "$@"
+exec .venv/bin/python -m megatron_rl.train +experiment=demo_countdown ${sandbox[@]+"${sandbox[@]}"} "$@"

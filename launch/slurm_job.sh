@@ -26,5 +26,7 @@ cd "$HOME_DIR"
 export PYTHONUNBUFFERED=1
 args=()
 [[ "${MEGATRON_RL_SANDBOX:-}" == none ]] && args+=(--no-sandbox)
-for a in ${SANDBOX_SERVER_ARGS:-}; do args+=("--server-arg=$a"); done
-exec "$PY" -m megatron_rl.slurm_job run "${args[@]}" -- "$@"
+read -r -a extra <<< "${SANDBOX_SERVER_ARGS:-}"  # split on spaces, no glob expansion
+for a in ${extra[@]+"${extra[@]}"}; do args+=("--server-arg=$a"); done
+# ${x[@]+"${x[@]}"}: an empty array under `set -u` is an error in bash < 4.4 (EL7)
+exec "$PY" -m megatron_rl.slurm_job run ${args[@]+"${args[@]}"} -- "$@"

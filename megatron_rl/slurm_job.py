@@ -128,6 +128,14 @@ def run_dir_for(overrides: Sequence[str], layout: JobLayout, environ: Mapping[st
     return Path(root).resolve() / f"{name}-{layout.job_id}"
 
 
+def _cpus_per_task(het_group: Optional[int]) -> list[str]:
+    """`--cpus-per-task` of the allocation (or of its het component), passed on explicitly: srun of
+    Slurm 22.05 to 23.02 does not inherit it, and each rank would be bound to one core."""
+    name = "SLURM_CPUS_PER_TASK" + ("" if het_group is None else f"_HET_GROUP_{het_group}")
+    value = os.environ.get(name)
+    return [f"--cpus-per-task={value}"] if value and value.isdigit() else []
+
+
 def first_failure(srun_stderr: Sequence[str]) -> Optional[tuple[int, str, str]]:
     """(rank, node, reason) of the first task srun reported as failed, e.g. from
     `srun: error: c1: task 1: Killed`; None when srun reported no task."""
@@ -179,7 +187,7 @@ class BatchStep:
         sb = self.cfg.sandbox
         n = len(self.layout.sandbox_nodes)
         if self.layout.het:
-            where = ["--het-group=1", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1"]
+            where = ["--het-group=1", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", *_cpus_per_task(1)]
             capacity = int(os.environ.get("SLURM_CPUS_PER_TASK_HET_GROUP_1", sb.num_workers))
         else:  # spare cores of the GPU nodes; no GPUs, no memory reservation of its own
             where = ["--overlap", "--gpus-per-node=0", "--mem=0", f"--nodes={n}", f"--ntasks={n}",
@@ -193,6 +201,7 @@ class BatchStep:
     def _srun_train(self) -> list[str]:
         lay = self.layout
         where = ["--het-group=0"] if lay.het else []
+        where += _cpus_per_task(0 if lay.het else None)
         if lay.generator_nodes:  # the other nodes of the GPU component generate
             n = len(lay.train_nodes)
             where += [f"--nodes={n}", f"--nodelist={','.join(lay.train_nodes)}", f"--ntasks={lay.num_train_tasks}",
@@ -204,6 +213,7 @@ class BatchStep:
         lay, num = self.layout, self.cfg.rollout.num_generators
         n = len(lay.generator_nodes)
         where = ["--het-group=0"] if lay.het else []
+        where += _cpus_per_task(0 if lay.het else None)
         where += [f"--nodes={n}", f"--nodelist={','.join(lay.generator_nodes)}", f"--ntasks={num}",
                   f"--ntasks-per-node={num // n}"]
         return ["srun", *where, "--label", "--mem=0", "--job-name=generate", sys.executable, "-m",

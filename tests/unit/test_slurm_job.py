@@ -106,3 +106,18 @@ def test_a_watched_stop_signal_is_a_request_not_an_exit(tmp_path):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def test_the_steps_pass_the_allocations_cpus_per_task_on(tmp_path, monkeypatch):
+    """srun of Slurm 22.05 to 23.02 does not inherit --cpus-per-task: the training and sandbox steps of a
+    het job pass each component's own, and nothing when the allocation set none."""
+    from megatron_rl.config import load_config
+    from megatron_rl.slurm_job import BatchStep
+
+    cfg = load_config(["cluster=slurm"], world_size=16)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK_HET_GROUP_0", "12")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK_HET_GROUP_1", "32")
+    step = BatchStep(job_layout(HET_BATCH), tmp_path, [], cfg, sandbox=True, sandbox_wait_s=1)
+    assert "--cpus-per-task=12" in step._srun_train() and "--cpus-per-task=32" in step._srun_sandbox()
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK_HET_GROUP_0")
+    assert not any(a.startswith("--cpus-per-task") for a in step._srun_train())
