@@ -58,6 +58,7 @@ def build(rt):
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
     rewards = RewardService(task.verifier_factory(addresses))
     train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
+    check_sample_budget(cfg, train_prompts)
     sampler = make_sampler(task, train_prompts, cfg.seed)
     if cfg.rollout.mode == "disaggregated":  # generator processes + experience buffer; evaluation stays colocated
         from megatron_rl.disagg.controller import DisaggregatedController
@@ -68,6 +69,17 @@ def build(rt):
                 sampler=sampler, domains=make_joint(cfg, task, sampler),
                 env_pool=make_env_pool(cfg, task, train_prompts),
                 checkpoints=CheckpointManager(cfg.checkpoint, rt.run_dir, trainer, cfg, cfg.num_steps, tokenizer))
+
+
+def check_sample_budget(cfg, prompts) -> None:
+    """The longest single-turn prompt plus a full response must fit one micro-batch row: found now,
+    before any generation, rather than when the first batch is packed (ValueError with the fix)."""
+    longest = max((len(p.tokens) for p in prompts), default=0)  # agent prompts carry no tokens here
+    if longest and longest + cfg.rollout.max_new_tokens > cfg.micro_batch_tokens:
+        raise ValueError(f"the longest training prompt has {longest} tokens; with rollout.max_new_tokens="
+                         f"{cfg.rollout.max_new_tokens} a sample can reach {longest + cfg.rollout.max_new_tokens} "
+                         f"tokens, more than micro_batch_tokens={cfg.micro_batch_tokens}: raise micro_batch_tokens "
+                         "or leave long prompts out (task.max_prompt_tokens)")
 
 
 def run_rl(rt) -> dict[str, float]:

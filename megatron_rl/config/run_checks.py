@@ -29,6 +29,10 @@ def check_run_config(cfg) -> None:
         if task.max_episode_tokens > cfg.model.max_position_embeddings:
             raise ConfigError(f"{where}.max_episode_tokens={task.max_episode_tokens} must be <= "
                               f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+        if task.max_episode_tokens > cfg.micro_batch_tokens:  # an episode is one packed sample
+            raise ConfigError(f"{where}.max_episode_tokens={task.max_episode_tokens} must be <= "
+                              f"micro_batch_tokens={cfg.micro_batch_tokens} (a whole episode is packed in one "
+                              "micro-batch row)")
     if cfg.parallel.cp > 1 and cfg.algorithm.policy_loss == "gspo":
         raise ConfigError(f"algorithm.policy_loss=gspo takes one importance ratio per sequence, a mean over all "
                           f"of its tokens, but parallel.cp={cfg.parallel.cp} splits every sequence over ranks: "

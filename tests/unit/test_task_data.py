@@ -129,3 +129,17 @@ def test_prompts_longer_than_the_limit_are_left_out(tmp_path, tokenizer, caplog)
     with pytest.raises(ValueError, match=r"every train prompt is longer than task.max_prompt_tokens=3 \(the "
                                          r"shortest has 4 tokens\)"):
         _task(tmp_path, tokenizer, rows=rows, max_prompt_tokens=3).prompts("train")
+
+
+def test_a_prompt_that_cannot_fit_a_micro_batch_with_its_response_is_refused_before_generation(tmp_path, tokenizer):
+    import types
+
+    from megatron_rl.train import check_sample_budget
+
+    prompts = _task(tmp_path, tokenizer, rows=[{"prompt": "x" * n, "answer": "1"} for n in (3, 9, 5, 40)]).prompts("train")
+    cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(max_new_tokens=16), micro_batch_tokens=64)
+    check_sample_budget(cfg, prompts)  # 40 + 16 <= 64
+    cfg.micro_batch_tokens = 50
+    with pytest.raises(ValueError, match=r"longest training prompt has 40 tokens.*56 tokens, more than "
+                                         r"micro_batch_tokens=50"):
+        check_sample_budget(cfg, prompts)
