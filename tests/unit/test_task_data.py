@@ -136,7 +136,8 @@ def test_a_prompt_that_cannot_fit_a_micro_batch_with_its_response_is_refused_bef
 
     from megatron_rl.train import check_sample_budget
 
-    prompts = _task(tmp_path, tokenizer, rows=[{"prompt": "x" * n, "answer": "1"} for n in (3, 9, 5, 40)]).prompts("train")
+    rows = [{"prompt": "x" * n, "answer": "1"} for n in (3, 9, 5, 40)]
+    prompts = _task(tmp_path, tokenizer, rows=rows).prompts("train")
     cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(max_new_tokens=16), micro_batch_tokens=64)
     check_sample_budget(cfg, prompts)  # 40 + 16 <= 64
     cfg.micro_batch_tokens = 50
