@@ -49,7 +49,8 @@ def build(rt):
     trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, TrainerOptions(
         micro_batch_tokens=cfg.micro_batch_tokens, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, deterministic=cfg.deterministic,
-        total_steps=cfg.num_steps * cfg.algorithm.num_inner_updates, pad_token_id=tokenizer.pad_token_id, logprob_temperature=cfg.rollout.temperature))
+        total_steps=cfg.num_steps * cfg.algorithm.num_inner_updates, pad_token_id=tokenizer.pad_token_id,
+        logprob_temperature=cfg.rollout.temperature))
     engine = make_engine(cfg, rt.groups, tokenizer, local_rank=rt.env.local_rank,
                          local_world_size=rt.env.local_world_size, work_dir=rt.run_dir)
     engine.release_memory()  # the controller resumes it for each rollout
