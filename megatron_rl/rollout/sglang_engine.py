@@ -43,6 +43,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import threading
 import urllib.error
 import urllib.request
@@ -432,9 +433,17 @@ class _OfflineTransport(_Transport):
         # handlers (rank filter, run-directory log file). Keep ours; SGLang's loggers keep its level.
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
+        # srun forwards the stop signal (SIGUSR1, megatron_rl.preemption) to every process of the step;
+        # SGLang's scheduler processes would die of it. They inherit an ignored signal: ignore it while
+        # they start, then give this process its handler back.
+        usr1 = signal.getsignal(signal.SIGUSR1) if threading.current_thread() is threading.main_thread() else None
+        if usr1 is not None:
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         try:
             self._engine = sglang.Engine(**kwargs)
         finally:
+            if usr1 is not None:
+                signal.signal(signal.SIGUSR1, usr1)
             for handler in list(root.handlers):
                 if handler not in handlers:
                     root.removeHandler(handler)

@@ -107,6 +107,15 @@ def max_logprob_error(model, generations, temperature: float) -> float:
 
 
 @real_engine
+def test_the_offline_engines_processes_ignore_the_stop_signal(scenarios):
+    """srun forwards SIGUSR1 (megatron_rl.preemption's stop request) to every process of the step: SGLang's
+    scheduler processes must survive it, and the rank keeps its own handler."""
+    run = scenarios("offline")
+    assert run["children_ignore_usr1"] and all(run["children_ignore_usr1"])
+    assert run["parent_handled_usr1"]
+
+
+@real_engine
 @pytest.mark.parametrize("mode", MODES)
 def test_generate_shapes_order_and_version(scenarios, mode):
     gens = scenarios(mode)["gen_a"]

@@ -162,6 +162,27 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _ignores_usr1(pid: int) -> bool:
+    """SIGUSR1 is in the process's ignored-signal mask (/proc/<pid>/status, SigIgn)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1)
+    return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("offline", "attach"), required=True)
@@ -173,6 +194,8 @@ def main() -> None:
 
     start = time.perf_counter()
     server = None
+    stop_requested = []
+    signal.signal(signal.SIGUSR1, lambda *_: stop_requested.append(True))  # as megatron_rl.preemption does
     if args.mode == "offline":
         engine = SGLangEngine(cpu_config(model_path=args.model_a))
     else:
@@ -181,6 +204,10 @@ def main() -> None:
     engine_start = time.perf_counter() - start
     try:
         result = run(engine, args)
+        result["children_ignore_usr1"] = [_ignores_usr1(pid) for pid in _children(os.getpid())]
+        os.kill(os.getpid(), signal.SIGUSR1)  # this process keeps its own handler
+        time.sleep(0.1)
+        result["parent_handled_usr1"] = bool(stop_requested)
     finally:
         engine.shutdown()
         if server is not None:
