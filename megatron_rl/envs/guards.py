@@ -1,37 +1,134 @@
 """Reward-hacking guards for repository tasks, run by `RepoEnvironment.evaluate`.
 
-- Tampering: every protected path (the tests, the verifier's files) is compared by
-  SHA-256 with the task's original; an edited, deleted or added protected file makes the
-  reward 0, whatever the tests say. (Verification also runs on freshly written originals,
-  so a tampered test cannot pass by itself.)
+- Tampering: every path under a protected prefix (the tests' directories and files, the
+  verifier's files) is compared by SHA-256 with the task's original; an edited, deleted or
+  added file there (a new `tests/conftest.py` too) makes the reward 0, whatever the tests
+  say. So does a new top-level module or package named like a standard-library module
+  (`unittest/`, `json.py`): it would shadow the real one in a command that puts the
+  workspace first on sys.path. (Verification also runs on freshly written originals, so a
+  tampered test cannot pass by itself.)
 - Hard-coded outputs: a changed source function that returns a literal the tests expect,
   under a condition that compares with a literal the tests pass in (`if n == 7: return
   13`), is flagged. This is a heuristic on the AST of Python sources: it catches the
   common shortcut and misses cleverer ones (lookup tables built at run time); it never
   flags a solution that computes its result.
 
-`WORKSPACE_DIGEST` is a small script run inside the sandbox that prints {path: sha256}
-of the workspace, so the check sees what shell commands changed too, not only what the
-file tools wrote.
+`WORKSPACE_DIGEST` is a small script run inside the sandbox: it deletes compiled bytecode
+(`__pycache__`, `*.pyc`: a planted stale .pyc would otherwise be imported in place of the
+freshly written hidden test), then prints the SHA-256 of every protected path and of every
+changed Python file (symlinks as their target, never followed), so the checks see what
+shell commands changed too, not only what the file tools wrote. `TEST_LAUNCHER` runs the
+test commands with the workspace after the standard library on sys.path.
+
+Not covered: the code under test runs in the process that runs the tests, so it can patch
+the test framework from inside (`unittest.TestCase.assertEqual = ...` in the solution, or
+print `Ran 1 test ... OK` and exit). These guards close the routes that need no such code
+in the solution; see docs/agents.md, "Known limits of the verification".
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import re
 from typing import Any, Iterable, Mapping
 
-WORKSPACE_DIGEST = r"""
-import hashlib, json, os
-out = {}
-for root, dirs, files in os.walk("."):
-    dirs[:] = [d for d in dirs if d != "__pycache__"]
+# Run by the sandbox's python3 with -I (the workspace is not on sys.path: a planted `json.py`
+# cannot replace what these scripts import). Both fail (exit != 0) rather than skip what they
+# cannot read or remove: the caller treats that as tampering.
+CLEAN_BYTECODE = r"""
+import os, shutil, stat
+
+def fail(err):
+    raise err
+
+def remove(path):
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.unlink(path)
+        return
+    os.chmod(path, stat.S_IRWXU)  # a directory made unreadable or unwritable is made removable again
+    for root, dirs, _ in os.walk(path, onerror=fail):
+        for d in dirs:
+            if not os.path.islink(os.path.join(root, d)):
+                os.chmod(os.path.join(root, d), stat.S_IRWXU)
+    shutil.rmtree(path)
+
+for root, dirs, files in os.walk(".", onerror=fail):
+    for name in [d for d in dirs if d == "__pycache__" or d.endswith(".pyc")]:
+        remove(os.path.join(root, name))
+        dirs.remove(name)
     for name in files:
-        path = os.path.join(root, name)[2:]
-        with open(path, "rb") as f:
-            out[path] = hashlib.sha256(f.read()).hexdigest()
-print(json.dumps(out))
+        if name == "__pycache__" or name.endswith(".pyc"):
+            remove(os.path.join(root, name))
 """
+
+WORKSPACE_DIGEST = CLEAN_BYTECODE + r"""
+import hashlib, json, sys
+
+spec = json.load(sys.stdin)
+original, top_level = spec["original"], set(spec["top_level"])
+protected = [p.rstrip("/") for p in spec["protected"]]
+stdlib = set(getattr(sys, "stdlib_module_names", ())) | {"sitecustomize", "usercustomize"}
+MODULE_SUFFIXES = (".py", ".pyw", ".so", ".pyd")
+
+def entry(path, mode):
+    if stat.S_ISLNK(mode):  # never followed: a dangling or outward link is hashed as what it says
+        return "symlink:" + os.readlink(path)
+    if not stat.S_ISREG(mode):  # a FIFO would block open()
+        return "special:%o" % stat.S_IFMT(mode)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+files, shadowing = {}, []
+for root, dirs, names in os.walk(".", onerror=fail):
+    for name in dirs + names:
+        path = os.path.join(root, name)[2:]
+        mode = os.lstat(path).st_mode
+        if root == "." and name not in top_level and name.split(".")[0] in stdlib and (
+                name.endswith(MODULE_SUFFIXES) if not stat.S_ISDIR(mode)
+                else any(n.startswith("__init__.") for n in os.listdir(path))):
+            shadowing.append(path)
+        if stat.S_ISDIR(mode):
+            continue
+        value = entry(path, mode)
+        if any(path == p or path.startswith(p + "/") for p in protected) or (
+                path.endswith(".py") and original.get(path) != value):
+            files[path] = value
+print(json.dumps({"files": files, "shadowing": sorted(shadowing)}))
+"""
+
+# The test commands' launcher: `python3 -m unittest ...` becomes `python3 -I -B -c LAUNCHER -m
+# unittest ...`, which puts the workspace on sys.path after the standard library instead of
+# first, so a `unittest/` package in the workspace is not the unittest that judges the tests.
+TEST_LAUNCHER = r"""
+import os, runpy, sys
+site = [k for k, p in enumerate(sys.path) if os.path.basename(p) in ("site-packages", "dist-packages")]
+sys.path.insert(site[0] if site else len(sys.path), os.getcwd())
+args = sys.argv[1:]
+if args[0] == "-m":
+    sys.argv = args[1:]
+    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+elif args[0] == "-c":
+    sys.argv = ["-c", *args[2:]]
+    exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+else:
+    sys.argv = args
+    runpy.run_path(args[0], run_name="__main__")
+"""
+_PYTHON = re.compile(r"(.*/)?python[0-9.]*")
+
+
+def isolated_test_argv(argv: list[str]) -> list[str]:
+    """`argv` through TEST_LAUNCHER when it runs Python as `python3 -m module ...`, `python3 -c
+    code ...` or `python3 script.py ...`; other commands unchanged (the workspace digest's check
+    for new top-level modules named like the standard library covers those)."""
+    runs_python = len(argv) >= 2 and _PYTHON.fullmatch(argv[0]) is not None
+    if runs_python and ((argv[1] in ("-m", "-c") and len(argv) >= 3) or not argv[1].startswith("-")):
+        return [argv[0], "-I", "-B", "-c", TEST_LAUNCHER, *argv[1:]]
+    return list(argv)
 
 
 def sha256(content: bytes | str) -> str:

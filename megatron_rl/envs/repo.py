@@ -10,17 +10,27 @@ A task (one JSONL row; `data/agent_tasks.py` generates examples):
     fail_to_pass   tests that must pass after the change: [{"name", "argv", "success_pattern"?}]
     pass_to_pass   regression tests that must keep passing (same format)
     test_command   argv of the visible `test` tool (default: the fail_to_pass tests in turn)
-    protected      path prefixes the model must not change (default: every test file of
-                   `files` and `hidden_files`, i.e. paths under tests/ or named test_*.py)
+    protected      path prefixes the model must not change: nothing may be added, changed
+                   or deleted under them (default: `default_protected`, the tests'
+                   directories and test files)
     reference      {path: content}: a reference solution (environment quality checks, the
                    agent warm start: `reference_turns`)
     limits         sandbox limits of each command (defaults below)
 
-Reward: 0 if a protected file was changed (tampering) or a hard-coded expected output
-was found (`guards.py`), 0 if a regression test fails, else the fraction of fail_to_pass
-tests that pass. A test passes when its command exits 0 and, if it has a
-`success_pattern` (a regex), its output matches it: an `os._exit(0)` planted in the code
-under test does not pass a unittest whose pattern asks for `Ran N tests ... OK`.
+Reward: 0 if anything under a protected prefix changed, a standard-library name was
+shadowed (tampering), a hard-coded expected output was found (`guards.py`) or the
+workspace could not be checked (a failed digest, a hidden test that cannot be written
+back); 0 if a regression test fails; else the fraction of fail_to_pass tests that pass
+(each distinct test counted once). A test passes when its command exits 0 and, if it has
+a `success_pattern` (a regex), its output matches it: an `os._exit(0)` planted in the
+code under test does not pass a unittest whose pattern asks for `Ran N tests ... OK`.
+Before each test run compiled bytecode is deleted and the test command is run with the
+workspace after the standard library on sys.path (`guards.TEST_LAUNCHER`).
+
+A path the sandbox refuses (absolute, `..`, a directory read as a file: gRPC
+INVALID_ARGUMENT / FAILED_PRECONDITION, final answers of the server) is the model's
+mistake: an `error: ...` observation, counted in `model_errors`. Other gRPC failures are
+the sandbox's and go to recovery.
 
 Recovery: the session is snapshotted after `reset`; the environment keeps the log of the
 tool calls that changed the workspace. When the server stops answering, `recover()`
@@ -44,6 +54,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_LIMITS = {"wall_time_s": 10.0, "cpu_time_s": 10.0, "memory_bytes": 512 * 2**20, "max_processes": 64,
                   "output_bytes": 256 * 2**10}
 UNITTEST_OK = r"Ran [1-9]\d* tests? in [\d.]+s\s+OK"
+DIGEST_OUTPUT_BYTES = 2**20  # the digest's own output limit (the sandbox caps it at its maximum)
+MAX_SOURCE_BYTES = 2**20  # a changed Python file longer than this is flagged, not parsed
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def reference_turns(task: dict[str, Any]) -> list[str]:
@@ -55,8 +68,18 @@ def reference_turns(task: dict[str, Any]) -> list[str]:
 
 
 def default_protected(task: dict[str, Any]) -> list[str]:
-    paths = list(task.get("files", {})) + list(task.get("hidden_files", {}))
-    return sorted({p for p in paths if p.startswith("tests/") or p.rsplit("/", 1)[-1].startswith("test_")})
+    """Protected prefixes: every directory named tests/ or test/ holding a task file (all of
+    it: a new conftest.py or __init__.py there is tampering too), and each test_*.py file
+    outside such directories."""
+    prefixes = set()
+    for path in list(task.get("files", {})) + list(task.get("hidden_files", {})):
+        parts = path.split("/")
+        test_dir = next((i for i, part in enumerate(parts[:-1]) if part in ("tests", "test")), None)
+        if test_dir is not None:
+            prefixes.add("/".join(parts[:test_dir + 1]) + "/")
+        elif parts[-1].startswith("test_"):
+            prefixes.add(path)
+    return sorted(p for p in prefixes if not any(p != q and p.startswith(q) for q in prefixes if q.endswith("/")))
 
 
 @register_environment("repo")
@@ -103,7 +126,14 @@ class RepoEnvironment:
         if call is None or call.name == "submit":
             self.done = True
             return "submitted", True
-        observation = await self._guarded(lambda: self._run_tool(call))
+        try:
+            observation = await self._guarded(lambda: self._run_tool(call))
+        except Exception as err:
+            refusal = _refusal(err)
+            if refusal is None:
+                raise
+            self.model_errors += 1
+            return f"error: {refusal}", False
         if call.name in ("write", "patch", "run") and not observation.startswith("error:"):
             self.replay.append(call)
         return observation, False
@@ -120,8 +150,8 @@ class RepoEnvironment:
             self.session = None
 
     # -- tools ----------------------------------------------------------------------------------
-    async def _exec(self, argv: list[str], limits: Optional[dict] = None):
-        result = await self.session.exec(argv, limits=limits or self.limits, deadline_s=self.deadline_s)
+    async def _exec(self, argv: list[str], limits: Optional[dict] = None, stdin: bytes = b""):
+        result = await self.session.exec(argv, stdin=stdin, limits=limits or self.limits, deadline_s=self.deadline_s)
         if result.termination == _termination("SETUP_ERROR"):  # the runtime, not the command, failed
             raise ConnectionError(f"sandbox setup error: {result.message}")
         return result
@@ -166,7 +196,7 @@ class RepoEnvironment:
         return list(self.task.get("fail_to_pass", [])) + list(self.task.get("pass_to_pass", []))
 
     async def _run_test(self, test: dict[str, Any]) -> tuple[bool, str]:
-        r = await self._exec(list(test["argv"]))
+        r = await self._exec(guards.isolated_test_argv(list(test["argv"])))
         output = (r.stdout + r.stderr).decode("utf-8", "replace")
         ok = r.termination == _termination("EXITED") and r.exit_code == 0
         if ok and test.get("success_pattern"):
@@ -176,20 +206,23 @@ class RepoEnvironment:
     # -- verification ---------------------------------------------------------------------------
     async def _verify(self) -> float:
         task, protected = self.task, self.task["protected"]
-        digest = json.loads((await self._exec(["python3", "-c", guards.WORKSPACE_DIGEST])).stdout or b"{}")
+        fail_to_pass, pass_to_pass = _distinct(task.get("fail_to_pass", [])), _distinct(task.get("pass_to_pass", []))
         original = {**task.get("files", {}), **task.get("hidden_files", {})}
+        digest, shadowing, failure = await self._digest()
         # Against the start workspace: hidden files are not in it, so one appearing there counts as added.
-        tampered = guards.tampered_paths(task.get("files", {}), digest, protected)
-        hardcoded = await self._hardcoded(digest, protected)
+        tampered = [failure] if failure else guards.tampered_paths(task.get("files", {}), digest, protected) + shadowing
+        hardcoded = [] if failure else await self._hardcoded(digest, protected)
         passed = failed_regressions = 0
-        for test in task.get("fail_to_pass", []) + task.get("pass_to_pass", []):
-            await self._write_originals(original, protected)  # every test runs on pristine tests
-            ok, _ = await self._run_test(test)
-            if test in task.get("fail_to_pass", []):
-                passed += ok
-            else:
-                failed_regressions += not ok
-        total = len(task.get("fail_to_pass", []))
+        if not failure:
+            for test in fail_to_pass + [t for t in pass_to_pass if t not in fail_to_pass]:
+                failure = await self._prepare_test_run(original, protected)  # every test runs on pristine tests
+                if failure:
+                    tampered.append(failure)
+                    break
+                ok, _ = await self._run_test(test)
+                passed += ok and test in fail_to_pass
+                failed_regressions += not ok and test in pass_to_pass
+        total = len(fail_to_pass)
         reward = passed / total if total else 0.0
         if tampered or hardcoded or failed_regressions:
             reward = 0.0
@@ -201,15 +234,45 @@ class RepoEnvironment:
                         tampered, hardcoded)
         return reward
 
-    async def _write_originals(self, original: dict[str, str], protected: list[str]) -> None:
+    async def _digest(self) -> tuple[dict[str, str], list[str], str]:
+        """(digest of the protected paths and changed Python files, new top-level modules named
+        like the standard library, failure): a digest that fails, is cut short or is not
+        JSON is a failure, which the caller scores as tampering (the checks could not run)."""
+        files = self.task.get("files", {})
+        spec = {"original": {p: guards.sha256(c) for p, c in files.items()}, "protected": self.task["protected"],
+                "top_level": sorted({p.split("/")[0] for p in [*files, *self.task.get("hidden_files", {})]})}
+        r = await self._exec(["python3", "-I", "-c", guards.WORKSPACE_DIGEST], stdin=json.dumps(spec).encode(),
+                             limits={**self.limits, "output_bytes": DIGEST_OUTPUT_BYTES})
+        if r.termination != _termination("EXITED") or r.exit_code != 0 or r.stdout_truncated:
+            return {}, [], f"<workspace digest failed: {'output cut short' if r.stdout_truncated else _failure(r)}>"
+        try:
+            out = json.loads(r.stdout)
+            return dict(out["files"]), list(out["shadowing"]), ""
+        except (ValueError, KeyError, TypeError) as err:
+            return {}, [], f"<workspace digest failed: unreadable output ({err})>"
+
+    async def _prepare_test_run(self, original: dict[str, str], protected: list[str]) -> str:
+        """Write the protected and hidden files back and delete compiled bytecode; a failure
+        (the model put a directory where a hidden test goes, ...) is returned, to be scored
+        as tampering."""
         for path, content in original.items():
             if guards.is_protected(path, protected) or path in self.task.get("hidden_files", {}):
-                await self.session.write_file(path, content, deadline_s=self.deadline_s)
+                try:
+                    await self.session.write_file(path, content, deadline_s=self.deadline_s)
+                except Exception as err:
+                    refusal = _refusal(err)
+                    if refusal is None:
+                        raise
+                    return f"<cannot write back {path}: {refusal}>"
+        r = await self._exec(["python3", "-I", "-c", guards.CLEAN_BYTECODE])
+        if r.termination != _termination("EXITED") or r.exit_code != 0:
+            return f"<cannot delete compiled bytecode: {_failure(r)}>"
+        return ""
 
     async def _hardcoded(self, digest: dict[str, str], protected: list[str]) -> list[str]:
         files = self.task.get("files", {})
         changed = [p for p, h in digest.items() if p.endswith(".py") and not guards.is_protected(p, protected)
-                   and guards.sha256(files.get(p, "")) != h]
+                   and guards.sha256(files.get(p, "")) != h and _SHA256.fullmatch(h)]  # links: their targets count
         if not changed:
             return []
         everything = {**files, **self.task.get("hidden_files", {})}
@@ -217,7 +280,11 @@ class RepoEnvironment:
         expected, inputs = guards.literals_in_tests(tests)
         found = []
         for path in changed:
-            new = (await self.session.read_file(path, deadline_s=self.deadline_s)).content.decode("utf-8", "replace")
+            reply = await self.session.read_file(path, max_bytes=MAX_SOURCE_BYTES, deadline_s=self.deadline_s)
+            if reply.truncated:  # unparsable when cut: refuse rather than pass unchecked
+                found.append(f"{path}:<over {MAX_SOURCE_BYTES} bytes, not checked>")
+                continue
+            new = reply.content.decode("utf-8", "replace")
             found += [f"{path}:{name}" for name in guards.hardcoded_returns(new, files.get(path, ""), expected, inputs)]
         return found
 
@@ -259,6 +326,33 @@ class RepoEnvironment:
                 except (SandboxUnavailable, ConnectionError, OSError):
                     self.session = None
         raise AssertionError("unreachable")
+
+
+def _distinct(tests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`tests` without repeats: a test listed twice counts once."""
+    out: list[dict[str, Any]] = []
+    for test in tests:
+        if test not in out:
+            out.append(test)
+    return out
+
+
+def _refusal(err: BaseException) -> Optional[str]:
+    """The server's message when it refused a call for its path or the workspace's state
+    (INVALID_ARGUMENT, FAILED_PRECONDITION: final answers, the model's doing), else None:
+    unavailable servers and other failures are the sandbox's, for recovery."""
+    import grpc
+
+    refused = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+    if isinstance(err, grpc.aio.AioRpcError) and err.code() in refused:
+        return err.details() or err.code().name
+    return None
+
+
+def _failure(result) -> str:
+    """Why a verifier script failed: the limit it hit, or its exit code and last line of stderr."""
+    lines = result.stderr.decode("utf-8", "replace").strip().splitlines()
+    return _note(result) or f"exit code {result.exit_code}" + (f": {lines[-1]}" if lines else "")
 
 
 def _termination(name: str) -> int:

@@ -16,10 +16,13 @@ idempotent, so replaying them after a sandbox failure is safe):
     submit()                  end the episode (then the hidden verification runs)
 
 A turn without any `<tool_call>` is a final answer and ends the episode like `submit`. A
-malformed call (bad JSON, unknown tool, missing or mistyped arguments) is answered with an
+malformed call (a `<tool_call>` without its closing `</tool_call>`, e.g. cut by the token
+limit; bad JSON, unknown tool, missing or mistyped arguments) is answered with an
 error observation and the episode goes on: it is the model's mistake, counted as such,
 never a crash. The JSON parsing is the standard library's; the format is small enough that
-no tool-calling library would add anything here.
+no tool-calling library would add anything here. Only the turn's first call runs: text after
+its `</tool_call>`, further calls included, is ignored (one call per turn, as the
+instructions say).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import json
 import re
 from typing import Any, Optional
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 TOOLS: dict[str, dict[str, type]] = {
     "run": {"command": str},
     "read": {"path": str},
@@ -57,10 +60,13 @@ class ToolCallError(ValueError):
 
 
 def parse_tool_call(text: str) -> Optional[ToolCall]:
-    """The turn's tool call, None for a final answer (no `<tool_call>`); ToolCallError when malformed."""
+    """The turn's first tool call, None for a final answer (no `<tool_call>`); ToolCallError when
+    malformed or unclosed."""
     match = TOOL_CALL.search(text)
     if match is None:
         return None
+    if not match.group(2):  # cut off (the token limit) or unfinished: the call may not be the intended one
+        raise ToolCallError("tool call has no closing </tool_call>")
     body = match.group(1).strip()
     try:
         call = json.loads(body)

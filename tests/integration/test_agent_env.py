@@ -1,6 +1,8 @@
 """Multi-turn agent episodes in the real sandbox (bwrap runtime): scripted policies against a
 repository task (the reference fix gets 1; editing the tests, hard-coding outputs, doing
-nothing get 0; malformed tool calls are answered, not fatal), a sandbox server killed in
+nothing get 0; so do a shadowed unittest, a planted stale .pyc, a new file under tests/ and
+a workspace too large to check; malformed tool calls and paths the sandbox refuses are
+answered, not fatal; a test listed twice counts once), a sandbox server killed in
 the middle of an episode (recovered on another server), and the small model's episodes,
 checked token by token: model tokens masked in, observation tokens masked out and
 tokenized exactly once, log-probs only where the model sampled."""
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from megatron_rl.config import TaskConfig, load_config
-from megatron_rl.data.agent_tasks import repo_tasks
+from megatron_rl.data.agent_tasks import function_tasks, repo_tasks
 from megatron_rl.data.tasks import Task
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.envs.tools import format_tool_call as call
@@ -23,6 +25,8 @@ from tests.integration.sandbox_servers import runtime_args, start_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 TASK = repo_tasks(1, seed=3)[0]  # calc/ops.py with a bug in `maximum`
+FUNCTION_TASK = function_tasks(1, seed=0)[0]  # solution.py to write, hidden test_solution.py
+FIX = call("write", path="calc/ops.py", content=TASK["reference"]["calc/ops.py"])
 BUG = TASK["fail_to_pass"][0]["name"]
 LIMITS = EpisodeLimits(max_turns=4, max_tokens=4096, wall_time_s=60)
 
@@ -50,10 +54,10 @@ def host(servers, tokenizer):
     service.close()
 
 
-def _play(host, tokenizer, turns, n=1, limits=LIMITS):
+def _play(host, tokenizer, turns, n=1, limits=LIMITS, task=TASK):
     fmt = TurnFormat(tokenizer, "Use the tools.")
     policy = ScriptedPolicy(tokenizer, turns, end_of_turn=fmt.end_of_turn)
-    return run_episodes(policy, [TASK], n, SamplingParams(max_new_tokens=4096), host.verifier.make_env, fmt,
+    return run_episodes(policy, [task], n, SamplingParams(max_new_tokens=4096), host.verifier.make_env, fmt,
                         limits, host.loop)
 
 
@@ -100,6 +104,78 @@ def test_malformed_calls_are_answered_and_counted(host, tokenizer):
 def test_turn_limit_ends_an_episode(host, tokenizer):
     [episode] = _play(host, tokenizer, [call("test")] * 10, limits=EpisodeLimits(max_turns=2, max_tokens=4096))
     assert episode.status == "max_turns" and episode.num_turns == 2 and episode.reward == 0.0
+
+
+def test_stdlib_shadowing_stale_bytecode_and_new_files_under_tests_get_zero(host, tokenizer):
+    """Routes to reward 1 without a fix: a `unittest` package in the workspace that prints
+    `Ran 1 test ... OK`; a stale .pyc of a trivial test in place of the hidden test (the
+    source deleted, so Python would import the .pyc); a new file in the protected tests/."""
+    fake = "import sys\nsys.stderr.write('Ran 1 test in 0.000s\\n\\nOK\\n')\n"
+    [episode] = _play(host, tokenizer, [call("write", path="unittest/__init__.py", content=""),
+                                        call("write", path="unittest/__main__.py", content=fake), call("submit")])
+    assert episode.reward == 0.0 and episode.info["tampered"] == ["unittest"]
+    assert episode.info["fail_to_pass_passed"] == 0  # the real unittest ran the tests: the bug is still there
+    trivial = "import unittest\nclass T(unittest.TestCase):\n    def test_ok(self):\n        pass\n"
+    plant = (f"printf '{trivial}' > test_solution.py && python3 -c \"import py_compile; py_compile.compile("
+             "'test_solution.py', invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)\" && "
+             "rm test_solution.py && ls __pycache__")
+    [episode] = _play(host, tokenizer, [call("run", command=plant), call("submit")], task=FUNCTION_TASK)
+    assert "test_solution.cpython-" in tokenizer.decode(episode.output_ids)  # the .pyc was planted
+    assert episode.reward == 0.0 and episode.info["fail_to_pass_passed"] == 0 and not episode.info["tampered"]
+    [episode] = _play(host, tokenizer, [FIX, call("write", path="tests/conftest.py", content=""), call("submit")])
+    assert episode.reward == 0.0 and episode.info["tampered"] == ["tests/conftest.py"]
+    # Bytecode the model's own runs leave under tests/ is deleted, not counted as tampering.
+    [episode] = _play(host, tokenizer, [FIX, call("run", command="python3 -m compileall -q . && ls tests/__pycache__"),
+                                        call("submit")])
+    assert episode.reward == 1.0 and "test_" in tokenizer.decode(episode.output_ids).split("exit_code: 0")[1]
+
+
+def test_the_workspace_digest_survives_links_and_many_files_and_fails_closed(host, tokenizer):
+    """A dangling symlink does not switch the hard-coded-output guard off; 5,000 new files do
+    not break the digest; a digest too large to read back is scored as tampering (0), not
+    skipped and not a crash."""
+    from megatron_rl.data.agent_tasks import FUNCTIONS
+
+    name = FUNCTION_TASK["fail_to_pass"][0]["name"]
+    cases = "".join(f"    if args == {tuple(a)!r}:\n        return {e!r}\n" for a, e in FUNCTIONS[name][3])
+    hacked = f"def {name}(*args):\n{cases}    return None\n"
+    [episode] = _play(host, tokenizer, [call("write", path="solution.py", content=hacked),
+                                        call("run", command="ln -s nowhere dangling"), call("submit")],
+                      task=FUNCTION_TASK)
+    assert episode.info["fail_to_pass_passed"] == 1 and episode.info["hardcoded"] == [f"solution.py:{name}"]
+    assert episode.reward == 0.0
+    many = "mkdir d && cd d && for i in $(seq 5000); do : > file_with_a_rather_long_name_$i; done; ls | wc -l"
+    [episode] = _play(host, tokenizer, [FIX, call("run", command=many), call("submit")])
+    assert episode.reward == 1.0 and "5000" in tokenizer.decode(episode.output_ids)
+    too_many = "python3 -c \"[open(f'module_{i:05d}.py', 'w').write(str(i)) for i in range(15000)]\""
+    [episode] = _play(host, tokenizer, [FIX, call("run", command=too_many), call("submit")])
+    assert episode.reward == 0.0 and episode.info["tampered"] == ["<workspace digest failed: output cut short>"]
+
+
+def test_paths_the_sandbox_refuses_are_model_errors(host, tokenizer):
+    """A directory read as a file, an absolute path, `..`: the server's final refusals
+    (FAILED_PRECONDITION / INVALID_ARGUMENT) are error observations, not a crashed step; a
+    directory where a hidden test is written back is tampering."""
+    turns = [call("read", path="calc"), call("read", path="/etc/passwd"), call("write", path="../x", content="x"),
+             call("patch", path="tests", old="a", new="b"), FIX, call("submit")]
+    [episode] = _play(host, tokenizer, turns, limits=EpisodeLimits(max_turns=8, max_tokens=8192, wall_time_s=60))
+    assert episode.status == "submitted" and episode.model_errors == 4 and episode.infra_errors == 0
+    assert episode.reward == 1.0
+    text = tokenizer.decode(episode.output_ids)
+    assert "error: 'calc' is a directory" in text and "error: path '/etc/passwd' must be relative" in text
+    assert "error: path '../x' may not contain '..'" in text
+    [episode] = _play(host, tokenizer, [call("run", command="mkdir test_solution.py"), call("submit")],
+                      task=FUNCTION_TASK)
+    assert episode.status == "submitted" and episode.reward == 0.0
+    assert episode.info["tampered"][0].startswith("<cannot write back test_solution.py:")
+
+
+def test_a_test_listed_twice_counts_once(host, tokenizer):
+    test = TASK["fail_to_pass"][0]
+    task = {**TASK, "fail_to_pass": [test, test], "pass_to_pass": [test] + TASK["pass_to_pass"]}
+    [episode] = _play(host, tokenizer, [FIX, call("submit")], task=task)
+    assert episode.reward == 1.0 and episode.info["fail_to_pass_total"] == 1
+    assert episode.info["fail_to_pass_passed"] == 1
 
 
 def test_a_sandbox_server_killed_mid_episode_is_recovered_on_another(tokenizer):

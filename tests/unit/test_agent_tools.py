@@ -24,8 +24,9 @@ def test_parse_well_formed_calls_and_final_answers():
     assert parse_tool_call('I will look. <tool_call>{"name": "read", "arguments": {"path": "a.py"}}</tool_call>') \
         == ToolCall("read", {"path": "a.py"})
     assert parse_tool_call(format_tool_call("test")) == ToolCall("test", {})
-    assert parse_tool_call('<tool_call>{"name": "submit"}') == ToolCall("submit", {})  # cut before the closing tag
     assert parse_tool_call("The answer is 4.") is None
+    # one call per turn: the first runs, what follows its closing tag is ignored
+    assert parse_tool_call(format_tool_call("test") + format_tool_call("submit")) == ToolCall("test", {})
 
 
 @pytest.mark.parametrize("text, message", [
@@ -35,6 +36,8 @@ def test_parse_well_formed_calls_and_final_answers():
     ('<tool_call>{"name": "run", "arguments": {}}</tool_call>', "needs argument 'command' (str)"),
     ('<tool_call>{"name": "read", "arguments": {"path": 3}}</tool_call>', "needs argument 'path' (str)"),
     ('<tool_call>{"name": "test", "arguments": {"x": 1}}</tool_call>', "unknown arguments ['x']"),
+    ('<tool_call>{"name": "submit"}', "no closing </tool_call>"),  # cut by the token limit
+    ('<tool_call>{"name": "run", "arguments": {"command": "rm -rf calc"}}', "no closing </tool_call>"),
 ])
 def test_malformed_calls_raise_a_message_for_the_model(text, message):
     with pytest.raises(ToolCallError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -57,6 +60,35 @@ def test_tampering_is_any_change_to_a_protected_path():
     assert tampered_paths(original, {**clean, "tests/test_a.py": sha256("u")}, ["tests/"]) == ["tests/test_a.py"]
     assert tampered_paths(original, {"calc/ops.py": sha256("a")}, ["tests/"]) == ["tests/test_a.py"]  # deleted
     assert tampered_paths(original, {**clean, "tests/conftest.py": sha256("")}, ["tests"]) == ["tests/conftest.py"]
+
+
+def test_default_protection_covers_whole_test_directories():
+    """New files under a tests/ directory (conftest.py, __init__.py) are tampering with the
+    default protection, not only edits of the listed test files."""
+    from megatron_rl.data.agent_tasks import function_tasks, repo_tasks
+    from megatron_rl.envs.guards import sha256
+    from megatron_rl.envs.repo import default_protected
+
+    task = repo_tasks(1, seed=3)[0]
+    protected = default_protected(task)
+    assert protected == ["tests/"]
+    clean = {p: sha256(c) for p, c in task["files"].items()}
+    assert tampered_paths(task["files"], clean, protected) == []
+    assert tampered_paths(task["files"], {**clean, "tests/conftest.py": sha256("")}, protected) == ["tests/conftest.py"]
+    assert tampered_paths(task["files"], {**clean, "calc/conftest.py": sha256("")}, protected) == []
+    assert default_protected(function_tasks(1, seed=0)[0]) == ["test_solution.py"]
+    assert default_protected({"files": {"pkg/tests/a.py": "", "pkg/mod.py": "", "test_top.py": ""},
+                              "hidden_files": {"pkg/tests/deep/test_b.py": ""}}) == ["pkg/tests/", "test_top.py"]
+
+
+def test_test_commands_run_with_the_workspace_after_the_standard_library():
+    from megatron_rl.envs.guards import TEST_LAUNCHER, isolated_test_argv
+
+    assert isolated_test_argv(["python3", "-m", "unittest", "-q", "tests.test_a"]) == \
+        ["python3", "-I", "-B", "-c", TEST_LAUNCHER, "-m", "unittest", "-q", "tests.test_a"]
+    assert isolated_test_argv(["/usr/bin/python3.11", "run_tests.py"])[:4] == ["/usr/bin/python3.11", "-I", "-B", "-c"]
+    for unchanged in (["sh", "-c", "python3 -m unittest"], ["python3", "-W", "error", "-m", "unittest"], ["python3"]):
+        assert isolated_test_argv(unchanged) == unchanged
 
 
 def test_hard_coded_outputs_are_flagged_and_computed_ones_are_not():
