@@ -266,6 +266,10 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, tp_group: Op
             int(targets.min()) >= vocab_start and int(targets.max()) < vocab_start + weight.shape[0]):
         raise ValueError(f"targets outside [{vocab_start}, {vocab_start + weight.shape[0]}) need the other "
                          "vocabulary shards: pass tp_group")
+    if hidden.shape[0] == 0:  # no token (a context-parallel rank without targets of a row): the same on every
+        # rank of tp_group, which holds the same tokens, so no collective is skipped by one rank alone
+        empty = (hidden.sum() + weight.sum()).float().reshape(1)[:0] * 0.0  # in the graph, gradients of zero
+        return empty, (empty.clone() if with_entropy else None)
     ops = _ops_for(backend, hidden.device)
     logprobs, entropy = _FusedLogprobs.apply(
         hidden, weight, targets.long(), tp_group, vocab_start, float(temperature), chunk_tokens, chunk_vocab,

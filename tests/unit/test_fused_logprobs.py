@@ -263,3 +263,13 @@ def test_peak_memory_8k_tokens_150k_vocab_is_at_most_a_quarter_of_naive():
     # Log-probs and entropies here are ~12 (log 150000) and sum 150000 terms in another order:
     # fp32 rounding reaches ~2e-5 (seen: entropy 1.9e-5), so 1e-4 (relative ~1e-5).
     assert fused["lp_diff"] < 1e-4 and fused["ent_diff"] < 1e-4, fused
+
+
+def test_no_tokens_gives_empty_results_and_zero_gradients():
+    """A context-parallel rank may hold no target of a row: empty outputs, not an error."""
+    hidden = torch.randn(0, 24, requires_grad=True)
+    weight = torch.randn(101, 24, requires_grad=True)
+    lp, ent = fused_logprobs(hidden, weight, torch.zeros(0, dtype=torch.long), with_entropy=True)
+    assert lp.shape == (0,) and ent.shape == (0,) and lp.dtype == torch.float32
+    (lp.sum() + ent.sum()).backward()
+    assert weight.grad is not None and torch.equal(weight.grad, torch.zeros_like(weight))
