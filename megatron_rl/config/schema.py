@@ -834,6 +834,12 @@ class RolloutConfig:
     """mode=disaggregated: how long a weight broadcast may wait for a generator to reach it. A generator
     takes updates between requests (with partial_rollout_tokens > 0: between chunks and turns), so this
     must exceed the longest request: generation plus its reward wait (up to 300 s) or agent episodes."""
+    generator_progress_timeout_s: float = 1800.0
+    """mode=disaggregated: the trainer stops with an error naming the generator when the generator's
+    main loop has made no progress for this long while its heartbeat goes on (it hangs). The loop
+    counts as progressing between requests, engine calls, chunks, turns and weight buckets and while
+    it waits (for requests, buffer space, rewards), so this must exceed the longest single engine call
+    (a whole request's generation without partial_rollout_tokens) and the engine's start-up."""
     partial_rollout_tokens: int = 0
     """mode=disaggregated: generate in chunks of this many tokens and apply a pending weight update
     between chunks (the sequence continues with the new weights); agent episodes (any value > 0)
@@ -852,6 +858,7 @@ class RolloutConfig:
         _check_min("rollout.generator_nodes", self.generator_nodes, 0)
         _check_min("rollout.generator_timeout_s", self.generator_timeout_s, 0, strict=True)
         _check_min("rollout.weight_update_timeout_s", self.weight_update_timeout_s, 0, strict=True)
+        _check_min("rollout.generator_progress_timeout_s", self.generator_progress_timeout_s, 0, strict=True)
         if self.generator_nodes and self.num_generators % self.generator_nodes:
             raise _invalid("rollout.num_generators", self.num_generators,
                            f"must be a multiple of rollout.generator_nodes={self.generator_nodes} "

@@ -18,7 +18,13 @@ it holds the key), which the trainer writes once the hub listens.
 
 Liveness: every generator calls `Registry.beat` every `HEARTBEAT_S` from a thread of its own
 and the hub keeps the trainer's clock of the last beat; `Hub.check` raises when a generator
-that has joined falls silent, or one that never joined is overdue, for longer than the timeout.
+that has joined falls silent, or one that never joined is overdue, for longer than the timeout
+(rollout.generator_timeout_s): the process died or lost its connection. A beat from that thread
+says nothing about the generator's main loop, which may hang (in an engine call, say) while
+the thread beats on; so the loop stamps a `Progress` clock as it goes (between requests, engine
+calls, chunks, turns and weight buckets, and while it waits), each beat carries how long ago
+the last stamp was, and `Hub.check` also raises when a generator has made no progress for
+rollout.generator_progress_timeout_s.
 """
 
 from __future__ import annotations
@@ -53,15 +59,24 @@ class Registry:
         self.stopped: set[int] = set()
         self.failed: dict[int, str] = {}
         self.ready: set[int] = set()  # engine loaded: about to join the weight group
+        self.last_progress: dict[int, float] = {}  # the main loop's last progress (trainer clock)
 
     def join(self, index: int, info: dict[str, Any]) -> None:
         with self._lock:
             self.joined[index] = dict(info)
-            self.last_beat[index] = time.monotonic()
+            self.last_beat[index] = self.last_progress[index] = time.monotonic()
 
-    def beat(self, index: int) -> None:
+    def beat(self, index: int, idle_s: Optional[float] = None) -> None:
+        """`idle_s`: how long ago the generator's main loop last made progress (None: not said)."""
         with self._lock:
-            self.last_beat[index] = time.monotonic()
+            now = time.monotonic()
+            self.last_beat[index] = now
+            if idle_s is not None:
+                self.last_progress[index] = now - max(float(idle_s), 0.0)
+
+    def progress(self) -> dict[int, float]:
+        with self._lock:
+            return dict(self.last_progress)
 
     def set_ready(self, index: int) -> None:
         with self._lock:
@@ -111,8 +126,8 @@ class Endpoint:
     def join(self, index: int, info: dict[str, Any]) -> None:
         self._hub.registry.join(index, info)
 
-    def beat(self, index: int) -> None:
-        self._hub.registry.beat(index)
+    def beat(self, index: int, idle_s: Optional[float] = None) -> None:
+        self._hub.registry.beat(index, idle_s)
 
     def ready(self, index: int) -> None:
         """The engine is loaded; the generator joins the weight group once the trainer does."""
@@ -133,10 +148,12 @@ _Manager.register("endpoint")
 class Hub:
     """Trainer rank 0's end: the shared objects and the server that exposes them."""
 
-    def __init__(self, specs: list[Any], experience_size: int, host: str, timeout_s: float) -> None:
+    def __init__(self, specs: list[Any], experience_size: int, host: str, timeout_s: float,
+                 progress_timeout_s: float = 1800.0) -> None:
         """`host`: the address generators connect to; the server listens on every interface
-        unless it is a loopback address (generators on this node only)."""
-        self.specs, self.timeout_s = list(specs), timeout_s
+        unless it is a loopback address (generators on this node only). `timeout_s`: of the
+        heartbeat (and of connecting); `progress_timeout_s`: of a generator's main loop."""
+        self.specs, self.timeout_s, self.progress_timeout_s = list(specs), timeout_s, progress_timeout_s
         self.requests: queue.Queue = queue.Queue()
         self.experience: queue.Queue = queue.Queue(maxsize=experience_size)
         self.stop = threading.Event()
@@ -191,10 +208,11 @@ class Hub:
         return path
 
     def check(self, now: Optional[float] = None) -> None:
-        """Raise RuntimeError if a generator failed, or is silent (joined) or overdue (not joined)
-        past the timeout."""
+        """Raise RuntimeError if a generator failed, is silent (joined) or overdue (not joined)
+        past the timeout, or has made no progress past the progress timeout."""
         now = time.monotonic() if now is None else now
         joined, last_beat, stopped = self.registry.snapshot()
+        last_progress = self.registry.progress()
         for index in range(len(self.specs)):
             failure = self.registry.failure(index)
             if failure is not None:
@@ -212,8 +230,15 @@ class Hub:
             if silent > self.timeout_s:
                 where = joined[index].get("host", "?")
                 raise RuntimeError(f"generator {index} on {where} has sent no heartbeat for {silent:.0f}s "
-                                   f"(rollout.generator_timeout_s={self.timeout_s:g}): it died or hangs; "
-                                   f"see logs/generator{index}.log")
+                                   f"(rollout.generator_timeout_s={self.timeout_s:g}): its process died or "
+                                   f"cannot reach the trainer; see logs/generator{index}.log")
+            idle = now - last_progress[index]
+            if idle > self.progress_timeout_s:
+                where = joined[index].get("host", "?")
+                raise RuntimeError(f"generator {index} on {where} has made no progress for {idle:.0f}s "
+                                   f"(rollout.generator_progress_timeout_s={self.progress_timeout_s:g}) though its "
+                                   "heartbeat goes on: it hangs (in an engine call, a reward wait or a weight "
+                                   f"update); see logs/generator{index}.log (py-spy dump --pid <its pid> shows where)")
 
     def all_ready(self) -> bool:
         """Every generator has loaded its engine (the trainer may build the weight group: the
@@ -223,12 +248,14 @@ class Hub:
     def describe(self) -> str:
         """Each generator's host and when it was last heard from, for error messages."""
         joined, last_beat, stopped = self.registry.snapshot()
+        last_progress = self.registry.progress()
         now, parts = time.monotonic(), []
         for index in range(len(self.specs)):
             if index not in joined:
                 parts.append(f"generator {index}: never connected")
                 continue
-            state = "stopped" if index in stopped else f"last heartbeat {now - last_beat[index]:.0f}s ago"
+            state = "stopped" if index in stopped else (f"last heartbeat {now - last_beat[index]:.0f}s ago, "
+                                                        f"last progress {now - last_progress[index]:.0f}s ago")
             parts.append(f"generator {index} on {joined[index].get('host', '?')}: {state}")
         return "; ".join(parts)
 
@@ -257,12 +284,29 @@ class Hub:
         self._server.listener.close()
 
 
-def heartbeat(endpoint: Any, index: int, until: threading.Event) -> threading.Thread:
-    """Beat every HEARTBEAT_S in a daemon thread until `until` is set (or the hub is gone)."""
+class Progress:
+    """A generator's main loop's last sign of progress, on its own clock: the loop calls `stamp()`
+    as it goes, the heartbeat thread reports `idle_s()` (seconds, so no clocks are compared)."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    def stamp(self) -> None:
+        self._last = time.monotonic()
+
+    def idle_s(self) -> float:
+        return time.monotonic() - self._last
+
+
+def heartbeat(endpoint: Any, index: int, until: threading.Event,
+              progress: Optional[Progress] = None) -> threading.Thread:
+    """Beat every HEARTBEAT_S in a daemon thread until `until` is set (or the hub is gone), each
+    beat with `progress.idle_s()`; without `progress` the beats say nothing about progress, so
+    after the hub's progress timeout the generator counts as hung."""
     def run() -> None:
         while not until.wait(HEARTBEAT_S):
             try:
-                endpoint.beat(index)
+                endpoint.beat(index, None if progress is None else progress.idle_s())
             except (OSError, EOFError):
                 return
 
@@ -281,13 +325,19 @@ def connect(host: str, port: int, key: bytes) -> Any:
 def connect_from_file(run_dir: str | Path, wait_s: float, poll_s: float = 0.5) -> Any:
     """Connect with `<run_dir>/disagg/hub.json`, waiting up to `wait_s` for the trainer to write
     it and to accept (a file left by an earlier start of the job is retried until it is replaced)."""
+    return connect_with_file(run_dir, wait_s, poll_s)[0]
+
+
+def connect_with_file(run_dir: str | Path, wait_s: float, poll_s: float = 0.5) -> tuple[Any, bytes]:
+    """`connect_from_file`, and the hub's key it connected with (it authenticates the weight store)."""
     path = hub_path(run_dir)
     deadline = time.monotonic() + wait_s
     last_error = "the file does not exist yet"
     while time.monotonic() < deadline:
         try:
             info = json.loads(path.read_text())
-            return connect(info["host"], int(info["port"]), bytes.fromhex(info["key"]))
+            key = bytes.fromhex(info["key"])
+            return connect(info["host"], int(info["port"]), key), key
         except FileNotFoundError:
             pass
         except (OSError, EOFError, ValueError, KeyError, multiprocessing.AuthenticationError) as exc:

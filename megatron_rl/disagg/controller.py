@@ -34,9 +34,12 @@ the warm start runs; on a GPU node generator i uses the GPU after the trainer's 
 separate processes on other nodes (the Slurm job runs them as a step of their own on the last N
 nodes, one per GPU) that find the hub through `<run_dir>/disagg/hub.json` and join the store
 at rank 0's address; the trainer waits for them and stops with an error naming the generator
-when one falls silent for rollout.generator_timeout_s. The other trainer ranks take part in
-weight sync (TP gather, PP stages, as in colocated mode) and get the step's groups from rank 0
-by broadcast. The weight group is gloo on CPU, NCCL on GPU.
+when one falls silent for rollout.generator_timeout_s (dead), or makes no progress for
+rollout.generator_progress_timeout_s (hung). The other trainer ranks take part in weight sync
+(TP gather, PP stages, as in colocated mode) and get the step's groups from rank 0 by
+broadcast. The weight group is gloo on CPU, NCCL on GPU; the values its store holds are
+authenticated with the hub's key (megatron_rl/disagg/weights.py), and on one node the store
+listens on the loopback only.
 
 Evaluation runs on the trainer's own engine through the colocated controller (the engine is
 built as in colocated mode), with the trainer's current weights.
@@ -128,7 +131,8 @@ class DisaggregatedController:
         local_ranks = 0 if external else rt.env.local_world_size
         specs = [GeneratorSpec(i, cfg, str(rt.run_dir), host, self.store.port, num, local_ranks,
                                list(sandbox_addresses)) for i in range(num)]
-        self.hub = Hub(specs, (self.max_staleness + 1) * self.num_groups, host, cfg.rollout.generator_timeout_s)
+        self.hub = Hub(specs, (self.max_staleness + 1) * self.num_groups, host, cfg.rollout.generator_timeout_s,
+                       cfg.rollout.generator_progress_timeout_s)
         self.events = EventLog(Path(rt.run_dir) / "timeline" / "trainer.jsonl")
         self.buffer = ExperienceBuffer(self.hub.experience, self.max_staleness)
         self.procs = []
@@ -189,17 +193,17 @@ class DisaggregatedController:
 
     def _connect(self, first_version: int) -> None:
         from megatron_rl.disagg.generator import GO_KEY
-        from megatron_rl.disagg.weights import BroadcastSink
+        from megatron_rl.disagg.weights import BroadcastSink, signed_set
         from megatron_rl.parallel.dist import WeightUpdateGroup
 
         start = time.time()
         while not self.hub.all_ready():  # a generator failing or falling silent while it loads raises here
             self._check_alive()
             time.sleep(0.2)
-        self.store.set(GO_KEY, str(first_version))
+        signed_set(self.store, self.hub.key, GO_KEY, str(first_version).encode())
         num = len(self.hub.specs)
         group = WeightUpdateGroup(self.store, 0, 1 + num, self.device, self.cfg.rollout.weight_update_timeout_s)
-        self._sink = BroadcastSink(group, self.store)
+        self._sink = BroadcastSink(group, self.store, self.hub.key)
         self.events.write("connect", start, time.time(), generators=num)
 
     def _publish(self, version: int) -> Any:

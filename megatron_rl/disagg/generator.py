@@ -19,6 +19,10 @@ computed as in `rollout.collect`: the decoded response and the prompt's meta go 
 
 Every engine call, weight update, scoring and blocked put is written to
 `<run_dir>/timeline/generator<i>.jsonl`; the log goes to `<run_dir>/logs/generator<i>.log`.
+Each of these steps, and each round of a wait, stamps the generator's progress clock
+(`channel.Progress`), which its heartbeat reports: the trainer stops with an error when it
+stands still for rollout.generator_progress_timeout_s (the loop hangs), not only when the
+heartbeat stops (the process died).
 Requests, experience and the stop signal come over the trainer's hub (megatron_rl/disagg/channel.py).
 With `rollout.generator_nodes=0` trainer rank 0 starts the generators (multiprocessing 'spawn');
 otherwise they are started separately, on any node that reaches the trainer:
@@ -83,15 +87,16 @@ def run_local_generator(index: int, host: str, port: int, key: bytes) -> None:
     """Target of the generators trainer rank 0 spawns on its own node."""
     from megatron_rl.disagg.channel import connect
 
-    run_generator(connect(host, port, key), index, local_index=index)
+    run_generator(connect(host, port, key), index, local_index=index, hub_key=key)
 
 
-def run_generator(hub: Any, index: int, local_index: int) -> None:
-    """The generator's main function: `hub` is its proxy of the trainer's `channel.Endpoint`;
+def run_generator(hub: Any, index: int, local_index: int, hub_key: bytes) -> None:
+    """The generator's main function: `hub` is its proxy of the trainer's `channel.Endpoint`,
+    `hub_key` the key it connected with (it also authenticates the weight store's values);
     `local_index` picks the device among the GPUs of this node left to generators."""
     from megatron_rl.data.domains import make_task
     from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.disagg.channel import heartbeat
+    from megatron_rl.disagg.channel import Progress, heartbeat
     from megatron_rl.observability import init_logger
     from megatron_rl.parallel.dist import generator_device
     from megatron_rl.rewards.service import RewardService
@@ -103,19 +108,21 @@ def run_generator(hub: Any, index: int, local_index: int) -> None:
     device = generator_device(cfg.cluster.device, local_index, spec.num_local_trainer_ranks)
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     hub.join(index, {"host": host, "pid": os.getpid(), "device": str(device)})
-    beating = threading.Event()
-    heartbeat(hub, index, beating)
+    beating, progress = threading.Event(), Progress()
+    heartbeat(hub, index, beating, progress)
     logger.info("generator %d of %d on %s (pid %d, %s), trainer at %s", index, spec.num_generators, host,
                 os.getpid(), device, spec.store_host)
     error = None
     try:
         tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
         task = make_task(cfg, tokenizer)
+        progress.stamp()
         engine = make_standalone_engine(cfg, tokenizer, device=device, index=index, work_dir=run_dir)
+        progress.stamp()
         rewards = RewardService(task.verifier_factory(spec.sandbox_addresses))
         events = EventLog(run_dir / "timeline" / f"generator{index}.jsonl")
         try:
-            _loop(spec, index, hub, engine, rewards, task, tokenizer, device, events)
+            _loop(spec, index, hub, hub_key, engine, rewards, task, tokenizer, device, events, progress.stamp)
         finally:
             rewards.close()
             events.close()
@@ -132,9 +139,9 @@ def run_generator(hub: Any, index: int, local_index: int) -> None:
             pass  # the trainer has gone already
 
 
-def _loop(spec: GeneratorSpec, index: int, hub: Any, engine: Any, rewards: Any, task: Any, tokenizer: Any,
-          device: Any, events: EventLog) -> None:
-    from megatron_rl.disagg.weights import WeightReceiver
+def _loop(spec: GeneratorSpec, index: int, hub: Any, hub_key: bytes, engine: Any, rewards: Any, task: Any,
+          tokenizer: Any, device: Any, events: EventLog, progress: Callable[[], None]) -> None:
+    from megatron_rl.disagg.weights import WeightReceiver, read_start
     from megatron_rl.parallel.dist import WeightUpdateGroup, weight_update_store
 
     world = 1 + spec.num_generators
@@ -144,27 +151,32 @@ def _loop(spec: GeneratorSpec, index: int, hub: Any, engine: Any, rewards: Any, 
     while not store.check([GO_KEY]):  # the trainer's warm start runs meanwhile
         if hub.stopping():
             return
+        progress()
         time.sleep(0.2)
+    first_version = read_start(store, hub_key, GO_KEY)  # before joining the group: a forged signal is refused
     group = WeightUpdateGroup(store, index + 1, world, device, timeout_s)
-    receiver = WeightReceiver(group, store, engine,
-                              on_update=lambda v, s, e: events.write("weights", s, e, version=v))
-    receiver.receive(int(store.get(GO_KEY)))
+    receiver = WeightReceiver(group, store, engine, hub_key,
+                              on_update=lambda v, s, e: events.write("weights", s, e, version=v), progress=progress)
+    receiver.receive(first_version)
     logger.info("generator %d ready on %s with weights v%d", index, device, receiver.version)
 
     def between_chunks() -> None:
         if hub.stopping():
             raise _Stopped
+        progress()
         receiver.poll()
 
     try:
         while not hub.stopping():
+            progress()
             receiver.poll()
             try:
                 request = hub.get_request(timeout=0.05)
             except queue.Empty:
                 continue
-            for item in serve(spec.cfg, index, request, task, engine, rewards, tokenizer, between_chunks, events):
-                _put(hub, item, receiver, events)
+            for item in serve(spec.cfg, index, request, task, engine, rewards, tokenizer, between_chunks, events,
+                              progress):
+                _put(hub, item, receiver, events, progress)
     except _Stopped:
         pass
     finally:
@@ -172,11 +184,13 @@ def _loop(spec: GeneratorSpec, index: int, hub: Any, engine: Any, rewards: Any, 
 
 
 def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, rewards: Any, tokenizer: Any,
-          between_calls: Callable[[], None], events: EventLog) -> list[ExperienceGroup]:
+          between_calls: Callable[[], None], events: EventLog,
+          progress: Callable[[], None] = lambda: None) -> list[ExperienceGroup]:
     """One request's scored groups, one per prompt (in the request's order). Single-turn prompts
     are completed (`_complete`), an agent task's prompts played as episodes (`_play`); a joint
     run's request may hold both, each agent domain played with its own environments.
-    `between_calls()` runs between engine calls that may take a weight update (partial rollouts)."""
+    `between_calls()` runs between engine calls that may take a weight update (partial rollouts);
+    `progress()` before and after every engine call, and while rewards are awaited."""
     agents = {"": task.cfg} if task.is_agent else {d: task.tasks[d].cfg for d in getattr(task, "agent_domains", ())}
     shares: dict[Optional[str], list[int]] = {}  # agent domain ("": the agent task) or None: single-turn
     for p, (_, meta) in enumerate(request.prompts):
@@ -188,11 +202,11 @@ def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, reward
     for domain, positions in shares.items():
         start = time.time()
         if domain is None:
-            got = _complete(cfg, request, positions, engine, rewards, tokenizer, between_calls, events)
+            got = _complete(cfg, request, positions, engine, rewards, tokenizer, between_calls, events, progress)
         else:
             host = rewards.verifier if task.is_agent else rewards.verifier.verifiers[domain]
             got, stats = _play(cfg, request, positions, agents[domain], engine, host, rewards.loop, tokenizer,
-                               between_calls, events)
+                               between_calls, events, progress)
             played = {p: [episode for episode, _ in got[p]] for p in positions}
             sched.update(scheduler_shares(stats, played, f"domain/{domain}/" if domain else ""))
         samples.update(got)
@@ -208,14 +222,15 @@ def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, reward
 
 
 def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rewards: Any, tokenizer: Any,
-              between_chunks: Callable[[], None], events: EventLog) -> dict[int, list[tuple[Any, list[int]]]]:
+              between_chunks: Callable[[], None], events: EventLog,
+              progress: Callable[[], None]) -> dict[int, list[tuple[Any, list[int]]]]:
     """Single-turn prompts: `params.n` completions each, generated in chunks of
     rollout.partial_rollout_tokens (updates applied between chunks), then scored."""
     from megatron_rl.rollout.collect import Rollout
     from megatron_rl.rollout.partial import generate_partial
 
     prompts = [request.prompts[p] for p in positions]
-    gens = generate_partial(_LoggedEngine(engine, lambda: None, events, request.request_id),
+    gens = generate_partial(_LoggedEngine(engine, lambda: None, events, request.request_id, progress),
                             [tokens for tokens, _ in prompts], request.params, cfg.rollout.partial_rollout_tokens,
                             between_chunks)
     end = time.time()
@@ -223,7 +238,7 @@ def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rew
     texts = [tokenizer.decode(g.output_ids, skip_special_tokens=True) for g in gens]
     status = ""
     try:
-        scores = rewards.submit(list(zip(metas, texts))).result(timeout=300)
+        scores = _result(rewards.submit(list(zip(metas, texts))), 300.0, progress)
     except Exception as exc:  # noqa: BLE001  (late or failed: unscored, as in rollout.collect)
         logger.warning("request %d: rewards %s; its samples are left out of the update", request.request_id,
                        "timed out" if isinstance(exc, concurrent.futures.TimeoutError) else f"failed: {exc!r}")
@@ -239,8 +254,8 @@ def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rew
 
 
 def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engine: Any, host: Any, loop: Any,
-          tokenizer: Any, between_turns: Callable[[], None],
-          events: EventLog) -> tuple[dict[int, list[tuple[Any, list[int]]]], dict[str, float]]:
+          tokenizer: Any, between_turns: Callable[[], None], events: EventLog,
+          progress: Callable[[], None]) -> tuple[dict[int, list[tuple[Any, list[int]]]], dict[str, float]]:
     """An agent task's prompts: `params.n` episodes each, as colocated mode plays them
     (rollout.agent_scheduler: lockstep or async, the task's turn format and episode limits) on
     this generator's engine and environments. With partial rollouts (rollout.partial_rollout_tokens
@@ -253,7 +268,7 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
 
     r = cfg.rollout
     turns = _LoggedEngine(engine, between_turns if r.partial_rollout_tokens else (lambda: None), events,
-                          request.request_id)
+                          request.request_id, progress)
     fmt, limits = TurnFormat(tokenizer, task_system_prompt(task_cfg)), EpisodeLimits.of(task_cfg)
     tasks = [request.prompts[p][1] for p in positions]
     version = engine.weight_version  # of the episodes that end before their first turn
@@ -279,10 +294,13 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
 class _LoggedEngine:
     """The engine as a request's generation sees it: each call goes to the timeline (`generate`
     events); `before()` runs before each call (episodes with partial rollouts: a pending weight
-    update; it raises when the trainer stops), `before_s` sums its time."""
+    update; it raises when the trainer stops), `before_s` sums its time; `progress()` runs before
+    and after each call (a call that never returns stops the generator's progress clock)."""
 
-    def __init__(self, engine: Any, before: Callable[[], None], events: EventLog, request_id: int) -> None:
+    def __init__(self, engine: Any, before: Callable[[], None], events: EventLog, request_id: int,
+                 progress: Callable[[], None] = lambda: None) -> None:
         self.engine, self.before, self.events, self.request_id = engine, before, events, request_id
+        self.progress = progress
         self.before_s = 0.0
 
     @property
@@ -294,16 +312,34 @@ class _LoggedEngine:
         self.before()
         start = time.time()
         self.before_s += start - called
+        self.progress()
         gens = self.engine.generate(prompts, params)
+        self.progress()
         self.events.write("generate", start, time.time(), version=int(self.engine.weight_version),
                           sequences=len(gens), request=self.request_id)
         return gens
 
 
-def _put(hub: Any, item: ExperienceGroup, receiver: Any, events: EventLog) -> None:
-    """Put one group into the buffer; while it is full, keep applying weight updates."""
+def _result(future: Any, timeout_s: float, progress: Callable[[], None], poll_s: float = 1.0) -> Any:
+    """`future.result(timeout_s)`, waited for in rounds of `poll_s` that stamp progress: a bounded
+    wait is not a hang (concurrent.futures.TimeoutError after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        progress()
+        try:
+            return future.result(timeout=max(min(poll_s, deadline - time.monotonic()), 0.0))
+        except concurrent.futures.TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+
+
+def _put(hub: Any, item: ExperienceGroup, receiver: Any, events: EventLog,
+         progress: Callable[[], None] = lambda: None) -> None:
+    """Put one group into the buffer; while it is full, keep applying weight updates (waiting on
+    the trainer's back-pressure is progress)."""
     start = time.time()
     while not hub.stopping():
+        progress()
         try:
             hub.put_experience(item, timeout=0.1)
         except queue.Full:
@@ -317,7 +353,7 @@ def _put(hub: Any, item: ExperienceGroup, receiver: Any, events: EventLog) -> No
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """A generator started separately (rollout.generator_nodes > 0): connect with the run
     directory's hub file and serve until the trainer stops."""
-    from megatron_rl.disagg.channel import connect_from_file
+    from megatron_rl.disagg.channel import connect_with_file
 
     parser = argparse.ArgumentParser(prog="python -m megatron_rl.disagg.generator", description=main.__doc__)
     parser.add_argument("--run-dir", required=True, help="the training run's directory (shared with the trainer)")
@@ -329,12 +365,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="how long to wait for the trainer's hub (the trainer loads its model first)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s generator %(levelname)s %(message)s")
-    hub = connect_from_file(args.run_dir, args.wait_s)
+    hub, key = connect_with_file(args.run_dir, args.wait_s)
     num = hub.spec(0).num_generators
     if not 0 <= args.index < num:
         logger.error("--index %d: the trainer expects %d generator(s) (rollout.num_generators)", args.index, num)
         return 2
-    run_generator(hub, args.index, args.local_index)
+    run_generator(hub, args.index, args.local_index, key)
     return 0
 
 

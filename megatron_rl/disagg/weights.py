@@ -11,31 +11,131 @@ bucket of the next version is announced in the store it joins the broadcasts, bu
 bucket, and loads each into its engine with `engine.update_weights(bucket, version, flush)`.
 The trainer blocks in the broadcast until every generator has joined, i.e. at most one
 generation chunk (`rollout.partial_rollout_tokens`) or, without partial rollouts, one request.
+
+The store is a TCPStore: it takes connections from any client, without credentials. So what
+the trainer writes to it (the bucket metadata, the start signal) is JSON, never a pickle, and
+carries an HMAC-SHA256 keyed by a key derived from the hub's (`channel.Hub.key`, which every
+generator has: from its spawn arguments or `hub.json`), bound to the value's store key; a
+receiver refuses a value whose MAC does not match, then one whose JSON is not exactly what a
+sink writes (`WeightStoreError`), before sizing a buffer from it. Not covered: the bucket bytes
+themselves travel over the process group, whose connections (gloo's or NCCL's, set up through
+the same store's rendezvous keys) are not authenticated; see docs/rollout.md.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
-import pickle
 import time
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from megatron_rl.weight_sync.stream import bucket_bytes_of, pack_bucket, unpack_bucket
+from megatron_rl.weight_sync.stream import BucketMeta, bucket_bytes_of, pack_bucket, unpack_bucket
 
 logger = logging.getLogger(__name__)
+
+# the dtypes a bucket may hold, by the names the metadata uses (torch's, without "torch.")
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in (
+        "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if isinstance(getattr(torch, name, None), torch.dtype)}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_MAC_HEX = 64  # hex digits of an HMAC-SHA256
+
+
+class WeightStoreError(RuntimeError):
+    """A value in the weight store that this run's trainer did not write, or not in its format."""
 
 
 def _key(version: int, bucket: int) -> str:
     return f"v{version}/b{bucket}"
 
 
-class BroadcastSink:
-    """The trainer's end: an `update_weights` target that broadcasts each bucket to the generators."""
+def _mac(hub_key: bytes, name: str, payload: bytes) -> str:
+    # a key of its own (not the hub's), and the value's store key under the MAC: a genuine value
+    # copied to another key (another version's or bucket's) does not verify there
+    store_key = hmac.new(hub_key, b"megatron_rl.disagg weight store", hashlib.sha256).digest()
+    return hmac.new(store_key, name.encode() + b"\0" + payload, hashlib.sha256).hexdigest()
 
-    def __init__(self, group: Any, store: Any) -> None:
-        self.group, self.store = group, store
+
+def signed_set(store: Any, hub_key: bytes, name: str, payload: bytes) -> None:
+    """Set `name` to `payload` with its MAC (`<64 hex digits>\\n<payload>`)."""
+    store.set(name, _mac(hub_key, name, payload).encode() + b"\n" + payload)
+
+
+def signed_get(store: Any, hub_key: bytes, name: str) -> bytes:
+    """The payload of `name` (blocks until it is set); raises WeightStoreError unless its MAC verifies."""
+    value = bytes(store.get(name))
+    mac, newline, payload = value[:_MAC_HEX], value[_MAC_HEX:_MAC_HEX + 1], value[_MAC_HEX + 1:]
+    expected = _mac(hub_key, name, payload).encode()
+    if newline != b"\n" or not hmac.compare_digest(mac, expected):
+        raise WeightStoreError(f"weight store value {name!r} failed authentication: it was not written by this "
+                               "run's trainer (the store accepts any client on its network; another process "
+                               "set it, or a trainer of another run shares the address); refusing it")
+    return payload
+
+
+def _malformed(name: str, why: str) -> WeightStoreError:
+    return WeightStoreError(f"weight store value {name!r} is malformed: {why}")
+
+
+def encode_bucket(meta: BucketMeta, flush: bool) -> bytes:
+    """A bucket's metadata as JSON: {"flush": bool, "tensors": [[name, shape, dtype name], ...]}."""
+    for _, _, dtype in meta:
+        if dtype not in _NAMES:
+            raise ValueError(f"a weight of dtype {dtype} cannot be sent to the generators: allowed dtypes are "
+                             f"{', '.join(DTYPES)}")
+    tensors = [[name, [int(n) for n in shape], _NAMES[dtype]] for name, shape, dtype in meta]
+    return json.dumps({"flush": bool(flush), "tensors": tensors}, separators=(",", ":")).encode()
+
+
+def decode_bucket(payload: bytes, name: str) -> tuple[BucketMeta, bool]:
+    """`encode_bucket`'s inverse, checked field by field (raises WeightStoreError naming the problem)."""
+    try:
+        doc = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _malformed(name, f"not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise _malformed(name, f"must be an object, got {type(doc).__name__}")
+    if set(doc) != {"flush", "tensors"}:
+        raise _malformed(name, f"keys must be exactly flush, tensors; got {', '.join(sorted(map(str, doc)))}")
+    if not isinstance(doc["flush"], bool):
+        raise _malformed(name, f"flush must be true or false, got {doc['flush']!r}")
+    if not isinstance(doc["tensors"], list):
+        raise _malformed(name, "tensors must be a list")
+    meta: BucketMeta = []
+    for i, entry in enumerate(doc["tensors"]):
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise _malformed(name, f"tensor {i} must be [name, shape, dtype], got {entry!r}")
+        tensor, shape, dtype = entry
+        if not isinstance(tensor, str):
+            raise _malformed(name, f"tensor {i}: name must be a string, got {tensor!r}")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise _malformed(name, f"tensor {tensor!r}: shape must be a list of integers >= 0, got {shape!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise _malformed(name, f"tensor {tensor!r}: unknown dtype {dtype!r} (allowed: {', '.join(DTYPES)})")
+        meta.append((tensor, tuple(shape), DTYPES[dtype]))
+    return meta, doc["flush"]
+
+
+def read_start(store: Any, hub_key: bytes, name: str) -> int:
+    """The first weight version, from the trainer's start signal (`signed_set(.., str(version))`)."""
+    payload = signed_get(store, hub_key, name)
+    if not payload.isdigit():
+        raise _malformed(name, f"must be a weight version (a non-negative integer), got {payload[:40]!r}")
+    return int(payload)
+
+
+class BroadcastSink:
+    """The trainer's end: an `update_weights` target that broadcasts each bucket to the generators.
+    `hub_key`: the hub's key (`channel.Hub.key`), which authenticates the metadata in the store."""
+
+    def __init__(self, group: Any, store: Any, hub_key: bytes) -> None:
+        self.group, self.store, self.hub_key = group, store, hub_key
         self.weight_version = -1
         self._bucket = 0
         self._version: Optional[int] = None
@@ -47,7 +147,7 @@ class BroadcastSink:
         if version != self._version:
             self._version, self._bucket = version, 0
         meta, flat = pack_bucket(tensors)
-        self.store.set(_key(version, self._bucket), pickle.dumps((meta, flush)))
+        signed_set(self.store, self.hub_key, _key(version, self._bucket), encode_bucket(meta, flush))
         self.group.broadcast(flat.to(self.group.device), src=0)
         self._bucket += 1
         if flush:  # every member has read the previous update's keys by now
@@ -59,12 +159,16 @@ class BroadcastSink:
 
 
 class WeightReceiver:
-    """A generator's end: joins the broadcasts of the next version and loads them into `engine`."""
+    """A generator's end: joins the broadcasts of the next version and loads them into `engine`.
+    `hub_key`: the hub's key, which the metadata in the store must be authenticated with;
+    `progress()` runs after each bucket (the generator's progress clock)."""
 
-    def __init__(self, group: Any, store: Any, engine: Any,
-                 on_update: Optional[Callable[[int, float, float], None]] = None) -> None:
-        self.group, self.store, self.engine = group, store, engine
+    def __init__(self, group: Any, store: Any, engine: Any, hub_key: bytes,
+                 on_update: Optional[Callable[[int, float, float], None]] = None,
+                 progress: Callable[[], None] = lambda: None) -> None:
+        self.group, self.store, self.engine, self.hub_key = group, store, engine, hub_key
         self.on_update = on_update  # (version, start, end), for the generator's timeline
+        self.progress = progress
         self.version = -1
 
     def poll(self) -> bool:
@@ -79,10 +183,12 @@ class WeightReceiver:
         start = time.time()
         bucket = 0
         while True:
-            meta, flush = pickle.loads(self.store.get(_key(version, bucket)))
+            name = _key(version, bucket)
+            meta, flush = decode_bucket(signed_get(self.store, self.hub_key, name), name)
             flat = torch.empty(bucket_bytes_of(meta), dtype=torch.uint8, device=self.group.device)
             self.group.broadcast(flat, src=0)
             self.engine.update_weights(unpack_bucket(meta, flat), version, flush=flush)
+            self.progress()
             bucket += 1
             if flush:
                 break

@@ -187,9 +187,25 @@ def all_reduce_cpu_scalars(values: list[float], group: Optional[dist.ProcessGrou
 
 def weight_update_store(host: str, port: int, world_size: int, is_master: bool,
                         timeout_s: float = 600.0) -> dist.TCPStore:
-    """The rendezvous store of a weight-update group (rank 0, the trainer, hosts it)."""
-    return dist.TCPStore(host, port, world_size, is_master=is_master, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    """The rendezvous store of a weight-update group (rank 0, the trainer, hosts it).
+
+    The store takes any client without credentials (what goes into it is authenticated by
+    megatron_rl/disagg/weights.py). A master at a loopback address listens on the loopback only:
+    TCPStore itself binds every interface whatever `host` is, so it is handed a socket bound here."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    loopback = "127.0.0.1" if host == "localhost" else host if host.startswith("127.") or host == "::1" else None
+    if is_master and loopback is not None:
+        listener = socket.socket(socket.AF_INET6 if loopback == "::1" else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((loopback, port))
+            listener.listen(socket.SOMAXCONN)
+        except OSError:
+            listener.close()
+            raise
+        return dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
+                             timeout=timeout, master_listen_fd=listener.detach())
+    return dist.TCPStore(host, port, world_size, is_master=is_master, wait_for_workers=False, timeout=timeout)
 
 
 class WeightUpdateGroup:

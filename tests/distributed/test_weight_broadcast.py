@@ -20,6 +20,7 @@ from megatron_rl.parallel.dist import free_port
 from tests.distributed.launcher import run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+KEY = b"k" * 32  # the hub's key, which authenticates the bucket metadata in the store
 
 
 def _buckets(version: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -47,7 +48,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     store = weight_update_store("127.0.0.1", port, world, is_master=rank == 0, timeout_s=60)
     group = WeightUpdateGroup(store, rank, world, torch.device("cpu"), timeout_s=60)
     if rank == 0:
-        sink = BroadcastSink(group, store)
+        sink = BroadcastSink(group, store, KEY)
         for version in (0, 1):
             buckets = _buckets(version)
             for i, bucket in enumerate(buckets):
@@ -57,7 +58,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         store.wait(["received"], datetime.timedelta(seconds=60))
         return
     engine = RecordingEngine()
-    receiver = WeightReceiver(group, store, engine)
+    receiver = WeightReceiver(group, store, engine, KEY)
     receiver.receive(0)
     store.wait(["v1/b0"], datetime.timedelta(seconds=60))
     assert receiver.poll() and receiver.version == 1

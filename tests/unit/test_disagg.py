@@ -310,11 +310,22 @@ def test_a_joint_request_completes_single_turn_prompts_and_plays_agent_ones(tmp_
     order = [agent, math]  # positions 0 and 1 of the request, source indices 10 and 11
     request = Request(1, [10, 11], [(list(p.tokens), dict(p.meta)) for p in order],
                       SamplingParams(max_new_tokens=16, n=2, seed=1, stop_token_ids=task.stop_token_ids))
+    stamps: list[str] = []
+    calls = policy.generate
+
+    def generate(prompts, params):  # the generator's progress clock is stamped around every engine call
+        stamps.append("call")
+        return calls(prompts, params)
+
+    policy.generate = generate
     try:
-        groups = serve(cfg, 0, request, task, policy, rewards, tokenizer, lambda: None, events)
+        groups = serve(cfg, 0, request, task, policy, rewards, tokenizer, lambda: None, events,
+                       progress=lambda: stamps.append("progress"))
     finally:
         rewards.close()
         events.close()
+    assert stamps.count("call") >= 2 and "call" not in {stamps[0], stamps[-1]}
+    assert all(stamps[i - 1] == stamps[i + 1] == "progress" for i, s in enumerate(stamps) if s == "call")
     played, completed = groups
     assert all(isinstance(r, Episode) and (r.domain, r.source_index, r.prompt_index, r.reward, r.num_turns) ==
                ("cd", 10, 0, 1.0, 1) for r in played.rollouts)
@@ -323,6 +334,24 @@ def test_a_joint_request_completes_single_turn_prompts_and_plays_agent_ones(tmp_
         assert not isinstance(r, Episode) and (r.domain, r.source_index, r.prompt_index) == ("math", 11, 1)
         assert r.prompt_tokens == list(math.tokens) and tokenizer.decode(r.output_ids) == boxed
         assert versions == [0] * len(r.output_ids) and r.reward == 1.0  # the right answer, boxed
+
+
+def test_a_bounded_wait_stamps_progress_while_it_waits():
+    """The reward wait of a request is waited for in rounds that stamp the generator's progress
+    clock: it is bounded (its own timeout), so no hang."""
+    import concurrent.futures
+    import threading
+
+    from megatron_rl.disagg.generator import _result
+
+    stamps: list[float] = []
+    late: concurrent.futures.Future = concurrent.futures.Future()
+    threading.Timer(0.35, late.set_result, args=([1.0],)).start()
+    assert _result(late, 5.0, lambda: stamps.append(1.0), poll_s=0.1) == [1.0]
+    assert 3 <= len(stamps) <= 6
+    never: concurrent.futures.Future = concurrent.futures.Future()
+    with pytest.raises(concurrent.futures.TimeoutError):
+        _result(never, 0.25, lambda: None, poll_s=0.1)
 
 
 def _cfg(overrides: list[str]):
@@ -340,6 +369,8 @@ def _cfg(overrides: list[str]):
     (["rollout.mode=disaggregated", "rollout.generator_nodes=2", "rollout.num_generators=3"],
      "rollout.num_generators=3 is invalid: must be a multiple of rollout.generator_nodes=2"),
     (["rollout.mode=disaggregated", "rollout.generator_timeout_s=0"], "rollout.generator_timeout_s=0"),
+    (["rollout.mode=disaggregated", "rollout.generator_progress_timeout_s=0"],
+     "rollout.generator_progress_timeout_s=0 is invalid: must be > 0"),
 ])
 def test_schema_refuses_disaggregated_settings_it_cannot_use(overrides, message):
     with pytest.raises(Exception, match=message.replace("(", r"\(")):

@@ -1,5 +1,5 @@
 """The control channel of disaggregated mode (megatron_rl/disagg/channel.py): the hub's queues,
-stop event, specs and heartbeats, reached through the TCP proxies generators use."""
+stop event, specs, heartbeats and progress reports, reached through the TCP proxies generators use."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from megatron_rl.disagg import channel
-from megatron_rl.disagg.channel import Hub, connect, connect_from_file, heartbeat, hub_path
+from megatron_rl.disagg.channel import Hub, Progress, connect, connect_from_file, connect_with_file, heartbeat, hub_path
 
 pytestmark = pytest.mark.serial  # heartbeat and stop waits are bounded in wall-clock time
 
@@ -93,6 +93,8 @@ def test_hub_file_is_owner_only_and_connects(hub, tmp_path):
     conn = connect_from_file(tmp_path, wait_s=5)
     hub.requests.put("x")
     assert conn.get_request(timeout=1) == "x"
+    conn, key = connect_with_file(tmp_path, wait_s=5)  # a generator started separately: the key signs weights
+    assert key == hub.key and conn.spec(0).name == "a"
 
 
 def test_connecting_waits_for_the_file_and_gives_up_on_a_stale_one(hub, tmp_path):
@@ -137,6 +139,67 @@ def test_check_names_a_generator_that_never_joined_or_fell_silent(hub):
     hub.check(ready_at + 4.9)
     with pytest.raises(RuntimeError, match="generator 1 on node8"):
         hub.check(ready_at + 5.5)
+
+
+def test_check_names_a_generator_whose_loop_makes_no_progress_though_it_beats():
+    """A beat carries how long ago the generator's main loop last made progress (its own clock);
+    the trainer raises once that exceeds the progress timeout, with the heartbeat still fresh."""
+    h = Hub([_Spec(0, "a"), _Spec(1, "b")], 1, "127.0.0.1", timeout_s=100.0, progress_timeout_s=60.0)
+    try:
+        conn = connect(*h.address, h.key)
+        conn.join(0, {"host": "node7"})
+        conn.join(1, {"host": "node8"})
+        conn.beat(0, 10.0)
+        conn.beat(1, 0.0)
+        beat_at = time.monotonic()
+        h.check(beat_at + 4)  # generator 0 idle ~14 s, within 60 s
+        conn.beat(0, 58.0)  # its heartbeat thread beats on; the loop has been stuck for 58 s
+        conn.beat(1)  # a beat that does not say: generator 1's last progress stays where it was
+        at = time.monotonic()
+        h.check(at + 1.5)
+        with pytest.raises(RuntimeError, match=r"generator 0 on node7 has made no progress for 6\ds \(rollout\."
+                                               r"generator_progress_timeout_s=60\) though its heartbeat goes on"):
+            h.check(at + 4)
+        conn.beat(0, 0.5)  # it made progress again
+        h.check(time.monotonic() + 4)
+        conn.stopped(0)
+        with pytest.raises(RuntimeError, match="generator 1 on node8 has made no progress"):
+            h.check(beat_at + 61)  # its heartbeat is fresh (within 100 s), its last progress is not
+        assert "last progress" in h.describe()
+    finally:
+        h.close()
+
+
+def test_a_heartbeat_thread_reports_the_main_loops_progress(monkeypatch):
+    """The generator's loop stuck (no stamps) with its heartbeat thread running is detected after
+    the progress timeout; a loop that stamps is not; a heartbeat without a progress clock counts as
+    no progress."""
+    monkeypatch.setattr(channel, "HEARTBEAT_S", 0.1)
+    h = Hub([_Spec(0, "a"), _Spec(1, "b"), _Spec(2, "c")], 1, "127.0.0.1", timeout_s=30.0, progress_timeout_s=1.0)
+    until = threading.Event()
+    try:
+        stuck, going = Progress(), Progress()
+        for index, clock in ((0, stuck), (1, going), (2, None)):
+            conn = connect(*h.address, h.key)
+            conn.join(index, {"host": f"node{index}"})
+            heartbeat(conn, index, until, clock)
+
+        def loop() -> None:
+            while not until.wait(0.05):
+                going.stamp()
+
+        threading.Thread(target=loop, daemon=True).start()
+        time.sleep(1.6)
+        with pytest.raises(RuntimeError, match=r"generator 0 on node0 has made no progress for \ds"):
+            h.check()
+        h.registry.stop(0)
+        with pytest.raises(RuntimeError, match="generator 2 on node2 has made no progress"):
+            h.check()
+        h.registry.stop(2)
+        h.check()  # generator 1 beats and makes progress
+    finally:
+        until.set()
+        h.close()
 
 
 def test_heartbeat_thread_keeps_a_generator_alive_and_stop_is_waited_for(hub, monkeypatch):
