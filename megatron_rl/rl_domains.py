@@ -75,8 +75,12 @@ class JointDomains:
 
     def eval_metrics(self, step: int, prompts: Sequence[Any], rollouts: Sequence[Any]) -> dict[str, float]:
         """Held-out accuracy per domain after `step` steps; pauses the domains the monitor flags."""
+        from megatron_rl.rl_step import is_scored
+
         totals: dict[str, list[float]] = {}
         for r in rollouts:
+            if not is_scored(r):  # no verdict (a sandbox or verifier failure): no evidence about the domain
+                continue
             meta = prompts[r.prompt_index].meta
             totals.setdefault(meta["domain"], []).append(r.reward / self.task.reward_scale_of(meta))
         accuracy = {d: sum(v) / len(v) for d, v in totals.items()}

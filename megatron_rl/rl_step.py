@@ -31,6 +31,13 @@ def _decode(tokenizer):
     return decode
 
 
+def _reward_wait(cfg) -> float:
+    """How long the collector waits for a chunk's rewards: 300 s, or longer when a reward function
+    may take longer per call (task.reward_timeout_s)."""
+    tasks = [d.task for d in cfg.domains.values()] if cfg.domains else [cfg.task]
+    return max(300.0, *(2 * t.reward_timeout_s for t in tasks))
+
+
 def _sampling(cfg, parts: dict, n: int, seed: int, evaluation: bool = False) -> SamplingParams:
     """Training's sampling settings (rollout.*), or evaluation's: task.eval_* where set."""
     r, t = cfg.rollout, cfg.task
@@ -152,7 +159,8 @@ def _generate(rt, parts: dict, prompts: list, params: SamplingParams,
     if getattr(task, "agent_domains", ()):
         return _generate_domains(rt, parts, prompts, params, training)
     if not task.is_agent:
-        return collect(parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"]))
+        return collect(parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"]),
+                       reward_timeout_s=_reward_wait(rt.cfg))
     return _episodes(rt, parts, prompts, params, task.cfg, parts["rewards"], training)
 
 
@@ -206,7 +214,8 @@ def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams,
             index = index[:targets[domain]]
         mine = [prompts[i] for i in index]
         if not domain:
-            got, stats = collect(parts["engine"], mine, params, rewards, rt.groups, _decode(parts["tokenizer"]))
+            got, stats = collect(parts["engine"], mine, params, rewards, rt.groups, _decode(parts["tokenizer"]),
+                                 reward_timeout_s=_reward_wait(rt.cfg))
         else:
             view = _DomainRewards(rewards.verifier.verifiers[domain], rewards.loop)
             got, stats = _episodes(rt, parts, mine, params, task.tasks[domain].cfg, view, training, targets.get(domain))
@@ -277,6 +286,8 @@ def token_advantages(algo, rewards: torch.Tensor, rollouts: list[Rollout]) -> li
     from megatron_rl.algorithms.advantages import gae, place_sequence_rewards
     from megatron_rl.algorithms.registry import ADVANTAGE_ESTIMATORS
 
+    if not rollouts:  # every sample lost: nothing to estimate
+        return []
     if algo.advantage_estimator != "gae":
         group_ids = torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long)
         per_sample = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)(rewards, group_ids)
@@ -464,7 +475,9 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts])
     group_ids = torch.tensor([r.prompt_index for r, s in zip(rollouts, scored) if s], dtype=torch.long)
     tokens = sum(s.tokens.numel() for s in samples)
-    metrics.update(controller.metrics(), **timing, **filter_stats)
+    if cfg.rollout.replay_dir is None:  # a replay ran no rollout: the controller holds an evaluation's timings
+        metrics.update(controller.metrics())
+    metrics.update(**timing, **filter_stats)
     metrics.update({"reward/mean": raw.mean().item(), "response_length/mean": lengths.mean().item(),
                     "reward/shaped_mean": scored_values.mean().item(),
                     "reward/zero_variance_groups":

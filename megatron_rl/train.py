@@ -112,8 +112,9 @@ def run_rl(rt) -> dict[str, float]:
     if cfg.algorithm.kl_coef > 0:  # reference = the policy RL started from (kept in host memory)
         if resumed is not None and resumed.get("reference") is None:
             raise ValueError(f"algorithm.kl_coef={cfg.algorithm.kl_coef}, but the checkpoint this run resumes from "
-                             f"({parts['checkpoints'].root}) was written with kl_coef=0 and holds no reference "
-                             "policy: resume with algorithm.kl_coef=0, or start a new run (another run_dir)")
+                             f"({parts['checkpoints'].root}) holds no usable reference policy (written with "
+                             "kl_coef=0, or an older multi-rank checkpoint: see the warning above): resume with "
+                             "algorithm.kl_coef=0, or start a new run (another run_dir)")
         parts["reference"] = parts["trainer"].snapshot_weights() if resumed is None else resumed["reference"]
     show = rt.is_main and cfg.logging.progress
     bar = tqdm(range(start_step, cfg.num_steps), desc="rl", unit="step", initial=start_step, total=cfg.num_steps,

@@ -352,5 +352,12 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
     extra = dict(state.get("extra", {}))
     if meta.get("reference"):
         extra["reference"] = _load_reference(trainer, state["reference"])
+    elif extra.get("reference") is not None and (saved_layout["tp"] > 1 or saved_layout["pp"] > 1
+                                                 or saved_layout["ep"] > 1):
+        # written before the reference was saved sharded: its common state holds rank 0's shards only, which
+        # are no reference for the other ranks; dropped (a run with kl_coef > 0 then refuses to resume, naming it)
+        logger.warning("checkpoint %s keeps its KL reference policy as rank 0's shards only (written before "
+                       "references were saved sharded, at layout %s): the reference is dropped", path, saved_layout)
+        extra["reference"] = None
     logger.info("loaded checkpoint %s at step %d (%.2fs)", path, meta["step"], time.perf_counter() - start)
     return extra

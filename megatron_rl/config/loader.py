@@ -217,6 +217,11 @@ def _validate_rl(cfg: TrainConfig) -> None:
     if eval_tokens is not None and eval_tokens >= cfg.model.max_position_embeddings:
         raise ConfigError(f"task.eval_max_new_tokens={eval_tokens} is invalid: must be < model.max_position_embeddings="
                           f"{cfg.model.max_position_embeddings} to leave room for the prompt")
+    if rollout.n_samples_per_prompt == 1 and (algo.filter_zero_variance or algo.dynamic_sampling):
+        which = "filter_zero_variance" if algo.filter_zero_variance else "dynamic_sampling"
+        raise ConfigError(f"algorithm.{which}=true with rollout.n_samples_per_prompt=1: every group of one sample "
+                          "has no reward variance, so every sample would be dropped; sample >= 2 per prompt or "
+                          f"set algorithm.{which}=false")
     if rollout.max_new_tokens >= cfg.model.max_position_embeddings:
         raise ConfigError(
             f"rollout.max_new_tokens={rollout.max_new_tokens} is invalid: must be < "

@@ -1112,8 +1112,8 @@ class TaskConfig:
     reward_tolerance: float = 1e-6
     """Absolute tolerance of numeric answers (reward=math)."""
     reward_timeout_s: float = 60.0
-    """reward=package.module:function: seconds one call may take; a late one is a 0 reward, counted in
-    reward/verifier_errors."""
+    """reward=package.module:function: seconds one call may take once it runs; a late one is no verdict (the
+    sample is left unscored), counted in reward/verifier_errors."""
     environment: str = "repo"
     """type=agent: the environment episodes run in (registered in megatron_rl.envs)."""
     generator: str = "repo"

@@ -40,6 +40,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import os
 import queue
 import socket
@@ -247,8 +248,9 @@ def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rew
     out: dict[int, list[tuple[Any, list[int]]]] = {}
     for g, score in zip(gens, scores):
         p = positions[g.prompt_index]
+        lost = math.isnan(score)  # the verifier's "no verdict" (rewards/custom.py: NO_VERDICT)
         rollout = Rollout(p, list(request.prompts[p][0]), g.output_ids, g.logprobs, g.finish_reason,
-                          g.weight_version, reward=float(score), status=status)
+                          g.weight_version, reward=0.0 if lost else float(score), status="unscored" if lost else status)
         out.setdefault(p, []).append((rollout, g.token_versions))
     return out
 

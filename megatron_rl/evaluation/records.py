@@ -16,12 +16,14 @@ least k scored samples) and is reported as `num_lost`. Offline evaluation adds `
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from megatron_rl.evaluation.stats import (
     DEFAULT_RESAMPLES,
+    Interval,
     bootstrap_interval,
     group_by,
     mean_pass_at_k,
@@ -113,10 +115,12 @@ def _summary(records, ks, confidence, num_resamples, seed) -> dict[str, Any]:
     per_seed = {s: eval_metrics(rows, ks) for s, rows in sorted(by_seed.items())}
     metrics = {}
     for name in ["accuracy", *(f"pass@{k}" for k in ks)]:
-        values = [m[name] for m in per_seed.values()]
+        values = [m[name] for m in per_seed.values() if not math.isnan(m[name])]
         scores = list(per_prompt_scores(records, name).values())
-        metrics[name] = {"seeds": t_interval(values, confidence).to_dict(),
-                         "prompts": bootstrap_interval(scores, confidence, num_resamples, seed).to_dict(),
+        nothing = Interval(float("nan"), float("nan"), float("nan"), 0, "none")  # every sample lost
+        metrics[name] = {"seeds": (t_interval(values, confidence) if values else nothing).to_dict(),
+                         "prompts": (bootstrap_interval(scores, confidence, num_resamples, seed) if scores
+                                     else nothing).to_dict(),
                          "per_seed": {str(s): m[name] for s, m in per_seed.items()}}
     counts = counts_per_prompt(records)
     counted = len(scored(records))
@@ -153,6 +157,8 @@ def compare(baseline: Sequence[Mapping[str, Any]], candidate: Sequence[Mapping[s
                              "the same set")
         a, b = per_prompt_scores(baseline, name), per_prompt_scores(candidate, name)
         order = sorted(set(a) & set(b))  # a prompt lost verdicts left out of one side is left out of both
+        if not order:  # no prompt scored on both sides: nothing to compare
+            continue
         out[name] = paired_comparison(np.array([a[p] for p in order]), np.array([b[p] for p in order]),
                                       confidence, num_resamples, seed).to_dict()
     return out

@@ -11,10 +11,13 @@ trusted code running in the trainer's reward thread; model output it executes is
 this path (use reward=tests or an environment for that).
 
 A synchronous function runs on a thread pool, so a slow one does not hold up the reward loop;
-each call has a deadline (`task.reward_timeout_s`). A call that raises, returns something other
-than a finite number, or misses its deadline gives reward 0 and is counted in
-`reward/verifier_errors` (the first failure is logged with its traceback): one odd completion
-must not end a long run, and a broken function shows at once in the step summary.
+each call has a deadline (`task.reward_timeout_s`), counted from when it starts to run (calls
+queued behind a busy pool do not lose theirs). A call that raises, returns something other than a
+finite number, or misses its deadline is no verdict: the verifier returns NaN for it, which the
+rollout collector turns into an unscored sample (left out of baselines and the loss, counted in
+`reward/unscored`), and it is counted in `reward/verifier_errors` (the first failure is logged
+with its traceback): one odd completion must not end a long run, nor score 0 as if it were wrong.
+A thread whose call never returns cannot be stopped; it keeps its pool slot.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ import inspect
 import logging
 import math
 import numbers
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
+
+
+NO_VERDICT = float("nan")  # a verifier's score for an item it could not judge (rollout.collect: unscored)
 
 
 class _NotAReward(TypeError):
@@ -74,6 +80,8 @@ class CustomVerifier:
         self.timeout_s = timeout_s
         self.pool = None if self.is_async else concurrent.futures.ThreadPoolExecutor(
             max_workers, thread_name_prefix="reward-fn")
+        self.max_workers = max_workers
+        self._slots: Optional[asyncio.Semaphore] = None  # made on the reward loop, in score()
         self.calls = 0
         self.errors = 0
         self._logged = False
@@ -81,15 +89,18 @@ class CustomVerifier:
     async def score(self, items: Sequence[tuple[dict, str]]) -> list[float]:
         """items: (sample, completion text) -> rewards."""
         self.calls += 1
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_workers)
         return list(await asyncio.gather(*(self._one(sample, completion) for sample, completion in items)))
 
     async def _one(self, sample: dict, completion: str) -> float:
         try:
-            if self.is_async:
-                value = await asyncio.wait_for(self.fn(completion, sample), self.timeout_s)
-            else:
-                call = asyncio.get_running_loop().run_in_executor(self.pool, self.fn, completion, sample)
-                value = await asyncio.wait_for(call, self.timeout_s)
+            async with self._slots:  # the deadline starts when the call does, not while it waits for a slot
+                if self.is_async:
+                    value = await asyncio.wait_for(self.fn(completion, sample), self.timeout_s)
+                else:
+                    call = asyncio.get_running_loop().run_in_executor(self.pool, self.fn, completion, sample)
+                    value = await asyncio.wait_for(call, self.timeout_s)
             if not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise _NotAReward(f"returned {value!r}; a reward is a finite number (bool counts as 0/1)")
             return float(value)
@@ -99,10 +110,10 @@ class CustomVerifier:
                 err = TimeoutError(f"no reward within task.reward_timeout_s={self.timeout_s}")
             if not self._logged:
                 self._logged = True
-                logger.warning("reward function %s failed (reward 0; later failures are only counted in "
-                               "reward/verifier_errors): %s: %s", self.path, type(err).__name__, err,
-                               exc_info=err if not isinstance(err, (TimeoutError, _NotAReward)) else None)
-            return 0.0
+                logger.warning("reward function %s failed (no verdict: the sample is left unscored; later failures "
+                               "are only counted in reward/verifier_errors): %s: %s", self.path, type(err).__name__,
+                               err, exc_info=err if not isinstance(err, (TimeoutError, _NotAReward)) else None)
+            return NO_VERDICT
 
     def close(self) -> None:
         if self.pool is not None:

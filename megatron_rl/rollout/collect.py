@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import time
 from typing import Any, Optional, Sequence
 
@@ -98,7 +99,7 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
             pending.append((len(local), reward_service.submit(items)))
         local += rollouts
     start = time.perf_counter()
-    timeouts = failures = 0
+    timeouts = failures = unscored = 0
     ends = [offset for offset, _ in pending[1:]] + [len(local)]
     for (offset, future), end in zip(pending, ends):
         try:
@@ -113,8 +114,11 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
                 r.status = "unscored"
             continue
         for k, score in enumerate(scores):
-            local[offset + k].reward = score
+            if math.isnan(score):  # the verifier's "no verdict" (rewards/custom.py: NO_VERDICT)
+                local[offset + k].status, unscored = "unscored", unscored + 1
+            else:
+                local[offset + k].reward = score
     wait = time.perf_counter() - start
     return gather_rollouts(local if first_mp_rank else None), {
         "time/generate_only": gen_time, "time/reward_wait": wait, "reward/timeouts": float(timeouts),
-        "reward/failed_batches": float(failures)}
+        "reward/failed_batches": float(failures), "reward/unscored": float(unscored)}

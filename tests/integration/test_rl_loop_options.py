@@ -123,8 +123,9 @@ def test_a_reward_function_by_path_and_critic_free_ppo(tmp_path, saved_dataset):
 
 def test_dumped_rollouts_replay_the_same_updates_without_generating(tmp_path, saved_dataset):
     """logging.dump_rollouts writes each step's samples; a run from the same start with rollout.replay_dir
-    trains on them without a rollout phase and logs the same update metrics, bit for bit on CPU."""
-    common = ["num_steps=2", "task.num_eval=0"]
+    trains on them without a rollout phase and logs the same update metrics, bit for bit on CPU. (An
+    evaluation after each step runs the colocated rollout; a replayed step must not report its timings.)"""
+    common = ["num_steps=2", "task.num_eval=4", "task.eval_every=1", "task.eval_samples=1"]
     dumped, replayed = tmp_path / "dumped", tmp_path / "replayed"
     first = subprocess.run(_args(dumped, saved_dataset, *common, "logging.dump_rollouts=true"), env=_env(),
                            capture_output=True, text=True, timeout=800)
@@ -140,7 +141,7 @@ def test_dumped_rollouts_replay_the_same_updates_without_generating(tmp_path, sa
         for key in ("reward/mean", "loss", "grad_norm", "ppo_kl", "entropy", "response_length/mean",
                     "rollout/logprob_mismatch"):
             assert got[key] == want[key], (want["step"], key, got[key], want[key])
-    too_far = subprocess.run(_args(tmp_path / "far", saved_dataset, "num_steps=3", "task.num_eval=0",
+    too_far = subprocess.run(_args(tmp_path / "far", saved_dataset, "num_steps=3", "task.num_eval=4",
                                    f"rollout.replay_dir={dumped / 'rollouts'}"),
                              env=_env(), capture_output=True, text=True, timeout=120)
     assert too_far.returncode != 0 and "has no rollouts of step 2 (it holds steps 0..1)" in too_far.stderr

@@ -56,3 +56,14 @@ def test_a_late_verifier_leaves_its_samples_unscored(tmp_path, monkeypatch):
     assert [r.status for r in rollouts] == ["unscored"] * 4 and stats["reward/timeouts"] >= 1.0
     cfg = types.SimpleNamespace(algorithm=types.SimpleNamespace(advantage_estimator="grpo"))
     assert step_advantages(cfg, rollouts, torch.zeros(4)) == [None] * 4
+
+
+def test_no_verdict_from_a_verifier_leaves_that_sample_unscored(tmp_path, monkeypatch):
+    """A reward function that raises on some completions: those samples only are unscored (NaN from the
+    verifier), the others keep their rewards."""
+    (tmp_path / "picky_reward.py").write_text(
+        "def score(c, s):\n    if s['answer'] == '8':\n        raise ValueError('no')\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rollouts, stats = _run(lambda: CustomVerifier("picky_reward:score"), [{"answer": "7"}, {"answer": "8"}])
+    assert [r.status for r in rollouts] == ["", "", "unscored", "unscored"]
+    assert [r.reward for r in rollouts] == [1.0, 1.0, 0.0, 0.0] and stats["reward/unscored"] == 2.0

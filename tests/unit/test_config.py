@@ -253,6 +253,8 @@ INVALID_CASES = [
     (["rollout=sglang", "rollout.stop=[END]"], 1, ["rollout.stop=['END']", "without a tokenizer"]),
     (["rollout.stop=['']"], 1, ["rollout.stop=['']", "non-empty"]),
     (["algorithm.ref_update_every=5"], 1, ["algorithm.ref_update_every=5", "kl_coef > 0"]),
+    (["mode=rl", "algorithm=ppo", "rollout.n_samples_per_prompt=1", "algorithm.filter_zero_variance=true"], 1,
+     ["algorithm.filter_zero_variance=true", "rollout.n_samples_per_prompt=1", "every sample would be dropped"]),
     (["mode=rl", "task.eval_max_new_tokens=100000"], 1, ["task.eval_max_new_tokens=100000",
                                                         "model.max_position_embeddings"]),
     (["algorithm.rollout_mask_low=1.2"], 1, ["algorithm.rollout_mask_low=1.2", "(0, 1)"]),

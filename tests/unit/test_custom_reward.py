@@ -117,12 +117,14 @@ def test_async_functions_and_bools(user_module):
     assert verifier.errors == 0
 
 
-def test_failures_are_a_counted_zero_and_the_rest_is_scored(user_module, caplog):
+def test_failures_are_no_verdict_and_the_rest_is_scored(user_module, caplog):
+    """A call that raises or returns no number is no verdict (NaN: the collector leaves the sample
+    unscored), counted; the others are scored."""
     verifier = CustomVerifier("my_rewards:broken")
     with caplog.at_level("WARNING"):
         rewards = asyncio.run(verifier.score([({}, c) for c in ("ok", "boom", "nan", "text", "ok")]))
     verifier.close()
-    assert rewards == [1.0, 0.0, 0.0, 0.0, 1.0] and all(math.isfinite(r) for r in rewards)
+    assert rewards[0] == rewards[4] == 1.0 and all(math.isnan(r) for r in rewards[1:4])
     assert verifier.errors == 3
     warnings = [r for r in caplog.records if "reward function my_rewards:broken failed" in r.getMessage()]
     assert len(warnings) == 1 and "boom" in warnings[0].getMessage()  # the first failure, then only counted
@@ -138,4 +140,14 @@ def test_sync_functions_run_side_by_side_under_a_deadline(user_module):
     # four 0.4 s calls on their own threads: well under their 1.6 s in series; the 3 s call is cut at 1 s
     assert elapsed < 1.6, elapsed
     assert len(set(rewards[:4])) == 4 and threading.get_ident() not in rewards[:4]
-    assert rewards[4] == 0.0 and verifier.errors == 1
+    assert math.isnan(rewards[4]) and verifier.errors == 1
+
+
+@pytest.mark.serial  # a wall-clock bound
+def test_a_call_queued_behind_a_busy_pool_keeps_its_deadline(user_module):
+    """Eight 0.3 s calls on two threads with a 0.5 s deadline: each runs well within it, though the last
+    ones start about a second after they were submitted (the deadline counted queueing before)."""
+    verifier = CustomVerifier("my_rewards:slow", timeout_s=0.5, max_workers=2)
+    rewards = asyncio.run(verifier.score([({}, "0.3")] * 8))
+    verifier.close()
+    assert not any(math.isnan(r) for r in rewards) and verifier.errors == 0

@@ -185,6 +185,14 @@ def test_lost_samples_count_in_no_metric():
     out = summarize([dict(r, seed=0) for r in recs], [2], num_resamples=100)
     assert (out["num_samples"], out["num_lost"], out["num_prompts"]) == (5, 3, 2)
     assert math.isnan(eval_metrics([dict(recs[1])], [1])["accuracy"])
+    # a domain whose every sample was lost (its sandbox down): reported empty, the report still written
+    down = records_from_rollouts([_P("code"), _P("math")], [_R(0, 0.0, "dropped"), _R(0, 0.0, "dropped"),
+                                                            _R(1, 1.0), _R(1, 0.0)], lambda meta: 1.0)
+    out = summarize([dict(r, seed=0) for r in down], [1], num_resamples=100)
+    code = out["domains"]["code"]
+    assert code["num_samples"] == 0 and code["num_lost"] == 2 and code["metrics"]["accuracy"]["prompts"]["n"] == 0
+    assert out["domains"]["math"]["metrics"]["accuracy"]["seeds"]["mean"] == 0.5
+    assert compare(down[:2], down[:2], [1], num_resamples=100) == {}  # nothing scored on either side
 
 
 def test_summarize_and_compare_records():

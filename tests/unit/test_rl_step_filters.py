@@ -175,6 +175,8 @@ def test_every_advantage_estimator_runs_in_the_step():
         advantages = step_advantages(cfg, rollouts, shaped_rewards(cfg, rollouts))
         assert [a.shape[0] for a in advantages] == [3, 2, 4, 1], estimator
         assert all(torch.isfinite(a).all() for a in advantages) and any(a.abs().sum() > 0 for a in advantages)
+        lost = [_episode(0, 0.0, "dropped"), _episode(0, 0.0, "unscored")]  # nothing scored: no advantage, no error
+        assert step_advantages(cfg, lost, shaped_rewards(cfg, lost)) == [None, None], estimator
 
 
 def test_evaluation_samples_with_its_own_settings():
