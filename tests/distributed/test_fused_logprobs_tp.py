@@ -12,10 +12,11 @@
 Tolerances (fp32): only summation order differs, so log-probs and entropies agree to 2e-5 and
 loss and grad norm to 1e-5 relative (as in test_parity.py). Weights after one Adam step
 (lr 1e-3): Adam's first step moves a weight by lr * g / (|g| + eps), which turns rounding-level
-differences of gradients with |g| near eps = 1e-8 into differences of up to ~1e-6 (seen: 5 of
-16384 elements of one matrix at 1.0e-6). So: every weight within 5e-6 (0.5% of lr; a wrong
-gradient moves a weight by up to 2 * lr), and the mean absolute difference of every tensor
-within 1e-8 (1e-5 of lr: a systematic error would move many elements).
+differences of gradients with |g| near eps = 1e-8 into differences of a fraction of lr (seen: 5 of
+16384 elements of one matrix at 1.0e-6; on another CPU, whose kernels sum in another order, one
+element at 5.2e-6). So: every weight within 5e-5 (5% of lr; a wrong gradient moves a weight by up to
+2 * lr, 40 times that), and the mean absolute difference of every tensor within 1e-8 (1e-5 of lr: a
+systematic error would move many elements).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def test_fused_equals_naive_in_the_trainer(results, layout):
     assert sorted(fused["weights"]) == sorted(naive["weights"])
     for key, want in naive["weights"].items():
         diff = (fused["weights"][key] - want).abs()
-        assert diff.max().item() <= 5e-6, f"{key}: max abs diff {diff.max().item():.3e}"
+        assert diff.max().item() <= 5e-5, f"{key}: max abs diff {diff.max().item():.3e}"
         assert diff.mean().item() <= 1e-8, f"{key}: mean abs diff {diff.mean().item():.3e}"
 
 
@@ -174,4 +175,4 @@ def test_layouts_agree_with_single_process_on_the_fused_path(results):
             assert torch.allclose(got, want, atol=2e-5)
         for key, want in ref["weights"].items():
             diff = (runs[(layout, True)]["weights"][key] - want).abs()
-            assert diff.max().item() <= 5e-6 and diff.mean().item() <= 1e-8, key
+            assert diff.max().item() <= 5e-5 and diff.mean().item() <= 1e-8, key
