@@ -385,10 +385,11 @@ def _reference_reader(rank, world, root, out, tp, pp):
                     "sampler": extra["sampler"]}, out)
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("tp, pp", [(1, 2)], ids=["pp2"])
 def test_the_kl_reference_resumes_with_each_ranks_own_shards(tmp_path, tp, pp):
-    """Every rank gets its own shards of the reference back, at the saving layout and at another one
-    (the reference travelled in the common state before: at TP=2 rank 1 got rank 0's shards)."""
+    """Written at TP=2, read at PP=2: every rank gets its own part of the reference back, resharded (it
+    travelled in rank 0's common state before: a TP=2 resume gave rank 1 rank 0's shards, and a PP=2
+    one lists of the other stage's tensors). One layout: each reader is two spawned ranks on CPU."""
     root, written, read = tmp_path / "ckpt", tmp_path / "w.pt", tmp_path / "r.pt"
     run_spawned(_reference_writer, 2, str(root), str(written))
     run_spawned(_reference_reader, 2, str(root), str(read), tp, pp)
