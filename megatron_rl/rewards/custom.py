@@ -104,7 +104,7 @@ class CustomVerifier:
             if not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise _NotAReward(f"returned {value!r}; a reward is a finite number (bool counts as 0/1)")
             return float(value)
-        except Exception as err:  # noqa: BLE001  (any failure of the user's function is a 0 reward, counted)
+        except Exception as err:  # noqa: BLE001  (any failure of the user's function: no verdict, counted)
             self.errors += 1
             if isinstance(err, asyncio.TimeoutError):
                 err = TimeoutError(f"no reward within task.reward_timeout_s={self.timeout_s}")
