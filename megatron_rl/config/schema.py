@@ -1180,7 +1180,9 @@ class TaskConfig:
             _check_min("task.eval_max_new_tokens", self.eval_max_new_tokens, 1)
         _check_min("task.sft_warmup_steps", self.sft_warmup_steps, 0)
         _check_min("task.sft_warmup_lr", self.sft_warmup_lr, 0, strict=True)
-        custom_reward = ":" in self.reward  # package.module:function, imported by the run checks
+        from megatron_rl.rewards.custom import is_reward_path
+
+        custom_reward = is_reward_path(self.reward)  # package.module:function, imported by the run checks
         if not custom_reward:
             _check_choice("task.reward", self.reward, self.REWARDS)
         if self.type == "dataset" and not self.path:

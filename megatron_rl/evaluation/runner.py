@@ -306,8 +306,10 @@ def _regression_parts(rt, parts: dict, spec: str, set_name: str) -> dict:
     task_cfg = regression_task_config(spec)
     if task_cfg is None:
         base = rt.cfg.task
-        custom = ":" in base.reward  # a reward function by path serves the file's rows as well
-        reward = base.reward if base.reward in ("math", "exact", "tests") or custom else "auto"
+        from megatron_rl.rewards.custom import is_reward_path
+
+        # a reward function by path serves the file's rows as well
+        reward = base.reward if base.reward in ("math", "exact", "tests") or is_reward_path(base.reward) else "auto"
         task_cfg = dataclasses.replace(base, name=set_name, type="dataset", path=spec, eval_path=spec,
                                        num_eval=10**9, reward=reward)
     task = Task(task_cfg, parts["tokenizer"])
