@@ -1,6 +1,6 @@
 """Offline evaluation of a run's checkpoints:
 
-    python -m megatron_rl.eval --run RUN_DIR [--checkpoints all|latest|hf|STEP|DIR ...] [--seeds 3]
+    python -m megatron_rl.eval --run RUN_DIR [--checkpoints all|latest|best|hf|STEP|DIR ...] [--seeds 3]
         [--pass-k 1 4] [--regression [SET=]FILE.jsonl | [SET=]task=NAME,...]... [--name NAME | --out DIR]
         [key=value ...]
 
@@ -43,7 +43,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--set", default="heldout", dest="set_name",
                         help="with --pool: heldout (default), regression or a regression set's name")
     parser.add_argument("--checkpoints", nargs="+", default=["all"], metavar="CKPT",
-                        help="all (default: every training checkpoint, by step), latest, hf (every HF export), a "
+                        help="all (default: every training checkpoint, by step), latest, best, hf (every HF export), a "
                              "step number, a checkpoint name or directory; the first one is the baseline")
     parser.add_argument("--seeds", type=int, default=3, help="sampling seeds per checkpoint (default 3)")
     parser.add_argument("--pass-k", type=int, nargs="+", default=None, metavar="K",

@@ -1,6 +1,6 @@
 """Export a run's training checkpoint as a Hugging Face checkpoint, offline:
 
-    python -m megatron_rl.export --run RUN_DIR [--checkpoint latest|STEP|NAME|DIR] [--out DIR]
+    python -m megatron_rl.export --run RUN_DIR [--checkpoint latest|best|STEP|NAME|DIR] [--out DIR]
         [--dtype bfloat16|float16|float32] [key=value ...]
 
 The run's config.yaml gives the model; `key=value` overrides change the layout the weights are
@@ -28,7 +28,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--run", required=True, help="run directory written by `python -m megatron_rl.train`")
     parser.add_argument("--checkpoint", default="latest",
-                        help="latest (default), a step number, a checkpoint name (step_00000010) or directory")
+                        help="latest (default), best, a step number, a checkpoint name (step_00000010) or directory")
     parser.add_argument("--out", default=None, help="output directory (default RUN/hf/<checkpoint name>)")
     parser.add_argument("--dtype", default=None, choices=DTYPES, help="tensor dtype (default: the model's)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the run's config")

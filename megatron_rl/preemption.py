@@ -74,15 +74,14 @@ class Preemption:
                        self.reason, int(max(counts)), steps_done, total_steps)
         return True
 
-    def save_and_mark(self, checkpoints: Any, steps_done: int, extra: Callable[[], dict[str, Any]]) -> None:
+    def save_and_mark(self, checkpoints: Any, steps_done: int, extra: Callable[[], dict[str, Any]],
+                      metrics: Optional[dict[str, float]] = None) -> None:
         """Checkpoint after `steps_done` steps (all ranks) and record the stop for the launcher."""
-        from megatron_rl.checkpoint.training import find_latest, save_checkpoint, step_dir
+        from megatron_rl.checkpoint.training import find_latest, step_dir
 
         latest = find_latest(checkpoints.root)
         if latest is None or latest != step_dir(checkpoints.root, steps_done):
-            cfg = checkpoints.cfg
-            save_checkpoint(checkpoints.trainer, checkpoints.root, steps_done, extra(), checkpoints.run_config,
-                            keep_last=cfg.keep_last, keep_every=cfg.keep_every)
+            checkpoints.save(steps_done, extra(), metrics)
         if self.is_main:
             path = self.run_dir / MARKER
             tmp = path.with_suffix(".tmp")

@@ -278,17 +278,22 @@ def _model_tokens(rollout: Rollout) -> list[int]:
     return list(getattr(rollout, "model_mask", None) or [1] * len(rollout.output_ids))
 
 
-def token_advantages(algo, rewards: torch.Tensor, rollouts: list[Rollout]) -> list[torch.Tensor]:
+def token_advantages(algo, rewards: torch.Tensor, rollouts: list[Rollout],
+                     penalties: Optional[list[torch.Tensor]] = None) -> list[torch.Tensor]:
     """Per response token advantages [len(output_ids)] of each rollout, from rewards [N] of the SCORED
     rollouts given (lost ones must be left out by the caller). Group estimators broadcast one value per
     sample; gae (no critic: values 0) puts each reward on the sample's last model token and runs the
-    recursion over the model tokens with algorithm.gae_gamma / gae_lambda, whitened over the batch."""
+    recursion over the model tokens with algorithm.gae_gamma / gae_lambda, whitened over the batch.
+    penalties (algorithm.kl_in_reward): per rollout, what each response token's reward loses [len(output_ids)];
+    a group estimator sees the reward minus the sample's summed penalty, gae the per-token rewards."""
     from megatron_rl.algorithms.advantages import gae, place_sequence_rewards
     from megatron_rl.algorithms.registry import ADVANTAGE_ESTIMATORS
 
     if not rollouts:  # every sample lost: nothing to estimate
         return []
     if algo.advantage_estimator != "gae":
+        if penalties is not None:
+            rewards = rewards - torch.stack([p.sum() for p in penalties]).to(rewards.dtype)
         group_ids = torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long)
         per_sample = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)(rewards, group_ids)
         return [torch.full((len(r.output_ids),), float(a)) for r, a in zip(rollouts, per_sample)]
@@ -296,7 +301,11 @@ def token_advantages(algo, rewards: torch.Tensor, rollouts: list[Rollout]) -> li
     mask = torch.zeros(len(rollouts), width)
     for i, r in enumerate(rollouts):
         mask[i, :len(r.output_ids)] = torch.tensor(_model_tokens(r), dtype=torch.float)
-    grid, _ = gae(place_sequence_rewards(rewards, mask), mask, None, algo.gae_gamma, algo.gae_lambda)
+    token_rewards = place_sequence_rewards(rewards, mask)
+    if penalties is not None:
+        for i, p in enumerate(penalties):
+            token_rewards[i, :len(p)] -= p.to(token_rewards.dtype)
+    grid, _ = gae(token_rewards, mask, None, algo.gae_gamma, algo.gae_lambda)
     return [grid[i, :len(r.output_ids)].clone() for i, r in enumerate(rollouts)]
 
 
@@ -396,17 +405,46 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
     return rollouts, timing
 
 
-def step_advantages(cfg, rollouts: list[Rollout], rewards: torch.Tensor, joint: Any = None
-                    ) -> list[Optional[torch.Tensor]]:
-    """Per response token advantages of each rollout (None for a lost one) from the shaped rewards [N].
-    Lost episodes take no part in group baselines or in a joint run's per-domain calibration (a joint
-    run's `advantage_rewards` sees the scored rewards only)."""
+def step_advantages(cfg, rollouts: list[Rollout], rewards: torch.Tensor, joint: Any = None,
+                    penalties: Optional[list[Optional[torch.Tensor]]] = None) -> list[Optional[torch.Tensor]]:
+    """Per response token advantages of each rollout (None for a lost one) from the shaped rewards [N]
+    and, with algorithm.kl_in_reward, each scored rollout's per-token KL penalties (`reward_kl`). Lost
+    episodes take no part in group baselines or in a joint run's per-domain calibration (a joint run's
+    `advantage_rewards` sees the scored rewards only; the KL penalty applies after the calibration)."""
     scored = [r for r in rollouts if is_scored(r)]
     values = rewards[torch.tensor([is_scored(r) for r in rollouts], dtype=torch.bool)]
     if joint is not None:
         values = joint.advantage_rewards(values, scored)
-    per_scored = iter(token_advantages(cfg.algorithm, values, scored))
+    scored_penalties = None if penalties is None else [p for r, p in zip(rollouts, penalties) if is_scored(r)]
+    per_scored = iter(token_advantages(cfg.algorithm, values, scored, scored_penalties))
     return [next(per_scored) if is_scored(r) else None for r in rollouts]
+
+
+def reward_kl(cfg, parts: dict, rollouts: list[Rollout]) -> tuple[list[Optional[dict]], dict[str, float]]:
+    """algorithm.kl_in_reward: for each scored rollout (None for a lost one) its log-probs before the update
+    and the reference's ("old_logprobs", "ref_logprobs": the update reuses them) and its "penalty", kl_coef
+    times the KL estimate on each response token (0 on tool output). Then the KL controller
+    (`parts["kl_ctl"]`) adapts kl_coef to this step's KL: the mean over samples of each sample's mean KL
+    per model token."""
+    from megatron_rl.algorithms.kl import kl_estimate
+
+    ctl, scored = parts["kl_ctl"], [r for r in rollouts if is_scored(r)]
+    samples = [r.sample({"rollout_logprobs": r.response_extra(r.logprobs)}) for r in scored]
+    _old_and_reference_logprobs(cfg, parts, samples)
+    coef, found, kls = ctl.coef, {}, []
+    for r, s in zip(scored, samples):
+        start = len(r.prompt_tokens) - 1
+        model = torch.tensor(_model_tokens(r), dtype=torch.float)
+        kl = kl_estimate(s.extras["old_logprobs"][start:], s.extras["ref_logprobs"][start:],
+                         cfg.algorithm.kl_estimator) * model
+        kls.append(float(kl.sum() / model.sum().clamp(min=1)))
+        found[id(r)] = {"old_logprobs": s.extras["old_logprobs"], "ref_logprobs": s.extras["ref_logprobs"],
+                        "penalty": coef * kl}
+    if not kls:
+        return [None] * len(rollouts), {}
+    step_kl = sum(kls) / len(kls)
+    ctl.update(step_kl, len(kls))
+    return [found.get(id(r)) for r in rollouts], {"kl_reward/coef": coef, "kl_reward/kl": step_kl}
 
 
 def select_samples(cfg, rollouts: list[Rollout], rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -457,10 +495,14 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
         write_rollouts(rt.run_dir / "rollouts", step, rollouts, lambda ids: tokenizer.decode(ids))
     rewards = shaped_rewards(cfg, rollouts)
     joint = parts.get("domains")  # multi-domain runs: per-domain calibration before the advantages
-    advantages = step_advantages(cfg, rollouts, rewards, joint)
+    penalised, kl_metrics = (reward_kl(cfg, parts, rollouts) if cfg.algorithm.kl_in_reward
+                             else ([None] * len(rollouts), {}))
+    advantages = step_advantages(cfg, rollouts, rewards, joint, [p and p["penalty"] for p in penalised]
+                                 if cfg.algorithm.kl_in_reward else None)
     keep, filter_stats = select_samples(cfg, rollouts, rewards)
-    samples = [r.sample({"advantages": r.response_extra(a), "rollout_logprobs": r.response_extra(r.logprobs)})
-               for r, a, k in zip(rollouts, advantages, keep) if k]
+    samples = [r.sample({"advantages": r.response_extra(a), "rollout_logprobs": r.response_extra(r.logprobs),
+                         **{k: v for k, v in (p or {}).items() if k != "penalty"}})
+               for r, a, k, p in zip(rollouts, advantages, keep, penalised) if k]
     metrics: dict[str, float] = {}
     start = time.perf_counter()
     if samples:
@@ -477,7 +519,7 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     tokens = sum(s.tokens.numel() for s in samples)
     if cfg.rollout.replay_dir is None:  # a replay ran no rollout: the controller holds an evaluation's timings
         metrics.update(controller.metrics())
-    metrics.update(**timing, **filter_stats)
+    metrics.update(**timing, **filter_stats, **kl_metrics)
     metrics.update({"reward/mean": raw.mean().item(), "response_length/mean": lengths.mean().item(),
                     "reward/shaped_mean": scored_values.mean().item(),
                     "reward/zero_variance_groups":
@@ -536,22 +578,32 @@ def _maintain(rt, parts: dict, step: int, rollouts: list[Rollout]) -> dict[str, 
     return out
 
 
+def _old_and_reference_logprobs(cfg, parts: dict, samples: list) -> None:
+    """Fill in the samples' "old_logprobs" (the trainer's forward, or the engine's with
+    algorithm.old_logprobs=rollout) and, with kl_coef > 0, "ref_logprobs", where not given already
+    (`reward_kl` computed them before the advantages). Every rank holds the same samples."""
+    trainer = parts["trainer"]
+    missing = [s for s in samples if "old_logprobs" not in s.extras]
+    if cfg.algorithm.old_logprobs == "recompute" and missing:
+        old, _ = trainer.forward_logprobs(missing)
+        for s, lp in zip(missing, old):
+            s.extras["old_logprobs"] = lp
+    else:
+        for s in missing:
+            s.extras["old_logprobs"] = s.extras["rollout_logprobs"]
+    missing = [s for s in samples if "ref_logprobs" not in s.extras]
+    if cfg.algorithm.kl_coef > 0 and missing:  # the reference policy lives in host memory except for this forward
+        current = trainer.swap_weights(parts["reference"])
+        ref, _ = trainer.forward_logprobs(missing)
+        trainer.swap_weights(current)
+        for s, lp in zip(missing, ref):
+            s.extras["ref_logprobs"] = lp
+
+
 def _update(cfg, parts: dict, samples: list) -> dict[str, float]:
     """Old (and reference) log-probs, then the policy update(s) on `samples`."""
     trainer = parts["trainer"]
-    if cfg.algorithm.old_logprobs == "recompute":
-        old, _ = trainer.forward_logprobs(samples)
-        for s, lp in zip(samples, old):
-            s.extras["old_logprobs"] = lp
-    else:
-        for s in samples:
-            s.extras["old_logprobs"] = s.extras["rollout_logprobs"]
-    if cfg.algorithm.kl_coef > 0:  # the reference policy lives in host memory except for this forward
-        current = trainer.swap_weights(parts["reference"])
-        ref, _ = trainer.forward_logprobs(samples)
-        trainer.swap_weights(current)
-        for s, lp in zip(samples, ref):
-            s.extras["ref_logprobs"] = lp
+    _old_and_reference_logprobs(cfg, parts, samples)
     mismatch = max((float((s.extras["old_logprobs"] - s.extras["rollout_logprobs"])[s.loss_mask.bool()].abs().max())
                     for s in samples if s.loss_mask.any()), default=0.0)
     for update in range(cfg.algorithm.num_inner_updates):

@@ -114,7 +114,8 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")
             if step % cfg.logging.log_every == 0 or step == cfg.num_steps - 1:
                 logger.info(format_step_summary(step, metrics, SUMMARY_KEYS))
-            checkpoints.after_step(step + 1, lambda: {"sampler": sampler.state_dict(), "first_eval": first_eval})
+            checkpoints.after_step(step + 1, lambda: {"sampler": sampler.state_dict(), "first_eval": first_eval},
+                                   metrics)
     if rt.is_main:
         plot_metrics(rt.run_dir / "metrics.jsonl", rt.run_dir / "plots", ["loss", "grad_norm", "tokens_per_s"])
         logger.info("SFT done: train loss %.4f; held-out loss %.4f -> %.4f; run directory %s",

@@ -116,6 +116,13 @@ def run_rl(rt) -> dict[str, float]:
                              "kl_coef=0, or an older multi-rank checkpoint: see the warning above): resume with "
                              "algorithm.kl_coef=0, or start a new run (another run_dir)")
         parts["reference"] = parts["trainer"].snapshot_weights() if resumed is None else resumed["reference"]
+    if cfg.algorithm.kl_in_reward:  # the penalty's coefficient, adaptive with algorithm.kl_target
+        from megatron_rl.algorithms.kl import KLController
+
+        algo = cfg.algorithm
+        parts["kl_ctl"] = KLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+        if resumed is not None and resumed.get("kl_ctl") and algo.kl_target is not None:
+            parts["kl_ctl"].load_state_dict(resumed["kl_ctl"])  # else: fixed, or switched on now: kl_coef
     show = rt.is_main and cfg.logging.progress
     bar = tqdm(range(start_step, cfg.num_steps), desc="rl", unit="step", initial=start_step, total=cfg.num_steps,
                disable=not show)
@@ -141,11 +148,12 @@ def run_rl(rt) -> dict[str, float]:
                         "reference": parts.get("reference"), "weight_version": parts["controller"].version,
                         "domains": parts["domains"] and parts["domains"].state_dict(),
                         "env_pool": parts["env_pool"] and parts["env_pool"].state_dict(),
+                        "kl_ctl": "kl_ctl" in parts and parts["kl_ctl"].state_dict(),
                         "disaggregated": cfg.rollout.mode == "disaggregated" and parts["controller"].state_dict()}
 
-            parts["checkpoints"].after_step(step + 1, state)
+            parts["checkpoints"].after_step(step + 1, state, metrics)
             if rt.preemption.stop_agreed(step + 1, cfg.num_steps):
-                rt.preemption.save_and_mark(parts["checkpoints"], step + 1, state)
+                rt.preemption.save_and_mark(parts["checkpoints"], step + 1, state, metrics)
                 break
     finish_rl(rt, parts, history)
     return metrics

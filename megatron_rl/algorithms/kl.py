@@ -70,3 +70,32 @@ def kl_penalized_rewards(token_rewards: Tensor, logprobs: Tensor, ref_logprobs: 
     """
     kl = kl_estimate(logprobs.detach(), ref_logprobs.detach(), estimator)
     return (token_rewards - kl_coef * kl) * mask.to(kl.dtype)
+
+
+class KLController:
+    """The coefficient beta of the KL penalty in the reward (`algorithm.kl_in_reward`): fixed, or adaptive
+    with a target (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", sec. 2.2):
+    after each step that measured a KL of `kl` on `num_samples` samples,
+
+        error = clip(kl / target - 1, -0.2, 0.2);    beta <- beta * (1 + error * num_samples / horizon)
+
+    so beta grows while the policy drifts further than the target from the reference and shrinks
+    while it stays closer. Its state travels in checkpoints (`state_dict`)."""
+
+    def __init__(self, coef: float, target: Optional[float] = None, horizon: int = 10000) -> None:
+        if coef <= 0 or (target is not None and target <= 0) or horizon < 1:
+            raise ValueError(f"a KL controller needs coef > 0, target > 0 (or None) and horizon >= 1, got "
+                             f"coef={coef}, target={target}, horizon={horizon}")
+        self.coef, self.target, self.horizon = float(coef), target, horizon
+
+    def update(self, kl: float, num_samples: int) -> None:
+        if self.target is None:
+            return
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.coef *= 1.0 + error * num_samples / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"coef": self.coef}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.coef = float(state["coef"])

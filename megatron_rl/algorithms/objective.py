@@ -59,7 +59,8 @@ def aggregate(per_token: Tensor, mask: Tensor, sample_num_tokens: Tensor, num_to
 def make_policy_loss_fn(cfg: Any) -> LossFn:
     """Build the RL loss from an object with `AlgorithmConfig`'s fields (`policy_loss`,
     `eps_clip`, `eps_clip_high`, `kl_coef`, `kl_estimator`, `entropy_coef`, `loss_agg_mode`),
-    plus optional attributes read with getattr: `eps_clip_c` (dual-clip bound, default None: off),
+    plus optional attributes read with getattr: `kl_in_reward` (default False; True: no KL loss term, the
+    KL is in the rewards), `eps_clip_c` (dual-clip bound, default None: off),
     the rollout correction's `tis_cap` (default 2.0),
     `rollout_is` ("token"), `rollout_mask` ("none"), `rollout_mask_low` / `rollout_mask_high`
     (0.5 / 2.0), and `loss_norm_len` (norm_len of `seq_mean_token_sum_norm`, default None).
@@ -93,7 +94,10 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
         raise ValueError(f"algorithm.loss_agg_mode={mode} is invalid: allowed values are {', '.join(AGG_MODES)}")
     eps_low = float(cfg.eps_clip)
     eps_high = eps_low if cfg.policy_loss == "ppo_clip" else float(cfg.eps_clip_high)
-    kl_coef, kl_estimator = float(cfg.kl_coef), cfg.kl_estimator
+    # With kl_in_reward the KL penalises the rewards before the advantages (megatron_rl/rl_step.py); the loss
+    # only reports it.
+    kl_coef = 0.0 if getattr(cfg, "kl_in_reward", False) else float(cfg.kl_coef)
+    kl_estimator = cfg.kl_estimator
     entropy_coef = float(cfg.entropy_coef)
     clip_c = getattr(cfg, "eps_clip_c", None)
     if clip_c is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_rl.checkpoint.hf import export_hf
-from megatron_rl.checkpoint.training import find_latest, load_checkpoint, save_checkpoint
+from megatron_rl.checkpoint.training import KeepBest, find_latest, load_checkpoint, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,19 @@ class CheckpointManager:
     def _due(self, steps_done: int, every: int, at_end: bool) -> bool:
         return (every > 0 and steps_done % every == 0) or (at_end and steps_done == self.total_steps)
 
-    def after_step(self, steps_done: int, extra: Callable[[], dict[str, Any]]) -> None:
+    def save(self, steps_done: int, extra: dict[str, Any], metrics: Optional[dict[str, float]] = None) -> Path:
+        """A training checkpoint after `steps_done` steps, with this run's retention; `metrics` (the step's)
+        are recorded for checkpoint.keep_best."""
+        cfg = self.cfg
+        keep_best = KeepBest(cfg.keep_best, cfg.best_metric, cfg.best_mode) if cfg.keep_best else None
+        return save_checkpoint(self.trainer, self.root, steps_done, extra, self.run_config, keep_last=cfg.keep_last,
+                               keep_every=cfg.keep_every, keep_best=keep_best, metrics=metrics)
+
+    def after_step(self, steps_done: int, extra: Callable[[], dict[str, Any]],
+                   metrics: Optional[dict[str, float]] = None) -> None:
         """Save and/or export after `steps_done` optimizer steps, when configured to."""
         if self._due(steps_done, self.cfg.save_every, self.cfg.save_at_end):
-            save_checkpoint(self.trainer, self.root, steps_done, extra(), self.run_config,
-                            keep_last=self.cfg.keep_last, keep_every=self.cfg.keep_every)
+            self.save(steps_done, extra(), metrics)
         if self._due(steps_done, self.cfg.hf_export_every, self.cfg.hf_export_at_end):
             export_hf(self.trainer.module, self.trainer.groups, self.trainer.model_cfg,
                       self.hf_root / f"step_{steps_done:08d}", self.tokenizer,

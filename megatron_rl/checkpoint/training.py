@@ -7,6 +7,7 @@ Layout under `<run_dir>/checkpoints/`:
         meta.json           written last: step, layout, config; its presence marks completeness
         rng/rank{r}.pt      every rank's RNG states
     latest                  the name of the newest complete checkpoint (replaced atomically)
+    best                    with checkpoint.keep_best: the one with the best checkpoint.best_metric
 
 A save writes into `step_N.tmp/` and renames it only after every rank has finished and
 `meta.json` is on disk, then swaps `latest`; a crash at any point leaves the previous
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LATEST = "latest"
+_BEST = "best"
 _META = "meta.json"
 # Architecture fields a checkpoint must agree on with the run that loads it.
 _ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -138,12 +141,25 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@dataclasses.dataclass(frozen=True)
+class KeepBest:
+    """Retention also keeps the `count` checkpoints whose meta.json "metrics" hold the best `metric`
+    (`mode` max or min), and `best` in the checkpoint directory names the best one. A checkpoint
+    without a finite value of the metric is no candidate."""
+
+    count: int
+    metric: str
+    mode: str = "max"
+
+
 def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], config: dict[str, Any],
-                    keep_last: int = 2, keep_every: Optional[int] = None) -> Path:
+                    keep_last: int = 2, keep_every: Optional[int] = None, keep_best: Optional[KeepBest] = None,
+                    metrics: Optional[dict[str, float]] = None) -> Path:
     """Save everything needed to resume after `step` optimizer steps; every rank calls this.
 
     `extra` holds small picklable state (data sampler position, ...); `config` is the run's
-    config as plain data (stored in meta.json, checked on load).
+    config as plain data (stored in meta.json, checked on load); `metrics` (the last step's
+    logged metrics) go into meta.json for `keep_best`.
     """
     from megatron.core import dist_checkpointing
 
@@ -169,7 +185,9 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     if rank == 0:
         meta = {"step": step, "layout": _layout(trainer.groups), "config": config, "time": time.time(),
                 "distributed_optimizer": trainer.options.use_distributed_optimizer,
-                "reference": reference is not None}
+                "reference": reference is not None,
+                "metrics": {k: float(v) for k, v in (metrics or {}).items()
+                            if isinstance(v, (int, float)) and math.isfinite(v)}}
         with open(tmp / _META, "w") as f:
             json.dump(meta, f, indent=2, default=str)
             f.flush()
@@ -178,7 +196,7 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_latest(root, final.name)
-        _apply_retention(root, keep_last, keep_every, saved=step)
+        _apply_retention(root, keep_last, keep_every, saved=step, keep_best=keep_best)
     _barrier()
     logger.info("saved checkpoint %s (%.2fs)", final, time.perf_counter() - start)
     return final
@@ -217,18 +235,45 @@ def _load_reference(trainer, loaded: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def _write_latest(root: Path, name: str) -> None:
-    tmp = root / (_LATEST + ".tmp")
+    _write_pointer(root, _LATEST, name)
+
+
+def _write_pointer(root: Path, pointer: str, name: str) -> None:
+    tmp = root / (pointer + ".tmp")
     tmp.write_text(name + "\n")
-    os.replace(tmp, root / _LATEST)
+    os.replace(tmp, root / pointer)
 
 
-def _apply_retention(root: Path, keep_last: int, keep_every: Optional[int], saved: Optional[int] = None) -> None:
-    """Keep the `keep_last` newest, every multiple of `keep_every`, and always the one just `saved` (the
-    directory may hold higher steps of an earlier run: ranked by step, the new one would go at once)."""
+def _metric_of(path: Path, metric: str) -> Optional[float]:
+    try:
+        value = json.loads((path / _META).read_text()).get("metrics", {}).get(metric)
+    except (OSError, ValueError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def best_checkpoints(root: Path, keep_best: KeepBest) -> list[tuple[int, Path]]:
+    """The complete checkpoints with a value of `keep_best.metric`, best first (ties: the later step)."""
+    scored = [(value, step, path) for step, path in list_checkpoints(root)
+              if (value := _metric_of(path, keep_best.metric)) is not None]
+    sign = 1.0 if keep_best.mode == "max" else -1.0
+    return [(step, path) for _, step, path in sorted(scored, key=lambda x: (sign * x[0], x[1]), reverse=True)]
+
+
+def _apply_retention(root: Path, keep_last: int, keep_every: Optional[int], saved: Optional[int] = None,
+                     keep_best: Optional[KeepBest] = None) -> None:
+    """Keep the `keep_last` newest, every multiple of `keep_every`, the `keep_best` best and always the one
+    just `saved` (the directory may hold higher steps of an earlier run: ranked by step, the new one would
+    go at once); point `best` at the best one."""
     found = list_checkpoints(root)
     keep = {step for step, _ in found[-keep_last:]} | ({saved} if saved is not None else set())
     if keep_every:
         keep |= {step for step, _ in found if step % keep_every == 0}
+    if keep_best is not None and keep_best.count > 0:
+        best = best_checkpoints(root, keep_best)
+        keep |= {step for step, _ in best[:keep_best.count]}
+        if best:
+            _write_pointer(root, _BEST, best[0][1].name)
     for step, path in found:
         if step not in keep:
             shutil.rmtree(path, ignore_errors=True)

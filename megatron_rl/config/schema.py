@@ -940,12 +940,23 @@ class AlgorithmConfig:
     """Dual clip (ppo_clip, clip_higher): a token with negative advantage A contributes at most -A * eps_clip_c
     (typical 3.0); null: off."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference policy; 0 skips the reference model."""
+    """Weight of the KL penalty to the reference policy (a loss term, or the reward's penalty with kl_in_reward);
+    0 skips the reference model."""
     ref_update_every: int = 0
     """kl_coef > 0: RL steps after which the reference policy becomes the current policy (the KL then
     anchors to a recent policy instead of the start); 0: the reference stays the policy RL started from."""
     kl_estimator: str = "k3"
     """KL estimator: k1, k2 or k3 (Schulman's approximations)."""
+    kl_in_reward: bool = False
+    """Apply kl_coef as a per-token penalty in the reward, r_t - kl_coef * kl_t (PPO-RLHF, REINFORCE++; verl's
+    use_kl_in_reward), instead of as a KL loss. kl_t: kl_estimator of the policy's log-probs before the update
+    against the reference's. A group estimator sees each sample's reward minus kl_coef times its summed KL, gae
+    the per-token penalties."""
+    kl_target: Optional[float] = None
+    """kl_in_reward: adapt kl_coef (then its initial value) towards this KL per token, with Ziegler et al.'s
+    controller (megatron_rl/algorithms/kl.py:KLController); null: kl_coef stays fixed."""
+    kl_horizon: int = 10000
+    """kl_target: the controller's horizon in samples (larger: slower changes of kl_coef)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     loss_agg_mode: str = "token_mean"
@@ -1024,8 +1035,17 @@ class AlgorithmConfig:
         _check_choice("algorithm.kl_estimator", self.kl_estimator, self.KL_ESTIMATORS)
         _check_min("algorithm.ref_update_every", self.ref_update_every, 0)
         if self.ref_update_every and self.kl_coef <= 0:
-            raise _invalid("algorithm.ref_update_every", self.ref_update_every, "moves the KL loss's reference "
+            raise _invalid("algorithm.ref_update_every", self.ref_update_every, "moves the KL's reference "
                            "policy: it needs algorithm.kl_coef > 0")
+        if self.kl_in_reward and self.kl_coef <= 0:
+            raise _invalid("algorithm.kl_in_reward", self.kl_in_reward, "penalises the reward by kl_coef times the "
+                           "KL: it needs algorithm.kl_coef > 0")
+        if self.kl_target is not None:
+            if not self.kl_in_reward:
+                raise _invalid("algorithm.kl_target", self.kl_target, "adapts the KL penalty in the reward: it "
+                               "needs algorithm.kl_in_reward=true")
+            _check_min("algorithm.kl_target", self.kl_target, 0, strict=True)
+        _check_min("algorithm.kl_horizon", self.kl_horizon, 1)
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, self.LOSS_AGG_MODES)
         _check_choice("algorithm.old_logprobs", self.old_logprobs, self.OLD_LOGPROBS)
         _check_choice("algorithm.overlong", self.overlong, self.OVERLONG_MODES)
@@ -1342,6 +1362,13 @@ class CheckpointConfig:
     """How many of the most recent checkpoints to keep."""
     keep_every: Optional[int] = None
     """Also keep every checkpoint whose step is a multiple of this (null: none)."""
+    keep_best: int = 0
+    """Also keep the checkpoints with the best best_metric, this many (0: none); checkpoints/best names the
+    best one (`--checkpoint best` of megatron_rl.export / megatron_rl.eval)."""
+    best_metric: str = "eval/accuracy"
+    """keep_best: a metric of the step a checkpoint is saved after (metrics.jsonl)."""
+    best_mode: str = "max"
+    """keep_best: max (higher is better) or min."""
     resume: bool = True
     """Resume from run_dir/checkpoints when it holds a complete checkpoint."""
     hf_export_every: int = 0
@@ -1357,6 +1384,11 @@ class CheckpointConfig:
         if self.keep_every is not None:
             _check_min("checkpoint.keep_every", self.keep_every, 1)
         _check_min("checkpoint.hf_export_every", self.hf_export_every, 0)
+        _check_min("checkpoint.keep_best", self.keep_best, 0)
+        _check_choice("checkpoint.best_mode", self.best_mode, ("max", "min"))
+        if self.keep_best and self.save_every < 1:
+            raise _invalid("checkpoint.keep_best", self.keep_best, "chooses among periodic checkpoints: set "
+                           "checkpoint.save_every >= 1")
 
 
 @dataclass
@@ -1413,6 +1445,12 @@ class TrainConfig:
         _check_min("global_batch_size", self.global_batch_size, 1)
         _check_min("micro_batch_tokens", self.micro_batch_tokens, 1)
         self._check_domains()
+        ckpt = self.checkpoint
+        if ckpt.keep_best and self.mode == "rl" and ckpt.best_metric.startswith("eval/") and (
+                self.task.eval_every < 1 or ckpt.save_every % self.task.eval_every):
+            raise _invalid("checkpoint.save_every", ckpt.save_every, f"with checkpoint.best_metric={ckpt.best_metric} "
+                           f"must be a multiple of task.eval_every={self.task.eval_every} (>= 1): a checkpoint "
+                           "carries the metrics of the step it is saved after")
 
     def _check_domains(self) -> None:
         algo = self.algorithm

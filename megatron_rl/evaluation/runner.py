@@ -95,8 +95,9 @@ def _world_size(cfg) -> int:
 
 def resolve_checkpoints(run: str | Path, selectors: Sequence[str]) -> tuple[Checkpoint, ...]:
     """Checkpoints named by `selectors`, in the given order, duplicates dropped: `all` (every
-    complete training checkpoint of the run, by step), `latest`, `hf` (every HF export under
-    run/hf), a step number, a checkpoint name (step_00000010) or a directory path."""
+    complete training checkpoint of the run, by step), `latest`, `best` (checkpoint.keep_best's
+    choice), `hf` (every HF export under run/hf), a step number, a checkpoint name (step_00000010)
+    or a directory path."""
     from megatron_rl.checkpoint.training import find_latest, list_checkpoints
 
     root = Path(run) / "checkpoints"
@@ -107,6 +108,12 @@ def resolve_checkpoints(run: str | Path, selectors: Sequence[str]) -> tuple[Chec
         elif sel == "latest":
             latest = find_latest(root)
             found += [_train(latest)] if latest else []
+        elif sel == "best":
+            pointer = root / "best"
+            if not pointer.is_file():
+                raise ValueError(f"--checkpoints best: {root} names no best checkpoint (train with "
+                                 "checkpoint.keep_best=N and checkpoint.best_metric=...)")
+            found.append(_by_path(root / pointer.read_text().strip(), sel))
         elif sel == "hf":
             found += [_hf(p) for p in sorted((Path(run) / "hf").glob("step_*")) if (p / "config.json").is_file()]
         elif sel.isdigit():
@@ -155,7 +162,7 @@ def _by_path(path: Path, selector: str) -> Checkpoint:
     if (path / "config.json").is_file():
         return _hf(path)
     raise ValueError(f"checkpoint {selector!r} ({path}) is neither a complete training checkpoint (meta.json) "
-                     "nor an HF directory (config.json): allowed are all, latest, hf, a step number, a "
+                     "nor an HF directory (config.json): allowed are all, latest, best, hf, a step number, a "
                      "checkpoint name or a directory")
 
 

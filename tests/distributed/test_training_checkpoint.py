@@ -190,6 +190,24 @@ def test_retention_keeps_last_n_and_every_k(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 6, 7]
 
 
+def test_retention_keeps_the_best_by_a_metric(tmp_path):
+    import json
+
+    from megatron_rl.checkpoint.training import KeepBest, _apply_retention, list_checkpoints, step_dir
+
+    accuracy = {1: 0.2, 2: 0.6, 3: None, 4: 0.6, 5: 0.1, 6: 0.3}  # step 3: no evaluation at that step
+    for step, value in accuracy.items():
+        step_dir(tmp_path, step).mkdir()
+        metrics = {} if value is None else {"eval/accuracy": value}
+        (step_dir(tmp_path, step) / "meta.json").write_text(json.dumps({"metrics": metrics}))
+    _apply_retention(tmp_path, keep_last=1, keep_every=None, keep_best=KeepBest(2, "eval/accuracy"))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4, 6]  # the two 0.6s and the newest
+    assert (tmp_path / "best").read_text().strip() == "step_00000004"  # a tie goes to the later step
+    _apply_retention(tmp_path, keep_last=1, keep_every=None, keep_best=KeepBest(1, "eval/accuracy", "min"))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [6]  # 0.3 is now the lowest (and the newest)
+    assert (tmp_path / "best").read_text().strip() == "step_00000006"
+
+
 def test_incomplete_checkpoints_are_never_picked(tmp_path):
     from megatron_rl.checkpoint.training import find_latest, step_dir
 

@@ -41,7 +41,7 @@ def evaluated(tmp_path_factory):
     _run(["megatron_rl.train", "+experiment=demo_countdown", "task=math", f"run_dir={run}", "num_steps=3",
           "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
           "task.sft_warmup_steps=20", f"task.num_eval={NUM_EVAL}", "task.eval_every=1",
-          f"task.eval_samples={SAMPLES}", "checkpoint.save_every=1", "checkpoint.keep_last=5",
+          f"task.eval_samples={SAMPLES}", "checkpoint.save_every=1", "checkpoint.keep_last=5", "checkpoint.keep_best=1",
           "logging.progress=false"])
     regression = tmp / "regression.jsonl"
     regression.write_text("".join(json.dumps({"prompt": f"Ann has {a} pens and gets {b} more.\n", "answer": a + b})
@@ -50,6 +50,21 @@ def evaluated(tmp_path_factory):
                  "--pass-k", "1", "2", str(SAMPLES), "--regression", str(regression), "--name", "check",
                  "--resamples", "2000"])
     return run, run / "eval" / "check", proc
+
+
+def test_the_best_checkpoint_is_named_by_its_logged_metric(evaluated):
+    """checkpoint.keep_best: each checkpoint's meta.json carries the metrics of the step it was saved after,
+    and checkpoints/best names the one with the highest eval/accuracy (ties: the later step)."""
+    run, _, _ = evaluated
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        meta = json.loads((run / "checkpoints" / f"step_{row['step'] + 1:08d}" / "meta.json").read_text())
+        assert meta["metrics"]["eval/accuracy"] == row["eval/accuracy"] and meta["metrics"]["loss"] == row["loss"]
+    best = max(rows, key=lambda r: (r["eval/accuracy"], r["step"]))
+    assert (run / "checkpoints" / "best").read_text().strip() == f"step_{best['step'] + 1:08d}"
+    from megatron_rl.evaluation.runner import resolve_checkpoints
+
+    assert [c.name for c in resolve_checkpoints(run, ["best"])] == [f"step_{best['step'] + 1:08d}"]
 
 
 def test_outputs_and_records(evaluated):

@@ -58,3 +58,25 @@ def test_kl_penalized_rewards_are_detached():
                                torch.tensor([[1.0, 1.0]]), kl_coef=0.1, estimator="k1")
     assert not out.requires_grad
     assert torch.allclose(out, torch.tensor([[-0.05, 1.05]]))
+
+
+def test_the_adaptive_controller_follows_ziegler_et_al():
+    """beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon), by hand."""
+    from megatron_rl.algorithms.kl import KLController
+
+    ctl = KLController(0.1, target=0.02, horizon=100)
+    ctl.update(0.03, 10)  # 50% over the target: the error is clipped to +0.2
+    assert math.isclose(ctl.coef, 0.1 * (1 + 0.2 * 10 / 100))
+    ctl.update(0.018, 20)  # 10% under: -0.1
+    assert math.isclose(ctl.coef, 0.1 * 1.02 * (1 - 0.1 * 20 / 100))
+    ctl.update(0.0, 5)  # no drift at all: clipped to -0.2
+    assert math.isclose(ctl.coef, 0.1 * 1.02 * 0.98 * (1 - 0.2 * 5 / 100))
+    again = KLController(0.1, target=0.02, horizon=100)
+    again.load_state_dict(ctl.state_dict())
+    assert again.coef == ctl.coef
+    fixed = KLController(0.1)
+    fixed.update(5.0, 1000)
+    assert fixed.coef == 0.1
+    for bad in ({"coef": 0.0}, {"coef": 0.1, "target": 0.0}, {"coef": 0.1, "horizon": 0}):
+        with pytest.raises(ValueError, match="KL controller needs"):
+            KLController(**bad)

@@ -114,6 +114,14 @@ def test_full_objective_token_mean():
     assert torch.allclose(logp.grad, expected)
 
 
+def test_with_kl_in_the_reward_the_loss_only_reports_the_kl():
+    logp = torch.tensor(LOGP, dtype=D, requires_grad=True)
+    loss, metrics = make_policy_loss_fn(_cfg(kl_coef=0.1, kl_in_reward=True))(_full_inputs(logp))
+    pg = (-1.0 * 0.5 + 1.0 * 1.0 - 2.0 * 2.0) / 3
+    assert math.isclose(float(loss.detach()), pg, rel_tol=1e-12)
+    assert math.isclose(float(metrics["kl"]), (0.5 + 0.0 + 0.5) / 3, rel_tol=1e-12)
+
+
 def test_full_objective_seq_mean_token_mean():
     logp = torch.tensor(LOGP, dtype=D, requires_grad=True)
     loss_fn = make_policy_loss_fn(_cfg(kl_coef=0.1, entropy_coef=0.01, loss_agg_mode="seq_mean_token_mean"))

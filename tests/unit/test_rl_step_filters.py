@@ -212,3 +212,27 @@ def test_the_environment_pool_sees_scored_samples_only():
                                 logging=types.SimpleNamespace(audit_every=0))
     _maintain(types.SimpleNamespace(cfg=cfg, is_main=True), {"env_pool": pool}, 0, [solved, lost])
     assert list(pool.stats[0].rewards) == [1.0] and pool.stats[0].contradictions == 0
+
+
+def test_kl_in_the_reward_reaches_both_kinds_of_estimator():
+    """algorithm.kl_in_reward: a group estimator sees each reward minus the sample's summed penalty; gae
+    sees the per-token penalties on top of the reward on the last token (by hand: gamma = lambda = 1,
+    the reward-to-go of r_t)."""
+    from megatron_rl.rl_step import step_advantages
+
+    rollouts = _rollouts([1.0, 1.0, 0.0, 0.0], [2, 2, 2, 2], ["stop"] * 4, [0, 0, 1, 1])
+    penalties = [torch.tensor([0.1, 0.2]), torch.tensor([0.0, 0.0]), torch.tensor([0.5, 0.0]), None]
+    rollouts[3] = _episode(1, 0.0, "dropped")
+    grpo = _cfg("algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true")
+    advantages = step_advantages(grpo, rollouts, shaped_rewards(grpo, rollouts), None, penalties)
+    # group 0 sees 0.7 and 1.0: (0.7 - 0.85) / (std sqrt(0.045) + 1e-6); group 1 one scored sample: 0
+    expected = -0.15 / (0.045 ** 0.5 + 1e-6)
+    assert torch.allclose(advantages[0], torch.full((2,), expected)) and torch.allclose(advantages[1], -advantages[0])
+    assert advantages[2].tolist() == [0.0, 0.0] and advantages[3] is None
+    gae = _cfg("algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true", "algorithm.advantage_estimator=gae",
+               "rollout.n_samples_per_prompt=1")
+    advantages = step_advantages(gae, rollouts, shaped_rewards(gae, rollouts), None, penalties)
+    # token rewards (-0.1, 1 - 0.2), (0, 1), (-0.5, 0): rewards-to-go, then whitened over the six tokens
+    to_go = torch.tensor([0.7, 0.8, 1.0, 1.0, -0.5, 0.0])
+    whitened = (to_go - to_go.mean()) / torch.sqrt(to_go.var(unbiased=False) + 1e-8)
+    assert torch.allclose(torch.cat(advantages[:3]), whitened, atol=1e-6) and advantages[3] is None
