@@ -33,3 +33,18 @@ def run_until_killed(args: list[str], run_dir: Path, lines: int, timeout_s: floa
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def warm_started(out: Path, run_args: list[str], timeout_s: float = 600) -> Path:
+    """The model after a run's supervised warm start, as an HF checkpoint that later runs of a test file start
+    from (`model.path=<it>`, `task.sft_warmup_steps=0`) instead of each repeating the same warm start.
+    `run_args`: the `megatron_rl.train` command line whose task, model and task.sft_warmup_steps define the
+    warm start. It runs once, with one RL step (num_steps >= 1) after the warm start and no evaluation."""
+    run_dir = out / "warm"
+    proc = subprocess.run([*run_args, f"run_dir={run_dir}", "num_steps=1", "task.num_eval=0",
+                           "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=true"],
+                          env=job_env(), capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "warm start: " in proc.stderr, "the run had no warm start to share"
+    (path,) = (run_dir / "hf").iterdir()
+    return path

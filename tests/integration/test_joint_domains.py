@@ -14,7 +14,7 @@ the reward scale, unlike GRPO's division by the group std).
 
 Each domain is a JSONL set whose answer (1 or 2) cannot be read from the prompt, so that after
 the warm start taught the answer format the success rate sits near 1/2 and nearly every
-group carries a signal.
+group carries a signal. The warm start runs once (`jobs.warm_started`); every run starts from it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.integration.jobs import run_until_killed
+from tests.integration.jobs import run_until_killed, warm_started
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
@@ -58,14 +58,25 @@ def data(tmp_path_factory) -> Path:
     return root
 
 
-def _args(run_dir: Path, data: Path, calibration: str, *extra: str) -> list[str]:
+def _joint(data: Path) -> list[str]:
     domains = (f"+domains={{a:{{task:{{name:a,type:dataset,path:{data / 'a.jsonl'},num_eval:4}}}},"
                f"b:{{task:{{name:b,type:dataset,path:{data / 'b.jsonl'},num_eval:4,reward_scale:{SCALE}}}}}}}")
-    return [sys.executable, "-m", "megatron_rl.train", "mode=rl", "model=tiny_qwen2", f"run_dir={run_dir}",
-            f"num_steps={STEPS}", "global_batch_size=64", "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=8",
-            "micro_batch_tokens=1024", "optimizer.lr=2e-4", "task.sft_warmup_steps=60", "task.eval_samples=2",
-            "logging.progress=false", "logging.tensorboard=false", "algorithm.advantage_estimator=dr_grpo",
-            f"algorithm.domain_calibration={calibration}", domains, *extra]
+    return [sys.executable, "-m", "megatron_rl.train", "mode=rl", "model=tiny_qwen2", "global_batch_size=64",
+            "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=8", "micro_batch_tokens=1024",
+            "optimizer.lr=2e-4", "task.eval_samples=2", "logging.progress=false", "logging.tensorboard=false",
+            "algorithm.advantage_estimator=dr_grpo", domains]
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory, data) -> list[str]:
+    """What every run below shares: the domains, and the model after the answer format was taught once (a
+    joint warm start of 60 steps), which each run starts from instead of repeating the warm start."""
+    warm = warm_started(tmp_path_factory.mktemp("warm"), [*_joint(data), "task.sft_warmup_steps=60"])
+    return [*_joint(data), f"model.path={warm}", "task.sft_warmup_steps=0"]
+
+
+def _args(run_dir: Path, start: list[str], calibration: str, *extra: str) -> list[str]:
+    return [*start, f"run_dir={run_dir}", f"num_steps={STEPS}", f"algorithm.domain_calibration={calibration}", *extra]
 
 
 def _run(args: list[str], run_dir: Path) -> list[dict]:
@@ -75,9 +86,9 @@ def _run(args: list[str], run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data) -> dict[str, list[dict]]:
+def runs(tmp_path_factory, start) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("joint")
-    return {cal: _run(_args(root / cal, data, cal, "task.eval_every=0", "checkpoint.save_at_end=false"), root / cal)
+    return {cal: _run(_args(root / cal, start, cal, "task.eval_every=0", "checkpoint.save_at_end=false"), root / cal)
             for cal in ("none", "running")}
 
 
@@ -126,10 +137,10 @@ def test_first_step_advantages_are_the_raw_ones_over_each_domains_reward_std(run
         assert running[f"domain/{d}/adv_std"] == pytest.approx(none[f"domain/{d}/adv_std"] / std, rel=1e-5)
 
 
-def test_a_joint_run_resumes_exactly_after_sigkill(tmp_path, data):
+def test_a_joint_run_resumes_exactly_after_sigkill(tmp_path, start):
     common = ["checkpoint.save_every=1", "task.eval_every=1", "algorithm.domain_pause_window=2"]
-    reference = _run(_args(tmp_path / "reference", data, "running", *common), tmp_path / "reference")
-    args = _args(tmp_path / "resumed", data, "running", *common)
+    reference = _run(_args(tmp_path / "reference", start, "running", *common), tmp_path / "reference")
+    args = _args(tmp_path / "resumed", start, "running", *common)
     run_until_killed(args, tmp_path / "resumed", lines=2)
     resumed = _run(args, tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(STEPS))

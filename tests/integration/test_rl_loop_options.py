@@ -5,6 +5,8 @@
 - exact resume of the RL loop: a run SIGKILLed mid-way and started again with the same
   command logs the same per-step metrics as a run that was never interrupted;
 - the `tests` verifier: a dataset row's tests run in a real sandbox server (passed / total).
+
+The runs on the saved dataset start from one shared warm start (`jobs.warm_started`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.jobs import run_until_killed
+from tests.integration.jobs import run_until_killed, warm_started
 from tests.integration.sandbox_servers import runtime_args, start_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -55,17 +57,28 @@ def saved_dataset(tmp_path_factory):
     return path
 
 
-def _args(run_dir: Path, dataset: Path, *extra: str) -> list[str]:
+def _task(dataset: Path) -> list[str]:
     return [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math",
             "task.type=dataset", f"task.path={dataset}", "task.prompt_key=question", "task.chat_template=true",
-            "task.num_eval=8", "task.eval_samples=2", "task.sft_warmup_steps=20", f"run_dir={run_dir}",
             "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=10",
-            "logging.progress=false", *extra]
+            "logging.progress=false"]
 
 
-def test_dataset_chat_template_dynamic_sampling_and_filters(tmp_path, saved_dataset):
+@pytest.fixture(scope="module")
+def start(tmp_path_factory, saved_dataset) -> list[str]:
+    """What every run below shares: the task, and the model after the chat format was taught once (20
+    supervised steps), which each run starts from instead of repeating the warm start."""
+    warm = warm_started(tmp_path_factory.mktemp("warm"), [*_task(saved_dataset), "task.sft_warmup_steps=20"])
+    return [*_task(saved_dataset), f"model.path={warm}", "task.sft_warmup_steps=0"]
+
+
+def _args(run_dir: Path, start: list[str], *extra: str) -> list[str]:
+    return [*start, "task.num_eval=8", "task.eval_samples=2", f"run_dir={run_dir}", *extra]
+
+
+def test_dataset_chat_template_dynamic_sampling_and_filters(tmp_path, start):
     run_dir = tmp_path / "run"
-    args = _args(run_dir, saved_dataset, "num_steps=3", "task.eval_every=0", "algorithm.dynamic_sampling=true",
+    args = _args(run_dir, start, "num_steps=3", "task.eval_every=0", "algorithm.dynamic_sampling=true",
                  "algorithm.dynamic_sampling_max_rounds=3", "algorithm.filter_zero_variance=true",
                  "algorithm.overlong=filter")
     proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=800)
@@ -100,15 +113,18 @@ def score(completion, sample):  # partial credit: the share of the reference's c
 '''
 
 
-def test_a_reward_function_by_path_and_critic_free_ppo(tmp_path, saved_dataset):
+def test_a_reward_function_by_path_and_critic_free_ppo(tmp_path, start):
     """task.reward=module:function scores every training response with the whole dataset row, and the
-    loop trains with algorithm=ppo (critic-free GAE) on one sample per prompt."""
+    loop trains with algorithm=ppo (critic-free GAE) on one sample per prompt, with an adaptive KL penalty
+    in the reward: on the first step the policy is the reference (KL exactly 0), so the controller lowers
+    the coefficient by the clipped 20% times 8 samples / horizon 100."""
     (tmp_path / "addition_reward.py").write_text(REWARD_MODULE)
     log = tmp_path / "rewards.jsonl"
     env = dict(_env(), PYTHONPATH=f"{REPO}:{tmp_path}", REWARD_LOG=str(log))
     run_dir = tmp_path / "run"
-    args = _args(run_dir, saved_dataset, "num_steps=2", "task.num_eval=0", "task.reward=addition_reward:score",
-                 "algorithm=ppo", "rollout.n_samples_per_prompt=1", "global_batch_size=8")
+    args = _args(run_dir, start, "num_steps=2", "task.num_eval=0", "task.reward=addition_reward:score",
+                 "algorithm=ppo", "rollout.n_samples_per_prompt=1", "global_batch_size=8", "algorithm.kl_coef=0.05",
+                 "algorithm.kl_in_reward=true", "algorithm.kl_target=0.01", "algorithm.kl_horizon=100")
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows, calls = _metrics(run_dir), [json.loads(line) for line in log.read_text().splitlines()]
@@ -119,67 +135,82 @@ def test_a_reward_function_by_path_and_critic_free_ppo(tmp_path, saved_dataset):
         assert row["reward/mean"] == pytest.approx(sum(c["reward"] for c in mine) / 8)
         assert row["reward/verifier_errors"] == 0 and row["filter/kept_samples"] == 8
         assert len({c["reward"] for c in mine}) > 1 and row["grad_norm"] > 0  # whitened rewards that vary
+    assert rows[0]["kl_reward/kl"] == 0.0 and rows[1]["kl_reward/kl"] > 0.0
+    assert rows[0]["kl_reward/coef"] == 0.05 and rows[1]["kl_reward/coef"] == pytest.approx(0.05 * (1 - 0.2 * 8 / 100))
 
 
-def test_dumped_rollouts_replay_the_same_updates_without_generating(tmp_path, saved_dataset):
+# The uninterrupted run three tests compare with: an adaptive KL penalty in the reward (whose coefficient
+# a checkpoint must carry), a checkpoint every step, rollouts dumped, one update per step.
+UNINTERRUPTED = [f"num_steps={STEPS}", "checkpoint.save_every=1", "task.eval_every=2", "algorithm.num_inner_updates=1",
+                 "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.kl_target=0.001",
+                 "algorithm.kl_horizon=64", "logging.dump_rollouts=true"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, start) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = subprocess.run(_args(run_dir, start, *UNINTERRUPTED), env=_env(), capture_output=True, text=True,
+                          timeout=800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run_dir
+
+
+def test_dumped_rollouts_replay_the_same_updates_without_generating(tmp_path, start, uninterrupted):
     """logging.dump_rollouts writes each step's samples; a run from the same start with rollout.replay_dir
     trains on them without a rollout phase and logs the same update metrics, bit for bit on CPU. (An
-    evaluation after each step runs the colocated rollout; a replayed step must not report its timings.)"""
-    common = ["num_steps=2", "task.num_eval=4", "task.eval_every=1", "task.eval_samples=1"]
-    dumped, replayed = tmp_path / "dumped", tmp_path / "replayed"
-    first = subprocess.run(_args(dumped, saved_dataset, *common, "logging.dump_rollouts=true"), env=_env(),
-                           capture_output=True, text=True, timeout=800)
-    assert first.returncode == 0, first.stderr[-4000:]
+    evaluation after some steps runs the colocated rollout; a replayed step must not report its timings.)"""
+    dumped, replayed = uninterrupted, tmp_path / "replayed"
     lines = [json.loads(line) for line in (dumped / "rollouts" / "step_00000001.jsonl").read_text().splitlines()]
     assert len(lines) == 32 and all(len(r["output_ids"]) == len(r["logprobs"]) for r in lines)
     assert all(r["response_text"] for r in lines) and {r["prompt_index"] for r in lines} == set(range(8))
-    again = subprocess.run(_args(replayed, saved_dataset, *common, f"rollout.replay_dir={dumped / 'rollouts'}"),
+    again = subprocess.run(_args(replayed, start, *UNINTERRUPTED, f"rollout.replay_dir={dumped / 'rollouts'}"),
                            env=_env(), capture_output=True, text=True, timeout=800)
     assert again.returncode == 0, again.stderr[-4000:]
     for want, got in zip(_metrics(dumped), _metrics(replayed), strict=True):
         assert "time/sync_weights" in want and "time/sync_weights" not in got  # nothing generated
         for key in ("reward/mean", "loss", "grad_norm", "ppo_kl", "entropy", "response_length/mean",
-                    "rollout/logprob_mismatch"):
+                    "rollout/logprob_mismatch", "kl_reward/coef", "kl_reward/kl"):
             assert got[key] == want[key], (want["step"], key, got[key], want[key])
-    too_far = subprocess.run(_args(tmp_path / "far", saved_dataset, "num_steps=3", "task.num_eval=4",
+    too_far = subprocess.run(_args(tmp_path / "far", start, f"num_steps={STEPS + 1}", "task.num_eval=4",
                                    f"rollout.replay_dir={dumped / 'rollouts'}"),
                              env=_env(), capture_output=True, text=True, timeout=120)
-    assert too_far.returncode != 0 and "has no rollouts of step 2 (it holds steps 0..1)" in too_far.stderr
+    assert too_far.returncode != 0
+    assert f"has no rollouts of step {STEPS} (it holds steps 0..{STEPS - 1})" in too_far.stderr
 
 
-def test_the_reference_policy_follows_the_policy_every_step(tmp_path, saved_dataset):
+def test_the_reference_policy_follows_the_policy_every_step(tmp_path, start, uninterrupted):
     """algorithm.ref_update_every=1: each step's reference is the policy that step starts from, so the KL
-    of its (single) update is exactly 0; without it the KL to the start grows from the second step."""
-    common = ["num_steps=3", "task.num_eval=0", "algorithm.kl_coef=0.05", "algorithm.kl_estimator=k1",
-              "algorithm.num_inner_updates=1"]
-    runs = {}
-    for name, extra in (("fixed", []), ("moving", ["algorithm.ref_update_every=1"])):
-        proc = subprocess.run(_args(tmp_path / name, saved_dataset, *common, *extra), env=_env(), capture_output=True,
-                              text=True, timeout=800)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[name] = _metrics(tmp_path / name)
-    assert [r["kl"] for r in runs["moving"]] == [0.0, 0.0, 0.0]
-    assert runs["fixed"][0]["kl"] == 0.0 and all(r["kl"] != 0.0 for r in runs["fixed"][1:])
+    of its (single) update is exactly 0; without it (the uninterrupted run) the KL to the start grows from
+    the second step."""
+    moving = tmp_path / "moving"
+    proc = subprocess.run(_args(moving, start, "num_steps=3", "task.num_eval=0", "algorithm.kl_coef=0.05",
+                                "algorithm.kl_estimator=k1", "algorithm.num_inner_updates=1",
+                                "algorithm.ref_update_every=1"), env=_env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["kl"] for r in _metrics(moving)] == [0.0, 0.0, 0.0]
+    fixed = _metrics(uninterrupted)
+    assert fixed[0]["kl"] == 0.0 and all(r["kl"] != 0.0 for r in fixed[1:])
 
 
-def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, saved_dataset):
-    common = [f"num_steps={STEPS}", "checkpoint.save_every=1", "task.eval_every=2", "algorithm.kl_coef=0.05"]
-    reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
-    done = subprocess.run(_args(reference_dir, saved_dataset, *common), env=_env(), capture_output=True, text=True,
-                          timeout=800)
-    assert done.returncode == 0, done.stderr[-4000:]
-    args = _args(resumed_dir, saved_dataset, *common)
+def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, start, uninterrupted):
+    """A run SIGKILLed mid-way and started again logs the same per-step metrics as one never interrupted,
+    with an adaptive KL penalty in the reward: its coefficient travels in the checkpoint (it would restart
+    at kl_coef otherwise)."""
+    resumed_dir = tmp_path / "resumed"
+    args = _args(resumed_dir, start, *UNINTERRUPTED)
     run_until_killed(args, resumed_dir, lines=3)  # killed after step 2 was logged, maybe mid-step 3 or mid-save
     again = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=800)
     assert again.returncode == 0, again.stderr[-4000:]
-    assert "resumed from" in again.stderr and "warm start 1/" not in again.stderr
-    reference, resumed = _metrics(reference_dir), _metrics(resumed_dir)
+    assert "resumed from" in again.stderr
+    reference, resumed = _metrics(uninterrupted), _metrics(resumed_dir)
     assert [r["step"] for r in resumed] == list(range(STEPS))
     for want, got in zip(reference, resumed, strict=True):
         for key in ("reward/mean", "loss", "grad_norm", "ppo_kl", "kl", "entropy", "response_length/mean",
-                    "weight_version"):
+                    "weight_version", "kl_reward/coef", "kl_reward/kl"):
             assert got[key] == want[key], (want["step"], key, got[key], want[key])
         assert got.get("eval/accuracy") == want.get("eval/accuracy")
+    coefs = [r["kl_reward/coef"] for r in reference]
+    assert coefs[0] == 0.05 and len(set(coefs)) == STEPS  # it moved every step
 
 
 def test_tests_verifier_runs_a_rows_tests_in_the_sandbox(tmp_path):
