@@ -6,7 +6,8 @@ the variants, side by side in the same run, as ratios; MFU on GPU.
         [--device cpu|cuda] [--peak-tflops 989]
 
 Variants: fused log-probs (model.fused_logprobs=true), full activation recomputation
-(model.recompute=full). MFU = 6 * active parameters * tokens / time / peak (the dense-transformer
+(model.recompute=full); on CPU also the local spec's dense-mask attention (Megatron-core's
+DotProductAttention over whole rows, what the CPU path ran before `PackedAttention`). MFU = 6 * active parameters * tokens / time / peak (the dense-transformer
 estimate that ignores attention's quadratic term; for a mixture of experts only the routed experts a
 token goes through count, topk / num_experts of them, and an untied input embedding, a lookup, not at
 all; `--peak-tflops` is the device's dense
@@ -16,6 +17,7 @@ bf16 peak, 989 for an H100/H200 SXM).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import sys
@@ -75,11 +77,16 @@ def main() -> None:
     variants = {"baseline (logits + log-softmax)": dict(fused_logprobs=False),
                 "fused log-probs": dict(fused_logprobs=True),
                 "recompute=full": dict(fused_logprobs=False, recompute="full")}
+    if device.type == "cpu":
+        variants["dense-mask attention"] = dict(fused_logprobs=False, dense_attention=True)
     results = {}
     for name, change in variants.items():
+        change = dict(change)
+        dense = change.pop("dense_attention", False)
         cfg = dataclasses.replace(base, **change)
-        trainer = Trainer(cfg, OptimizerConfig(lr=1e-5), groups,
-                          TrainerOptions(micro_batch_tokens=args.micro_batch_tokens))
+        with dense_mask_attention() if dense else contextlib.nullcontext():
+            trainer = Trainer(cfg, OptimizerConfig(lr=1e-5), groups,
+                              TrainerOptions(micro_batch_tokens=args.micro_batch_tokens))
         trainer.initialize_weights()
         params, active = parameter_counts(trainer.module, cfg)
         trainer.train_step(samples, loss_fn)  # warm-up
@@ -105,6 +112,17 @@ def main() -> None:
         if device.type == "cuda":
             line += f"  MFU {mfu:.1%}"
         print(line)
+
+
+@contextlib.contextmanager
+def dense_mask_attention():
+    """Build a trainer whose local spec keeps Megatron-core's DotProductAttention and whose rows carry a
+    dense [S, S] mask (the CPU path before `PackedAttention`), for comparison."""
+    from unittest import mock
+
+    with mock.patch("megatron_rl.models.gpt.uses_packed_attention", return_value=False), \
+            mock.patch("megatron_rl.trainer.core.uses_packed_attention", return_value=False):
+        yield
 
 
 def parameter_counts(module: torch.nn.Module, model_cfg) -> tuple[int, int]:

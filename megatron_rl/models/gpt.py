@@ -233,11 +233,19 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
     )
 
 
+def uses_packed_attention(model_cfg: Any, use_te: bool, cp_size: int) -> bool:
+    """Whether the local spec's core attention is `local_attention.PackedAttention` (and the trainer passes
+    THD rows): runs without TE or context parallelism whose attention is plain (no multi-latent attention,
+    no sinks)."""
+    return not use_te and cp_size == 1 and not (model_cfg.multi_latent_attention or model_cfg.attention_sinks)
+
+
 def layer_spec(model_cfg: Any, use_te: bool, cp_size: int = 1, sparse: bool = True):
     """Megatron's TE layer spec, or its local spec (with the all-gather context-parallel
-    attention of `local_attention` in place of the local attention when cp_size > 1, and its masked
-    attention under multi-latent attention, whose key and value widths differ); with experts (a
-    mixture-of-experts model's sparse layer) or a dense MLP."""
+    attention of `local_attention` in place of the local attention when cp_size > 1, its masked
+    attention under multi-latent attention, whose key and value widths differ, or attention sinks,
+    and its packed attention otherwise); with experts (a mixture-of-experts model's sparse layer)
+    or a dense MLP."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -258,6 +266,10 @@ def layer_spec(model_cfg: Any, use_te: bool, cp_size: int = 1, sparse: bool = Tr
         from megatron_rl.models.local_attention import MaskedAttention
 
         spec.submodules.self_attention.submodules.core_attention = MaskedAttention
+    elif uses_packed_attention(model_cfg, use_te, cp_size):  # packed rows attend within each sample only
+        from megatron_rl.models.local_attention import PackedAttention
+
+        spec.submodules.self_attention.submodules.core_attention = PackedAttention
     if mla:
         _replicated_mla_down_projections(spec.submodules.self_attention.submodules)
     return spec

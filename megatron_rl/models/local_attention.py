@@ -156,3 +156,34 @@ class MaskedAttention(_CoreAttention):
             probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1].to(value.dtype)
         out = torch.einsum("bhqk,kbhd->qbhd", probs, value)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class PackedAttention(_CoreAttention):
+    """Drop-in `core_attention` of Megatron's local spec for packed rows on the CPU path: causal attention
+    within each packed sample only, one `scaled_dot_product_attention` call per sample, from the row's
+    `cu_seqlens` (THD inputs, as TE's attention takes them on GPU).
+
+    Megatron-core's local `DotProductAttention` takes a dense [S, S] mask instead, so it computes (and
+    differentiates) all S^2 scores of a row of S tokens and masks those between samples away; RL rows
+    pack many short samples, and those scores were most of a CPU training step (a row of 512 tokens
+    holding ~17 samples of 30: 262k scores where the samples need 15k). Here a row costs the sum of
+    its samples' squared lengths (the padding at its end is one more segment; its outputs feed nothing).
+
+    Inputs: query [t, heads, d], key and value [t, groups, d] and `packed_seq_params.cu_seqlens_q`;
+    output [t, heads * d].
+    """
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Tensor:
+        if query.dim() != 3 or packed_seq_params is None:
+            raise ValueError("PackedAttention takes THD inputs [t, heads, d] and the row's PackedSeqParams")
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        gqa = query.shape[1] != key.shape[1]
+        outputs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end > start:  # [1, heads, L, d] per sample
+                q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                outputs.append(torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa).squeeze(0).transpose(0, 1))
+        out = torch.cat(outputs) if outputs else query.new_zeros(0, query.shape[1], value.shape[-1])
+        return out.reshape(out.shape[0], -1)

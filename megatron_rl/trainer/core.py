@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.gpt import build_model, uses_te
+from megatron_rl.models.gpt import build_model, uses_packed_attention, uses_te
 from megatron_rl.parallel.state import ParallelGroups
 from megatron_rl.trainer import context_parallel
 from megatron_rl.trainer.logprobs import (
@@ -93,6 +93,8 @@ class Trainer:
         self.options = options
         self.model_cfg = model_cfg
         self.use_te = uses_te(groups)
+        # THD rows (cu_seqlens, no dense mask): TE's attention, context parallelism, the CPU path's PackedAttention
+        self.thd = self.use_te or groups.cp_size > 1 or uses_packed_attention(model_cfg, self.use_te, groups.cp_size)
         module = build_model(model_cfg, groups, deterministic=options.deterministic, use_te=self.use_te)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -239,7 +241,7 @@ class Trainer:
             min_shape = (max(r for r, _ in shapes), max(n for _, n in shapes))
         if not mine:  # fewer samples than DP ranks: a row of padding still takes part in the gradient reduction
             min_shape = (max(min_shape[0], 1), max(min_shape[1], pad_multiple))
-        thd = self.use_te or cp > 1  # attention reads cu_seqlens: no [S, S] mask to build and move
+        thd = self.thd  # attention reads cu_seqlens: no [S, S] mask to build and move
         micro = pack([samples[i] for i in mine], self.options.micro_batch_tokens, pad_multiple,
                      self.options.pad_token_id, extras_keys=list(samples[0].extras), min_shape=min_shape,
                      segment_multiple=segment_multiple, dense_mask=not thd)
@@ -252,7 +254,7 @@ class Trainer:
 
     def _packed_seq_params(self, mb: MicroBatch):
         """THD attention parameters of the row (None: dense-mask attention, CPU without CP)."""
-        if not (self.use_te or self.groups.cp_size > 1):
+        if not self.thd:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
