@@ -7,11 +7,12 @@ the variants, side by side in the same run, as ratios; MFU on GPU.
 
 Variants: fused log-probs (model.fused_logprobs=true), full activation recomputation
 (model.recompute=full); on CPU also the local spec's dense-mask attention (Megatron-core's
-DotProductAttention over whole rows, what the CPU path ran before `PackedAttention`). MFU = 6 * active parameters * tokens / time / peak (the dense-transformer
-estimate that ignores attention's quadratic term; for a mixture of experts only the routed experts a
-token goes through count, topk / num_experts of them, and an untied input embedding, a lookup, not at
-all; `--peak-tflops` is the device's dense
-bf16 peak, 989 for an H100/H200 SXM).
+DotProductAttention over whole rows, what the CPU path ran before `PackedAttention`).
+
+MFU = 6 * active parameters * tokens / time / peak (the dense-transformer estimate that ignores
+attention's quadratic term; for a mixture of experts only the routed experts a token goes through
+count, topk / num_experts of them, and an untied input embedding, a lookup, not at all;
+`--peak-tflops` is the device's dense bf16 peak, 989 for an H100/H200 SXM).
 """
 
 from __future__ import annotations
