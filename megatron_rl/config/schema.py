@@ -1446,6 +1446,9 @@ class TrainConfig:
         _check_min("micro_batch_tokens", self.micro_batch_tokens, 1)
         self._check_domains()
         ckpt = self.checkpoint
+        if ckpt.keep_best and self.mode == "sft" and ckpt.best_metric.startswith("eval"):
+            raise _invalid("checkpoint.best_metric", ckpt.best_metric, "SFT logs its held-out loss at the last step "
+                           "only: choose by a per-step metric, e.g. checkpoint.best_metric=loss best_mode=min")
         if ckpt.keep_best and self.mode == "rl" and ckpt.best_metric.startswith("eval/") and (
                 self.task.eval_every < 1 or ckpt.save_every % self.task.eval_every):
             raise _invalid("checkpoint.save_every", ckpt.save_every, f"with checkpoint.best_metric={ckpt.best_metric} "

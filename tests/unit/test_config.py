@@ -258,6 +258,8 @@ INVALID_CASES = [
     (["mode=rl", "checkpoint.keep_best=1", "checkpoint.save_every=3", "task.eval_every=2"], 1,
      ["checkpoint.save_every=3", "multiple of task.eval_every=2"]),
     (["checkpoint.best_mode=high"], 1, ["checkpoint.best_mode=high", "max, min"]),
+    (["mode=sft", "checkpoint.keep_best=1", "checkpoint.save_every=5"], 1,
+     ["checkpoint.best_metric=eval/accuracy", "best_metric=loss"]),
     (["algorithm.kl_coef=0.1", "algorithm.kl_target=0.01"], 1, ["algorithm.kl_target=0.01", "kl_in_reward=true"]),
     (["algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true", "algorithm.kl_target=0"], 1,
      ["algorithm.kl_target=0", "> 0"]),
