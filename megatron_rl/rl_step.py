@@ -584,11 +584,11 @@ def _old_and_reference_logprobs(cfg, parts: dict, samples: list) -> None:
     (`reward_kl` computed them before the advantages). Every rank holds the same samples."""
     trainer = parts["trainer"]
     missing = [s for s in samples if "old_logprobs" not in s.extras]
-    if cfg.algorithm.old_logprobs == "recompute" and missing:
+    if missing and cfg.algorithm.old_logprobs == "recompute":
         old, _ = trainer.forward_logprobs(missing)
         for s, lp in zip(missing, old):
             s.extras["old_logprobs"] = lp
-    else:
+    elif missing:
         for s in missing:
             s.extras["old_logprobs"] = s.extras["rollout_logprobs"]
     missing = [s for s in samples if "ref_logprobs" not in s.extras]

@@ -80,6 +80,15 @@ def find_latest(root: Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
+def find_best(root: Path) -> Optional[Path]:
+    """The complete checkpoint `best` names (retention with checkpoint.keep_best writes it), or None."""
+    pointer = Path(root) / _BEST
+    if not pointer.is_file():
+        return None
+    candidate = Path(root) / pointer.read_text().strip()
+    return candidate if _complete(candidate) else None
+
+
 def _rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 

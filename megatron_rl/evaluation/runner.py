@@ -98,7 +98,7 @@ def resolve_checkpoints(run: str | Path, selectors: Sequence[str]) -> tuple[Chec
     complete training checkpoint of the run, by step), `latest`, `best` (checkpoint.keep_best's
     choice), `hf` (every HF export under run/hf), a step number, a checkpoint name (step_00000010)
     or a directory path."""
-    from megatron_rl.checkpoint.training import find_latest, list_checkpoints
+    from megatron_rl.checkpoint.training import find_best, find_latest, list_checkpoints
 
     root = Path(run) / "checkpoints"
     found: list[Checkpoint] = []
@@ -109,11 +109,11 @@ def resolve_checkpoints(run: str | Path, selectors: Sequence[str]) -> tuple[Chec
             latest = find_latest(root)
             found += [_train(latest)] if latest else []
         elif sel == "best":
-            pointer = root / "best"
-            if not pointer.is_file():
+            best = find_best(root)
+            if best is None:
                 raise ValueError(f"--checkpoints best: {root} names no best checkpoint (train with "
                                  "checkpoint.keep_best=N and checkpoint.best_metric=...)")
-            found.append(_by_path(root / pointer.read_text().strip(), sel))
+            found.append(_train(best))
         elif sel == "hf":
             found += [_hf(p) for p in sorted((Path(run) / "hf").glob("step_*")) if (p / "config.json").is_file()]
         elif sel.isdigit():
