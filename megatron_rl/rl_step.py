@@ -279,24 +279,28 @@ def _model_tokens(rollout: Rollout) -> list[int]:
 
 
 def token_advantages(algo, rewards: torch.Tensor, rollouts: list[Rollout],
-                     penalties: Optional[list[torch.Tensor]] = None) -> list[torch.Tensor]:
+                     penalties: Optional[list[torch.Tensor]] = None, values: Optional[list[torch.Tensor]] = None
+                     ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
     """Per response token advantages [len(output_ids)] of each rollout, from rewards [N] of the SCORED
     rollouts given (lost ones must be left out by the caller). Group estimators broadcast one value per
-    sample; gae (no critic: values 0) puts each reward on the sample's last model token and runs the
-    recursion over the model tokens with algorithm.gae_gamma / gae_lambda, whitened over the batch.
+    sample; gae puts each reward on the sample's last model token and runs the recursion over the model
+    tokens with algorithm.gae_gamma / gae_lambda and the critic's `values` (per rollout [len(output_ids)];
+    None: no critic, values 0), whitened over the batch.
     penalties (algorithm.kl_in_reward): per rollout, what each response token's reward loses [len(output_ids)];
-    a group estimator sees the reward minus the sample's summed penalty, gae the per-token rewards."""
+    a group estimator sees the reward minus the sample's summed penalty, gae the per-token rewards.
+    Returns (advantages, GAE's returns R_t = A_t + V_t before whitening: the critic's targets, when `values`
+    are given; else None)."""
     from megatron_rl.algorithms.advantages import gae, place_sequence_rewards
     from megatron_rl.algorithms.registry import ADVANTAGE_ESTIMATORS
 
     if not rollouts:  # every sample lost: nothing to estimate
-        return []
+        return [], None if values is None else []
     if algo.advantage_estimator != "gae":
         if penalties is not None:
             rewards = rewards - torch.stack([p.sum() for p in penalties]).to(rewards.dtype)
         group_ids = torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long)
         per_sample = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)(rewards, group_ids)
-        return [torch.full((len(r.output_ids),), float(a)) for r, a in zip(rollouts, per_sample)]
+        return [torch.full((len(r.output_ids),), float(a)) for r, a in zip(rollouts, per_sample)], None
     width = max((len(r.output_ids) for r in rollouts), default=0)
     mask = torch.zeros(len(rollouts), width)
     for i, r in enumerate(rollouts):
@@ -305,8 +309,16 @@ def token_advantages(algo, rewards: torch.Tensor, rollouts: list[Rollout],
     if penalties is not None:
         for i, p in enumerate(penalties):
             token_rewards[i, :len(p)] -= p.to(token_rewards.dtype)
-    grid, _ = gae(token_rewards, mask, None, algo.gae_gamma, algo.gae_lambda)
-    return [grid[i, :len(r.output_ids)].clone() for i, r in enumerate(rollouts)]
+    value_grid = None
+    if values is not None:
+        value_grid = torch.zeros_like(mask)
+        for i, v in enumerate(values):
+            value_grid[i, :len(v)] = v.to(value_grid.dtype)
+    grid, returns = gae(token_rewards, mask, value_grid, algo.gae_gamma, algo.gae_lambda)
+    per_rollout = [grid[i, :len(r.output_ids)].clone() for i, r in enumerate(rollouts)]
+    if values is None:
+        return per_rollout, None
+    return per_rollout, [returns[i, :len(r.output_ids)].clone() for i, r in enumerate(rollouts)]
 
 
 def shaped_rewards(cfg, rollouts: list[Rollout]) -> torch.Tensor:
@@ -406,18 +418,31 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
 
 
 def step_advantages(cfg, rollouts: list[Rollout], rewards: torch.Tensor, joint: Any = None,
-                    penalties: Optional[list[Optional[torch.Tensor]]] = None) -> list[Optional[torch.Tensor]]:
+                    penalties: Optional[list[Optional[torch.Tensor]]] = None,
+                    values: Optional[list[Optional[torch.Tensor]]] = None
+                    ) -> tuple[list[Optional[torch.Tensor]], Optional[list[Optional[torch.Tensor]]]]:
     """Per response token advantages of each rollout (None for a lost one) from the shaped rewards [N]
-    and, with algorithm.kl_in_reward, each scored rollout's per-token KL penalties (`reward_kl`). Lost
-    episodes take no part in group baselines or in a joint run's per-domain calibration (a joint run's
+    and, with algorithm.kl_in_reward, each scored rollout's per-token KL penalties (`reward_kl`); with a
+    critic, its per-token `values` (`critic_values`) and then also the returns (its targets; else None).
+    Lost episodes take no part in group baselines or in a joint run's per-domain calibration (a joint run's
     `advantage_rewards` sees the scored rewards only; the KL penalty applies after the calibration)."""
     scored = [r for r in rollouts if is_scored(r)]
-    values = rewards[torch.tensor([is_scored(r) for r in rollouts], dtype=torch.bool)]
+    scored_rewards = rewards[torch.tensor([is_scored(r) for r in rollouts], dtype=torch.bool)]
     if joint is not None:
-        values = joint.advantage_rewards(values, scored)
-    scored_penalties = None if penalties is None else [p for r, p in zip(rollouts, penalties) if is_scored(r)]
-    per_scored = iter(token_advantages(cfg.algorithm, values, scored, scored_penalties))
-    return [next(per_scored) if is_scored(r) else None for r in rollouts]
+        scored_rewards = joint.advantage_rewards(scored_rewards, scored)
+
+    def of_scored(per_rollout: Optional[list]) -> Optional[list]:
+        return None if per_rollout is None else [x for r, x in zip(rollouts, per_rollout) if is_scored(r)]
+
+    advantages, returns = token_advantages(cfg.algorithm, scored_rewards, scored, of_scored(penalties),
+                                           of_scored(values))
+
+    def spread(per_scored: Optional[list]) -> Optional[list]:
+        if per_scored is None:
+            return None
+        found = iter(per_scored)
+        return [next(found) if is_scored(r) else None for r in rollouts]
+    return spread(advantages), spread(returns)  # type: ignore[return-value]
 
 
 def reward_kl(cfg, parts: dict, rollouts: list[Rollout]) -> tuple[list[Optional[dict]], dict[str, float]]:
@@ -497,17 +522,24 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     joint = parts.get("domains")  # multi-domain runs: per-domain calibration before the advantages
     penalised, kl_metrics = (reward_kl(cfg, parts, rollouts) if cfg.algorithm.kl_in_reward
                              else ([None] * len(rollouts), {}))
-    advantages = step_advantages(cfg, rollouts, rewards, joint, [p and p["penalty"] for p in penalised]
-                                 if cfg.algorithm.kl_in_reward else None)
+    critic = parts.get("critic")
+    values = critic_values(parts, rollouts) if critic is not None else None
+    advantages, returns = step_advantages(cfg, rollouts, rewards, joint, [p and p["penalty"] for p in penalised]
+                                          if cfg.algorithm.kl_in_reward else None, values)
     keep, filter_stats = select_samples(cfg, rollouts, rewards)
     samples = [r.sample({"advantages": r.response_extra(a), "rollout_logprobs": r.response_extra(r.logprobs),
-                         **{k: v for k, v in (p or {}).items() if k != "penalty"}})
-               for r, a, k, p in zip(rollouts, advantages, keep, penalised) if k]
+                         **{k: v for k, v in (p or {}).items() if k != "penalty"},
+                         **({"returns": r.response_extra(returns[i]), "old_values": r.response_extra(values[i])}
+                            if critic is not None else {})})
+               for i, (r, a, k, p) in enumerate(zip(rollouts, advantages, keep, penalised)) if k]
     metrics: dict[str, float] = {}
     start = time.perf_counter()
     if samples:
         with timeline.span("train", "phases"):
-            metrics = _update(cfg, parts, samples)
+            if step >= cfg.algorithm.critic_warmup_steps:
+                metrics = _update(cfg, parts, samples)
+            if critic is not None:
+                metrics.update(_update_critic(cfg, parts, samples))
     else:
         logger.warning("step %d: every sample was filtered out; no update this step", step)
     train_time = time.perf_counter() - start
@@ -611,6 +643,34 @@ def _update(cfg, parts: dict, samples: list) -> dict[str, float]:
         if update == 0:  # nothing changed yet: the importance ratio must be 1
             first_kl = metrics.get("ppo_kl", 0.0)
     metrics.update({"rollout/logprob_mismatch": mismatch, "ppo_kl_first_update": first_kl})
+    return metrics
+
+
+def critic_values(parts: dict, rollouts: list[Rollout]) -> list[Optional[torch.Tensor]]:
+    """The critic's values of each scored rollout's response positions, [len(output_ids)] (None for a lost
+    one): entry t is V of the state before response token t."""
+    scored = [r for r in rollouts if is_scored(r)]
+    if not scored:
+        return [None] * len(rollouts)
+    values, _ = parts["critic"].forward_logprobs([r.sample({}) for r in scored])
+    found = {id(r): v[len(r.prompt_tokens) - 1:] for r, v in zip(scored, values)}
+    return [found.get(id(r)) for r in rollouts]
+
+
+def _update_critic(cfg, parts: dict, samples: list) -> dict[str, float]:
+    """The critic's update(s) on `samples` (extras "returns" and "old_values"), as many as the policy's;
+    metrics under critic/, with the explained variance of the returns by the pre-update values,
+    1 - Var(R - V) / Var(R) over the batch's loss tokens (1: perfect, 0: no better than their mean)."""
+    mask = torch.cat([s.loss_mask for s in samples]).bool()
+    returns = torch.cat([s.extras["returns"] for s in samples])[mask]
+    old = torch.cat([s.extras["old_values"] for s in samples])[mask]
+    spread = float(returns.var(unbiased=False)) if returns.numel() else 0.0
+    # returns that are all equal (rounding aside: R = A + V of rewards all 0) explain nothing: nan
+    explained = 1.0 - float((returns - old).var(unbiased=False)) / spread if spread > 1e-12 else float("nan")
+    for _ in range(cfg.algorithm.num_inner_updates):
+        found = parts["critic"].train_step(samples, parts["value_loss_fn"])
+    metrics = {f"critic/{k}": v for k, v in found.items() if k != "num_tokens"}
+    metrics["critic/explained_variance"] = explained
     return metrics
 
 

@@ -9,10 +9,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -20,7 +21,8 @@ from megatron_rl import runtime
 
 logger = logging.getLogger(__name__)
 SUMMARY = {"reward/mean": "reward", "eval/accuracy": "eval", "ppo_kl": "kl", "entropy": "ent",
-           "clip_frac": "clip", "response_length/mean": "len", "tokens_per_s": "tok/s", "time/step": "time"}
+           "clip_frac": "clip", "critic/value_loss": "vloss", "response_length/mean": "len", "tokens_per_s": "tok/s",
+           "time/step": "time"}
 
 
 def check_train_config(cfg) -> None:
@@ -32,7 +34,7 @@ def check_train_config(cfg) -> None:
 
 def build(rt):
     """Everything one RL run holds: tokenizer, task, trainer, engine, colocation, rewards."""
-    from megatron_rl.algorithms.objective import make_policy_loss_fn
+    from megatron_rl.algorithms.objective import make_policy_loss_fn, make_value_loss_fn
     from megatron_rl.checkpoint.manager import CheckpointManager
     from megatron_rl.colocate.controller import ColocationController
     from megatron_rl.data.domains import make_sampler, make_task
@@ -46,15 +48,20 @@ def build(rt):
     cfg = rt.cfg
     tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
     task = make_task(cfg, tokenizer)  # a MultiTask over cfg.domains when set
-    trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, TrainerOptions(
+    options = TrainerOptions(
         micro_batch_tokens=cfg.micro_batch_tokens, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, deterministic=cfg.deterministic,
         total_steps=cfg.num_steps * cfg.algorithm.num_inner_updates, pad_token_id=tokenizer.pad_token_id,
-        logprob_temperature=cfg.rollout.temperature))
+        logprob_temperature=cfg.rollout.temperature)
+    trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, options)
+    # PPO's value model: the policy's architecture with a value head, its weights copied from the policy
+    # once RL starts (`start_critic`)
+    critic = Trainer(cfg.model, critic_optimizer(cfg), rt.groups, options, head="value") if cfg.algorithm.critic \
+        else None
     engine = make_engine(cfg, rt.groups, tokenizer, local_rank=rt.env.local_rank,
                          local_world_size=rt.env.local_world_size, work_dir=rt.run_dir)
     engine.release_memory()  # the controller resumes it for each rollout
-    controller = ColocationController(trainer, engine)
+    controller = ColocationController(trainer, engine, critic=critic)
     controller.log_memory_plan()
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
     rewards = RewardService(task.verifier_factory(addresses))
@@ -65,11 +72,31 @@ def build(rt):
         from megatron_rl.disagg.controller import DisaggregatedController
 
         controller = DisaggregatedController(rt, controller, train_prompts, sampler, task.stop_token_ids, addresses)
+    checkpoints = CheckpointManager(cfg.checkpoint, rt.run_dir, trainer, cfg, cfg.num_steps, tokenizer)
+    checkpoints.critic = critic
     return dict(tokenizer=tokenizer, task=task, trainer=trainer, engine=engine, controller=controller,
                 rewards=rewards, loss_fn=make_policy_loss_fn(cfg.algorithm), train=train_prompts, eval=eval_prompts,
                 sampler=sampler, domains=make_joint(cfg, task, sampler),
-                env_pool=make_env_pool(cfg, task, train_prompts),
-                checkpoints=CheckpointManager(cfg.checkpoint, rt.run_dir, trainer, cfg, cfg.num_steps, tokenizer))
+                env_pool=make_env_pool(cfg, task, train_prompts), checkpoints=checkpoints,
+                **({"critic": critic, "value_loss_fn": make_value_loss_fn(cfg.algorithm.value_clip)} if critic else {}))
+
+
+def critic_optimizer(cfg):
+    """The critic's optimizer settings: optimizer.*, with algorithm.critic_lr (and min_lr at most that)."""
+    return dataclasses.replace(cfg.optimizer, lr=cfg.algorithm.critic_lr,
+                               min_lr=min(cfg.optimizer.min_lr, cfg.algorithm.critic_lr))
+
+
+def start_critic(parts: dict, resumed: Optional[dict]) -> None:
+    """A critic not restored from the checkpoint starts from the policy's weights (after its warm start)
+    with a zero value head."""
+    critic = parts["critic"]
+    if resumed is not None and resumed.get("critic"):
+        return
+    if resumed is not None:
+        logger.warning("the checkpoint this run resumes from holds no critic (written without algorithm.critic): "
+                       "the critic starts from the resumed policy's weights")
+    critic.copy_body_from(parts["trainer"])
 
 
 def check_sample_budget(cfg, prompts) -> None:
@@ -109,6 +136,8 @@ def run_rl(rt) -> dict[str, float]:
             parts["controller"].load_state_dict(resumed.get("disaggregated"))
         start_step, history = resumed["rl_step"], resumed["history"]
         rt.writer.rewind(start_step)
+    if "critic" in parts:
+        start_critic(parts, resumed)
     if cfg.algorithm.kl_coef > 0:  # reference = the policy RL started from (kept in host memory)
         if resumed is not None and resumed.get("reference") is None:
             raise ValueError(f"algorithm.kl_coef={cfg.algorithm.kl_coef}, but the checkpoint this run resumes from "
@@ -170,7 +199,8 @@ def finish_rl(rt, parts, history) -> None:
         return
     rows = read_metrics(rt.run_dir / "metrics.jsonl")
     plot_metrics(rt.run_dir / "metrics.jsonl", rt.run_dir / "plots",
-                 ["reward/mean", "eval/accuracy", "eval/pass@k", "ppo_kl", "entropy", "tokens_per_s", "time/step"])
+                 ["reward/mean", "eval/accuracy", "eval/pass@k", "ppo_kl", "entropy", "tokens_per_s", "time/step",
+                  *(["critic/value_loss", "critic/explained_variance"] if "critic" in parts else [])])
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     if rewards:
         k = max(1, len(rewards) // 10)

@@ -1,5 +1,6 @@
 """The RL objective of one micro-batch: policy loss (+ truncated IS) + KL loss - entropy bonus,
-normalised by global-batch denominators, as a `LossFn` for `Trainer.train_step`.
+normalised by global-batch denominators, as a `LossFn` for `Trainer.train_step`; and the
+critic's clipped value loss (`make_value_loss_fn`).
 
 Normalisation (see `megatron_rl.trainer.core`): a loss function returns its micro-batch's
 *contribution* to the global loss, so every term here is divided by a denominator of the
@@ -166,6 +167,44 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
                              "train_step(..., with_entropy=True) or set algorithm.entropy_coef=0")
         metrics["pg_loss"] = pg_loss.detach()
         metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    return loss_fn
+
+
+def make_value_loss_fn(value_clip: Optional[float]) -> LossFn:
+    """The critic's loss (`Trainer(head="value")`: `LossInputs.logprobs` holds its values V_t), PPO's
+    clipped squared error averaged over the global batch's loss tokens:
+
+        V_clip_t = old_t + clip(V_t - old_t, -value_clip, value_clip)
+        loss     = token_mean(0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2))
+
+    from `LossInputs.extras` "returns" (R_t, GAE's value targets) and "old_values" (the critic's values
+    before this update); value_clip None: 0.5 * (V_t - R_t)^2. Metrics (token means, global-sum
+    contributions): "value_loss", "value_clip_frac" (tokens whose clipped error was the larger),
+    "values" and "returns"."""
+    if value_clip is not None and value_clip <= 0:
+        raise ValueError(f"value_clip={value_clip} is invalid: must be > 0, or None for no clipping")
+
+    def loss_fn(inp: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        missing = [k for k in ("returns", "old_values") if k not in inp.extras]
+        if missing:
+            raise ValueError(f"the value loss needs extras {missing}; samples carry {sorted(inp.extras)}")
+        mask = inp.loss_mask.to(inp.logprobs.dtype)
+        values, returns, old = inp.logprobs, inp.extras["returns"], inp.extras["old_values"]
+        error = (values - returns) ** 2
+        clipped = torch.zeros_like(error, dtype=torch.bool)
+        if value_clip is not None:
+            clipped_error = (old + (values - old).clamp(-value_clip, value_clip) - returns) ** 2
+            clipped = clipped_error > error
+            error = torch.maximum(error, clipped_error)
+
+        def token_mean(x: Tensor) -> Tensor:
+            return aggregate(x, mask, inp.sample_num_tokens, inp.num_tokens, inp.num_samples, "token_mean")
+
+        loss = token_mean(0.5 * error)
+        metrics = {"value_loss": loss.detach(), "value_clip_frac": token_mean(clipped.to(mask.dtype)),
+                   "values": token_mean(values.detach()), "returns": token_mean(returns.to(mask.dtype))}
         return loss, metrics
 
     return loss_fn

@@ -28,6 +28,7 @@ class CheckpointManager:
         self.run_config = dataclasses.asdict(run_config) if dataclasses.is_dataclass(run_config) else run_config
         self.total_steps = total_steps
         self.tokenizer = tokenizer
+        self.critic: Any = None  # an RL run's value model (algorithm.critic), saved and resumed with the policy
 
     def resume(self) -> Optional[dict[str, Any]]:
         """Load the newest complete checkpoint when resuming is on; its `extra` state, or None."""
@@ -36,7 +37,7 @@ class CheckpointManager:
         latest = find_latest(self.root)
         if latest is None:
             return None
-        extra = load_checkpoint(self.trainer, latest)
+        extra = load_checkpoint(self.trainer, latest, critic=self.critic)
         logger.info("resumed from %s: continuing after step %d", latest, self.trainer.step)
         return extra
 
@@ -49,7 +50,7 @@ class CheckpointManager:
         cfg = self.cfg
         keep_best = KeepBest(cfg.keep_best, cfg.best_metric, cfg.best_mode) if cfg.keep_best else None
         return save_checkpoint(self.trainer, self.root, steps_done, extra, self.run_config, keep_last=cfg.keep_last,
-                               keep_every=cfg.keep_every, keep_best=keep_best, metrics=metrics)
+                               keep_every=cfg.keep_every, keep_best=keep_best, metrics=metrics, critic=self.critic)
 
     def after_step(self, steps_done: int, extra: Callable[[], dict[str, Any]],
                    metrics: Optional[dict[str, float]] = None) -> None:

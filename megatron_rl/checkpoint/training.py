@@ -40,6 +40,7 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LATEST = "latest"
 _BEST = "best"
 _META = "meta.json"
+_CRITIC = "critic."  # the critic's keys in a checkpoint (algorithm.critic)
 # Architecture fields a checkpoint must agree on with the run that loads it.
 _ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "head_dim", "vocab_size", "tie_word_embeddings", "qkv_bias",
@@ -110,8 +111,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _sharded_state_dict(trainer, is_loading: bool) -> dict[str, Any]:
-    model_sd = trainer.module.sharded_state_dict()
+def _sharded_state_dict(trainer, is_loading: bool, prefix: str = "") -> dict[str, Any]:
+    """Model, optimizer, schedule and step counts of `trainer`; model keys under `prefix` (the critic's
+    "critic.", unique beside the policy's)."""
+    model_sd = trainer.module.sharded_state_dict(prefix=prefix)
     metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
     optim_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return {"model": model_sd, "optimizer": optim_sd, "scheduler": trainer.scheduler.state_dict(),
@@ -163,12 +166,13 @@ class KeepBest:
 
 def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], config: dict[str, Any],
                     keep_last: int = 2, keep_every: Optional[int] = None, keep_best: Optional[KeepBest] = None,
-                    metrics: Optional[dict[str, float]] = None) -> Path:
+                    metrics: Optional[dict[str, float]] = None, critic: Any = None) -> Path:
     """Save everything needed to resume after `step` optimizer steps; every rank calls this.
 
     `extra` holds small picklable state (data sampler position, ...); `config` is the run's
     config as plain data (stored in meta.json, checked on load); `metrics` (the last step's
-    logged metrics) go into meta.json for `keep_best`.
+    logged metrics) go into meta.json for `keep_best`; `critic` (a value-head Trainer) is saved
+    beside the policy under "critic." keys.
     """
     from megatron.core import dist_checkpointing
 
@@ -186,6 +190,8 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     state = _sharded_state_dict(trainer, is_loading=False)
     if reference is not None:
         state["reference"] = _reference_sharded_state_dict(trainer, reference)
+    if critic is not None:
+        state["critic"] = _sharded_state_dict(critic, is_loading=False, prefix=_CRITIC)
     state["extra"] = extra
     dist_checkpointing.save(state, str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
@@ -194,7 +200,7 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     if rank == 0:
         meta = {"step": step, "layout": _layout(trainer.groups), "config": config, "time": time.time(),
                 "distributed_optimizer": trainer.options.use_distributed_optimizer,
-                "reference": reference is not None,
+                "reference": reference is not None, "critic": critic is not None,
                 "metrics": {k: float(v) for k, v in (metrics or {}).items()
                             if isinstance(v, (int, float)) and math.isfinite(v)}}
         with open(tmp / _META, "w") as f:
@@ -345,8 +351,28 @@ def load_weights(trainer, path: Path) -> int:
     return int(meta["step"])
 
 
-def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler, step (and RNG at the same layout); returns `extra`."""
+def _restore(trainer, state: dict[str, Any], path: Path, prefix: str = "") -> None:
+    """Model, optimizer, LR schedule and step counts of `trainer` from its loaded `_sharded_state_dict`."""
+    trainer.module.load_state_dict({key[len(prefix):]: value for key, value in state["model"].items()})
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    changed = {k: (v, getattr(trainer.scheduler, k)) for k, v in state["scheduler"].items()
+               if k in _SCHEDULE_FIELDS and getattr(trainer.scheduler, k) != v}
+    if changed:
+        logger.warning("checkpoint %s: the LR schedule%s follows this run's config, which changed %s", path,
+                       " of the critic" if prefix else "",
+                       ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+    # Megatron's scheduler *adds* the saved step count to its current one.
+    trainer.scheduler.num_steps = 0
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.step = int(state["trainer_step"])
+    # Checkpoints from before optimizer_step was saved never reset their optimizer.
+    trainer.optimizer_step = int(state.get("optimizer_step", trainer.step))
+    _restore_adam_steps(trainer.optimizer, trainer.optimizer_step)
+
+
+def load_checkpoint(trainer, path: Path, critic: Any = None) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler, step (and RNG at the same layout); returns `extra`, with
+    "critic": whether `critic` (a value-head Trainer) was restored too (False: the checkpoint has none)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -382,21 +408,14 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
     wanted = _sharded_state_dict(trainer, is_loading=True)
     if meta.get("reference"):
         wanted["reference"] = _reference_sharded_state_dict(trainer, None)
+    with_critic = critic is not None and bool(meta.get("critic"))
+    if with_critic:
+        _ensure_optimizer_state(critic.optimizer)
+        wanted["critic"] = _sharded_state_dict(critic, is_loading=True, prefix=_CRITIC)
     state = dist_checkpointing.load(wanted, str(path))
-    trainer.module.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    changed = {k: (v, getattr(trainer.scheduler, k)) for k, v in state["scheduler"].items()
-               if k in _SCHEDULE_FIELDS and getattr(trainer.scheduler, k) != v}
-    if changed:
-        logger.warning("checkpoint %s: the LR schedule follows this run's config, which changed %s", path,
-                       ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
-    # Megatron's scheduler *adds* the saved step count to its current one.
-    trainer.scheduler.num_steps = 0
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.step = int(state["trainer_step"])
-    # Checkpoints from before optimizer_step was saved never reset their optimizer.
-    trainer.optimizer_step = int(state.get("optimizer_step", trainer.step))
-    _restore_adam_steps(trainer.optimizer, trainer.optimizer_step)
+    _restore(trainer, state, path)
+    if with_critic:
+        _restore(critic, state["critic"], path, prefix=_CRITIC)
     rng_file = path / "rng" / f"rank{trainer.groups.rank}.pt"
     if saved_layout == _layout(trainer.groups) and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
@@ -404,6 +423,7 @@ def load_checkpoint(trainer, path: Path) -> dict[str, Any]:
         logger.warning("checkpoint %s was written at layout %s; RNG states are not restored at %s",
                        path, meta["layout"], _layout(trainer.groups))
     extra = dict(state.get("extra", {}))
+    extra["critic"] = with_critic
     if meta.get("reference"):
         extra["reference"] = _load_reference(trainer, state["reference"])
     elif extra.get("reference") is not None and (saved_layout["tp"] > 1 or saved_layout["pp"] > 1

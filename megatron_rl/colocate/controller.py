@@ -29,8 +29,10 @@ PHASES = ("offload_trainer", "resume_engine_weights", "sync_weights", "resume_en
 
 
 class ColocationController:
-    def __init__(self, trainer: Any, engine: Optional[Any], bucket_bytes: int = 256 * 2**20) -> None:
+    def __init__(self, trainer: Any, engine: Optional[Any], bucket_bytes: int = 256 * 2**20,
+                 critic: Optional[Any] = None) -> None:
         self.trainer = trainer
+        self.critic = critic  # a value model (algorithm.critic): offloaded and onloaded with the trainer
         self.engine = engine  # None on ranks that own no engine (they still take part in sync)
         self.bucket_bytes = bucket_bytes
         self.phase_log: list[str] = []
@@ -45,6 +47,10 @@ class ColocationController:
                     "rollout); engine weights = params in HF layout; KV cache budget %s",
                     plan["params"] / 1e6, plan["grads"] / 1e6, plan["optimizer"] / 1e6,
                     "engine default" if kv_budget_bytes is None else f"{kv_budget_bytes / 1e6:.1f} MB")
+        if self.critic is not None:
+            critic = self.critic.memory_plan()
+            logger.info("memory plan: critic params %.1f MB, grads %.1f MB, optimizer %.1f MB (offloaded during "
+                        "rollout)", critic["params"] / 1e6, critic["grads"] / 1e6, critic["optimizer"] / 1e6)
         return plan
 
     @contextlib.contextmanager
@@ -68,6 +74,8 @@ class ColocationController:
         version = self.version + 1
         with self._phase("offload_trainer"):
             self.trainer.offload()
+            if self.critic is not None:
+                self.critic.offload()
         try:
             with self._phase("resume_engine_weights"):
                 if self.engine is not None:
@@ -103,6 +111,8 @@ class ColocationController:
         finally:
             with self._phase("onload_trainer"):
                 self.trainer.onload()
+                if self.critic is not None:
+                    self.critic.onload()
 
     def metrics(self) -> dict[str, float]:
         out = dict(self.timings)

@@ -923,13 +923,24 @@ class AlgorithmConfig:
     """Advantage estimator and policy loss of the RL update."""
 
     advantage_estimator: str = "grpo"
-    """grpo, dr_grpo, rloo, reinforce_pp (group mean, then batch whitening) or gae (no critic in this
-    version: values 0, so with gae_gamma = gae_lambda = 1 every token's advantage is its sample's reward,
-    whitened over the batch's tokens; works with one sample per prompt)."""
+    """grpo, dr_grpo, rloo, reinforce_pp (group mean, then batch whitening) or gae (with algorithm.critic a
+    learned value model's values; without, values 0: with gae_gamma = gae_lambda = 1 every token's advantage
+    is its sample's reward, whitened over the batch's tokens; works with one sample per prompt)."""
     gae_gamma: float = 1.0
     """advantage_estimator=gae: discount per response token."""
     gae_lambda: float = 1.0
     """advantage_estimator=gae: GAE's lambda."""
+    critic: bool = False
+    """advantage_estimator=gae: train a value model (PPO's critic: the policy's architecture and starting
+    weights, a zero-initialised value head in place of the output layer, an optimizer of its own) whose
+    values V(s_t) enter GAE and which learns GAE's returns after each policy update."""
+    critic_lr: float = 1e-5
+    """The critic's learning rate (its other optimizer settings are optimizer.*'s)."""
+    value_clip: Optional[float] = 0.5
+    """The critic's value clipping: its values move at most this far from the pre-update ones in the loss
+    (PPO's clipped value loss); null: plain squared error."""
+    critic_warmup_steps: int = 0
+    """RL steps at the start in which only the critic learns (the policy is not updated)."""
     policy_loss: str = "ppo_clip"
     """ppo_clip, clip_higher (DAPO), gspo (sequence-level ratio) or cispo (clipped IS weights)."""
     eps_clip: float = 0.2
@@ -1046,6 +1057,16 @@ class AlgorithmConfig:
                                "needs algorithm.kl_in_reward=true")
             _check_min("algorithm.kl_target", self.kl_target, 0, strict=True)
         _check_min("algorithm.kl_horizon", self.kl_horizon, 1)
+        if self.critic and self.advantage_estimator != "gae":
+            raise _invalid("algorithm.critic", self.critic, "a value model is used by advantage_estimator=gae only, "
+                           f"not {self.advantage_estimator}: set algorithm.advantage_estimator=gae (algorithm=ppo)")
+        _check_min("algorithm.critic_lr", self.critic_lr, 0, strict=True)
+        if self.value_clip is not None:
+            _check_min("algorithm.value_clip", self.value_clip, 0, strict=True)
+        _check_min("algorithm.critic_warmup_steps", self.critic_warmup_steps, 0)
+        if self.critic_warmup_steps and not self.critic:
+            raise _invalid("algorithm.critic_warmup_steps", self.critic_warmup_steps, "warms up a critic: it needs "
+                           "algorithm.critic=true")
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, self.LOSS_AGG_MODES)
         _check_choice("algorithm.old_logprobs", self.old_logprobs, self.OLD_LOGPROBS)
         _check_choice("algorithm.overlong", self.overlong, self.OVERLONG_MODES)
@@ -1445,6 +1466,12 @@ class TrainConfig:
         _check_min("global_batch_size", self.global_batch_size, 1)
         _check_min("micro_batch_tokens", self.micro_batch_tokens, 1)
         self._check_domains()
+        if self.algorithm.critic and self.rollout.mode == "disaggregated":
+            raise _invalid("algorithm.critic", self.algorithm.critic, "a critic runs with colocated rollout only "
+                           "(not built for rollout.mode=disaggregated yet)")
+        if self.algorithm.critic and self.algorithm.critic_warmup_steps >= self.num_steps:
+            raise _invalid("algorithm.critic_warmup_steps", self.algorithm.critic_warmup_steps,
+                           f"must be < num_steps={self.num_steps}, or the policy never learns")
         ckpt = self.checkpoint
         if ckpt.keep_best and self.mode == "sft" and ckpt.best_metric.startswith("eval"):
             raise _invalid("checkpoint.best_metric", ckpt.best_metric, "SFT logs its held-out loss at the last step "

@@ -52,7 +52,7 @@ Tensor = torch.Tensor
 class LossInputs:
     """What a loss function sees for one micro-batch (T = its number of targets)."""
 
-    logprobs: Tensor  # [T] log p(target) under the current policy, with grad
+    logprobs: Tensor  # [T] log p(target) under the current policy, with grad (a critic: the values V(s_t))
     entropy: Optional[Tensor]  # [T] or None when not requested
     loss_mask: Tensor  # [T] 1.0 for targets that count
     sample_ids: Tensor  # [T] index of each target's sample in the global batch
@@ -83,19 +83,36 @@ class TrainerOptions:
 
 
 class Trainer:
-    """Owns this rank's model stage, its DDP wrapper, the Megatron optimizer and LR schedule."""
+    """Owns this rank's model stage, its DDP wrapper, the Megatron optimizer and LR schedule.
 
-    def __init__(self, model_cfg: Any, optim_cfg: Any, groups: ParallelGroups, options: TrainerOptions):
+    head="value" makes it a critic: the same architecture, untied, with `models/value_head.py`'s
+    head in place of the output layer; `forward_logprobs` then returns each target position's
+    value V(s_t) (the state before the target token) and a loss function sees them as
+    `LossInputs.logprobs`."""
+
+    HEADS = ("lm", "value")
+
+    def __init__(self, model_cfg: Any, optim_cfg: Any, groups: ParallelGroups, options: TrainerOptions,
+                 head: str = "lm"):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
+        if head not in self.HEADS:
+            raise ValueError(f"head={head!r} is invalid: allowed values are {', '.join(self.HEADS)}")
         self.groups = groups
         self.options = options
+        self.head = head
+        if head == "value":  # the value head replaces the output layer: nothing to tie it to
+            model_cfg = dataclasses.replace(model_cfg, tie_word_embeddings=False)
         self.model_cfg = model_cfg
         self.use_te = uses_te(groups)
         # THD rows (cu_seqlens, no dense mask): TE's attention, context parallelism, the CPU path's PackedAttention
         self.thd = self.use_te or groups.cp_size > 1 or uses_packed_attention(model_cfg, self.use_te, groups.cp_size)
         module = build_model(model_cfg, groups, deterministic=options.deterministic, use_te=self.use_te)
+        if head == "value":
+            from megatron_rl.models.value_head import attach_value_head
+
+            attach_value_head(module, groups)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=options.overlap_grad_reduce,
@@ -149,6 +166,24 @@ class Trainer:
         for p, saved in zip(self._weight_tensors(), snapshot):
             p.copy_(saved, non_blocking=True)
         return current
+
+    @torch.no_grad()
+    def copy_body_from(self, policy: "Trainer") -> None:
+        """A critic's start: every weight of `policy` (a trainer at the same layout) except its output
+        layer, and a zero value head (values 0 everywhere)."""
+        from megatron_rl.models.value_head import is_head_parameter
+
+        source = dict(policy.module.named_parameters())
+        source.update(policy.module.named_buffers())
+        own = dict(self.module.named_parameters())
+        for name, tensor in [*own.items(), *self.module.named_buffers()]:
+            if is_head_parameter(name):
+                tensor.zero_()
+            elif name in source and source[name].shape == tensor.shape:
+                tensor.copy_(source[name])
+            elif name in own:
+                raise ValueError(f"the policy has no weight {name!r} of shape {tuple(tensor.shape)} for the critic")
+        self.optimizer.reload_model_params()
 
     def load_hf(self, path: str) -> None:
         """Set weights from an HF checkpoint directory (each rank reads only what it needs)."""
@@ -289,7 +324,7 @@ class Trainer:
 
         # Fused log-probs: the last stage's model returns hidden states, `_target_stats` does the rest.
         output_hidden = contextlib.nullcontext()
-        if self.model_cfg.fused_logprobs and self.groups.is_last_stage:
+        if self.model_cfg.fused_logprobs and self.groups.is_last_stage and self.head == "lm":
             tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
             output_hidden = hidden_states_instead_of_logits(self.module, tp_group, self.groups.sequence_parallel)
         with output_hidden:
@@ -305,7 +340,10 @@ class Trainer:
 
     def _target_stats(self, mb: MicroBatch, output: Tensor, with_entropy: bool):
         """(log-probs, entropies) of the row's valid targets from the model output: final hidden
-        states [1, S, h] on the fused path, else vocab-parallel logits [1, S, V/tp]."""
+        states [1, S, h] on the fused path, else vocab-parallel logits [1, S, V/tp]. A critic's: (values
+        from its [1, S, 1] output, None)."""
+        if self.head == "value":
+            return output[0, :, 0][mb.valid], None
         if self.model_cfg.fused_logprobs:
             tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
             return fused_vocab_parallel_stats(output[0][mb.valid], output_weight(self.module), mb.targets[0][mb.valid],
@@ -324,7 +362,8 @@ class Trainer:
     @torch.no_grad()
     def forward_logprobs(self, samples: Sequence[Sample], with_entropy: bool = False
                          ) -> tuple[list[Tensor], Optional[list[Tensor]]]:
-        """Log-probs (and entropies) of every sample's targets, on every rank: lists of [L-1]."""
+        """Log-probs (and entropies) of every sample's targets, on every rank: lists of [L-1]. A critic
+        (head="value") returns its values V(s_t) at those positions instead."""
         shares, micro = self._micro_batches(samples)
         mine = shares[self.groups.dp_rank]
         local: dict[int, tuple[Tensor, Optional[Tensor]]] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import subprocess
@@ -139,11 +140,19 @@ def test_a_reward_function_by_path_and_critic_free_ppo(tmp_path, start):
     assert rows[0]["kl_reward/coef"] == 0.05 and rows[1]["kl_reward/coef"] == pytest.approx(0.05 * (1 - 0.2 * 8 / 100))
 
 
-# The uninterrupted run three tests compare with: an adaptive KL penalty in the reward (whose coefficient
-# a checkpoint must carry), a checkpoint every step, rollouts dumped, one update per step.
-UNINTERRUPTED = [f"num_steps={STEPS}", "checkpoint.save_every=1", "task.eval_every=2", "algorithm.num_inner_updates=1",
-                 "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.kl_target=0.001",
-                 "algorithm.kl_horizon=64", "logging.dump_rollouts=true"]
+# The uninterrupted run four tests compare with: PPO as in RLHF, with a critic (whose weights and optimizer a
+# checkpoint must carry) and an adaptive KL penalty in the reward (whose coefficient it must carry too), a
+# checkpoint every step, rollouts dumped, one update per step.
+PPO = ["algorithm=ppo", "algorithm.critic=true", "algorithm.critic_lr=1e-3", "algorithm.num_inner_updates=1",
+       "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.kl_target=0.001", "algorithm.kl_horizon=64"]
+UNINTERRUPTED = [f"num_steps={STEPS}", "checkpoint.save_every=1", "task.eval_every=2", *PPO,
+                 "logging.dump_rollouts=true"]
+CRITIC_KEYS = ("critic/value_loss", "critic/values", "critic/returns", "critic/grad_norm",
+               "critic/explained_variance")
+
+
+def _same(got: float, want: float) -> bool:
+    return got == want or (math.isnan(got) and math.isnan(want))
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +178,8 @@ def test_dumped_rollouts_replay_the_same_updates_without_generating(tmp_path, st
     for want, got in zip(_metrics(dumped), _metrics(replayed), strict=True):
         assert "time/sync_weights" in want and "time/sync_weights" not in got  # nothing generated
         for key in ("reward/mean", "loss", "grad_norm", "ppo_kl", "entropy", "response_length/mean",
-                    "rollout/logprob_mismatch", "kl_reward/coef", "kl_reward/kl"):
-            assert got[key] == want[key], (want["step"], key, got[key], want[key])
+                    "rollout/logprob_mismatch", "kl_reward/coef", "kl_reward/kl", *CRITIC_KEYS):
+            assert _same(got[key], want[key]), (want["step"], key, got[key], want[key])
     too_far = subprocess.run(_args(tmp_path / "far", start, f"num_steps={STEPS + 1}", "task.num_eval=4",
                                    f"rollout.replay_dir={dumped / 'rollouts'}"),
                              env=_env(), capture_output=True, text=True, timeout=120)
@@ -194,8 +203,9 @@ def test_the_reference_policy_follows_the_policy_every_step(tmp_path, start, uni
 
 def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, start, uninterrupted):
     """A run SIGKILLed mid-way and started again logs the same per-step metrics as one never interrupted,
-    with an adaptive KL penalty in the reward: its coefficient travels in the checkpoint (it would restart
-    at kl_coef otherwise)."""
+    with a critic (its weights, optimizer and schedule travel in the checkpoint: a critic started afresh
+    from the policy would predict other values) and an adaptive KL penalty in the reward (its coefficient
+    travels too: it would restart at kl_coef otherwise)."""
     resumed_dir = tmp_path / "resumed"
     args = _args(resumed_dir, start, *UNINTERRUPTED)
     run_until_killed(args, resumed_dir, lines=3)  # killed after step 2 was logged, maybe mid-step 3 or mid-save
@@ -206,11 +216,30 @@ def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, start, uninterrupted):
     assert [r["step"] for r in resumed] == list(range(STEPS))
     for want, got in zip(reference, resumed, strict=True):
         for key in ("reward/mean", "loss", "grad_norm", "ppo_kl", "kl", "entropy", "response_length/mean",
-                    "weight_version", "kl_reward/coef", "kl_reward/kl"):
-            assert got[key] == want[key], (want["step"], key, got[key], want[key])
+                    "weight_version", "kl_reward/coef", "kl_reward/kl", *CRITIC_KEYS):
+            assert _same(got[key], want[key]), (want["step"], key, got[key], want[key])
         assert got.get("eval/accuracy") == want.get("eval/accuracy")
     coefs = [r["kl_reward/coef"] for r in reference]
     assert coefs[0] == 0.05 and len(set(coefs)) == STEPS  # it moved every step
+
+
+def test_a_new_critic_changes_nothing_until_it_has_learned(tmp_path, start, uninterrupted):
+    """The critic starts with a zero value head: its values are exactly 0 at step 0, so that step's update
+    is the critic-free GAE's, bit for bit (same loss, gradient norm, clipping); then it learns (values move,
+    its loss is finite) and its own metrics are logged every step."""
+    free = tmp_path / "critic_free"
+    args = [a for a in _args(free, start, *UNINTERRUPTED) if not a.startswith(("algorithm.critic",))]
+    proc = subprocess.run([*args, "num_steps=1", "checkpoint.save_every=0", "logging.dump_rollouts=false"],
+                          env=_env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (want,), rows = _metrics(free), _metrics(uninterrupted)
+    assert "critic/value_loss" not in want
+    for key in ("loss", "pg_loss", "grad_norm", "clip_frac", "entropy", "reward/mean"):
+        assert rows[0][key] == want[key], (key, rows[0][key], want[key])
+    ev = rows[0]["critic/explained_variance"]  # 1 - Var(R - 0) / Var(R), or nan for equal returns
+    assert rows[0]["critic/values"] == 0.0 and (ev == 0.0 or math.isnan(ev))
+    assert all(r["critic/values"] != 0.0 and math.isfinite(r["critic/value_loss"]) for r in rows[1:])
+    assert rows[0]["critic/lr"] == 1e-3
 
 
 def test_tests_verifier_runs_a_rows_tests_in_the_sandbox(tmp_path):

@@ -218,3 +218,27 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages():
     assert torch.equal(logp.grad, torch.zeros(3, dtype=D))
     with pytest.raises(ValueError, match="dual clip"):
         make_policy_loss_fn(_cfg(eps_clip_c=3.0, policy_loss="cispo"))
+
+
+def test_value_loss_clips_against_the_old_values():
+    """make_value_loss_fn(0.5) by hand, one micro-batch of a 5-token global batch (a masked 4th token):
+        V     = ( 1.0, 0.2, -0.4, 9.0 )   old = ( 0.0, 0.0, 0.0, 0.0 )   R = ( 2.0, 1.0, 0.0, 0.0 )
+        plain (V - R)^2        = ( 1.0,  0.64, 0.16 )
+        V_clip = old + clip(V - old, +-0.5) = ( 0.5, 0.2, -0.4 ): (V_clip - R)^2 = ( 2.25, 0.64, 0.16 )
+    max: (2.25, 0.64, 0.16); loss = 0.5 * 3.05 / 5; only token 0's clipped error was the larger."""
+    from megatron_rl.algorithms.objective import make_value_loss_fn
+
+    values = torch.tensor([1.0, 0.2, -0.4, 9.0], dtype=D, requires_grad=True)
+    inp = _inputs(values, [1, 1, 1, 0], [0, 0, 1, 1], num_tokens=5, num_samples=3,
+                  returns=[2.0, 1.0, 0.0, 0.0], old_values=[0.0, 0.0, 0.0, 0.0])
+    loss, metrics = make_value_loss_fn(0.5)(inp)
+    assert math.isclose(float(loss), 0.5 * 3.05 / 5, rel_tol=1e-12)
+    assert math.isclose(float(metrics["value_clip_frac"]), 1 / 5, rel_tol=1e-12)
+    assert math.isclose(float(metrics["values"]), 0.8 / 5, rel_tol=1e-12)
+    assert math.isclose(float(metrics["returns"]), 3.0 / 5, rel_tol=1e-12)
+    loss.backward()  # the clipped token passes no gradient; the others 0.5 * 2 (V - R) / 5
+    assert torch.allclose(values.grad, torch.tensor([0.0, (0.2 - 1.0) / 5, -0.4 / 5, 0.0], dtype=D))
+    unclipped, _ = make_value_loss_fn(None)(inp)
+    assert math.isclose(float(unclipped), 0.5 * 1.8 / 5, rel_tol=1e-12)
+    with pytest.raises(ValueError, match="value loss needs extras"):
+        make_value_loss_fn(None)(_inputs(values, [1, 1, 1, 0], [0, 0, 1, 1], num_tokens=5, num_samples=3))

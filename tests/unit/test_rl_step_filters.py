@@ -106,7 +106,8 @@ def test_lost_episodes_take_no_part_in_the_group_baseline():
                 _episode(1, 0.0, "deadline")]
     cfg = _cfg("algorithm.filter_zero_variance=true")
     rewards = shaped_rewards(cfg, rollouts)
-    advantages = step_advantages(cfg, rollouts, rewards)
+    advantages, returns = step_advantages(cfg, rollouts, rewards)
+    assert returns is None  # no critic
     assert advantages[3] is None and advantages[6] is None
     for i in (0, 1, 2):
         assert advantages[i].tolist() == [0.0] * 8
@@ -151,7 +152,7 @@ def test_gae_without_a_critic():
     episode = _episode(0, 1.0, "submitted", turns=((2, 2), (1, 0)))
     lost = _episode(2, 1.0, "dropped")
     rollouts = [episode, single, lost]
-    advantages = step_advantages(cfg, rollouts, shaped_rewards(cfg, rollouts))
+    advantages, _ = step_advantages(cfg, rollouts, shaped_rewards(cfg, rollouts))
     raw_episode = [0.25, 0.5, 0.0, 0.0, 1.0]  # model tokens 0, 1, (tool, tool), 2
     raw_single = [0.5, 1.0, 2.0]
     values = torch.tensor([0.25, 0.5, 1.0, 0.5, 1.0, 2.0])
@@ -172,11 +173,11 @@ def test_every_advantage_estimator_runs_in_the_step():
     rollouts = _rollouts([1, 0, 0.5, 1], [3, 2, 4, 1], ["stop"] * 4, [0, 0, 1, 1])
     for estimator in AlgorithmConfig.ADVANTAGE_ESTIMATORS:
         cfg = _cfg(f"algorithm.advantage_estimator={estimator}")
-        advantages = step_advantages(cfg, rollouts, shaped_rewards(cfg, rollouts))
+        advantages, _ = step_advantages(cfg, rollouts, shaped_rewards(cfg, rollouts))
         assert [a.shape[0] for a in advantages] == [3, 2, 4, 1], estimator
         assert all(torch.isfinite(a).all() for a in advantages) and any(a.abs().sum() > 0 for a in advantages)
         lost = [_episode(0, 0.0, "dropped"), _episode(0, 0.0, "unscored")]  # nothing scored: no advantage, no error
-        assert step_advantages(cfg, lost, shaped_rewards(cfg, lost)) == [None, None], estimator
+        assert step_advantages(cfg, lost, shaped_rewards(cfg, lost)) == ([None, None], None), estimator
 
 
 def test_evaluation_samples_with_its_own_settings():
@@ -224,15 +225,44 @@ def test_kl_in_the_reward_reaches_both_kinds_of_estimator():
     penalties = [torch.tensor([0.1, 0.2]), torch.tensor([0.0, 0.0]), torch.tensor([0.5, 0.0]), None]
     rollouts[3] = _episode(1, 0.0, "dropped")
     grpo = _cfg("algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true")
-    advantages = step_advantages(grpo, rollouts, shaped_rewards(grpo, rollouts), None, penalties)
+    advantages, _ = step_advantages(grpo, rollouts, shaped_rewards(grpo, rollouts), None, penalties)
     # group 0 sees 0.7 and 1.0: (0.7 - 0.85) / (std sqrt(0.045) + 1e-6); group 1 one scored sample: 0
     expected = -0.15 / (0.045 ** 0.5 + 1e-6)
     assert torch.allclose(advantages[0], torch.full((2,), expected)) and torch.allclose(advantages[1], -advantages[0])
     assert advantages[2].tolist() == [0.0, 0.0] and advantages[3] is None
     gae = _cfg("algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true", "algorithm.advantage_estimator=gae",
                "rollout.n_samples_per_prompt=1")
-    advantages = step_advantages(gae, rollouts, shaped_rewards(gae, rollouts), None, penalties)
+    advantages, _ = step_advantages(gae, rollouts, shaped_rewards(gae, rollouts), None, penalties)
     # token rewards (-0.1, 1 - 0.2), (0, 1), (-0.5, 0): rewards-to-go, then whitened over the six tokens
     to_go = torch.tensor([0.7, 0.8, 1.0, 1.0, -0.5, 0.0])
     whitened = (to_go - to_go.mean()) / torch.sqrt(to_go.var(unbiased=False) + 1e-8)
     assert torch.allclose(torch.cat(advantages[:3]), whitened, atol=1e-6) and advantages[3] is None
+
+
+def test_gae_with_the_critics_values_and_their_returns():
+    """With a critic, gae runs on its values and also returns the critic's targets R = A + V (before whitening).
+    By hand, gamma = 1, lambda = 0.5, the episode's model tokens at 0, 1 and 4 (tool output at 2, 3, whose
+    values are skipped), V = (0.5, 1, -1) there and reward 1 on the last:
+        t=4: delta = 1 - (-1) = 2,            A = 2
+        t=1: delta = 0 + (-1) - 1 = -2,       A = -2 + 0.5 * 2 = -1
+        t=0: delta = 0 + 1 - 0.5 = 0.5,       A = 0.5 + 0.5 * (-1) = 0
+    so R = (0.5, 0, 1) on the model tokens, 0 on tool output. The single-turn rollout (reward 2, values
+    (0, 0, 0)) is the critic-free case: A = R = (2 * 0.5**2, 2 * 0.5, 2). A lost rollout gets neither."""
+    from megatron_rl.rl_step import step_advantages
+
+    cfg = _cfg("algorithm.advantage_estimator=gae", "algorithm.gae_lambda=0.5", "algorithm.critic=true",
+               "rollout.n_samples_per_prompt=1")
+    episode = _episode(0, 1.0, "submitted", turns=((2, 2), (1, 0)))
+    single = _rollouts([2.0], [3], ["stop"], [1])[0]
+    lost = _episode(2, 1.0, "dropped")
+    values = [torch.tensor([0.5, 1.0, 9.0, 9.0, -1.0]), torch.zeros(3), None]
+    advantages, returns = step_advantages(cfg, [episode, single, lost], shaped_rewards(cfg, [episode, single, lost]),
+                                          values=values)
+    assert torch.allclose(returns[0], torch.tensor([0.5, 0.0, 0.0, 0.0, 1.0]))
+    assert torch.allclose(returns[1], torch.tensor([0.5, 1.0, 2.0]))
+    assert returns[2] is None and advantages[2] is None
+    raw = torch.tensor([0.0, -1.0, 2.0, 0.5, 1.0, 2.0])  # model tokens only, then whitened together
+    whitened = (raw - raw.mean()) / torch.sqrt(raw.var(unbiased=False) + 1e-8)
+    got = torch.cat([advantages[0][[0, 1, 4]], advantages[1]])
+    assert torch.allclose(got, whitened, atol=1e-6)
+    assert advantages[0][2:4].tolist() == [0.0, 0.0]
