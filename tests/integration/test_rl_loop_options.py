@@ -242,6 +242,19 @@ def test_a_new_critic_changes_nothing_until_it_has_learned(tmp_path, start, unin
     assert rows[0]["critic/lr"] == 1e-3
 
 
+def test_critic_warmup_trains_the_critic_alone(tmp_path, start, uninterrupted):
+    """algorithm.critic_warmup_steps=1: step 0 updates the critic exactly as the uninterrupted run's step 0
+    did (same rollouts, same critic) and leaves the policy alone (no policy metrics); step 1 updates both."""
+    warmup = tmp_path / "warmup"
+    proc = subprocess.run([*_args(warmup, start, *PPO), "num_steps=2", "task.num_eval=0",
+                           "algorithm.critic_warmup_steps=1"], env=_env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows, want = _metrics(warmup), _metrics(uninterrupted)[0]
+    assert "pg_loss" not in rows[0] and "pg_loss" in rows[1]
+    for key in CRITIC_KEYS:
+        assert _same(rows[0][key], want[key]), (key, rows[0][key], want[key])
+
+
 def test_tests_verifier_runs_a_rows_tests_in_the_sandbox(tmp_path):
     from megatron_rl.config import TaskConfig
     from megatron_rl.data.tasks import Task
