@@ -48,7 +48,8 @@ PY
 parallel=()
 [[ $workers -gt 1 ]] && parallel=(-n "$workers" --dist loadfile)
 first=0 second=0
-"${pytest[@]}" -m "not serial" "${parallel[@]}" "$@" || first=$?
+# --durations: the slowest tests close the first pass's report (where the suite's time goes)
+"${pytest[@]}" -m "not serial" "${parallel[@]}" --durations=25 "$@" || first=$?
 "${pytest[@]}" -m serial --ignore=tests/gpu "$@" || second=$?  # no GPU test is serial
 for status in "$first" "$second"; do
   [[ $status == 0 || $status == 5 ]] || exit "$status"
