@@ -522,8 +522,9 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     joint = parts.get("domains")  # multi-domain runs: per-domain calibration before the advantages
     penalised, kl_metrics = (reward_kl(cfg, parts, rollouts) if cfg.algorithm.kl_in_reward
                              else ([None] * len(rollouts), {}))
-    critic = parts.get("critic")
+    critic, critic_time = parts.get("critic"), time.perf_counter()
     values = critic_values(parts, rollouts) if critic is not None else None
+    critic_time = time.perf_counter() - critic_time
     advantages, returns = step_advantages(cfg, rollouts, rewards, joint, [p and p["penalty"] for p in penalised]
                                           if cfg.algorithm.kl_in_reward else None, values)
     keep, filter_stats = select_samples(cfg, rollouts, rewards)
@@ -534,15 +535,19 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
                for i, (r, a, k, p) in enumerate(zip(rollouts, advantages, keep, penalised)) if k]
     metrics: dict[str, float] = {}
     start = time.perf_counter()
-    if samples:
+    # algorithm.critic_warmup_steps: counted in the critic's own updates (a critic started on resume warms up too)
+    warming = critic is not None and critic.step < cfg.algorithm.critic_warmup_steps * cfg.algorithm.num_inner_updates
+    if samples and not warming:
         with timeline.span("train", "phases"):
-            if step >= cfg.algorithm.critic_warmup_steps:
-                metrics = _update(cfg, parts, samples)
-            if critic is not None:
-                metrics.update(_update_critic(cfg, parts, samples))
-    else:
+            metrics = _update(cfg, parts, samples)
+    elif not samples:
         logger.warning("step %d: every sample was filtered out; no update this step", step)
     train_time = time.perf_counter() - start
+    if samples and critic is not None:
+        start = time.perf_counter()
+        with timeline.span("critic", "phases"):
+            metrics.update(_update_critic(cfg, parts, samples))
+        metrics["time/critic"] = critic_time + time.perf_counter() - start  # its forward and its update
     scored = [is_scored(r) for r in rollouts]
     raw = torch.tensor([r.reward for r, s in zip(rollouts, scored) if s])
     scored_values = rewards[torch.tensor(scored, dtype=torch.bool)]

@@ -32,8 +32,9 @@ def check_train_config(cfg) -> None:
     check_run_config(cfg)
 
 
-def build(rt):
-    """Everything one RL run holds: tokenizer, task, trainer, engine, colocation, rewards."""
+def build(rt, with_critic: bool = True):
+    """Everything one RL run holds: tokenizer, task, trainer, engine, colocation, rewards (and, with
+    algorithm.critic unless `with_critic` is False, the critic: evaluation needs none)."""
     from megatron_rl.algorithms.objective import make_policy_loss_fn, make_value_loss_fn
     from megatron_rl.checkpoint.manager import CheckpointManager
     from megatron_rl.colocate.controller import ColocationController
@@ -56,8 +57,9 @@ def build(rt):
     trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, options)
     # PPO's value model: the policy's architecture with a value head, its weights copied from the policy
     # once RL starts (`start_critic`)
-    critic = Trainer(cfg.model, critic_optimizer(cfg), rt.groups, options, head="value") if cfg.algorithm.critic \
-        else None
+    critic = None
+    if cfg.algorithm.critic and with_critic:
+        critic = Trainer(cfg.model, critic_optimizer(cfg), rt.groups, options, head="value")
     engine = make_engine(cfg, rt.groups, tokenizer, local_rank=rt.env.local_rank,
                          local_world_size=rt.env.local_world_size, work_dir=rt.run_dir)
     engine.release_memory()  # the controller resumes it for each rollout

@@ -24,6 +24,7 @@ from megatron_rl.weight_sync.stream import SyncStats, sync_weights
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# one rollout's phases, in order (with a critic, "offload_critic" follows "offload_trainer")
 PHASES = ("offload_trainer", "resume_engine_weights", "sync_weights", "resume_engine_kv", "generate",
           "release_engine", "onload_trainer")
 
@@ -74,9 +75,10 @@ class ColocationController:
         version = self.version + 1
         with self._phase("offload_trainer"):
             self.trainer.offload()
-            if self.critic is not None:
-                self.critic.offload()
         try:
+            if self.critic is not None:  # inside: a failure hands the policy's memory back too
+                with self._phase("offload_critic"):
+                    self.critic.offload()
             with self._phase("resume_engine_weights"):
                 if self.engine is not None:
                     self.engine.resume_memory([TAG_WEIGHTS])

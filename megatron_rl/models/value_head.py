@@ -40,9 +40,9 @@ class ValueHead(torch.nn.Module):
 
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
                                                           group=self.tp_group)
-        values = torch.nn.functional.linear(hidden, self.weight.to(hidden.dtype),
-                                            self.bias.to(hidden.dtype))
-        return values.float(), None
+        # fp32: a bf16 output would round values near 1 to ~4e-3, the baseline GAE subtracts
+        values = torch.nn.functional.linear(hidden.float(), self.weight.float(), self.bias.float())
+        return values, None
 
 
 def attach_value_head(module: torch.nn.Module, groups: Any) -> None:

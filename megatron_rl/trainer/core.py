@@ -202,14 +202,30 @@ class Trainer:
             self.load_full_state_dict(random_state_dict(self.model_cfg, self.model_cfg.init_seed))
 
     # -- memory time-sharing with rollout engines ----------------------------------------------
+    def _params_to(self, device: Any) -> int:
+        """Move the parameters DDP's buffers do not hold to `device` (pinned host memory for "cpu");
+        returns the bytes moved. Megatron's DDP keeps parameters in a buffer of its own (which
+        `offload_to_cpu` moves) only with the distributed optimizer: otherwise `param_data` is None
+        and each parameter is moved by itself, keeping its identity (the optimizer's references)."""
+        moved = 0
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            if buffer.param_data is not None:
+                continue
+            for param in buffer.params:
+                if param.device.type != torch.device(device).type:
+                    moved += param.numel() * param.element_size()
+                    param.data = param.data.to(device, non_blocking=True)  # to "cpu": pinned memory
+        return moved
+
     def offload(self) -> int:
         """Move parameters, gradients and optimizer state off the accelerator (to pinned host
         memory); returns the bytes moved. On CPU there is nothing to move: returns 0."""
         if self.groups.device.type == "cpu":
             return 0
-        moved = 0
+        moved = self._params_to("cpu")
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-            moved += buffer.param_data.numel() * buffer.param_data.element_size()
+            if buffer.param_data is not None:
+                moved += buffer.param_data.numel() * buffer.param_data.element_size()
             if buffer.grad_data is not None:
                 moved += buffer.grad_data.numel() * buffer.grad_data.element_size()
             buffer.offload_to_cpu(move_params=True, move_grads=True)
@@ -224,10 +240,11 @@ class Trainer:
         """Undo `offload`; returns the bytes moved back."""
         if self.groups.device.type == "cpu":
             return 0
-        moved = 0
+        moved = self._params_to(self.groups.device)
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
             buffer.reload_from_cpu(move_params=True, move_grads=True)
-            moved += buffer.param_data.numel() * buffer.param_data.element_size()
+            if buffer.param_data is not None:
+                moved += buffer.param_data.numel() * buffer.param_data.element_size()
         for tensor in _optimizer_tensors(self.optimizer):
             tensor.data = tensor.data.to(self.groups.device, non_blocking=True)
             moved += tensor.numel() * tensor.element_size()
@@ -237,13 +254,16 @@ class Trainer:
     def onload_weights_for_sync(self) -> None:
         """Bring back only the parameters (weight sync reads them); grads and optimizer stay off."""
         if self.groups.device.type != "cpu":
+            self._params_to(self.groups.device)
             for buffer in self.model.buffers + self.model.expert_parallel_buffers:
                 buffer.reload_from_cpu(move_params=True, move_grads=False)
 
     def offload_weights_after_sync(self) -> None:
         if self.groups.device.type != "cpu":
+            self._params_to("cpu")
             for buffer in self.model.buffers + self.model.expert_parallel_buffers:
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
+            torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
     def memory_plan(self) -> dict[str, int]:

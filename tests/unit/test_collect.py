@@ -55,7 +55,7 @@ def test_a_late_verifier_leaves_its_samples_unscored(tmp_path, monkeypatch):
     rollouts, stats = _run(lambda: CustomVerifier("slow_reward:score"), [{"answer": "7"}] * 2, reward_timeout_s=0.2)
     assert [r.status for r in rollouts] == ["unscored"] * 4 and stats["reward/timeouts"] >= 1.0
     cfg = types.SimpleNamespace(algorithm=types.SimpleNamespace(advantage_estimator="grpo"))
-    assert step_advantages(cfg, rollouts, torch.zeros(4)) == [None] * 4
+    assert step_advantages(cfg, rollouts, torch.zeros(4)) == ([None] * 4, None)
 
 
 def test_no_verdict_from_a_verifier_leaves_that_sample_unscored(tmp_path, monkeypatch):
