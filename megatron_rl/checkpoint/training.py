@@ -198,7 +198,8 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     _barrier()
     if rank == 0:
-        meta = {"step": step, "layout": _layout(trainer.groups), "config": config, "time": time.time(),
+        meta = {"step": step, "layout": _layout(trainer.groups), "device": trainer.groups.device.type,
+                "config": config, "time": time.time(),
                 "distributed_optimizer": trainer.options.use_distributed_optimizer,
                 "reference": reference is not None, "critic": critic is not None,
                 "metrics": {k: float(v) for k, v in (metrics or {}).items()
@@ -417,11 +418,14 @@ def load_checkpoint(trainer, path: Path, critic: Any = None) -> dict[str, Any]:
     if with_critic:
         _restore(critic, state["critic"], path, prefix=_CRITIC)
     rng_file = path / "rng" / f"rank{trainer.groups.rank}.pt"
-    if saved_layout == _layout(trainer.groups) and rng_file.is_file():
+    # A CPU run's tracker holds CPU generator states, which a CUDA generator refuses (and the other way round);
+    # checkpoints from before the device was recorded were all written on CPU.
+    saved_device = meta.get("device", "cpu")
+    if saved_layout == _layout(trainer.groups) and saved_device == trainer.groups.device.type and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     else:
-        logger.warning("checkpoint %s was written at layout %s; RNG states are not restored at %s",
-                       path, meta["layout"], _layout(trainer.groups))
+        logger.warning("checkpoint %s was written at layout %s on %s; RNG states are not restored at %s on %s",
+                       path, meta["layout"], saved_device, _layout(trainer.groups), trainer.groups.device.type)
     extra = dict(state.get("extra", {}))
     extra["critic"] = with_critic
     if meta.get("reference"):

@@ -771,8 +771,9 @@ class RolloutConfig:
     """Longest response generated per sample."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: a response ends with the token that completes one of them (the string is kept in
-    the response and trained on). Training and evaluation; agent turns stop at them too. hf backend only
-    (the SGLang engine is driven with token ids, without a tokenizer)."""
+    the response and trained on). Training and evaluation; agent turns stop at them too. With the sglang
+    backend the engine then loads the run's tokenizer (SGLang matches them on the text; token ids still go
+    in and out); an attached server (rollout.base_url) must have one."""
     n_samples_per_prompt: int = 8
     """Responses sampled per prompt (the group size of group-relative advantages)."""
     mem_fraction_static: float = 0.5
@@ -893,9 +894,6 @@ class RolloutConfig:
         _check_min("rollout.max_new_tokens", self.max_new_tokens, 1)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise _invalid("rollout.stop", self.stop, "stop strings must be non-empty strings")
-        if self.stop and self.backend == "sglang":
-            raise _invalid("rollout.stop", self.stop, "the sglang engine runs without a tokenizer (token ids only) "
-                           "and cannot match stop strings: use rollout.backend=hf, or stop token ids")
         _check_min("rollout.n_samples_per_prompt", self.n_samples_per_prompt, 1)
         _check_unit_interval("rollout.mem_fraction_static", self.mem_fraction_static, low_open=True, high_open=True)
         _check_choice("rollout.log_level", self.log_level, self.LOG_LEVELS)

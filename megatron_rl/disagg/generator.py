@@ -106,7 +106,7 @@ def run_generator(hub: Any, index: int, local_index: int, hub_key: bytes) -> Non
     spec: GeneratorSpec = hub.spec(index)
     cfg, run_dir = spec.cfg, Path(spec.run_dir)
     init_logger(index + 1, cfg.logging.level, run_dir / "logs" / f"generator{index}.log")
-    device = generator_device(cfg.cluster.device, local_index, spec.num_local_trainer_ranks)
+    device = generator_device(cfg.cluster.device, local_index, spec.num_local_trainer_ranks, cfg.rollout.tp)
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     hub.join(index, {"host": host, "pid": os.getpid(), "device": str(device)})
     beating, progress = threading.Event(), Progress()

@@ -14,6 +14,7 @@ Conversion to and from Hugging Face layouts lives in `megatron_rl.weight_sync.fa
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -348,6 +349,17 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
 
     if use_te is None:
         use_te = uses_te(groups)
+    if groups.device.type != "cpu" and not use_te:
+        # The local spec on a GPU runs Megatron-core paths that assume Transformer Engine elsewhere (the MoE
+        # router's fp32 GEMM, MLA, sequence parallelism's norms): the CPU compatibility layer covers them on
+        # CPU only. Refused rather than left to fail inside Megatron.
+        raise RuntimeError("Transformer Engine is required on GPU (the layer spec of megatron_rl's GPU path), but "
+                           "`import transformer_engine` fails: pip install -e '.[gpu]' (docs/install.md)")
+    if use_te and deterministic:
+        # Megatron-core's TE attention refuses deterministic_mode unless TE may only pick deterministic
+        # algorithms (transformer_engine.py: NVTE_ALLOW_NONDETERMINISTIC_ALGO must be 0); a value the user set
+        # stays (Megatron then names it).
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     if use_te and model_cfg.attention_sinks:
         import transformer_engine
 

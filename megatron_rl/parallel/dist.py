@@ -238,11 +238,24 @@ class WeightUpdateGroup:
         self.pg.broadcast([tensor], options).wait()
 
 
-def generator_device(requested: str, index: int, num_local_trainer_ranks: int) -> torch.device:
-    """The device of disaggregated generator `index`: the CPU, or the GPU after the trainer's
-    local ranks (generator i on GPU num_local_trainer_ranks + i, modulo the visible GPUs)."""
+def generator_device(requested: str, index: int, num_local_trainer_ranks: int, tp: int = 1) -> torch.device:
+    """The first device of disaggregated generator `index` (its engine spans `tp` GPUs from there): the CPU,
+    or the GPUs after the trainer's local ranks, generator i on num_local_trainer_ranks + i * tp onwards.
+    A node without that many GPUs is refused: a generator on a trainer rank's GPU (NCCL refuses two ranks
+    of one group on a device) or on another generator's would fail later, less clearly."""
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    gpu = (num_local_trainer_ranks + index) % torch.cuda.device_count()
+    gpu = generator_gpu(index, num_local_trainer_ranks, tp, torch.cuda.device_count())
     torch.cuda.set_device(gpu)
     return torch.device("cuda", gpu)
+
+
+def generator_gpu(index: int, num_local_trainer_ranks: int, tp: int, device_count: int) -> int:
+    """`generator_device`'s GPU index on a node of `device_count` GPUs (RuntimeError when they run out)."""
+    gpu = num_local_trainer_ranks + index * tp
+    if gpu + tp > device_count:
+        raise RuntimeError(f"generator {index} needs GPUs {gpu}..{gpu + tp - 1} (after the trainer's "
+                           f"{num_local_trainer_ranks} local ranks, rollout.tp={tp} GPUs each), but this node has "
+                           f"{device_count}: run fewer trainer ranks or generators here, or the generators on nodes "
+                           "of their own (rollout.generator_nodes)")
+    return gpu

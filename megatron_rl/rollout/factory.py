@@ -61,8 +61,10 @@ def _python() -> str:
 
 
 def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str], base_gpu_id: int,
-                         random_seed: int) -> Any:
-    """The `SGLangEngineConfig` of one block's engine (offline with `model_path`, else attach)."""
+                         random_seed: int, tokenizer_path: Optional[str] = None) -> Any:
+    """The `SGLangEngineConfig` of one block's engine (offline with `model_path`, else attach). With stop
+    strings (rollout.stop) the engine loads a tokenizer (from `tokenizer_path`, else the model's): SGLang
+    matches them on the text; an attached server must have been started with one."""
     from megatron_rl.rollout.sglang_engine import SGLangEngineConfig
 
     r = cfg.rollout
@@ -80,13 +82,16 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
         server_args["kv_cache_dtype"] = r.kv_cache_dtype
     if cfg.model.trust_remote_code:  # e.g. Kimi-K2's config.json, which names a model_type of its own code
         server_args["trust_remote_code"] = True
+    if r.stop and tokenizer_path is not None:
+        server_args["tokenizer_path"] = tokenizer_path
     server_args.update(dict(r.server_args))
     if r.base_url is not None:
-        return SGLangEngineConfig(base_url=r.base_url, device=device_type, tp_size=r.tp)
+        return SGLangEngineConfig(base_url=r.base_url, device=device_type, tp_size=r.tp,
+                                  skip_tokenizer_init=not r.stop)
     return SGLangEngineConfig(
         model_path=model_path, device=device_type, tp_size=r.tp, base_gpu_id=base_gpu_id, dtype=cfg.model.dtype,
         mem_fraction_static=r.mem_fraction_static, random_seed=random_seed, log_level=r.log_level,
-        server_args=server_args)
+        skip_tokenizer_init=not r.stop, server_args=server_args)
 
 
 def engine_model_dir(cfg: Any, eos_token_id: int, work_dir: Path) -> str:
@@ -123,24 +128,23 @@ def make_engine(cfg: Any, groups: Any, tokenizer: Any, *, local_rank: int, local
 
 
 def _leader_engine(cfg: Any, groups: Any, tokenizer: Any, block: Any, work_dir: Path) -> Any:
-    r = cfg.rollout
-    if r.backend == "hf":
+    if cfg.rollout.backend == "hf":
         from megatron_rl.rollout.hf_engine import HFEngine
 
-        return HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                        tokenizer=tokenizer)
+        return HFEngine(cfg.model, device=groups.device, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
-    model_path = None
-    if r.base_url is None:
-        model_path = engine_model_dir(cfg, tokenizer.eos_token_id, work_dir / f"rollout_model_rank{groups.rank}")
+    model_path, tokenizer_path = _engine_dirs(cfg, tokenizer, work_dir, f"rollout_model_rank{groups.rank}")
     config = sglang_engine_config(cfg, device_type=groups.device.type, model_path=model_path,
-                                  base_gpu_id=groups.device.index or 0, random_seed=cfg.seed + groups.rank)
+                                  base_gpu_id=groups.device.index or 0, random_seed=cfg.seed + groups.rank,
+                                  tokenizer_path=tokenizer_path)
     engine = SGLangEngine(config)
     tp_size = engine.health()["tp_size"]
     if tp_size != block.size:
         engine.shutdown()
-        raise ValueError(f"the SGLang engine at {r.base_url or model_path} runs tp_size={tp_size}, but rollout.tp="
+        where = cfg.rollout.base_url or model_path
+        raise ValueError(f"the SGLang engine at {where} runs tp_size={tp_size}, but rollout.tp="
                          f"{block.size}: one payload per SGLang TP rank comes from each rank of the block; "
                          f"start the server with --tp-size {block.size} or set rollout.tp={tp_size}")
     return engine
@@ -158,6 +162,21 @@ def make_standalone_engine(cfg: Any, tokenizer: Any, *, device: Any, index: int,
                         pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
-    model_path = None if r.base_url else engine_model_dir(cfg, tokenizer.eos_token_id, work_dir / f"generator{index}")
+    model_path, tokenizer_path = _engine_dirs(cfg, tokenizer, work_dir, f"generator{index}")
     return SGLangEngine(sglang_engine_config(cfg, device_type=device.type, model_path=model_path,
-                                             base_gpu_id=device.index or 0, random_seed=cfg.seed + 7919 * (index + 1)))
+                                             base_gpu_id=device.index or 0, random_seed=cfg.seed + 7919 * (index + 1),
+                                             tokenizer_path=tokenizer_path))
+
+
+def _engine_dirs(cfg: Any, tokenizer: Any, work_dir: Path, name: str) -> tuple[Optional[str], Optional[str]]:
+    """An offline SGLang engine's (model directory, tokenizer directory): the tokenizer only with stop
+    strings (rollout.stop), which SGLang matches on text, saved from the run's own. (None, None) in
+    attach mode (rollout.base_url)."""
+    if cfg.rollout.base_url is not None:
+        return None, None
+    model_path = engine_model_dir(cfg, tokenizer.eos_token_id, work_dir / name)
+    if not cfg.rollout.stop:
+        return model_path, None
+    tokenizer_path = work_dir / f"{name}_tokenizer"
+    tokenizer.save_pretrained(str(tokenizer_path))
+    return model_path, str(tokenizer_path)

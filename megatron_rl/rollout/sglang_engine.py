@@ -97,7 +97,9 @@ class SGLangEngineConfig:
     weight_version: int = 0
     """Version reported for the weights the engine starts with."""
     skip_tokenizer_init: bool = True
-    """Token ids in and out: the engine never loads or runs a tokenizer."""
+    """Token ids in and out: the engine never loads or runs a tokenizer. False: it loads one (from
+    model_path, or server_args' tokenizer_path), which stop strings need (SGLang matches them on the
+    detokenized text); ids still go in and out. Attach mode: whether the server has one."""
     log_level: str = "error"
     """SGLang's own log level."""
     server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -168,7 +170,14 @@ as `keep_alive` and hold it until then. `as_text` base64-encodes for HTTP. Impor
 (seconds, once)."""
     _import_sglang()
     from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    if any(t.is_cuda for _, t in named_tensors):
+        # CUDA IPC handles name the GPU by UUID, not by this process's index (which differs from the engine's
+        # under another CUDA_VISIBLE_DEVICES or per-task GPU binding), as SGLang's own senders do (its
+        # receivers accept both); idempotent. Not for CPU tensors, whose pickling the patch does not handle.
+        monkey_patch_torch_reductions()
 
     bucket = FlattenedTensorBucket(named_tensors=[(n, t.detach()) for n, t in named_tensors])
     payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
@@ -240,11 +249,14 @@ class SGLangEngine:
         return [self._to_generation(out, idx) for out, idx in zip(outputs, prompt_index)]
 
     def _sampling_params(self, params: SamplingParams, prompt: int, sample: int) -> dict[str, Any]:
-        if params.stop:
-            raise ValueError(f"stop strings {params.stop}: the SGLang engine runs without a tokenizer (token ids "
-                             "only) and cannot match them; use stop token ids")
+        if params.stop and self.config.skip_tokenizer_init:
+            raise ValueError(f"stop strings {params.stop}: this SGLang engine runs without a tokenizer "
+                             "(skip_tokenizer_init) and cannot match them; start it with one (the rollout factory "
+                             "does when rollout.stop is set) or use stop token ids")
         sp: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                               "max_new_tokens": params.max_new_tokens, "n": 1}
+        if params.stop:  # matched on the detokenized text; the response ends at the token completing one
+            sp["stop"] = list(params.stop)
         if params.stop_token_ids:
             sp["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None:
@@ -335,14 +347,20 @@ class SGLangEngine:
 
     # -- memory and scheduling ------------------------------------------------------------------
     def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
-        tags = _check_tags(tags)
-        self._transport.call("release_memory_occupation", {"tags": tags})
-        self._released |= set(tags)
+        """Release the tagged regions not released already: on GPU, torch_memory_saver ends SGLang's scheduler
+        process when asked to pause a region twice (e.g. the colocation controller's hand-back after a rollout
+        that failed before the KV cache was resumed)."""
+        todo = [t for t in _check_tags(tags) if t not in self._released]
+        if todo:
+            self._transport.call("release_memory_occupation", {"tags": todo})
+        self._released |= set(todo)
 
     def resume_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
-        tags = _check_tags(tags)
-        self._transport.call("resume_memory_occupation", {"tags": tags})
-        self._released -= set(tags)
+        """Resume the tagged regions that are released (resuming a resident one fails in SGLang too)."""
+        todo = [t for t in _check_tags(tags) if t in self._released]
+        if todo:
+            self._transport.call("resume_memory_occupation", {"tags": todo})
+        self._released -= set(todo)
 
     def pause(self) -> None:
         with self._idle:

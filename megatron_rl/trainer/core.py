@@ -264,6 +264,7 @@ class Trainer:
             for buffer in self.model.buffers + self.model.expert_parallel_buffers:
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
             torch.cuda.synchronize()
+            torch.cuda.ipc_collect()  # sync buckets the engine has opened over CUDA IPC: free them now
             torch.cuda.empty_cache()
 
     def memory_plan(self) -> dict[str, int]:

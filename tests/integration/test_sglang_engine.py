@@ -19,7 +19,8 @@ import torch
 
 from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, server_command
 from tests.integration.sglang import harness
-from tests.integration.sglang.engine_scenarios import ABORT_MAX_NEW_TOKENS, GREEDY, PROMPTS, SAMPLING, STOP_IDS
+from tests.integration.sglang.engine_scenarios import (
+    ABORT_MAX_NEW_TOKENS, GREEDY, PROMPTS, SAMPLING, STOP_IDS, STOP_STRINGS)
 
 pytestmark = pytest.mark.timeout(1200)
 _needs_venv = pytest.mark.skipif(
@@ -148,6 +149,31 @@ def test_stop_tokens_end_samples_and_are_included(scenarios, mode):
             assert ids[-1] in stops
         else:
             assert g["finish_reason"] == "length" and len(ids) == SAMPLING.max_new_tokens
+
+
+@real_engine
+def test_stop_strings_end_samples_at_the_token_completing_them(scenarios):
+    """Offline (the engine loads the checkpoint's character tokenizer): a sample ends with the token that
+    completes a stop string, which stays in it, and holds none before; a sample that ended otherwise
+    (length, or the end-of-text token) holds none at all. Attach mode's server runs token ids only:
+    stop strings are refused there, before any request."""
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:char")
+    gens = scenarios("offline")["stop_strings"]
+    by_string = 0
+    for g in gens:
+        ids = g["output_ids"]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        ends = [text.find(s) + len(s) for s in STOP_STRINGS if s in text]
+        assert len(ids) == len(g["logprobs"])
+        if g["finish_reason"] == "stop" and ids[-1] != tokenizer.eos_token_id:
+            by_string += 1
+            assert min(ends) == len(text), (text, g)
+        else:
+            assert not ends, (text, g)
+    assert by_string > 0, "no sample met a stop string: nothing was checked"
+    assert scenarios("attach")["stop_strings_error"] == "ValueError"
 
 
 @real_engine

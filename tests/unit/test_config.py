@@ -250,7 +250,6 @@ INVALID_CASES = [
     (["algorithm.rollout_mask=seq"], 1, ["algorithm.rollout_mask=seq", "geometric"]),
     (["task.eval_temperature=0"], 1, ["task.eval_temperature=0", "> 0"]),
     (["algorithm=gspo", "algorithm.eps_clip_c=3"], 1, ["algorithm.eps_clip_c=3", "not gspo"]),
-    (["rollout=sglang", "rollout.stop=[END]"], 1, ["rollout.stop=['END']", "without a tokenizer"]),
     (["rollout.stop=['']"], 1, ["rollout.stop=['']", "non-empty"]),
     (["algorithm.ref_update_every=5"], 1, ["algorithm.ref_update_every=5", "kl_coef > 0"]),
     (["algorithm.kl_in_reward=true"], 1, ["algorithm.kl_in_reward=true", "kl_coef > 0"]),

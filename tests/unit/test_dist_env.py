@@ -91,3 +91,16 @@ def test_free_port_falls_back_to_the_kernel_when_everything_is_ephemeral(tmp_pat
     monkeypatch.setattr(dist, "_EPHEMERAL_RANGE_FILE", str(tmp_path / "range"))
     monkeypatch.setattr(dist.random.SystemRandom, "randint", lambda self, a, b: pytest.fail("drew a port"))
     assert _bindable(dist.free_port())
+
+
+def test_generators_take_the_gpus_after_the_trainer_ranks_and_never_share_one():
+    """Generator i's engine spans rollout.tp GPUs from num_local_trainer_ranks + i * tp; a node without
+    enough GPUs is refused (a generator on a trainer rank's GPU breaks the NCCL weight group)."""
+    from megatron_rl.parallel.dist import generator_gpu
+
+    assert [generator_gpu(i, 4, 1, 8) for i in range(4)] == [4, 5, 6, 7]
+    assert [generator_gpu(i, 4, 2, 8) for i in range(2)] == [4, 6]
+    with pytest.raises(RuntimeError, match=r"generator 2 needs GPUs 8..9 .*this node has 8.*generator_nodes"):
+        generator_gpu(2, 4, 2, 8)
+    with pytest.raises(RuntimeError, match=r"generator 0 needs GPUs 1..1"):
+        generator_gpu(0, 1, 1, 1)  # one GPU, held by the trainer

@@ -63,6 +63,30 @@ def test_sglang_engine_arguments_from_the_config():
     assert "trust_remote_code" not in cpu
 
 
+def test_stop_strings_give_the_sglang_engine_the_runs_tokenizer(tmp_path):
+    """rollout.stop with the sglang backend: the run's tokenizer is saved beside the engine's model directory
+    and the engine loads it (SGLang matches stop strings on text); without stop strings it runs token ids
+    only; an attached server is declared to have one."""
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.rollout.factory import _engine_dirs
+
+    tokenizer = load_tokenizer("builtin:char")
+    cfg = rl_config(backend="sglang", stop=["}"])
+    model_path, tokenizer_path = _engine_dirs(cfg, tokenizer, tmp_path, "rollout_model_rank0")
+    assert load_tokenizer(tokenizer_path).encode("a}b") == tokenizer.encode("a}b")
+    kwargs = sglang_engine_config(cfg, device_type="cuda", model_path=model_path, base_gpu_id=0, random_seed=0,
+                                  tokenizer_path=tokenizer_path).engine_kwargs()
+    assert kwargs["skip_tokenizer_init"] is False and kwargs["tokenizer_path"] == tokenizer_path
+    plain = rl_config(backend="sglang")
+    assert _engine_dirs(plain, tokenizer, tmp_path / "plain", "m")[1] is None
+    assert sglang_engine_config(plain, device_type="cuda", model_path=model_path, base_gpu_id=0,
+                                random_seed=0).engine_kwargs()["skip_tokenizer_init"] is True
+    attach = rl_config(backend="sglang", base_url="http://node1:30000", stop=["}"])
+    assert _engine_dirs(attach, tokenizer, tmp_path / "attach", "m") == (None, None)
+    assert sglang_engine_config(attach, device_type="cuda", model_path=None, base_gpu_id=0,
+                                random_seed=0).skip_tokenizer_init is False
+
+
 def test_rollout_tp_must_divide_the_ranks_of_a_node():
     with pytest.raises(ConfigError, match="rollout.tp=3 does not divide the 4 ranks per node.*values are 1, 2, 4"):
         check_engine_config(rl_config(tp=3), world_size=8, local_world_size=4)

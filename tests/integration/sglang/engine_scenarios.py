@@ -38,6 +38,9 @@ PROMPTS = [[1, 87, 73, 72, 72, 3], [5, 6, 7, 8, 9, 10, 11], [40, 41]]
 SAMPLING = SamplingParams(temperature=0.8, top_p=1.0, top_k=-1, max_new_tokens=16, n=4)
 GREEDY = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=16)
 STOP_IDS = tuple(range(4, 99, 2))  # every other printable character: sequences stop early
+# Stop strings (the offline engine loads the checkpoint's character tokenizer for them): characters that no
+# special token's text holds, so that whether SGLang decodes special tokens cannot change a match.
+STOP_STRINGS = ("K", "4", "Q", "W", "zq")
 ABORT_MAX_NEW_TOKENS = 500  # with the prompt, just under the model's 512 positions
 
 
@@ -107,6 +110,11 @@ def run(engine: SGLangEngine, args: argparse.Namespace) -> dict:
     out["gen_a"] = as_dicts(timed("generate_a", lambda: engine.generate(PROMPTS, SAMPLING)))
     out["greedy_a"] = as_dicts(engine.generate(PROMPTS, GREEDY))
     out["stop"] = as_dicts(engine.generate(PROMPTS, dataclasses.replace(SAMPLING, stop_token_ids=STOP_IDS)))
+    with_strings = dataclasses.replace(SAMPLING, stop=STOP_STRINGS)
+    if engine.config.skip_tokenizer_init:  # attach: the server runs token ids only
+        out["stop_strings_error"] = error_name(lambda: engine.generate(PROMPTS, with_strings))
+    else:
+        out["stop_strings"] = as_dicts(engine.generate(PROMPTS, with_strings))
     out["health_start"] = engine.health()
 
     timed("update_b", lambda: update(engine, args.model_b, version=1))
@@ -197,7 +205,10 @@ def main() -> None:
     stop_requested = []
     signal.signal(signal.SIGUSR1, lambda *_: stop_requested.append(True))  # as megatron_rl.preemption does
     if args.mode == "offline":
-        engine = SGLangEngine(cpu_config(model_path=args.model_a))
+        # with the checkpoint's tokenizer, for stop strings (token ids still go in and out)
+        config = cpu_config(model_path=args.model_a, skip_tokenizer_init=False)
+        config.server_args["tokenizer_path"] = args.model_a  # as the rollout factory passes it
+        engine = SGLangEngine(config)
     else:
         server, url = start_server(args.model_a, Path(args.out).with_suffix(".server.log"))
         engine = SGLangEngine(SGLangEngineConfig(base_url=url))

@@ -1,0 +1,41 @@
+"""`SGLangEngine.release_memory` / `resume_memory` send SGLang only the regions whose state changes: on GPU,
+torch_memory_saver ends the scheduler process when a region is paused twice (the colocation controller's
+hand-back releases everything after a rollout that failed before the KV cache was resumed). The engine's
+bookkeeping is checked against a recording transport (no SGLang process)."""
+
+from __future__ import annotations
+
+from megatron_rl.rollout.base import TAG_KV_CACHE, TAG_WEIGHTS
+from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def call(self, name: str, payload: dict) -> dict:
+        self.calls.append((name, list(payload["tags"])))
+        return {}
+
+
+def _engine() -> tuple[SGLangEngine, _Recorder]:
+    engine = SGLangEngine.__new__(SGLangEngine)  # no engine process: only the tag bookkeeping runs
+    engine._transport, engine._released = _Recorder(), set()
+    return engine, engine._transport
+
+
+def test_a_failed_rollouts_hand_back_releases_only_what_was_resumed():
+    engine, sent = _engine()
+    engine.release_memory([TAG_WEIGHTS, TAG_KV_CACHE])  # after start-up
+    engine.resume_memory([TAG_WEIGHTS])  # the rollout resumed the weights, then its sync failed
+    engine.release_memory([TAG_WEIGHTS, TAG_KV_CACHE])  # the controller's hand-back
+    assert sent.calls == [("release_memory_occupation", [TAG_WEIGHTS, TAG_KV_CACHE]),
+                          ("resume_memory_occupation", [TAG_WEIGHTS]),
+                          ("release_memory_occupation", [TAG_WEIGHTS])]
+    engine.release_memory()  # everything released already: nothing sent
+    engine.resume_memory([TAG_KV_CACHE])
+    engine.resume_memory([TAG_WEIGHTS, TAG_KV_CACHE])  # only the weights are still released
+    assert sent.calls[3:] == [("resume_memory_occupation", [TAG_KV_CACHE]),
+                              ("resume_memory_occupation", [TAG_WEIGHTS])]
+    engine.resume_memory()
+    assert len(sent.calls) == 5 and engine._released == set()
