@@ -248,9 +248,14 @@ def test_hf_backend_builds_one_engine_per_rank(tmp_path):
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.rollout.hf_engine import HFEngine
 
-    engine = make_engine(rl_config(), None, load_tokenizer("builtin:char"), local_rank=0, local_world_size=1,
+    import types
+
+    import torch
+
+    groups = types.SimpleNamespace(device=torch.device("cpu"), rank=0)  # the engine runs on the rank's device
+    engine = make_engine(rl_config(), groups, load_tokenizer("builtin:char"), local_rank=0, local_world_size=1,
                          work_dir=tmp_path)
-    assert isinstance(engine, HFEngine)
+    assert isinstance(engine, HFEngine) and engine.device == groups.device
 
 
 def test_hf_engine_refuses_an_update_that_leaves_weights_unwritten():
