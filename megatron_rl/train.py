@@ -60,9 +60,17 @@ def build(rt, with_critic: bool = True):
     critic = None
     if cfg.algorithm.critic and with_critic:
         critic = Trainer(cfg.model, critic_optimizer(cfg), rt.groups, options, head="value")
+    # The engine sizes its KV cache from the device memory free when it starts: the trainer's (and the critic's)
+    # is handed over first, as in every rollout (no-ops on CPU)
+    for model in (trainer, critic):
+        if model is not None:
+            model.offload()
     engine = make_engine(cfg, rt.groups, tokenizer, local_rank=rt.env.local_rank,
                          local_world_size=rt.env.local_world_size, work_dir=rt.run_dir)
     engine.release_memory()  # the controller resumes it for each rollout
+    for model in (trainer, critic):
+        if model is not None:
+            model.onload()
     controller = ColocationController(trainer, engine, critic=critic)
     controller.log_memory_plan()
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
