@@ -569,6 +569,8 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
         kept = [(r, a) for r, a in zip(rollouts, advantages) if a is not None]
         metrics.update(joint.step_metrics(step, [r for r, _ in kept],
                                           torch.tensor([a.mean().item() if a.numel() else 0.0 for _, a in kept])))
+    if warming:  # the critic's warm-up: the policy trained on nothing, no throughput to report
+        metrics.pop("tokens_per_s")
     metrics.update(_maintain(rt, parts, step, rollouts))
     if any(e["track"] == "engine" for e in timeline.events):  # the step's engine time, training included
         metrics["sched/step_engine_busy"] = timeline.busy("engine") / max(time.perf_counter() - timeline.origin, 1e-9)

@@ -251,6 +251,7 @@ def test_critic_warmup_trains_the_critic_alone(tmp_path, start, uninterrupted):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows, want = _metrics(warmup), _metrics(uninterrupted)[0]
     assert "pg_loss" not in rows[0] and "pg_loss" in rows[1]
+    assert "tokens_per_s" not in rows[0] and rows[1]["tokens_per_s"] > 0  # no policy update: no throughput
     for key in CRITIC_KEYS:
         assert _same(rows[0][key], want[key]), (key, rows[0][key], want[key])
 
