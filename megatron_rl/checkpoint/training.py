@@ -373,7 +373,7 @@ def _restore(trainer, state: dict[str, Any], path: Path, prefix: str = "") -> No
 
 def load_checkpoint(trainer, path: Path, critic: Any = None) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, step (and RNG at the same layout); returns `extra`, with
-    "critic": whether `critic` (a value-head Trainer) was restored too (False: the checkpoint has none)."""
+    "critic": True when `critic` (a value-head Trainer) was restored too (absent: the checkpoint has none)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -427,7 +427,8 @@ def load_checkpoint(trainer, path: Path, critic: Any = None) -> dict[str, Any]:
         logger.warning("checkpoint %s was written at layout %s on %s; RNG states are not restored at %s on %s",
                        path, meta["layout"], saved_device, _layout(trainer.groups), trainer.groups.device.type)
     extra = dict(state.get("extra", {}))
-    extra["critic"] = with_critic
+    if with_critic:
+        extra["critic"] = True
     if meta.get("reference"):
         extra["reference"] = _load_reference(trainer, state["reference"])
     elif extra.get("reference") is not None and (saved_layout["tp"] > 1 or saved_layout["pp"] > 1
