@@ -49,9 +49,9 @@ class ColocationController:
                     plan["params"] / 1e6, plan["grads"] / 1e6, plan["optimizer"] / 1e6,
                     "engine default" if kv_budget_bytes is None else f"{kv_budget_bytes / 1e6:.1f} MB")
         if self.critic is not None:
-            critic = self.critic.memory_plan()
+            own = self.critic.memory_plan()
             logger.info("memory plan: critic params %.1f MB, grads %.1f MB, optimizer %.1f MB (offloaded during "
-                        "rollout)", critic["params"] / 1e6, critic["grads"] / 1e6, critic["optimizer"] / 1e6)
+                        "rollout)", own["params"] / 1e6, own["grads"] / 1e6, own["optimizer"] / 1e6)
         return plan
 
     @contextlib.contextmanager
