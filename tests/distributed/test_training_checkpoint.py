@@ -455,3 +455,42 @@ def test_a_resumed_run_follows_its_own_schedule(tmp_path):
     got = torch.load(out, weights_only=False)
     assert got["resumed"] == pytest.approx(got["fresh"][2], rel=1e-12)
     assert got["fresh"][2] != pytest.approx(got["short"][2], rel=1e-6)
+
+
+def _rng_writer(rank, world, root, out):
+    from megatron_rl.checkpoint.training import save_checkpoint
+
+    trainer = _setup(tp=1, pp=1)
+    trainer.train_step(_batch(0))
+    save_checkpoint(trainer, Path(root), 1, {}, _config_for(trainer))
+    torch.save({"next_draw": torch.rand(4)}, out)  # what the saved RNG state draws next
+
+
+def _rng_reader(rank, world, root, out):
+    from megatron_rl.checkpoint.training import find_latest, load_checkpoint
+
+    trainer = _setup(tp=1, pp=1)
+    torch.manual_seed(999)  # a state of its own, unlike the saved one
+    load_checkpoint(trainer, find_latest(Path(root)))
+    torch.save({"next_draw": torch.rand(4)}, out)
+
+
+def test_rng_states_are_restored_on_the_same_device_type_only(tmp_path):
+    """A checkpoint's RNG states (CPU generators on a CPU run, CUDA ones on a GPU run) are restored at the same
+    layout on the same device type; meta.json's "device" says which (missing: written on CPU). Marked as
+    written on a GPU, this CPU checkpoint's states are left alone (a CUDA generator refuses a CPU state)."""
+    root = tmp_path / "checkpoints"
+    run_spawned(_rng_writer, 1, str(root), str(tmp_path / "saved.pt"))
+    saved = torch.load(tmp_path / "saved.pt")["next_draw"]
+    meta_path = root / "step_00000001" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["device"] == "cpu"
+    run_spawned(_rng_reader, 1, str(root), str(tmp_path / "same.pt"))
+    assert torch.equal(torch.load(tmp_path / "same.pt")["next_draw"], saved)
+    meta_path.write_text(json.dumps({**meta, "device": "cuda"}))
+    run_spawned(_rng_reader, 1, str(root), str(tmp_path / "other.pt"))
+    assert not torch.equal(torch.load(tmp_path / "other.pt")["next_draw"], saved)
+    del meta["device"]  # written before the device was recorded: a CPU run's
+    meta_path.write_text(json.dumps(meta))
+    run_spawned(_rng_reader, 1, str(root), str(tmp_path / "old.pt"))
+    assert torch.equal(torch.load(tmp_path / "old.pt")["next_draw"], saved)
