@@ -458,9 +458,8 @@ def reward_kl(cfg, parts: dict, rollouts: list[Rollout]) -> tuple[list[Optional[
     _old_and_reference_logprobs(cfg, parts, samples)
     coef, found, kls = ctl.coef, {}, []
     for r, s in zip(scored, samples):
-        start = len(r.prompt_tokens) - 1
         model = torch.tensor(_model_tokens(r), dtype=torch.float)
-        kl = kl_estimate(s.extras["old_logprobs"][start:], s.extras["ref_logprobs"][start:],
+        kl = kl_estimate(r.response_part(s.extras["old_logprobs"]), r.response_part(s.extras["ref_logprobs"]),
                          cfg.algorithm.kl_estimator) * model
         kls.append(float(kl.sum() / model.sum().clamp(min=1)))
         found[id(r)] = {"old_logprobs": s.extras["old_logprobs"], "ref_logprobs": s.extras["ref_logprobs"],
@@ -660,7 +659,7 @@ def critic_values(parts: dict, rollouts: list[Rollout]) -> list[Optional[torch.T
     if not scored:
         return [None] * len(rollouts)
     values, _ = parts["critic"].forward_logprobs([r.sample({}) for r in scored])
-    found = {id(r): v[len(r.prompt_tokens) - 1:] for r, v in zip(scored, values)}
+    found = {id(r): r.response_part(v) for r, v in zip(scored, values)}
     return [found.get(id(r)) for r in rollouts]
 
 

@@ -70,9 +70,12 @@ class RolloutEngine(Protocol):
         """Load HF-named tensors (a bucket of them; call repeatedly); `version` stamps what
         generates next. `flush=False` for all buckets but the last of one update."""
 
-    def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None: ...
+    def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
+        """Free the tagged regions; a region released already stays so (no error: the colocation controller's
+        hand-back releases everything, whatever a failed rollout had resumed)."""
 
-    def resume_memory(self, tags: Sequence[str] = ALL_TAGS) -> None: ...
+    def resume_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
+        """Allocate the tagged regions again; a resident region stays as it is."""
 
     def pause(self) -> None:
         """Stop taking new requests (in-flight ones finish)."""

@@ -51,6 +51,11 @@ class Rollout:
         out[len(self.prompt_tokens) - 1:] = torch.as_tensor(values, dtype=torch.float)
         return out
 
+    def response_part(self, per_target: torch.Tensor) -> torch.Tensor:
+        """The response targets' entries [len(output_ids)] of a per-target tensor [L-1] (the inverse of
+        `response_extra`; e.g. the trainer's log-probs or a critic's values of the sample)."""
+        return per_target[len(self.prompt_tokens) - 1:]
+
 
 def gather_rollouts(local: Optional[list]) -> list:
     """Every rank gets all the rollouts, ordered by prompt index: each data-parallel group

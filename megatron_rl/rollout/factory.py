@@ -82,7 +82,7 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
         server_args["kv_cache_dtype"] = r.kv_cache_dtype
     if cfg.model.trust_remote_code:  # e.g. Kimi-K2's config.json, which names a model_type of its own code
         server_args["trust_remote_code"] = True
-    if r.stop and tokenizer_path is not None:
+    if tokenizer_path is not None:  # `_engine_dirs` saves one with stop strings only
         server_args["tokenizer_path"] = tokenizer_path
     server_args.update(dict(r.server_args))
     if r.base_url is not None:
