@@ -616,14 +616,16 @@ def _maintain(rt, parts: dict, step: int, rollouts: list[Rollout]) -> dict[str, 
     return out
 
 
-def _old_and_reference_logprobs(cfg, parts: dict, samples: list) -> None:
+def _old_and_reference_logprobs(cfg, parts: dict, samples: list, record_routing: bool = False) -> None:
     """Fill in the samples' "old_logprobs" (the trainer's forward, or the engine's with
     algorithm.old_logprobs=rollout) and, with kl_coef > 0, "ref_logprobs", where not given already
-    (`reward_kl` computed them before the advantages). Every rank holds the same samples."""
+    (`reward_kl` computed them before the advantages). Every rank holds the same samples.
+    record_routing: the old forward runs over all of `samples` (the same weights give the log-probs
+    `reward_kl` found) and leaves its MoE routing in the trainer's `last_routing`."""
     trainer = parts["trainer"]
-    missing = [s for s in samples if "old_logprobs" not in s.extras]
+    missing = [s for s in samples if record_routing or "old_logprobs" not in s.extras]
     if missing and cfg.algorithm.old_logprobs == "recompute":
-        old, _ = trainer.forward_logprobs(missing)
+        old, _ = trainer.forward_logprobs(missing, record_routing=record_routing)
         for s, lp in zip(missing, old):
             s.extras["old_logprobs"] = lp
     elif missing:
@@ -639,16 +641,21 @@ def _old_and_reference_logprobs(cfg, parts: dict, samples: list) -> None:
 
 
 def _update(cfg, parts: dict, samples: list) -> dict[str, float]:
-    """Old (and reference) log-probs, then the policy update(s) on `samples`."""
-    trainer = parts["trainer"]
-    _old_and_reference_logprobs(cfg, parts, samples)
+    """Old (and reference) log-probs, then the policy update(s) on `samples`; with
+    algorithm.routing_replay every update routes as the old forward did (routing/drift: the share of
+    expert choices the last update's routers would have changed)."""
+    trainer, replay = parts["trainer"], cfg.algorithm.routing_replay
+    _old_and_reference_logprobs(cfg, parts, samples, record_routing=replay)
+    routing, trainer.last_routing = (trainer.last_routing if replay else None), None
     mismatch = max((float((s.extras["old_logprobs"] - s.extras["rollout_logprobs"])[s.loss_mask.bool()].abs().max())
                     for s in samples if s.loss_mask.any()), default=0.0)
     for update in range(cfg.algorithm.num_inner_updates):
-        metrics = trainer.train_step(samples, parts["loss_fn"], with_entropy=True)
+        metrics = trainer.train_step(samples, parts["loss_fn"], with_entropy=True, routing=routing)
         if update == 0:  # nothing changed yet: the importance ratio must be 1
             first_kl = metrics.get("ppo_kl", 0.0)
     metrics.update({"rollout/logprob_mismatch": mismatch, "ppo_kl_first_update": first_kl})
+    if replay:
+        metrics["routing/drift"] = metrics.pop("routing_drift")
     return metrics
 
 

@@ -15,11 +15,13 @@ def check_run_config(cfg) -> None:
         return check_sft_config(cfg)
     from megatron_rl.disagg.controller import check_disaggregated_config
     from megatron_rl.rollout.factory import check_engine_config, job_shape
+    from megatron_rl.trainer.routing_replay import check_routing_replay
 
     check_engine_config(cfg, *job_shape(cfg))
     _check_reward_functions(cfg)
     _check_replay(cfg)
     check_disaggregated_config(cfg)
+    check_routing_replay(cfg)
     if cfg.global_batch_size % cfg.rollout.n_samples_per_prompt:
         raise ConfigError(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
                           f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}")

@@ -972,6 +972,11 @@ class AlgorithmConfig:
     """Loss normalisation: token_mean, seq_mean_token_sum or seq_mean_token_mean."""
     num_inner_updates: int = 1
     """Optimizer steps taken on each batch of rollouts."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: record the experts each token is routed to at the old-log-prob forward and
+    route every update's forward the same way (megatron_rl/trainer/routing_replay.py), so that the
+    importance ratio of later inner updates compares the same experts; logs routing/drift, the share of
+    expert choices the updated routers would have changed. Needs old_logprobs=recompute."""
 
     ADVANTAGE_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
     GROUP_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")

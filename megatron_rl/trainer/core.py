@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_rl.models.gpt import build_model, uses_packed_attention, uses_te
 from megatron_rl.parallel.state import ParallelGroups
-from megatron_rl.trainer import context_parallel
+from megatron_rl.trainer import context_parallel, routing_replay
 from megatron_rl.trainer.logprobs import (
     fused_vocab_parallel_stats,
     hidden_states_instead_of_logits,
@@ -80,6 +80,7 @@ class TrainerOptions:
     total_steps: int = 100
     pad_token_id: int = 0
     logprob_temperature: float = 1.0  # the rollout temperature: log-probs of logits / temperature
+    routing_replay: bool = False  # a policy's MoE routers can record and replay routing (trainer/routing_replay.py)
 
 
 class Trainer:
@@ -113,6 +114,8 @@ class Trainer:
             from megatron_rl.models.value_head import attach_value_head
 
             attach_value_head(module, groups)
+        self.routing_layers = routing_replay.attach(module) if options.routing_replay and head == "lm" else []
+        self.last_routing: Optional[routing_replay.RoutingRecord] = None  # forward_logprobs(record_routing=True)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=options.overlap_grad_reduce,
@@ -334,11 +337,13 @@ class Trainer:
         return scatter_to_sequence_parallel_region(mb.padding.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
 
     def _run(self, micro: list[MicroBatch], loss_func_for: Callable[[MicroBatch], Callable],
-             forward_only: bool) -> list[dict]:
+             forward_only: bool, replay: Optional[routing_replay.Replay] = None) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            index, mb = next(data_iterator)
+            if replay is not None:
+                replay.select(index, self._router_tokens_real(mb))
             output = model(mb.input_ids, mb.position_ids, mb.attention_mask,
                            packed_seq_params=self._packed_seq_params(mb), padding_mask=self._padding_mask(mb))
             return output, loss_func_for(mb)
@@ -351,7 +356,7 @@ class Trainer:
         with output_hidden:
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=iter(micro),
+                data_iterator=iter(enumerate(micro)),
                 model=[self.model],
                 num_microbatches=len(micro),
                 seq_length=micro[0].row_len,  # the schedule divides by cp (and tp under SP)
@@ -381,10 +386,13 @@ class Trainer:
         return logprobs, entropy
 
     @torch.no_grad()
-    def forward_logprobs(self, samples: Sequence[Sample], with_entropy: bool = False
+    def forward_logprobs(self, samples: Sequence[Sample], with_entropy: bool = False, record_routing: bool = False,
+                         routing: Optional[routing_replay.RoutingRecord] = None
                          ) -> tuple[list[Tensor], Optional[list[Tensor]]]:
         """Log-probs (and entropies) of every sample's targets, on every rank: lists of [L-1]. A critic
-        (head="value") returns its values V(s_t) at those positions instead."""
+        (head="value") returns its values V(s_t) at those positions instead. record_routing=True keeps
+        the MoE routing of this forward in `last_routing`; `routing` replays one (the trainer needs
+        options.routing_replay for either)."""
         shares, micro = self._micro_batches(samples)
         mine = shares[self.groups.dp_rank]
         local: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
@@ -407,7 +415,13 @@ class Trainer:
             return loss_func
 
         self.model.eval()
-        self._run(micro, loss_func_for, forward_only=True)
+        if record_routing:
+            with routing_replay.Recording(self._routing_layers()) as recording:
+                self._run(micro, loss_func_for, forward_only=True)
+            self.last_routing = recording.record(micro)
+        else:
+            with self._replaying(routing, micro) as replay:
+                self._run(micro, loss_func_for, forward_only=True, replay=replay)
         self.model.train()
         width = 2 if with_entropy else 1
         lengths = [samples[i].num_targets for i in mine]
@@ -429,10 +443,13 @@ class Trainer:
 
     # -- train --------------------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample], loss_fn: LossFn = token_mean_nll,
-                   with_entropy: bool = False) -> dict[str, float]:
+                   with_entropy: bool = False, routing: Optional[routing_replay.RoutingRecord] = None
+                   ) -> dict[str, float]:
         """One optimizer step on the global batch `samples`; returns summed metrics plus
         `grad_norm` (before clipping), `lr` (the one this step used) and `num_tokens` (the
-        same dict on every rank)."""
+        same dict on every rank). With `routing` (a recording of a forward over the same samples) the
+        MoE layers route every token as recorded, and `routing_drift` is the share of (token, layer)
+        expert choices that the current routers would have made differently."""
         _, micro = self._micro_batches(samples)
         num_tokens = int(sum(float(s.loss_mask.sum()) for s in samples))
         sample_tokens = torch.tensor([float(s.loss_mask.sum()) for s in samples])
@@ -454,7 +471,9 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]
-        stored = self._run(micro, loss_func_for, forward_only=False)
+        with self._replaying(routing, micro) as replay:
+            stored = self._run(micro, loss_func_for, forward_only=False, replay=replay)
+            drift = None if replay is None else self._drift(replay)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise FloatingPointError(f"optimizer step {self.step} failed: non-finite gradients")
@@ -463,7 +482,36 @@ class Trainer:
         self.optimizer_step += 1
         metrics = _reduce_metrics(stored, self.groups)
         metrics.update(grad_norm=float(grad_norm), lr=lr, num_tokens=float(num_tokens))
+        if drift is not None:
+            metrics["routing_drift"] = drift
         return metrics
+
+    # -- MoE routing replay ---------------------------------------------------------------------
+    def _routing_layers(self) -> list[routing_replay.LayerRouting]:
+        if not self.options.routing_replay or self.head != "lm":
+            raise ValueError("routing replay needs a policy trainer built with TrainerOptions(routing_replay=True)")
+        return self.routing_layers  # empty on a pipeline stage without MoE layers
+
+    def _replaying(self, routing: Optional[routing_replay.RoutingRecord], micro: list[MicroBatch]):
+        if routing is None:
+            return contextlib.nullcontext()
+        return routing_replay.Replay(self._routing_layers(), routing, micro)
+
+    def _router_tokens_real(self, mb: MicroBatch) -> Tensor:
+        """[tokens a router on this rank sees] True where no padding: the row's (a context-parallel rank's
+        shard of it), under sequence parallelism this TP rank's contiguous part."""
+        real = ~mb.padding[0]
+        if self.groups.sequence_parallel and self.groups.tp_size > 1:
+            real = real.chunk(self.groups.tp_size)[self.groups.tp_rank]
+        return real
+
+    def _drift(self, replay: routing_replay.Replay) -> float:
+        """The replayed choices that differ from the routers' own, over every rank: TP ranks without
+        sequence parallelism count the same tokens alike, which leaves the share unchanged."""
+        counts = torch.tensor(replay.drift(), dtype=torch.float64, device=self.groups.device)
+        dist.all_reduce(counts, group=self.groups.mp_group)
+        dist.all_reduce(counts, group=self.groups.dp_cp_group)
+        return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
 
 
 def _optimizer_tensors(optimizer) -> list[Tensor]:

@@ -99,9 +99,9 @@ def test_two_ranks_reproduce_single_process_metrics(single_run, tmp_path, layout
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
 
 
-def _two_rl_steps_keep_the_engines_logprobs(tmp_path, *layout: str) -> None:
+def _two_rl_steps_keep_the_engines_logprobs(tmp_path, *layout: str) -> list[dict]:
     """Two RL steps on two ranks: the trainer's log-probs of the rollouts equal the engine's, so
-    the first update's KL is 0."""
+    the first update's KL is 0. Returns the steps' metrics."""
     run_dir = tmp_path / "run"
     proc, _ = _run(["mode=rl", "num_steps=2", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
                     "rollout.max_new_tokens=12", "task.sft_warmup_steps=10", "task.eval_every=0",
@@ -112,6 +112,7 @@ def _two_rl_steps_keep_the_engines_logprobs(tmp_path, *layout: str) -> None:
     for m in metrics:
         assert m["rollout/logprob_mismatch"] < 1e-4, m["rollout/logprob_mismatch"]
         assert m["ppo_kl_first_update"] == pytest.approx(0.0, abs=1e-6)
+    return metrics
 
 
 def test_rl_loop_with_context_parallelism(tmp_path):
@@ -123,9 +124,14 @@ def test_rl_loop_with_context_parallelism(tmp_path):
 def test_rl_loop_with_a_deepseek_v3_model(tmp_path):
     """Two RL steps of the tiny DeepSeek-V3 (multi-latent attention, biased sigmoid router) at TP=2 with
     sequence parallelism: the hf engine (transformers' DeepseekV3ForCausalLM) generates with the synced
-    weights, and the trainer's log-probs of its samples equal the engine's."""
-    _two_rl_steps_keep_the_engines_logprobs(tmp_path, "model=tiny_deepseek_v3", "parallel.tp=2",
-                                            "parallel.sequence_parallel=true")
+    weights, and the trainer's log-probs of its samples equal the engine's. With routing replay and two
+    updates a step (test_routing_replay.py tests the replay itself): the second update replays the routing
+    that the first left unchanged, and the log reports the drift the replay hid."""
+    metrics = _two_rl_steps_keep_the_engines_logprobs(
+        tmp_path, "model=tiny_deepseek_v3", "parallel.tp=2", "parallel.sequence_parallel=true",
+        "algorithm.routing_replay=true", "algorithm.num_inner_updates=2")
+    for m in metrics:
+        assert 0.0 <= m["routing/drift"] < 0.5, m["routing/drift"]
 
 
 def test_rl_loop_with_a_gpt_oss_model(tmp_path):

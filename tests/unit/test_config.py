@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -196,6 +195,22 @@ def test_sequence_level_rollout_correction_is_refused_with_context_parallelism()
         with pytest.raises(ConfigError, match=f"{option} weighs whole sequences"):
             check_train_config(cfg)
         check_train_config(load_config(["mode=rl", option], world_size=1))
+
+
+def test_routing_replay_is_refused_where_it_cannot_work() -> None:
+    from megatron_rl.train import check_train_config
+
+    moe = ["mode=rl", "model=tiny_qwen3_moe", "algorithm.routing_replay=true"]
+    check_train_config(load_config(moe, world_size=1))
+    check_train_config(load_config([*moe, "model.recompute=full"], world_size=1))  # one stage: the same micro-batch
+    refused = {
+        "has no experts": (["mode=rl", "algorithm.routing_replay=true"], 1),
+        "algorithm.old_logprobs=rollout skips": ([*moe, "algorithm.old_logprobs=rollout"], 1),
+        "1F1B schedule recomputes": ([*moe, "model.recompute=full", "cluster.nproc=2", "parallel.pp=2"], 2),
+    }
+    for message, (overrides, world) in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            check_train_config(load_config(overrides, world_size=world))
 
 
 def test_critic_free_gae_runs_with_one_sample_per_prompt() -> None:
