@@ -47,7 +47,8 @@ def _sampling(cfg, parts: dict, n: int, seed: int, evaluation: bool = False) -> 
     return SamplingParams(temperature=pick(t.eval_temperature, r.temperature), top_p=pick(t.eval_top_p, r.top_p),
                           top_k=pick(t.eval_top_k, r.top_k),
                           max_new_tokens=pick(t.eval_max_new_tokens, r.max_new_tokens), n=n, seed=seed,
-                          stop_token_ids=parts["task"].stop_token_ids, stop=tuple(r.stop))
+                          stop_token_ids=parts["task"].stop_token_ids, stop=tuple(r.stop),
+                          return_routing=cfg.algorithm.routing_replay == "rollout" and not evaluation)
 
 
 def warm_start(rt, parts: dict) -> None:
@@ -621,11 +622,15 @@ def _old_and_reference_logprobs(cfg, parts: dict, samples: list, record_routing:
     algorithm.old_logprobs=rollout) and, with kl_coef > 0, "ref_logprobs", where not given already
     (`reward_kl` computed them before the advantages). Every rank holds the same samples.
     record_routing: the old forward runs over all of `samples` (the same weights give the log-probs
-    `reward_kl` found) and leaves its MoE routing in the trainer's `last_routing`."""
+    `reward_kl` found) and leaves its MoE routing in the trainer's `last_routing`. With
+    algorithm.routing_replay=rollout the old forward routes as the engine did (the reference's routes freely)."""
+    from megatron_rl.trainer.routing_replay import ENGINE
+
     trainer = parts["trainer"]
     missing = [s for s in samples if record_routing or "old_logprobs" not in s.extras]
     if missing and cfg.algorithm.old_logprobs == "recompute":
-        old, _ = trainer.forward_logprobs(missing, record_routing=record_routing)
+        old, _ = trainer.forward_logprobs(missing, record_routing=record_routing,
+                                          routing=ENGINE if cfg.algorithm.routing_replay == "rollout" else None)
         for s, lp in zip(missing, old):
             s.extras["old_logprobs"] = lp
     elif missing:
@@ -642,11 +647,14 @@ def _old_and_reference_logprobs(cfg, parts: dict, samples: list, record_routing:
 
 def _update(cfg, parts: dict, samples: list) -> dict[str, float]:
     """Old (and reference) log-probs, then the policy update(s) on `samples`; with
-    algorithm.routing_replay every update routes as the old forward did (routing/drift: the share of
-    expert choices the last update's routers would have changed)."""
+    algorithm.routing_replay every update routes as the old forward (old) or the engine (rollout) did
+    (routing/drift: the share of expert choices the last update's routers would have made differently)."""
+    from megatron_rl.trainer.routing_replay import ENGINE
+
     trainer, replay = parts["trainer"], cfg.algorithm.routing_replay
-    _old_and_reference_logprobs(cfg, parts, samples, record_routing=replay)
-    routing, trainer.last_routing = (trainer.last_routing if replay else None), None
+    _old_and_reference_logprobs(cfg, parts, samples, record_routing=replay == "old")
+    routing = {"none": None, "old": trainer.last_routing, "rollout": ENGINE}[replay]
+    trainer.last_routing = None
     mismatch = max((float((s.extras["old_logprobs"] - s.extras["rollout_logprobs"])[s.loss_mask.bool()].abs().max())
                     for s in samples if s.loss_mask.any()), default=0.0)
     for update in range(cfg.algorithm.num_inner_updates):
@@ -654,7 +662,7 @@ def _update(cfg, parts: dict, samples: list) -> dict[str, float]:
         if update == 0:  # nothing changed yet: the importance ratio must be 1
             first_kl = metrics.get("ppo_kl", 0.0)
     metrics.update({"rollout/logprob_mismatch": mismatch, "ppo_kl_first_update": first_kl})
-    if replay:
+    if routing is not None:
         metrics["routing/drift"] = metrics.pop("routing_drift")
     return metrics
 

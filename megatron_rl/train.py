@@ -53,7 +53,7 @@ def build(rt, with_critic: bool = True):
         micro_batch_tokens=cfg.micro_batch_tokens, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, deterministic=cfg.deterministic,
         total_steps=cfg.num_steps * cfg.algorithm.num_inner_updates, pad_token_id=tokenizer.pad_token_id,
-        logprob_temperature=cfg.rollout.temperature, routing_replay=cfg.algorithm.routing_replay)
+        logprob_temperature=cfg.rollout.temperature, routing_replay=cfg.algorithm.routing_replay != "none")
     trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, options)
     # PPO's value model: the policy's architecture with a value head, its weights copied from the policy
     # once RL starts (`start_critic`)

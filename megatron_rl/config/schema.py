@@ -972,11 +972,13 @@ class AlgorithmConfig:
     """Loss normalisation: token_mean, seq_mean_token_sum or seq_mean_token_mean."""
     num_inner_updates: int = 1
     """Optimizer steps taken on each batch of rollouts."""
-    routing_replay: bool = False
-    """Mixture-of-experts models: record the experts each token is routed to at the old-log-prob forward and
-    route every update's forward the same way (megatron_rl/trainer/routing_replay.py), so that the
-    importance ratio of later inner updates compares the same experts; logs routing/drift, the share of
-    expert choices the updated routers would have changed. Needs old_logprobs=recompute."""
+    routing_replay: str = "none"
+    """Mixture-of-experts models (megatron_rl/trainer/routing_replay.py): old (record the experts each token is
+    routed to at the old-log-prob forward and route every update's forward the same way, so that the
+    importance ratio of later inner updates compares the same experts; needs old_logprobs=recompute),
+    rollout (R3: route the old-log-prob forward and every update as the engine did when it generated the
+    tokens; the hf engine, single-turn tasks, colocated mode) or none. Logs routing/drift, the share of
+    expert choices the updated routers would have made differently."""
 
     ADVANTAGE_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
     GROUP_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
@@ -985,6 +987,7 @@ class AlgorithmConfig:
     LOSS_AGG_MODES: ClassVar[tuple[str, ...]] = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
                                                  "seq_mean_token_sum_norm")
     OLD_LOGPROBS: ClassVar[tuple[str, ...]] = ("recompute", "rollout")
+    ROUTING_REPLAYS: ClassVar[tuple[str, ...]] = ("none", "old", "rollout")
 
     tis_cap: float = 2.0
     """Cap of the truncated importance-sampling weight that corrects rollout/training log-prob mismatch."""
@@ -1072,6 +1075,7 @@ class AlgorithmConfig:
                            "algorithm.critic=true")
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, self.LOSS_AGG_MODES)
         _check_choice("algorithm.old_logprobs", self.old_logprobs, self.OLD_LOGPROBS)
+        _check_choice("algorithm.routing_replay", self.routing_replay, self.ROUTING_REPLAYS)
         _check_choice("algorithm.overlong", self.overlong, self.OVERLONG_MODES)
         if self.overlong == "penalty" and self.overlong_penalty_window < 1:
             raise _invalid("algorithm.overlong_penalty_window", self.overlong_penalty_window,

@@ -34,6 +34,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: the response ends with the token that completes one (kept)
     n: int = 1  # samples per prompt
     seed: Optional[int] = None
+    return_routing: bool = False  # a mixture of experts: each Generation's `routing` (rollout routing replay)
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -54,6 +55,9 @@ class Generation:
     logprobs: list[float]  # one per output token
     finish_reason: str  # "stop" (a stop/eos token, included in output_ids) or "length" or "abort"
     weight_version: int
+    # SamplingParams.return_routing: the experts every token fed to the model was routed to, prompt and
+    # response but the last response token, [len(prompt) + len(output_ids) - 1, MoE layers, top k] int16
+    routing: Optional[torch.Tensor] = None
 
 
 @runtime_checkable

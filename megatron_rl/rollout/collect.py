@@ -38,11 +38,18 @@ class Rollout:
     domain: str = ""  # the prompt's meta["domain"] in a multi-domain run, else ""
     source_index: int = -1  # index of its prompt in the training prompt list (the sampler's index), if any
     status: str = ""  # "unscored": no reward came (verifier late or failed), so it is no verdict (rl_step.is_scored)
+    # the engine's MoE routing of every token it fed (Generation.routing), [L-1, MoE layers, k] int16: rollout
+    # routing replay (algorithm.routing_replay=rollout)
+    routing: Optional[torch.Tensor] = None
 
     def sample(self, extras: dict[str, torch.Tensor]) -> Sample:
+        """The trainer's sample; with the engine's routing, extras["routing"] [L-1, MoE layers * k] (entry t: the
+        experts of token t, which predicts target t; the last token predicts nothing, and no engine fed it)."""
         tokens = torch.tensor(self.prompt_tokens + self.output_ids, dtype=torch.long)
         mask = torch.zeros(len(tokens) - 1)
         mask[len(self.prompt_tokens) - 1:] = 1.0
+        if self.routing is not None:
+            extras = {**extras, "routing": self.routing.reshape(len(tokens) - 1, -1)}
         return Sample(tokens, mask, extras)
 
     def response_extra(self, values: Sequence[float] | torch.Tensor) -> torch.Tensor:
@@ -96,7 +103,7 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
         gens = engine.generate([prompts[i].tokens for i in chunk], dataclasses.replace(params, seed=seed))
         gen_time += time.perf_counter() - start
         rollouts = [Rollout(chunk[g.prompt_index], list(prompts[chunk[g.prompt_index]].tokens), g.output_ids,
-                            g.logprobs, g.finish_reason, g.weight_version) for g in gens]
+                            g.logprobs, g.finish_reason, g.weight_version, routing=g.routing) for g in gens]
         for r in rollouts:
             r.domain = prompts[r.prompt_index].meta.get("domain", "")
         if first_mp_rank:

@@ -11,6 +11,7 @@ hold garbage until the next weight update, exactly like SGLang's memory saver.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -35,6 +36,44 @@ def _latent_norms_as_megatron(model: torch.nn.Module, model_cfg: Any) -> None:
         for norm in (layer.self_attn.q_a_layernorm, layer.self_attn.kv_a_layernorm):
             if norm is not None:
                 norm.variance_epsilon = model_cfg.norm_eps
+
+
+class _RoutingCapture:
+    """The experts a generate call routed every token to. transformers' MoE routers (`*TopKRouter` /
+    `*TopkRouter` modules, one per MoE layer, every family here) return (logits, weights, indices): a
+    forward hook keeps the indices of each call, the prefill's [rows * width, k] and each decoding
+    step's [rows, k] (step j feeds response token j - 1)."""
+
+    def __init__(self, model: torch.nn.Module, rows: int) -> None:
+        self.rows = rows
+        found = []
+        for name, module in model.named_modules():
+            if type(module).__name__.lower().endswith("topkrouter"):
+                found.append((int(name.split("layers.")[1].split(".")[0]), module))
+        if not found:
+            raise ValueError(f"return_routing: {type(model).__name__} has no MoE router")
+        self.routers = [module for _, module in sorted(found, key=lambda item: item[0])]
+        self.calls: list[list[torch.Tensor]] = [[] for _ in self.routers]
+
+    def __enter__(self) -> "_RoutingCapture":
+        self.handles = [router.register_forward_hook(  # kept on the device: no host sync per call
+            lambda module, args, out, calls=calls: calls.append(out[2].detach().to(torch.int16)))
+            for router, calls in zip(self.routers, self.calls)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        # per layer, on the host: the prefill [rows, width, k] and the decoding steps [rows, steps, k]
+        self.prefill = [calls[0].view(self.rows, -1, calls[0].shape[-1]).cpu() for calls in self.calls]
+        self.steps = [torch.stack([c.view(self.rows, -1) for c in calls[1:]], dim=1).cpu() if len(calls) > 1
+                      else calls[0].new_zeros((self.rows, 0, calls[0].shape[-1])).cpu() for calls in self.calls]
+
+    def routing(self, row: int, pad: int, length: int) -> torch.Tensor:
+        """Row `row`'s [prompt + length - 1, layers, k]: its prompt (after `pad` columns of left padding),
+        then its first length - 1 response tokens."""
+        return torch.stack([torch.cat([prefill[row, pad:], steps[row, :max(length - 1, 0)]])
+                            for prefill, steps in zip(self.prefill, self.steps)], dim=1)
 
 
 class HFEngine:
@@ -190,11 +229,12 @@ class HFEngine:
         stop = sorted(set(params.stop_token_ids) | {self.eos_token_id})
         start = time.perf_counter()
         strings = dict(stop_strings=list(params.stop), tokenizer=self.tokenizer) if params.stop else {}
-        result = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
-            max_new_tokens=params.max_new_tokens, eos_token_id=stop, pad_token_id=self.pad_token_id,
-            output_logits=True, return_dict_in_generate=True, **strings)
+        with _RoutingCapture(self.model, len(jobs)) if params.return_routing else contextlib.nullcontext() as capture:
+            result = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
+                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
+                max_new_tokens=params.max_new_tokens, eos_token_id=stop, pad_token_id=self.pad_token_id,
+                output_logits=True, return_dict_in_generate=True, **strings)
         new = result.sequences[:, width:].cpu()
         # Raw logits of each step -> the sampling distribution before truncation.
         logits = torch.stack(result.logits, dim=1).float().cpu() / params.temperature
@@ -213,6 +253,8 @@ class HFEngine:
                     length, reason = cut, "stop"
             generations.append(Generation(prompt_index, tokens[:length], logprobs[row, :length].tolist(),
                                           reason, self.weight_version))
+            if capture is not None:
+                generations[-1].routing = capture.routing(row, width - len(jobs[row][1]), length)
             self.generated_tokens += length
         logger.debug("hf engine: %d sequences in %.3fs", len(jobs), time.perf_counter() - start)
         return generations

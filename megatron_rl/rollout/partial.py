@@ -63,4 +63,4 @@ def generate_partial(engine: Any, prompts: Sequence[Sequence[int]], params: Samp
 
 def _as_partial(g: Generation) -> PartialGeneration:
     return PartialGeneration(g.prompt_index, list(g.output_ids), list(g.logprobs), g.finish_reason,
-                             g.weight_version, [g.weight_version] * len(g.output_ids))
+                             g.weight_version, token_versions=[g.weight_version] * len(g.output_ids))

@@ -63,6 +63,7 @@ class LossInputs:
 
 
 LossFn = Callable[[LossInputs], tuple[Tensor, dict[str, Tensor]]]
+Routing = Optional[Any]  # a routing_replay.RoutingRecord, routing_replay.ENGINE or None (routers choose)
 
 
 def token_mean_nll(inp: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
@@ -343,7 +344,7 @@ class Trainer:
         def forward_step(data_iterator, model):
             index, mb = next(data_iterator)
             if replay is not None:
-                replay.select(index, self._router_tokens_real(mb))
+                replay.select(index, mb, self._router_tokens_real(mb))
             output = model(mb.input_ids, mb.position_ids, mb.attention_mask,
                            packed_seq_params=self._packed_seq_params(mb), padding_mask=self._padding_mask(mb))
             return output, loss_func_for(mb)
@@ -387,12 +388,11 @@ class Trainer:
 
     @torch.no_grad()
     def forward_logprobs(self, samples: Sequence[Sample], with_entropy: bool = False, record_routing: bool = False,
-                         routing: Optional[routing_replay.RoutingRecord] = None
-                         ) -> tuple[list[Tensor], Optional[list[Tensor]]]:
+                         routing: Routing = None) -> tuple[list[Tensor], Optional[list[Tensor]]]:
         """Log-probs (and entropies) of every sample's targets, on every rank: lists of [L-1]. A critic
         (head="value") returns its values V(s_t) at those positions instead. record_routing=True keeps
-        the MoE routing of this forward in `last_routing`; `routing` replays one (the trainer needs
-        options.routing_replay for either)."""
+        the MoE routing of this forward in `last_routing`; `routing` replays one, or with
+        routing_replay.ENGINE the routing the samples carry (the trainer needs options.routing_replay)."""
         shares, micro = self._micro_batches(samples)
         mine = shares[self.groups.dp_rank]
         local: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
@@ -443,13 +443,13 @@ class Trainer:
 
     # -- train --------------------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample], loss_fn: LossFn = token_mean_nll,
-                   with_entropy: bool = False, routing: Optional[routing_replay.RoutingRecord] = None
-                   ) -> dict[str, float]:
+                   with_entropy: bool = False, routing: Routing = None) -> dict[str, float]:
         """One optimizer step on the global batch `samples`; returns summed metrics plus
         `grad_norm` (before clipping), `lr` (the one this step used) and `num_tokens` (the
-        same dict on every rank). With `routing` (a recording of a forward over the same samples) the
-        MoE layers route every token as recorded, and `routing_drift` is the share of (token, layer)
-        expert choices that the current routers would have made differently."""
+        same dict on every rank). With `routing` (a recording of a forward over the same samples, or
+        routing_replay.ENGINE: the samples' own) the MoE layers route every token so, and
+        `routing_drift` is the share of (token, layer) expert choices that the current routers would
+        have made differently."""
         _, micro = self._micro_batches(samples)
         num_tokens = int(sum(float(s.loss_mask.sum()) for s in samples))
         sample_tokens = torch.tensor([float(s.loss_mask.sum()) for s in samples])
@@ -492,10 +492,17 @@ class Trainer:
             raise ValueError("routing replay needs a policy trainer built with TrainerOptions(routing_replay=True)")
         return self.routing_layers  # empty on a pipeline stage without MoE layers
 
-    def _replaying(self, routing: Optional[routing_replay.RoutingRecord], micro: list[MicroBatch]):
+    def _replaying(self, routing: Routing, micro: list[MicroBatch]):
         if routing is None:
             return contextlib.nullcontext()
-        return routing_replay.Replay(self._routing_layers(), routing, micro)
+        layers = self._routing_layers()
+        if routing == routing_replay.ENGINE:
+            sparse = [i for i in range(self.model_cfg.num_layers) if self.model_cfg.is_sparse_layer(i)]
+            columns = [sparse.index(layer.layer) for layer in layers]
+            tp = (self.groups.tp_size, self.groups.tp_rank) if self.groups.sequence_parallel else (1, 0)
+            return routing_replay.Replay(layers, lambda index, mb: routing_replay.carried_routes(
+                mb, columns, len(sparse), self.model_cfg.moe_router_topk, tp))
+        return routing_replay.Replay.of_record(layers, routing, micro)
 
     def _router_tokens_real(self, mb: MicroBatch) -> Tensor:
         """[tokens a router on this rank sees] True where no padding: the row's (a context-parallel rank's

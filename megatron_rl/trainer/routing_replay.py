@@ -1,9 +1,11 @@
-"""MoE routing replay (algorithm.routing_replay): the experts each token was routed to at the old
+"""MoE routing replay (algorithm.routing_replay). `old`: the experts each token was routed to at the old
 policy's forward are recorded there and reused by every update's forward, so that the importance ratio
 pi_theta / pi_old compares the same experts' outputs even after the router's weights have moved (GSPO's
-"routing replay"; slime's in-trainer variant). Without it, a token whose top-k set changes between
-inner updates gets a ratio that mixes a routing change with a policy change, and clipping then acts on
-noise.
+"routing replay"). Without it, a token whose top-k set changes between inner updates gets a ratio that
+mixes a routing change with a policy change, and clipping then acts on noise. `rollout` (R3): the
+engine's routing, carried by each sample (extras["routing"], `Rollout.sample`), is replayed by the
+old-log-prob forward and every update, so that the trainer scores the tokens with the experts that
+generated them (`carried_routes` maps it onto a micro-batch's positions).
 
 Megatron-core's TopKRouter asks its `router_replay` attribute for the top k when one is set
 (moe/moe_utils.py: topk_routing_with_score_function calls
@@ -34,11 +36,13 @@ class LayerRouting:
     """One MoE layer's routing: free (mode None), recorded ("record": the layer's own top k, kept per
     forward call) or replayed ("replay": `target`'s experts, with the scores the router computes now)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer: int) -> None:
+        self.layer = layer  # global 0-based layer number
         self.mode: Optional[str] = None
         self.recorded: list[Tensor] = []
         self.target: Optional[Tensor] = None
         self.real: Optional[Tensor] = None  # [tokens] bool: the target's tokens that are not padding
+        self.covered: Optional[Tensor] = None  # [tokens] bool: the tokens `target` routes (None: all)
         self.changed: Any = 0  # replayed real tokens whose own top-k set differs from the target's
         self.tokens: Any = 0
 
@@ -59,9 +63,13 @@ class LayerRouting:
             _, own = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
             differs = (own.sort(dim=1).values != self.target.sort(dim=1).values).any(dim=1)
             real = torch.ones_like(differs) if self.real is None else self.real
+            target = self.target
+            if self.covered is not None:  # tokens the given routing does not cover route freely
+                target = torch.where(self.covered[:, None], target, own)
+                real = real & self.covered
             self.changed = self.changed + (differs & real).sum()  # device tensors: no host sync per layer
             self.tokens = self.tokens + real.sum()
-        return scores.gather(1, self.target), self.target
+        return scores.gather(1, target), target
 
 
 @dataclasses.dataclass
@@ -86,7 +94,7 @@ def attach(module: torch.nn.Module) -> list[LayerRouting]:
     layers = []
     for sub in module.modules():
         if isinstance(sub, TopKRouter):
-            sub.router_replay = LayerRouting()
+            sub.router_replay = LayerRouting(sub.layer_number - 1)
             layers.append(sub.router_replay)
     return layers
 
@@ -118,16 +126,27 @@ class Recording:
         return RoutingRecord([micro_batch_key(mb) for mb in micro], routes)
 
 
-class Replay:
-    """Context of a pass that replays `record`: `select(i)` before micro-batch i's forward; `drift()`
-    the counts (changed, tokens) of (token, layer) choices the current router would make differently."""
+ENGINE = "engine"
+"""`routing=ENGINE`: replay the routing each sample carries (extras["routing"], the engine's; `Rollout.sample`)."""
 
-    def __init__(self, layers: list[LayerRouting], record: RoutingRecord, micro: list) -> None:
+
+class Replay:
+    """Context of a pass that replays a routing: `select(i, mb, real)` before micro-batch i's forward;
+    `drift()` the counts (changed, tokens) of (token, layer) choices the current routers would make
+    differently. `routes(i, mb)` gives micro-batch i's per-layer indices and which of its tokens they
+    cover (None: all)."""
+
+    def __init__(self, layers: list[LayerRouting],
+                 routes: Callable[[int, Any], tuple[list[Tensor], Optional[Tensor]]]) -> None:
+        self.layers, self.routes = layers, routes
+
+    @classmethod
+    def of_record(cls, layers: list[LayerRouting], record: RoutingRecord, micro: list) -> "Replay":
         keys = [micro_batch_key(mb) for mb in micro]
         if keys != record.keys:
             raise ValueError("routing replay: these samples pack into other micro-batches than the recorded "
                              "forward's (replay needs the same samples in the same order)")
-        self.layers, self.record = layers, record
+        return cls(layers, lambda index, mb: (record.routes[index], None))
 
     def __enter__(self) -> "Replay":
         for layer in self.layers:
@@ -136,32 +155,74 @@ class Replay:
 
     def __exit__(self, *exc) -> None:
         for layer in self.layers:
-            layer.mode, layer.target, layer.real = None, None, None
+            layer.mode, layer.target, layer.real, layer.covered = None, None, None, None
 
-    def select(self, index: int, real: Optional[Tensor] = None) -> None:
-        """Route micro-batch `index` as recorded; `real` [its tokens on this rank]: which are no padding
-        (counted by `drift`)."""
-        for layer, target in zip(self.layers, self.record.routes[index], strict=True):
-            layer.target, layer.real = target.long(), real
+    def select(self, index: int, mb: Any, real: Tensor) -> None:
+        """Route micro-batch `index` as given (tokens the routes do not cover: as the routers choose);
+        `real` [its tokens on this rank]: which are no padding (counted by `drift`)."""
+        routes, covered = self.routes(index, mb)
+        for layer, target in zip(self.layers, routes, strict=True):
+            layer.target, layer.real, layer.covered = target.long(), real, covered
 
     def drift(self) -> tuple[int, int]:
         return (sum(int(layer.changed) for layer in self.layers), sum(int(layer.tokens) for layer in self.layers))
+
+
+def carried_routes(mb: Any, columns: list[int], num_moe_layers: int, topk: int,
+                   tp: tuple[int, int] = (1, 0)) -> tuple[list[Tensor], Tensor]:
+    """A micro-batch's routing from its samples' extras["routing"] ([targets, MoE layers * k], the engine's):
+    per local MoE layer (`columns`: its index among the model's MoE layers) the experts of every position
+    the router sees, [positions, k], and which positions the samples cover. A position that predicts no
+    target (a sample's last token, padding) was never routed by the engine: the routers choose there
+    (`LayerRouting`). Under sequence parallelism (tp = (size, rank)) this TP rank's contiguous part."""
+    if "routing" not in mb.extras:
+        raise ValueError("routing replay from the rollouts: the samples carry no engine routing (extras['routing']): "
+                         "rollouts generated with algorithm.routing_replay=rollout carry it, a rollout.replay_dir "
+                         "dump of a run without it does not")
+    rows, device = mb.input_ids.shape[1], mb.input_ids.device
+    covered = torch.zeros(rows, dtype=torch.bool, device=device)
+    covered[mb.valid] = True
+    if tp[0] > 1:
+        covered = covered.chunk(tp[0])[tp[1]]
+    if not columns:  # a pipeline stage without MoE layers
+        return [], covered
+    carried = mb.extras["routing"].reshape(-1, num_moe_layers, topk)[:, columns]
+    full = torch.zeros(rows, len(columns), topk, dtype=torch.long, device=device)
+    full[mb.valid] = carried.long()
+    if tp[0] > 1:
+        full = full.chunk(tp[0])[tp[1]]
+    return [full[:, i] for i in range(len(columns))], covered
 
 
 def check_routing_replay(cfg) -> None:
     """algorithm.routing_replay's requirements, before any work starts."""
     from megatron_rl.config import ConfigError
 
-    if not cfg.algorithm.routing_replay:
+    mode = cfg.algorithm.routing_replay
+    if mode == "none":
         return
+    where = f"algorithm.routing_replay={mode}"
     if not cfg.model.is_moe:
-        raise ConfigError("algorithm.routing_replay=true replays a mixture of experts' routing, but the model "
-                          f"(family {cfg.model.family}) has no experts: set algorithm.routing_replay=false")
-    if cfg.algorithm.old_logprobs != "recompute":
-        raise ConfigError("algorithm.routing_replay=true records the routing at the trainer's old-log-prob forward, "
-                          f"which algorithm.old_logprobs={cfg.algorithm.old_logprobs} skips: use "
-                          "algorithm.old_logprobs=recompute")
+        raise ConfigError(f"{where} replays a mixture of experts' routing, but the model (family "
+                          f"{cfg.model.family}) has no experts: set algorithm.routing_replay=none")
+    if mode == "old" and cfg.algorithm.old_logprobs != "recompute":
+        raise ConfigError(f"{where} records the routing at the trainer's old-log-prob forward, which "
+                          f"algorithm.old_logprobs={cfg.algorithm.old_logprobs} skips: use algorithm.old_logprobs="
+                          "recompute, or algorithm.routing_replay=rollout (the engine's routing)")
     if cfg.model.recompute == "full" and cfg.parallel.pp > 1:
-        raise ConfigError("algorithm.routing_replay=true with model.recompute=full and parallel.pp="
-                          f"{cfg.parallel.pp}: the 1F1B schedule recomputes a layer's routing while another "
-                          "micro-batch is current; use model.recompute=selective or none")
+        raise ConfigError(f"{where} with model.recompute=full and parallel.pp={cfg.parallel.pp}: the 1F1B "
+                          "schedule recomputes a layer's routing while another micro-batch is current; use "
+                          "model.recompute=selective or none")
+    if mode != "rollout":
+        return
+    # the engine's routing comes from the hf engine's routers, token by token, for one generate call per sample
+    if cfg.rollout.backend != "hf":
+        raise ConfigError(f"{where} needs the engine's routing of every token: rollout.backend=hf returns it, "
+                          f"rollout.backend={cfg.rollout.backend} does not yet")
+    if cfg.rollout.mode != "colocated":
+        raise ConfigError(f"{where} is built for rollout.mode=colocated (a partial rollout's routing would mix "
+                          f"weight versions); rollout.mode={cfg.rollout.mode} is not supported")
+    tasks = [cfg.task] if not cfg.domains else [d.task for d in cfg.domains.values()]
+    if any(task.type == "agent" for task in tasks):
+        raise ConfigError(f"{where} takes the routing of single-turn generations; agent episodes (task.type=agent) "
+                          "re-feed their context every turn: use algorithm.routing_replay=old")

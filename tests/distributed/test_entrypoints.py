@@ -124,12 +124,12 @@ def test_rl_loop_with_context_parallelism(tmp_path):
 def test_rl_loop_with_a_deepseek_v3_model(tmp_path):
     """Two RL steps of the tiny DeepSeek-V3 (multi-latent attention, biased sigmoid router) at TP=2 with
     sequence parallelism: the hf engine (transformers' DeepseekV3ForCausalLM) generates with the synced
-    weights, and the trainer's log-probs of its samples equal the engine's. With routing replay and two
-    updates a step (test_routing_replay.py tests the replay itself): the second update replays the routing
-    that the first left unchanged, and the log reports the drift the replay hid."""
+    weights, and the trainer's log-probs of its samples equal the engine's. With rollout routing replay and
+    two updates a step (test_routing_replay.py tests the replay itself): the engine returns its routing,
+    the old forward and both updates route so, and the log reports the drift the replay hid."""
     metrics = _two_rl_steps_keep_the_engines_logprobs(
         tmp_path, "model=tiny_deepseek_v3", "parallel.tp=2", "parallel.sequence_parallel=true",
-        "algorithm.routing_replay=true", "algorithm.num_inner_updates=2")
+        "algorithm.routing_replay=rollout", "algorithm.num_inner_updates=2")
     for m in metrics:
         assert 0.0 <= m["routing/drift"] < 0.5, m["routing/drift"]
 
@@ -138,6 +138,9 @@ def test_rl_loop_with_a_gpt_oss_model(tmp_path):
     """Two RL steps of the tiny gpt-oss (attention sinks, sliding windows, biased clamped experts) at TP=2 with
     sequence parallelism and unsplit experts (parallel.etp defaults to 1 for gpt_oss): the hf engine
     (transformers' GptOssForCausalLM) generates with the synced weights, and the trainer's log-probs of its
-    samples equal the engine's."""
-    _two_rl_steps_keep_the_engines_logprobs(tmp_path, "model=tiny_gpt_oss", "parallel.tp=2",
-                                            "parallel.sequence_parallel=true")
+    samples equal the engine's. With the old policy's routing replayed in a second update a step."""
+    metrics = _two_rl_steps_keep_the_engines_logprobs(
+        tmp_path, "model=tiny_gpt_oss", "parallel.tp=2", "parallel.sequence_parallel=true",
+        "algorithm.routing_replay=old", "algorithm.num_inner_updates=2")
+    for m in metrics:
+        assert 0.0 <= m["routing/drift"] < 0.5, m["routing/drift"]

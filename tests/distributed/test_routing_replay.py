@@ -59,11 +59,32 @@ def _router_outputs(module):
     return seen, handles
 
 
+def _with_engine_routing(samples, model_cfg):
+    """The samples with extras["routing"] as `Rollout.sample` carries an engine's: transformers' model of the
+    same weights (test_moe_parity checks it computes the trainer's log-probs) routes every token but the last."""
+    from megatron_rl.models.hf import build_hf_model
+    from megatron_rl.trainer.packing import Sample
+
+    hf = build_hf_model(model_cfg, seed=3)
+    out = []
+    for sample in samples:
+        seen = []
+        handles = [layer.mlp.gate.register_forward_hook(lambda m, a, o: seen.append(o[2])) for layer in hf.model.layers]
+        with torch.no_grad():
+            hf(sample.tokens[None, :-1])
+        for handle in handles:
+            handle.remove()
+        routing = torch.stack(seen, dim=1).to(torch.int16)  # [L-1, layers, k], as Generation.routing
+        out.append(Sample(sample.tokens, sample.loss_mask, {**sample.extras, "routing": routing.flatten(1)}))
+    return out
+
+
 def _worker(rank: int, world: int, layouts: dict, out_path: str) -> None:
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
     from megatron_rl.models.hf import random_state_dict
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
+    from megatron_rl.trainer import routing_replay
     from megatron_rl.trainer.core import Trainer, TrainerOptions
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
@@ -82,9 +103,12 @@ def _worker(rank: int, world: int, layouts: dict, out_path: str) -> None:
         out["recorded"], _ = trainer.forward_logprobs(samples, record_routing=True)
         record = trainer.last_routing
         out["replayed_before"], _ = trainer.forward_logprobs(samples, routing=record)
+        engine_samples = _with_engine_routing(samples, model_cfg)
+        out["engine_before"], _ = trainer.forward_logprobs(engine_samples, routing=routing_replay.ENGINE)
         out["first"] = trainer.train_step(samples, routing=record)
         out["weights"] = trainer.full_state_dict()
         out["replayed"], _ = trainer.forward_logprobs(samples, routing=record)
+        out["engine_replayed"], _ = trainer.forward_logprobs(engine_samples, routing=routing_replay.ENGINE)
         out["fresh"], _ = trainer.forward_logprobs(samples, record_routing=True)
         fresh = trainer.last_routing
         if name == "ref":
@@ -165,6 +189,18 @@ def test_an_update_moves_the_routing_and_replay_keeps_the_recorded_experts(runs)
     assert 0 < changed / total < 1
 
 
+def test_the_engines_routing_replays_like_the_trainers_own(runs):
+    """routing=ENGINE (rollout routing replay): the samples carry transformers' routing of the initial
+    weights, which chooses what the trainer's routers chose (before the update its replay is the plain
+    forward); after the update replaying it gives the log-probs of replaying the trainer's recording
+    (a sample's last token, which the engine never routes, reaches no target)."""
+    ref, _ = runs
+    for plain, engine in zip(ref["plain"], ref["engine_before"], strict=True):
+        assert torch.allclose(engine, plain, atol=2e-5)
+    for replayed, engine in zip(ref["replayed"], ref["engine_replayed"], strict=True):
+        assert torch.allclose(engine, replayed, atol=2e-5)
+
+
 def test_a_recording_does_not_replay_on_other_samples(runs):
     ref, _ = runs
     assert ref["other_samples"] is not None and "same samples" in ref["other_samples"]
@@ -174,7 +210,7 @@ def test_a_recording_does_not_replay_on_other_samples(runs):
 def test_replay_in_parallel_layouts_matches_one_process(runs, layout):
     ref, layouts = runs
     got = layouts[layout]
-    for key in ("replayed_before", "replayed", "fresh"):
+    for key in ("replayed_before", "replayed", "fresh", "engine_before", "engine_replayed"):
         for a, b in zip(got[key], ref[key], strict=True):
             assert torch.allclose(a, b, atol=2e-5), (key, (a - b).abs().max())
     assert got["first"]["routing_drift"] == 0.0

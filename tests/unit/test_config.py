@@ -200,17 +200,24 @@ def test_sequence_level_rollout_correction_is_refused_with_context_parallelism()
 def test_routing_replay_is_refused_where_it_cannot_work() -> None:
     from megatron_rl.train import check_train_config
 
-    moe = ["mode=rl", "model=tiny_qwen3_moe", "algorithm.routing_replay=true"]
-    check_train_config(load_config(moe, world_size=1))
-    check_train_config(load_config([*moe, "model.recompute=full"], world_size=1))  # one stage: the same micro-batch
+    moe = ["mode=rl", "model=tiny_qwen3_moe"]
+    old, rollout = [*moe, "algorithm.routing_replay=old"], [*moe, "algorithm.routing_replay=rollout"]
+    check_train_config(load_config(old, world_size=1))
+    check_train_config(load_config(rollout, world_size=1))
+    check_train_config(load_config([*rollout, "algorithm.old_logprobs=rollout"], world_size=1))
+    check_train_config(load_config([*old, "model.recompute=full"], world_size=1))  # one stage: the same micro-batch
     refused = {
-        "has no experts": (["mode=rl", "algorithm.routing_replay=true"], 1),
-        "algorithm.old_logprobs=rollout skips": ([*moe, "algorithm.old_logprobs=rollout"], 1),
-        "1F1B schedule recomputes": ([*moe, "model.recompute=full", "cluster.nproc=2", "parallel.pp=2"], 2),
+        "has no experts": (["mode=rl", "algorithm.routing_replay=old"], 1),
+        "algorithm.old_logprobs=rollout skips": ([*old, "algorithm.old_logprobs=rollout"], 1),
+        "1F1B schedule recomputes": ([*old, "model.recompute=full", "cluster.nproc=2", "parallel.pp=2"], 2),
+        "rollout.mode=disaggregated is not supported": ([*rollout, "rollout.mode=disaggregated"], 1),
+        "agent episodes": ([*rollout, "task.type=agent"], 1),
     }
     for message, (overrides, world) in refused.items():
         with pytest.raises(ConfigError, match=message):
             check_train_config(load_config(overrides, world_size=world))
+    with pytest.raises(ValueError, match="algorithm.routing_replay"):
+        load_config([*moe, "algorithm.routing_replay=true"], world_size=1)
 
 
 def test_critic_free_gae_runs_with_one_sample_per_prompt() -> None:

@@ -334,3 +334,40 @@ def test_hf_engine_stops_at_a_stop_string():
     assert got.finish_reason == "stop" and tokenizer.decode(got.output_ids).endswith(stop)
     with pytest.raises(ValueError, match="need the engine's tokenizer"):
         HFEngine(cfg.model).generate([prompt], dataclasses.replace(greedy, stop=("x",)))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_hf_engine_returns_the_routing_of_every_token_it_fed(family):
+    """SamplingParams(return_routing=True): each generation's routing [prompt + response - 1, MoE layers, k]
+    is what the model's routers choose on one forward over the prompt and the response without its last
+    token (each response token is fed after it is sampled; the last never is). Batched, left-padded
+    prompts of different lengths, two samples each; dense layers (glm4-style layer 0) have no column."""
+    import torch
+
+    from megatron_rl.models.hf import build_hf_model, hub_state_dict
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    from tests.distributed.test_gpt_oss import ARCH as GPT_OSS
+
+    model_cfg = MOE_MODELS[family] if family in MOE_MODELS else ModelConfig(**GPT_OSS)
+    source = build_hf_model(model_cfg, seed=7)
+    engine = HFEngine(model_cfg, eos_token_id=1, pad_token_id=0)
+    engine.update_weights(sorted(hub_state_dict(source).items()), version=1)
+    prompts = [[5, 9, 2, 40], [7, 3, 11, 12, 13, 30, 31], [8]]
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=6, n=2, seed=3, return_routing=True))
+    routers = [(i, layer.mlp.gate if hasattr(layer.mlp, "gate") else layer.mlp.router)
+               for i, layer in enumerate(source.model.layers) if model_cfg.is_sparse_layer(i)]
+    assert len(gens) == 6 and len(routers) == model_cfg.num_layers - len(model_cfg.moe_dense_layers)
+    for gen in gens:
+        fed = prompts[gen.prompt_index] + gen.output_ids[:-1]
+        seen = []
+        handles = [router.register_forward_hook(lambda m, a, out: seen.append(out[2])) for _, router in routers]
+        with torch.no_grad():
+            source(torch.tensor([fed]))
+        for handle in handles:
+            handle.remove()
+        expected = torch.stack(seen, dim=1)  # [len(fed), layers, k]
+        assert gen.routing.shape == (len(fed), len(routers), model_cfg.moe_router_topk)
+        assert gen.routing.dtype == torch.int16
+        assert torch.equal(gen.routing.long().sort(-1).values, expected.sort(-1).values)
