@@ -1473,9 +1473,6 @@ class TrainConfig:
         _check_min("global_batch_size", self.global_batch_size, 1)
         _check_min("micro_batch_tokens", self.micro_batch_tokens, 1)
         self._check_domains()
-        if self.algorithm.critic and self.rollout.mode == "disaggregated":
-            raise _invalid("algorithm.critic", self.algorithm.critic, "a critic runs with colocated rollout only "
-                           "(not built for rollout.mode=disaggregated yet)")
         if self.algorithm.critic and self.algorithm.critic_warmup_steps >= self.num_steps:
             raise _invalid("algorithm.critic_warmup_steps", self.algorithm.critic_warmup_steps,
                            f"must be < num_steps={self.num_steps}, or the policy never learns")

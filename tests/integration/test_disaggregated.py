@@ -151,10 +151,16 @@ def test_a_resumed_run_asks_again_for_the_prompts_in_flight(one_step_off, tmp_pa
 def test_two_generators_with_two_steps_of_staleness(tmp_path):
     """k=2, two generators taking requests from one queue, no partial rollouts: groups may
     arrive out of order; none older than 2 versions is trained on (stale ones are dropped,
-    counted and their prompts generated again), and both generators contribute."""
+    counted and their prompts generated again), and both generators contribute. PPO with a critic
+    here: the trainer's critic scores the groups whatever version generated them, and learns."""
     run_dir = tmp_path / "run"
     rows, _ = _run(run_dir, "num_steps=4", "algorithm.max_staleness=2", "rollout.num_generators=2",
-                   "rollout.max_new_tokens=24")
+                   "rollout.max_new_tokens=24", "task.sft_warmup_steps=40", "algorithm=ppo", "algorithm.critic=true")
+    for row in rows:
+        assert row["critic/value_loss"] >= 0 and row["time/critic"] > 0
+    # a step with rewards trains the critic (all-zero returns give its zero head no gradient)
+    trained = [row for row in rows if row["critic/returns"] != 0]
+    assert trained and all(row["critic/grad_norm"] > 0 for row in trained)
     groups = [e for e in read_events(run_dir / "timeline" / "trainer.jsonl") if e["event"] == "group"]
     assert len(groups) == 4 * 8 and all(0 <= g["staleness"] <= 2 for g in groups)
     assert {g["generator"] for g in groups} == {0, 1}
