@@ -290,8 +290,6 @@ INVALID_CASES = [
     (["algorithm=ppo", "algorithm.critic=true", "algorithm.critic_warmup_steps=5", "num_steps=5"], 1,
      ["algorithm.critic_warmup_steps=5", "num_steps=5"]),
     (["algorithm=ppo", "algorithm.critic=true", "algorithm.value_clip=0"], 1, ["algorithm.value_clip=0", "> 0"]),
-    (["algorithm=ppo", "algorithm.critic=true", "rollout.mode=disaggregated"], 1,
-     ["algorithm.critic=true", "rollout.mode=disaggregated"]),
     (["mode=rl", "algorithm=ppo", "rollout.n_samples_per_prompt=1", "algorithm.filter_zero_variance=true"], 1,
      ["algorithm.filter_zero_variance=true", "rollout.n_samples_per_prompt=1", "every sample would be dropped"]),
     (["mode=rl", "task.eval_max_new_tokens=100000"], 1, ["task.eval_max_new_tokens=100000",
