@@ -977,8 +977,8 @@ class AlgorithmConfig:
     routed to at the old-log-prob forward and route every update's forward the same way, so that the
     importance ratio of later inner updates compares the same experts; needs old_logprobs=recompute),
     rollout (R3: route the old-log-prob forward and every update as the engine did when it generated the
-    tokens; the hf engine, single-turn tasks, colocated mode) or none. Logs routing/drift, the share of
-    expert choices the updated routers would have made differently."""
+    tokens; the hf engine, or SGLang on CUDA; single-turn tasks; colocated mode) or none. Logs
+    routing/drift, the share of expert choices the updated routers would have made differently."""
 
     ADVANTAGE_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
     GROUP_ESTIMATORS: ClassVar[tuple[str, ...]] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")

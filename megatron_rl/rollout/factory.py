@@ -84,14 +84,24 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
         server_args["trust_remote_code"] = True
     if tokenizer_path is not None:  # `_engine_dirs` saves one with stop strings only
         server_args["tokenizer_path"] = tokenizer_path
+    layout = None
+    if cfg.algorithm.routing_replay == "rollout":  # R3: generations return the experts of every token
+        if device_type != "cuda":
+            from megatron_rl.config import ConfigError
+
+            raise ConfigError("algorithm.routing_replay=rollout with rollout.backend=sglang needs CUDA: SGLang "
+                              "captures the routed experts in pinned host memory; on CPU use rollout.backend=hf")
+        server_args["enable_return_routed_experts"] = True
+        m = cfg.model
+        layout = (m.num_layers, tuple(i for i in range(m.num_layers) if m.is_sparse_layer(i)), m.moe_router_topk)
     server_args.update(dict(r.server_args))
-    if r.base_url is not None:
+    if r.base_url is not None:  # an attached server must have been started with enable_return_routed_experts
         return SGLangEngineConfig(base_url=r.base_url, device=device_type, tp_size=r.tp,
-                                  skip_tokenizer_init=not r.stop)
+                                  skip_tokenizer_init=not r.stop, routing_layout=layout)
     return SGLangEngineConfig(
         model_path=model_path, device=device_type, tp_size=r.tp, base_gpu_id=base_gpu_id, dtype=cfg.model.dtype,
         mem_fraction_static=r.mem_fraction_static, random_seed=random_seed, log_level=r.log_level,
-        skip_tokenizer_init=not r.stop, server_args=server_args)
+        skip_tokenizer_init=not r.stop, server_args=server_args, routing_layout=layout)
 
 
 def engine_model_dir(cfg: Any, eos_token_id: int, work_dir: Path) -> str:

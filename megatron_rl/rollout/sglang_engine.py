@@ -107,6 +107,10 @@ class SGLangEngineConfig:
     enable_deterministic_inference, ...); overrides the values above."""
     request_timeout_s: float = 3600.0
     """Attach mode: HTTP timeout of one call (a generate call waits for all its samples)."""
+    routing_layout: Optional[tuple[int, tuple[int, ...], int]] = None
+    """A mixture of experts whose routing generations may return (SamplingParams.return_routing): (the model's
+    layers, the indices of those with experts, top k). SGLang's `routed_experts` holds every layer's; the
+    engine must run with enable_return_routed_experts (the rollout factory sets both)."""
 
     DEVICES: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
 
@@ -198,6 +202,26 @@ def block_payload(named_tensors: list[tuple[str, torch.Tensor]], as_text: bool =
     return serialize_bucket(named_tensors, 1, as_text, keep_alive=keep)[0], keep
 
 
+def routing_from_meta(meta: dict[str, Any], rows: int, layout: tuple[int, tuple[int, ...], int]) -> torch.Tensor:
+    """A request's `Generation.routing` [rows, MoE layers, k] int16 from SGLang's meta_info["routed_experts"]:
+    base64 of int32 [prompt + output - 1, every layer, k] (sglang/srt/state_capturer/routed_experts.py, the
+    detokenizer's _b64_encode_per_request); an aborted request's may run past the tokens it kept."""
+    import base64
+
+    import numpy as np
+
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise RuntimeError(f"SGLang returned no routed_experts for request {meta.get('id')}: start the engine with "
+                           "enable_return_routed_experts")
+    num_layers, sparse, topk = layout
+    found = np.frombuffer(base64.b64decode(encoded), dtype=np.int32).reshape(-1, num_layers, topk)
+    if found.shape[0] < rows:
+        raise RuntimeError(f"SGLang's routed_experts cover {found.shape[0]} tokens of request {meta.get('id')}, "
+                           f"its prompt and output need {rows}")
+    return torch.from_numpy(found[:rows, list(sparse)].astype(np.int16))
+
+
 class SGLangEngine:
     """`RolloutEngine` over one SGLang engine (offline) or server (attach)."""
 
@@ -243,10 +267,18 @@ class SGLangEngine:
                 input_ids.append([int(t) for t in prompt])
                 sampling_params.append(self._sampling_params(params, i, j))
                 prompt_index.append(i)
-        outputs = self._transport.generate(input_ids, sampling_params)
+        if params.return_routing and self.config.routing_layout is None:
+            raise ValueError("return_routing: this SGLang engine has no routing_layout (a mixture of experts "
+                             "started with enable_return_routed_experts)")
+        outputs = self._transport.generate(input_ids, sampling_params, return_routed_experts=params.return_routing)
         if len(outputs) != len(input_ids):
             raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(input_ids)} requests")
-        return [self._to_generation(out, idx) for out, idx in zip(outputs, prompt_index)]
+        generations = [self._to_generation(out, idx) for out, idx in zip(outputs, prompt_index)]
+        if params.return_routing:
+            for gen, out, ids in zip(generations, outputs, input_ids):
+                gen.routing = routing_from_meta(out["meta_info"], len(ids) + len(gen.output_ids) - 1,
+                                                self.config.routing_layout)
+        return generations
 
     def _sampling_params(self, params: SamplingParams, prompt: int, sample: int) -> dict[str, Any]:
         if params.stop and self.config.skip_tokenizer_init:
@@ -408,7 +440,8 @@ class _Transport(Protocol):
     mode: str
     tp_size: int
 
-    def generate(self, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]:
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict],
+                 return_routed_experts: bool = False) -> list[dict]:
         """SGLang's output dicts (output_ids, meta_info), one per request, in request order."""
 
     def update_weights_from_tensor(self, payloads: list, flush_cache: bool,
@@ -479,9 +512,11 @@ class _OfflineTransport(_Transport):
     def _run(self, coro) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def generate(self, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]:
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict],
+                 return_routed_experts: bool = False) -> list[dict]:
+        routed = {"return_routed_experts": True} if return_routed_experts else {}
         out = self._run(self._engine.async_generate(input_ids=input_ids, sampling_params=sampling_params,
-                                                    return_logprob=True))
+                                                    return_logprob=True, **routed))
         return out if isinstance(out, list) else [out]
 
     def update_weights_from_tensor(self, payloads: list, flush_cache: bool,
@@ -565,9 +600,11 @@ class _HTTPTransport(_Transport):
         except ValueError:
             return raw.decode(errors="replace")
 
-    def generate(self, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]:
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict],
+                 return_routed_experts: bool = False) -> list[dict]:
+        routed = {"return_routed_experts": True} if return_routed_experts else {}
         out = self._request("POST", "/generate", {"input_ids": input_ids, "sampling_params": sampling_params,
-                                                  "return_logprob": True})
+                                                  "return_logprob": True, **routed})
         return out if isinstance(out, list) else [out]
 
     def update_weights_from_tensor(self, payloads: list, flush_cache: bool,

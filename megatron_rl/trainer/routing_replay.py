@@ -215,10 +215,6 @@ def check_routing_replay(cfg) -> None:
                           "model.recompute=selective or none")
     if mode != "rollout":
         return
-    # the engine's routing comes from the hf engine's routers, token by token, for one generate call per sample
-    if cfg.rollout.backend != "hf":
-        raise ConfigError(f"{where} needs the engine's routing of every token: rollout.backend=hf returns it, "
-                          f"rollout.backend={cfg.rollout.backend} does not yet")
     if cfg.rollout.mode != "colocated":
         raise ConfigError(f"{where} is built for rollout.mode=colocated (a partial rollout's routing would mix "
                           f"weight versions); rollout.mode={cfg.rollout.mode} is not supported")
