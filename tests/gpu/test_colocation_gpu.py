@@ -5,7 +5,8 @@
   prints offload/onload GB/s.
 - The hf engine's release/resume frees and re-allocates its weights on the GPU.
 - With SGLang installed: `release_memory_occupation` drops GPU memory in use (seen from
-  torch.cuda.mem_get_info, which includes other processes) and `resume` brings it back.
+  torch.cuda.mem_get_info, which includes other processes) and `resume` brings it back; started with
+  enable_return_routed_experts, it returns the experts transformers' routers choose (rollout routing replay).
 """
 
 from __future__ import annotations
@@ -106,3 +107,48 @@ def test_sglang_release_and_resume_memory_occupation(tmp_path):
         assert resumed - released >= weight_bytes
     finally:
         engine.shutdown()
+
+
+def test_sglang_returns_the_routed_experts_of_every_token(tmp_path):
+    """Rollout routing replay with SGLang (algorithm.routing_replay=rollout): our engine wrapper, started
+    with enable_return_routed_experts, returns each generation's routing over the MoE layers, and it is what
+    transformers' routers choose on one forward over the prompt and the response without its last token
+    (fp32 on both sides; a near-tie may flip: 99% of (token, layer) expert sets must agree)."""
+    pytest.importorskip("sglang", reason="SGLang is not installed in this environment")
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.models.hf import build_hf_model
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+
+    cfg = ModelConfig(family="qwen3_moe", num_layers=4, num_experts=8, moe_ffn_hidden_size=64, moe_router_topk=2,
+                      vocab_size=128)
+    hf = build_hf_model(cfg, seed=0)
+    hf.save_pretrained(tmp_path)
+    load_tokenizer("builtin:char").save_pretrained(tmp_path)
+    layout = (cfg.num_layers, tuple(range(cfg.num_layers)), cfg.moe_router_topk)
+    engine = SGLangEngine(SGLangEngineConfig(model_path=str(tmp_path), dtype="float32", routing_layout=layout,
+                                             mem_fraction_static=0.3,
+                                             server_args={"enable_return_routed_experts": True}))
+    prompts = [[5, 9, 2, 40], [7, 3, 11, 12, 13, 30, 31]]
+    try:
+        gens = engine.generate(prompts, SamplingParams(max_new_tokens=12, n=2, return_routing=True))
+    finally:
+        engine.shutdown()
+    hf = hf.cuda().float()
+    agree = total = 0
+    for gen in gens:
+        fed = prompts[gen.prompt_index] + gen.output_ids[:-1]
+        seen = []
+        handles = [layer.mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[2].cpu()))
+                   for layer in hf.model.layers]
+        with torch.no_grad():
+            hf(torch.tensor([fed], device="cuda"))
+        for handle in handles:
+            handle.remove()
+        expected = torch.stack(seen, dim=1).sort(-1).values
+        assert gen.routing.shape == (len(fed), cfg.num_layers, cfg.moe_router_topk)
+        same = (gen.routing.long().sort(-1).values == expected).all(-1)
+        agree, total = agree + int(same.sum()), total + same.numel()
+    print(f"SGLang routed experts: {agree}/{total} (token, layer) sets equal transformers'")
+    assert agree >= 0.99 * total
