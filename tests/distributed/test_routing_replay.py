@@ -6,8 +6,10 @@ Single process (Qwen3-MoE: softmax over the chosen experts' logits): with unchan
 bit-identical to the recorded forward and no choice drifts; after an update with a large learning rate the
 routers choose differently (the precondition), a replayed forward's routers output exactly the recorded
 experts with the probabilities computed from their logits by hand, and the drift the replayed update
-reports is the share of real tokens' expert sets that a fresh recording changed. A recording does not
-replay on other samples.
+reports is the share of real tokens' expert sets that those routers' own top k (on the replayed inputs)
+would have changed. Replaying the routing the samples carry (routing=ENGINE: here transformers' routing
+of the same weights, as an engine returns it) gives what replaying the trainer's recording gives. A
+recording does not replay on other samples.
 
 Parallel layouts (TP=2 with sequence parallelism: each TP rank routes its sequence shard; EP=2: data-
 parallel ranks pack different rows, padded to equal shapes; PP=2: each stage routes its own layers; CP=2:
