@@ -131,6 +131,14 @@ def test_het_job_trains_with_rewards_from_the_cpu_component(slurm_env, tmp_path)
     assert not list((job.run_dir / "sandbox").glob("*.json")), "the server drains and deregisters at the end"
 
 
+def _nodes_completing(env: dict) -> bool:
+    """Whether a node of the test cluster still cleans up a job (sinfo's state ends in "completing"), or
+    sinfo could not tell."""
+    proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True)
+    states = proc.stdout.split()
+    return proc.returncode != 0 or not states or any("completing" in s or s.endswith("@") for s in states)
+
+
 def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_env, tmp_path):
     steps = 10
     job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
@@ -150,7 +158,10 @@ def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_en
         if "requeueing job" not in job.log():
             assert not job.finished(), job.log()[-6000:]
         assert time.monotonic() < deadline, f"states {states}\n{job.log()[-6000:]}"
-        if state == "PENDING":  # Slurm holds a requeued job back ~2 min; not needed here
+        # Slurm holds a requeued job back ~2 min, not needed here; but it must not start while a node still
+        # completes the previous instance: slurmd revokes that instance's job credential when it ends, and a
+        # start forced before then is killed ("Job credential revoked"; CI saw it: the job FAILED)
+        if state == "PENDING" and not _nodes_completing(slurm_env):
             subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], env=slurm_env)
         time.sleep(0.5)
     assert job.wait() == 0, job.log()[-6000:]
