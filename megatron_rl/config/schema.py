@@ -616,6 +616,11 @@ class ModelConfig:
         return self.is_moe and layer not in self.moe_dense_layers
 
     @property
+    def sparse_layers(self) -> list[int]:
+        """The global (0-based) indices of the layers with experts, ascending."""
+        return [i for i in range(self.num_layers) if self.is_sparse_layer(i)]
+
+    @property
     def moe_layer_pattern(self) -> list[int]:
         """Megatron's moe_layer_freq as a list: 1 for a layer with experts, 0 for a dense one."""
         return [int(self.is_sparse_layer(i)) for i in range(self.num_layers)]

@@ -93,7 +93,7 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
                               "captures the routed experts in pinned host memory; on CPU use rollout.backend=hf")
         server_args["enable_return_routed_experts"] = True
         m = cfg.model
-        layout = (m.num_layers, tuple(i for i in range(m.num_layers) if m.is_sparse_layer(i)), m.moe_router_topk)
+        layout = (m.num_layers, tuple(m.sparse_layers), m.moe_router_topk)
     server_args.update(dict(r.server_args))
     if r.base_url is not None:  # an attached server must have been started with enable_return_routed_experts
         return SGLangEngineConfig(base_url=r.base_url, device=device_type, tp_size=r.tp,

@@ -497,20 +497,22 @@ class Trainer:
             return contextlib.nullcontext()
         layers = self._routing_layers()
         if routing == routing_replay.ENGINE:
-            sparse = [i for i in range(self.model_cfg.num_layers) if self.model_cfg.is_sparse_layer(i)]
+            sparse = self.model_cfg.sparse_layers
             columns = [sparse.index(layer.layer) for layer in layers]
-            tp = (self.groups.tp_size, self.groups.tp_rank) if self.groups.sequence_parallel else (1, 0)
             return routing_replay.Replay(layers, lambda index, mb: routing_replay.carried_routes(
-                mb, columns, len(sparse), self.model_cfg.moe_router_topk, tp))
+                mb, columns, len(sparse), self.model_cfg.moe_router_topk, self._router_part))
         return routing_replay.Replay.of_record(layers, routing, micro)
 
-    def _router_tokens_real(self, mb: MicroBatch) -> Tensor:
-        """[tokens a router on this rank sees] True where no padding: the row's (a context-parallel rank's
-        shard of it), under sequence parallelism this TP rank's contiguous part."""
-        real = ~mb.padding[0]
+    def _router_part(self, per_position: Tensor) -> Tensor:
+        """The part of a row's per-position tensor (a context-parallel rank's shard of it) that a router on
+        this rank sees: under sequence parallelism this TP rank's contiguous part."""
         if self.groups.sequence_parallel and self.groups.tp_size > 1:
-            real = real.chunk(self.groups.tp_size)[self.groups.tp_rank]
-        return real
+            return per_position.chunk(self.groups.tp_size)[self.groups.tp_rank]
+        return per_position
+
+    def _router_tokens_real(self, mb: MicroBatch) -> Tensor:
+        """[tokens a router on this rank sees] True where no padding."""
+        return self._router_part(~mb.padding[0])
 
     def _drift(self, replay: routing_replay.Replay) -> float:
         """The replayed choices that differ from the routers' own, over every rank: TP ranks without

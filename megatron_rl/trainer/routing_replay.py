@@ -169,12 +169,13 @@ class Replay:
 
 
 def carried_routes(mb: Any, columns: list[int], num_moe_layers: int, topk: int,
-                   tp: tuple[int, int] = (1, 0)) -> tuple[list[Tensor], Tensor]:
+                   part: Callable[[Tensor], Tensor] = lambda t: t) -> tuple[list[Tensor], Tensor]:
     """A micro-batch's routing from its samples' extras["routing"] ([targets, MoE layers * k], the engine's):
     per local MoE layer (`columns`: its index among the model's MoE layers) the experts of every position
     the router sees, [positions, k], and which positions the samples cover. A position that predicts no
     target (a sample's last token, padding) was never routed by the engine: the routers choose there
-    (`LayerRouting`). Under sequence parallelism (tp = (size, rank)) this TP rank's contiguous part."""
+    (`LayerRouting`). `part`: the router's part of a row's per-position tensor (`Trainer._router_part`:
+    under sequence parallelism this TP rank's contiguous part)."""
     if "routing" not in mb.extras:
         raise ValueError("routing replay from the rollouts: the samples carry no engine routing (extras['routing']): "
                          "rollouts generated with algorithm.routing_replay=rollout carry it, a rollout.replay_dir "
@@ -182,16 +183,13 @@ def carried_routes(mb: Any, columns: list[int], num_moe_layers: int, topk: int,
     rows, device = mb.input_ids.shape[1], mb.input_ids.device
     covered = torch.zeros(rows, dtype=torch.bool, device=device)
     covered[mb.valid] = True
-    if tp[0] > 1:
-        covered = covered.chunk(tp[0])[tp[1]]
     if not columns:  # a pipeline stage without MoE layers
-        return [], covered
+        return [], part(covered)
     carried = mb.extras["routing"].reshape(-1, num_moe_layers, topk)[:, columns]
     full = torch.zeros(rows, len(columns), topk, dtype=torch.long, device=device)
     full[mb.valid] = carried.long()
-    if tp[0] > 1:
-        full = full.chunk(tp[0])[tp[1]]
-    return [full[:, i] for i in range(len(columns))], covered
+    full = part(full)
+    return [full[:, i] for i in range(len(columns))], part(covered)
 
 
 def check_routing_replay(cfg) -> None:
