@@ -27,7 +27,10 @@ them against a real engine on CPU):
   tensors through shared memory. Either way the engine must be on the same machine.
 - Memory: `release_memory`/`resume_memory` map to SGLang's `release_memory_occupation` /
   `resume_memory_occupation` with the same tags. Real release needs torch_memory_saver (CUDA);
-  on CPU the calls are accepted and change nothing, so the order is still exercised.
+  on CPU the calls are accepted and change nothing, so the order is still exercised. A release
+  first waits for the scheduler to be idle (a flush with a timeout): SGLang answers the last
+  request of a batch before its scheduler retires the batch, and a release that arrives in
+  between fails an assertion that ends the scheduler process (seen once in CI).
 - Pause: new `generate` calls are refused, this adapter's in-flight calls finish, then the
   engine itself is paused (`pause_generation(mode="retract")`): requests from other clients
   wait and their KV cache can be flushed by a weight update.
@@ -60,6 +63,7 @@ _INSTALL_HINT = ("needs sglang: see docs/rollout.md (GPU: pip install -e '.[sgla
                  "CPU tests: tests/integration/sglang/setup.sh)")
 _FINISH_REASONS = ("stop", "length", "abort")  # SGLang's finish_reason types = the protocol's
 _SEED_STRIDE = 1_000_003  # prime: distinct (seed, prompt, sample) -> distinct sampling_seed
+IDLE_WAIT_S = 60.0  # release_memory: the longest wait for the scheduler to retire its last batch
 
 
 def _import_sglang():
@@ -384,6 +388,11 @@ class SGLangEngine:
         that failed before the KV cache was resumed)."""
         todo = [t for t in _check_tags(tags) if t not in self._released]
         if todo:
+            if not self._paused:
+                # Wait until the scheduler has retired its last batch (module docstring); the release flushes
+                # the prefix cache anyway. Paused, the engine retracted its batches already, and this flush
+                # would wait for the requests that other clients left waiting.
+                self._transport.flush_cache(wait_s=IDLE_WAIT_S)
             self._transport.call("release_memory_occupation", {"tags": todo})
         self._released |= set(todo)
 
@@ -451,6 +460,9 @@ class _Transport(Protocol):
 
     def call(self, name: str, body: dict) -> None:
         """A control call without a result (begin_weight_update, pause_generation, ...)."""
+
+    def flush_cache(self, wait_s: float) -> None:
+        """Flush the prefix cache once the scheduler is idle, waiting up to `wait_s` for that."""
 
     def abort_all(self) -> None: ...
 
@@ -545,6 +557,9 @@ class _OfflineTransport(_Transport):
         }
         _check_result(name, self._run(requests[name]()))
 
+    def flush_cache(self, wait_s: float) -> None:
+        _check_result("flush_cache", self._run(self._tm.flush_cache(timeout_s=wait_s)))
+
     def abort_all(self) -> None:
         # abort_request sends on the scheduler socket, which belongs to the loop's thread.
         self._loop.call_soon_threadsafe(lambda: self._tm.abort_request(abort_all=True))
@@ -618,6 +633,9 @@ class _HTTPTransport(_Transport):
 
     def call(self, name: str, body: dict) -> None:
         _check_result(name, self._request("POST", "/" + name, body))
+
+    def flush_cache(self, wait_s: float) -> None:
+        self._request("POST", f"/flush_cache?timeout={wait_s:g}")  # a failure answers 400: raised
 
     def abort_all(self) -> None:
         self._request("POST", "/abort_request", {"abort_all": True})

@@ -20,7 +20,7 @@ import torch
 from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, server_command
 from tests.integration.sglang import harness
 from tests.integration.sglang.engine_scenarios import (
-    ABORT_MAX_NEW_TOKENS, GREEDY, PROMPTS, SAMPLING, STOP_IDS, STOP_STRINGS)
+    ABORT_MAX_NEW_TOKENS, GREEDY, PROMPTS, RELEASE_CYCLES, SAMPLING, STOP_IDS, STOP_STRINGS)
 
 pytestmark = pytest.mark.timeout(1200)
 _needs_venv = pytest.mark.skipif(
@@ -224,6 +224,7 @@ def test_release_resume_in_colocated_order(scenarios, mode):
     end = run["health_end"]
     assert end == {**end, "healthy": True, "paused": False, "released": [], "weight_version": 2, "in_flight": 0}
     assert run["health_start"]["weight_version"] == 0 and run["health_start"]["healthy"]
+    assert run["release_cycles"] == RELEASE_CYCLES  # generate, then release at once: the scheduler survives
 
 
 @real_engine

@@ -489,24 +489,22 @@ def test_model_option_must_state_path(conf_copy: Path) -> None:
         load_config(["model=custom"], world_size=1)
 
 
-def test_loader_is_light_and_fast() -> None:
+def test_loader_is_light() -> None:
+    """Configs are checked before any work starts (the Slurm batch step checks one before it starts any srun
+    step): loading a config must not import torch, Megatron or transformers. Its time is not asserted (a 2 s
+    bound failed once on a loaded CI machine)."""
     code = textwrap.dedent(
         """
-        import sys, time
-        start = time.perf_counter()
+        import sys
         from megatron_rl.config import load_config
         load_config(["parallel.tp=2"], world_size=2)
-        elapsed = time.perf_counter() - start
-        heavy = sorted(m for m in ("torch", "megatron", "transformers") if m in sys.modules)
-        print(elapsed, heavy)
+        print(sorted(m for m in ("torch", "megatron", "transformers") if m in sys.modules))
         """
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
     )
-    elapsed, heavy = out.stdout.strip().split(" ", 1)
-    assert heavy == "[]"
-    assert float(elapsed) < 2.0
+    assert out.stdout.strip() == "[]"
 
 
 def test_hydra_main_app_writes_nothing_and_can_call_load_config(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ STOP_IDS = tuple(range(4, 99, 2))  # every other printable character: sequences 
 # Stop strings (the offline engine loads the checkpoint's character tokenizer for them): characters that no
 # special token's text holds, so that whether SGLang decodes special tokens cannot change a match.
 STOP_STRINGS = ("K", "4", "Q", "W", "zq")
+RELEASE_CYCLES = 5
 ABORT_MAX_NEW_TOKENS = 500  # with the prompt, just under the model's 512 positions
 
 
@@ -135,6 +136,15 @@ def run(engine: SGLangEngine, args: argparse.Namespace) -> dict:
     engine.resume()
     out["bad_tag_error"] = error_name(lambda: engine.release_memory(["activations"]))
     out["gen_a2"] = as_dicts(engine.generate(PROMPTS, SAMPLING))
+
+    # The colocation controller's hand-back: a release right after a generate call returns, not paused.
+    short = dataclasses.replace(GREEDY, max_new_tokens=4)
+    out["release_cycles"] = 0
+    for _ in range(RELEASE_CYCLES):
+        engine.generate(PROMPTS, short)
+        engine.release_memory(ALL_TAGS)
+        engine.resume_memory(ALL_TAGS)
+        out["release_cycles"] += 1
 
     out["abort"] = abort_scenario(engine)
     out["after_abort"] = as_dicts(engine.generate(PROMPTS[:1], GREEDY))
