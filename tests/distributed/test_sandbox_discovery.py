@@ -78,7 +78,7 @@ def test_a_run_killed_leaves_no_server_and_a_dead_servers_file_is_pruned(tmp_pat
                                env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
     server_pid = int(starter.stdout.readline())
     live = discover(tmp_path)
-    assert len(live) == 1 and prune_unreachable(tmp_path) == []  # a live server's file stays
+    assert len(live) == 1 and prune_unreachable(tmp_path, timeout_s=30) == []  # a live server's file stays
     starter.kill()
     starter.wait()
     deadline = time.monotonic() + 60

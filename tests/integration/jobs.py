@@ -18,8 +18,10 @@ def job_env() -> dict:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows written so far: complete lines only (a running job may be half-way through one)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def run_until_killed(args: list[str], run_dir: Path, lines: int, timeout_s: float = 600) -> None:

@@ -4,6 +4,7 @@ left out of the update by rl_step) instead of crashing the step or scoring them 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import types
 
 import torch
@@ -50,9 +51,15 @@ def test_a_failing_verifier_leaves_its_chunk_unscored():
 
 
 def test_a_late_verifier_leaves_its_samples_unscored(tmp_path, monkeypatch):
-    (tmp_path / "slow_reward.py").write_text("import time\ndef score(c, s):\n    time.sleep(2)\n    return 1.0\n")
+    # the reward waits for a gate opened only after collect() returned: late however slow this machine is
+    (tmp_path / "slow_reward.py").write_text("import threading\nGATE = threading.Event()\n"
+                                             "def score(c, s):\n    GATE.wait(60)\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    rollouts, stats = _run(lambda: CustomVerifier("slow_reward:score"), [{"answer": "7"}] * 2, reward_timeout_s=0.2)
+    try:
+        rollouts, stats = _run(lambda: CustomVerifier("slow_reward:score"), [{"answer": "7"}] * 2,
+                               reward_timeout_s=0.2)
+    finally:
+        importlib.import_module("slow_reward").GATE.set()
     assert [r.status for r in rollouts] == ["unscored"] * 4 and stats["reward/timeouts"] >= 1.0
     cfg = types.SimpleNamespace(algorithm=types.SimpleNamespace(advantage_estimator="grpo"))
     assert step_advantages(cfg, rollouts, torch.zeros(4)) == ([None] * 4, None)

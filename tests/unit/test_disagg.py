@@ -340,15 +340,19 @@ def test_a_bounded_wait_stamps_progress_while_it_waits():
     """The reward wait of a request is waited for in rounds that stamp the generator's progress
     clock: it is bounded (its own timeout), so no hang."""
     import concurrent.futures
-    import threading
 
     from megatron_rl.disagg.generator import _result
 
     stamps: list[float] = []
     late: concurrent.futures.Future = concurrent.futures.Future()
-    threading.Timer(0.35, late.set_result, args=([1.0],)).start()
-    assert _result(late, 5.0, lambda: stamps.append(1.0), poll_s=0.1) == [1.0]
-    assert 3 <= len(stamps) <= 6
+
+    def stamp() -> None:  # the result arrives during the third round: no timing involved
+        stamps.append(1.0)
+        if len(stamps) == 3:
+            late.set_result([1.0])
+
+    assert _result(late, 5.0, stamp, poll_s=0.1) == [1.0]
+    assert len(stamps) == 3
     never: concurrent.futures.Future = concurrent.futures.Future()
     with pytest.raises(concurrent.futures.TimeoutError):
         _result(never, 0.25, lambda: None, poll_s=0.1)

@@ -25,9 +25,9 @@ def test_a_number_beyond_float_range_is_no_number_and_no_crash():
 def test_an_overlong_answer_is_not_matched_and_costs_little_time():
     # normalize()'s \frac regex backtracks quadratically: 60 KB of "\frac{" took seconds
     text = "#### " + "\\frac{" * 10_000
-    start = time.monotonic()
+    start = time.process_time()  # CPU time: a loaded machine does not stretch it
     assert math_reward(text, "5") == 0.0
-    assert time.monotonic() - start < 0.5
+    assert time.process_time() - start < 0.5
     long_answer = "7" * (MAX_ANSWER_CHARS + 1)
     assert not answers_match(long_answer, long_answer)
     assert answers_match("7" * MAX_ANSWER_CHARS, "7" * MAX_ANSWER_CHARS)
