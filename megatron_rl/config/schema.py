@@ -206,6 +206,16 @@ class ModelConfig:
     recompute_num_layers: int = 1
     """recompute=full: layers per recomputed block (Megatron's uniform recompute_method)."""
 
+    lora_rank: int = 0
+    """LoRA (models/lora.py): rank of the low-rank adapters trained in place of the model's weights, which
+    stay frozen; 0 trains every weight. The engine receives the merged weights W + (alpha / rank) B A."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: the adapters' output is multiplied by lora_alpha / lora_rank."""
+    lora_targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1",
+                                                              "linear_fc2"])
+    """The linear layers that get adapters, by Megatron name: linear_qkv and linear_proj (attention),
+    linear_fc1 and linear_fc2 (the dense MLPs; the experts of a mixture of experts get none)."""
+
     FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
                                            "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
     RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
@@ -213,6 +223,7 @@ class ModelConfig:
                                                "deepseek_v3", "gpt_oss")
     SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
     # multi-latent attention (Megatron's MLASelfAttention) and DeepSeek's YaRN
+    LORA_TARGETS: ClassVar[tuple[str, ...]] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     MLA_FAMILIES: ClassVar[tuple[str, ...]] = ("deepseek_v2", "deepseek_v3")
     # families whose router is Megatron's sigmoid one with the selection bias (GLM-4.5's and DeepSeek-V3's)
     SIGMOID_ROUTER_FAMILIES: ClassVar[tuple[str, ...]] = ("glm4_moe", "deepseek_v3")
@@ -297,6 +308,7 @@ class ModelConfig:
                                    f"{', '.join(self.GROUPED_ROUTER_FAMILIES)} use it; "
                                    f"set model.{key}={format_value(default)}")
         self._check_mla()
+        self._check_lora()
 
     def _check_mla(self) -> None:
         """DeepSeek's multi-latent attention as transformers' DeepSeek-V2/-V3 and Megatron-core's
@@ -325,6 +337,25 @@ class ModelConfig:
                 raise _invalid(f"model.{key}", getattr(self, key), "does not apply to multi-latent attention (its "
                                "latent norms are always there, its head widths are the qk_*/v_head_dim fields, "
                                "and Megatron-core's has no bias); set it to null")
+
+    def _check_lora(self) -> None:
+        _check_min("model.lora_rank", self.lora_rank, 0)
+        if not self.lora_rank:
+            return
+        _check_min("model.lora_alpha", self.lora_alpha, 0, strict=True)
+        if not self.lora_targets:
+            raise _invalid("model.lora_targets", self.lora_targets, "name at least one of "
+                           f"{', '.join(self.LORA_TARGETS)}, or set model.lora_rank=0")
+        for target in self.lora_targets:
+            _check_choice("model.lora_targets", target, self.LORA_TARGETS)
+        if len(set(self.lora_targets)) != len(self.lora_targets):
+            raise _invalid("model.lora_targets", self.lora_targets, "lists a layer twice")
+        if "linear_qkv" in self.lora_targets and self.multi_latent_attention:
+            raise _invalid("model.lora_targets", self.lora_targets, f"model.family={self.family}'s multi-latent "
+                           "attention has no linear_qkv (its down and up projections get no adapters); leave it out")
+        if {"linear_fc1", "linear_fc2"} & set(self.lora_targets) and len(self.sparse_layers) == self.num_layers:
+            raise _invalid("model.lora_targets", self.lora_targets, "every layer of this model has experts, which "
+                           "get no adapters, so linear_fc1 / linear_fc2 would adapt nothing; leave them out")
 
     def _check_rope_scaling(self) -> None:
         if self.family in self.YARN_FAMILIES:

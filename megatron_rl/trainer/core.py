@@ -104,8 +104,8 @@ class Trainer:
         self.groups = groups
         self.options = options
         self.head = head
-        if head == "value":  # the value head replaces the output layer: nothing to tie it to
-            model_cfg = dataclasses.replace(model_cfg, tie_word_embeddings=False)
+        if head == "value":  # the value head replaces the output layer: nothing to tie it to; all weights train
+            model_cfg = dataclasses.replace(model_cfg, tie_word_embeddings=False, lora_rank=0)
         self.model_cfg = model_cfg
         self.use_te = uses_te(groups)
         # THD rows (cu_seqlens, no dense mask): TE's attention, context parallelism, the CPU path's PackedAttention
@@ -115,6 +115,17 @@ class Trainer:
             from megatron_rl.models.value_head import attach_value_head
 
             attach_value_head(module, groups)
+        if model_cfg.lora_rank:  # adapters train, the rest stays as loaded (models/lora.py)
+            from megatron_rl.models.lora import attach_lora, trainable
+
+            adapters = attach_lora(module, model_cfg, groups)
+            trainable(module)
+            if groups.rank == 0:
+                total = sum(p.numel() for p in module.parameters())
+                train = sum(p.numel() for p in module.parameters() if p.requires_grad)
+                logger.info("LoRA rank %d on %s: %d adapters, %d of this stage's %d parameters train (%.2f%%)",
+                            model_cfg.lora_rank, ", ".join(model_cfg.lora_targets), len(adapters), train, total,
+                            100.0 * train / max(total, 1))
         self.routing_layers = routing_replay.attach(module) if options.routing_replay and head == "lm" else []
         self.last_routing: Optional[routing_replay.RoutingRecord] = None  # forward_logprobs(record_routing=True)
         ddp_config = DistributedDataParallelConfig(
@@ -175,9 +186,14 @@ class Trainer:
     def copy_body_from(self, policy: "Trainer") -> None:
         """A critic's start: every weight of `policy` (a trainer at the same layout) except its output
         layer, and a zero value head (values 0 everywhere)."""
+        from megatron_rl.models.lora import merged_weight
         from megatron_rl.models.value_head import is_head_parameter
 
-        source = dict(policy.module.named_parameters())
+        source = {}  # the policy's weights as the engine sees them: a LoRA policy's merged (models/lora.py)
+        for module_name, module in policy.module.named_modules():
+            prefix = module_name + "." if module_name else ""
+            for name, param in module.named_parameters(recurse=False):
+                source.setdefault(prefix + name, merged_weight(module, name, param))
         source.update(policy.module.named_buffers())
         own = dict(self.module.named_parameters())
         for name, tensor in [*own.items(), *self.module.named_buffers()]:
@@ -210,15 +226,15 @@ class Trainer:
         """Move the parameters DDP's buffers do not hold to `device` (pinned host memory for "cpu");
         returns the bytes moved. Megatron's DDP keeps parameters in a buffer of its own (which
         `offload_to_cpu` moves) only with the distributed optimizer: otherwise `param_data` is None
-        and each parameter is moved by itself, keeping its identity (the optimizer's references)."""
+        and each parameter is moved by itself, keeping its identity (the optimizer's references). Frozen
+        parameters (a LoRA model's base weights) are in no buffer: moved by themselves too."""
         moved = 0
-        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-            if buffer.param_data is not None:
-                continue
-            for param in buffer.params:
-                if param.device.type != torch.device(device).type:
-                    moved += param.numel() * param.element_size()
-                    param.data = param.data.to(device, non_blocking=True)  # to "cpu": pinned memory
+        in_buffer = {id(param) for buffer in self.model.buffers + self.model.expert_parallel_buffers
+                     if buffer.param_data is not None for param in buffer.params}
+        for param in self.module.parameters():
+            if id(param) not in in_buffer and param.device.type != torch.device(device).type:
+                moved += param.numel() * param.element_size()
+                param.data = param.data.to(device, non_blocking=True)  # to "cpu": pinned memory
         return moved
 
     def offload(self) -> int:

@@ -5,7 +5,8 @@ attributes (`tensor_model_parallel`, `partition_dim`); the exceptions are SwiGLU
 `linear_fc1`, whose gate and up halves are split separately, and layer numbering, which is
 local to a pipeline stage (`decoder.layers.0` on stage 1 is global layer
 `num_layers / pp`). With tied embeddings and PP > 1 the last stage holds its own copy of
-the embedding as `output_layer.weight`. Names are the local layer spec's (`canonical_name`).
+the embedding as `output_layer.weight`. Names are the local layer spec's (`canonical_name`). A model with
+LoRA adapters gathers as its merged weights and loads into its base weights (`_local_params`).
 
 Experts (`mlp.experts.local_experts.{j}`): expert-parallel rank r holds the global experts
 [r * E / ep, (r + 1) * E / ep) as local experts 0 .. E / ep - 1, each split over the expert
@@ -20,6 +21,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_rl.models.lora import LoRAAdapter, merged_weight, reset_adapters
 from megatron_rl.parallel.state import ParallelGroups
 
 Tensor = torch.Tensor
@@ -98,19 +100,23 @@ def canonical_name(name: str) -> str:
 WEIGHT_BUFFERS = (".router.expert_bias",)
 
 
-def _local_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Parameters (each once) and weight buffers in module order, so that a layer's tensors come
-    together (weight sync converts a layer at a time)."""
+def _local_params(model: torch.nn.Module, merged: bool = False) -> Iterator[tuple[str, Tensor, Tensor]]:
+    """(name, parameter, value): parameters (each once) and weight buffers in module order, so that a layer's
+    tensors come together (weight sync converts a layer at a time). LoRA adapters are no weights of their
+    own: with `merged` the value of an adapted linear's weight is W + (alpha / rank) B A (models/lora.py),
+    otherwise the parameter itself."""
     seen: set[int] = set()
     for module_name, module in model.named_modules():
+        if isinstance(module, LoRAAdapter):
+            continue
         prefix = module_name + "." if module_name else ""
         for name, p in module.named_parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                yield canonical_name(prefix + name), p
+                yield canonical_name(prefix + name), p, merged_weight(module, name, p) if merged else p
         for name, b in module.named_buffers(recurse=False):
             if (prefix + name).endswith(WEIGHT_BUFFERS):
-                yield prefix + name, b
+                yield prefix + name, b, b
 
 
 def _source_name(global_name: str, full: dict[str, Tensor]) -> str:
@@ -123,11 +129,13 @@ def _source_name(global_name: str, full: dict[str, Tensor]) -> str:
 def load_full_state_dict(model: torch.nn.Module, full: dict[str, Tensor], groups: ParallelGroups) -> None:
     """Copy this rank's shard of `full` into `model` (a GPTModel stage, not DDP-wrapped).
 
-    Raises ValueError naming the first missing tensor or shape mismatch.
+    Raises ValueError naming the first missing tensor or shape mismatch. LoRA adapters restart at B = 0: the
+    model then computes `full`, which is a merged state dict (`gather_full_state_dict`) or a base model's.
     """
     offset = layer_offset(model)
     expert_offset = groups.ep_rank * _num_local_experts(model, groups)
-    for name, param in _local_params(model):
+    reset_adapters(model)
+    for name, param, _ in _local_params(model):
         src = _source_name(_global_name(name, offset, expert_offset), full)
         if src not in full:
             raise ValueError(f"weights are missing tensor {src!r} needed by parameter {name!r}")
@@ -142,8 +150,9 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, Tensor], groups
         param.copy_(tensor.to(param.dtype))
 
 
-def _gather_tp(name: str, param: Tensor, model: torch.nn.Module, groups: ParallelGroups) -> Tensor:
-    tensor = param.detach()
+def _gather_tp(name: str, param: Tensor, tensor: Tensor, model: torch.nn.Module, groups: ParallelGroups) -> Tensor:
+    """`tensor` (this rank's shard, sharded as `param`) gathered over its tensor-parallel group."""
+    tensor = tensor.detach()
     tp_size, _, tp_group = _tp_coords(name, groups)
     if not (getattr(param, "tensor_model_parallel", False) and tp_size > 1):
         return tensor
@@ -163,8 +172,8 @@ def gathered_stage_params(model: torch.nn.Module, groups: ParallelGroups) -> Ite
     all-gathered, experts all-gathered over EP (every rank of the stage yields the same)."""
     offset = layer_offset(model)
     num_local = _num_local_experts(model, groups)
-    for name, param in _local_params(model):
-        tensor = _gather_tp(name, param, model, groups)
+    for name, param, value in _local_params(model, merged=True):
+        tensor = _gather_tp(name, param, value, model, groups)
         if groups.ep_size > 1 and _is_expert(name):
             # every EP rank holds the same local names: gather them in EP-rank order
             parts = [torch.empty_like(tensor) for _ in range(groups.ep_size)]

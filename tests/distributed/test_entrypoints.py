@@ -146,3 +146,12 @@ def test_rl_loop_with_a_gpt_oss_model(tmp_path):
         "algorithm.routing_replay=old", "algorithm.num_inner_updates=2")
     for m in metrics:
         assert 0.0 <= m["routing/drift"] < 0.5, m["routing/drift"]
+
+
+def test_rl_loop_with_lora(tmp_path):
+    """Two RL steps with LoRA adapters (model.lora_rank) at TP=2 with sequence parallelism: the warm start and
+    the updates train only the adapters, the engine gets the merged weights W + alpha / r B A, and the
+    trainer's log-probs of its samples equal the engine's (a wrong merge, e.g. without the scale, moves them
+    by far more than 1e-4 with alpha / r = 8)."""
+    _two_rl_steps_keep_the_engines_logprobs(tmp_path, "parallel.tp=2", "parallel.sequence_parallel=true",
+                                            "model.lora_rank=4", "model.lora_alpha=32", "optimizer.lr=1e-2")

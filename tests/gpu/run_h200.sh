@@ -30,6 +30,7 @@ part kernel_bench 100 "$PY" benchmarks/logprob_kernel.py --device cuda --dtype b
 part train_step 140 "$PY" benchmarks/train_step.py --model llama3_8b --device cuda --samples 16 --length 2048 \
   --micro-batch-tokens 8192 --steps 5 --hidden 2048 --layers 16 --peak-tflops 989
 part colocation 150 "$PY" -m pytest tests/gpu/test_colocation_gpu.py -q -s -p no:cacheprovider
-# Packed rows on the Transformer Engine spec (THD attention keeps samples apart).
-part packed_attention 90 "$PY" -m pytest tests/gpu/test_packed_attention_gpu.py -q -s -p no:cacheprovider
+# Packed rows on the Transformer Engine spec (THD attention keeps samples apart); LoRA with its fused norms.
+part packed_attention 120 "$PY" -m pytest tests/gpu/test_packed_attention_gpu.py tests/gpu/test_lora_gpu.py -q -s \
+  -p no:cacheprovider
 echo "results in $OUT/summary.txt"

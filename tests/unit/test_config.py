@@ -220,6 +220,27 @@ def test_routing_replay_is_refused_where_it_cannot_work() -> None:
         load_config([*moe, "algorithm.routing_replay=true"], world_size=1)
 
 
+def test_lora_settings_are_checked() -> None:
+    cfg = load_config(["model.lora_rank=8", "model.lora_targets=[linear_qkv,linear_fc2]"], world_size=1)
+    assert cfg.model.lora_rank == 8 and cfg.model.lora_targets == ["linear_qkv", "linear_fc2"]
+    load_config(["model=tiny_deepseek_v3", "model.lora_rank=4", "model.lora_targets=[linear_proj,linear_fc1]"],
+                world_size=1)  # its layer 0 is dense
+    load_config(["model=tiny_qwen3_moe", "model.lora_rank=4", "model.lora_targets=[linear_qkv,linear_proj]"],
+                world_size=1)
+    refused = {
+        "model.lora_rank": ["model.lora_rank=-1"],
+        "model.lora_alpha": ["model.lora_rank=4", "model.lora_alpha=0"],
+        "allowed values are linear_qkv": ["model.lora_rank=4", "model.lora_targets=[q_proj]"],
+        "lists a layer twice": ["model.lora_rank=4", "model.lora_targets=[linear_qkv,linear_qkv]"],
+        "name at least one": ["model.lora_rank=4", "model.lora_targets=[]"],
+        "has no linear_qkv": ["model=tiny_deepseek_v3", "model.lora_rank=4"],
+        "every layer of this model has experts": ["model=tiny_qwen3_moe", "model.lora_rank=4"],
+    }
+    for message, overrides in refused.items():
+        with pytest.raises(ValueError, match=message):
+            load_config(overrides, world_size=1)
+
+
 def test_critic_free_gae_runs_with_one_sample_per_prompt() -> None:
     from megatron_rl.train import check_train_config
 

@@ -1,0 +1,212 @@
+"""LoRA: low-rank adapters on the GPT model's linear layers, tensor- and sequence-parallel.
+
+`attach_lora(model, model_cfg, groups)` gives every targeted linear of this rank's stage (`model.lora_targets`:
+linear_qkv, linear_proj, linear_fc1, linear_fc2 of the attention and the dense MLPs) an adapter: the layer
+then returns W x + (alpha / rank) B A x. A starts random (PEFT's Kaiming-uniform), B at zero, so a model with
+fresh adapters computes what its base weights compute. Only the adapters train (`trainable`); the engine
+receives merged weights W + (alpha / rank) B A (`weight_sync.sharding` asks `merged_weight`), so rollouts
+need no adapter support.
+
+Sharding follows the base layer's: a column-parallel linear (W split along its outputs) has A whole on every
+tensor-parallel rank and B split like W; a row-parallel one (W split along its inputs) has A split like W and
+B whole. So `B_local A_local` is exactly this rank's shard of the merged update, and the checkpoint holds A
+and B with Megatron's sharding (`LoRAAdapter.sharded_state_dict`; linear_fc1's B like SwiGLU's fc1).
+Communication mirrors the layer's own: a column adapter gathers the sequence-parallel input first and
+all-reduces the gradient of A x (each rank's B sees part of the outputs); a row adapter all-reduces A x
+(each rank sees part of the inputs) and scatters its output over the sequence like the layer's reduce-scatter.
+
+The adapter runs as a forward hook of the linear it adapts (the input is the hook's argument, the output
+(y, bias) gets the adapter's term), so the layer specs and their fused kernels stay Megatron's, under the
+local spec and Transformer Engine's alike; TE's linear_qkv / linear_fc1 fuse the norm before them, whose
+output the adapter recomputes from the layer's own norm weights.
+
+Written here rather than taken from a library: PEFT adapts torch.nn.Linear and HF modules, not Megatron-core's
+tensor-parallel layers, and Megatron-Bridge (which has PEFT for Megatron) is not among this project's
+dependencies.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.parallel.state import ParallelGroups
+
+Tensor = torch.Tensor
+COLUMN = ("linear_qkv", "linear_fc1")  # W split along its outputs
+ROW = ("linear_proj", "linear_fc2")  # W split along its inputs
+SUFFIX = "_lora"  # the adapter of `parent.linear_qkv` is `parent.linear_qkv_lora`
+
+
+class LoRAAdapter(torch.nn.Module):
+    """The adapter of one linear layer; `forward(x)` is its term of the layer's output."""
+
+    def __init__(self, target: str, linear: torch.nn.Module, rank: int, alpha: float, groups: ParallelGroups,
+                 sequence_parallel: bool, glu: bool, full_a: Tensor) -> None:
+        super().__init__()
+        self.target, self.rank, self.scale = target, rank, alpha / rank
+        self.column = target in COLUMN
+        self.glu = glu and target == "linear_fc1"
+        self.tp_group, self.tp_size = groups.tp_group, groups.tp_size
+        self.sequence_parallel = sequence_parallel and groups.tp_size > 1
+        self.norm = _fused_norm(linear)
+        weight = linear.weight
+        out_local, in_local = weight.shape
+        a = full_a if self.column else full_a.chunk(groups.tp_size, dim=1)[groups.tp_rank]
+        self.a = torch.nn.Parameter(a.to(device=weight.device, dtype=weight.dtype).contiguous())
+        self.b = torch.nn.Parameter(torch.zeros(out_local, rank, device=weight.device, dtype=weight.dtype))
+        if self.a.shape[1] != in_local:
+            raise ValueError(f"LoRA {target}: A has {self.a.shape[1]} inputs, the layer's weight {in_local}")
+        # Megatron's attributes, read by its optimizer (grad-norm counts), the checkpoint and weight sync: the
+        # split factor is this module's own (sharded_state_dict), the TP-whole one is identical on every rank.
+        split, whole = (self.b, self.a) if self.column else (self.a, self.b)
+        split.tensor_model_parallel, split.partition_dim, split.partition_stride = groups.tp_size > 1, \
+            0 if self.column else 1, 1
+        whole.tensor_model_parallel = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.column:
+            if self.sequence_parallel:  # the layer all-gathers the sequence too; each rank's gradient is whole
+                x = mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
+                                                                  group=self.tp_group)
+            h = F.linear(x, self.a)
+            if self.tp_size > 1:  # B_local sees part of the outputs: sum the ranks' gradients of A x
+                h = mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+            return F.linear(h, self.b) * self.scale
+        h = F.linear(x, self.a)  # this rank's inputs only
+        if self.tp_size > 1:
+            h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+        out = F.linear(h, self.b) * self.scale
+        if self.sequence_parallel:  # as the layer's reduce-scatter: this rank's part of the sequence
+            out = mappings.scatter_to_sequence_parallel_region(out, group=self.tp_group)
+        return out
+
+    @torch.no_grad()
+    def delta(self) -> Tensor:
+        """(alpha / rank) B A in fp32: this rank's shard of the update to the layer's weight."""
+        return (self.b.float() @ self.a.float()) * self.scale
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        sharded = make_sharded_tensors_for_checkpoint(state, prefix, {"b": 0} if self.column else {"a": 1},
+                                                      sharded_offsets)
+        if self.glu:  # B's rows are this rank's gate rows, then its up rows, as linear_fc1's weight
+            singleton = (metadata or {}).get("singleton_local_shards", False)
+            sharded[f"{prefix}b"] = apply_swiglu_sharded_factory(sharded[f"{prefix}b"], sharded_offsets, singleton)
+        return sharded
+
+
+class _Norm(torch.nn.Module):
+    """The norm Transformer Engine fuses into a LayerNormColumnParallelLinear, recomputed from its weights."""
+
+    def __init__(self, linear: torch.nn.Module) -> None:
+        super().__init__()
+        self.linear = [linear]  # not a submodule: its parameters are the layer's
+        config = linear.config
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = config.layernorm_epsilon
+        self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        linear = self.linear[0]
+        weight = linear.layer_norm_weight.float() + (1.0 if self.zero_centered else 0.0)
+        xf = x.float()
+        if self.rms:
+            out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+        else:
+            bias = getattr(linear, "layer_norm_bias", None)
+            out = F.layer_norm(xf, (xf.shape[-1],), weight, None if bias is None else bias.float(), self.eps)
+        return out.to(x.dtype)
+
+
+def _fused_norm(linear: torch.nn.Module) -> Optional[_Norm]:
+    return _Norm(linear) if getattr(linear, "layer_norm_weight", None) is not None else None
+
+
+def _hook(adapter: LoRAAdapter):
+    def add_adapter_term(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        out, bias = output  # Megatron's linears return (output, bias or None)
+        return out + adapter(args[0]), bias
+    return add_adapter_term
+
+
+def _full_a(seed: int, layer: int, target: str, rank: int, in_features: int) -> Tensor:
+    """A's full value (the same on every rank that holds a part of it): Kaiming-uniform like PEFT's and
+    torch.nn.Linear's, from a generator seeded by (seed, global layer, target)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{layer}/{target}".encode()))
+    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on a [rank, in] weight
+    return (torch.rand(rank, in_features, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+
+
+def attach_lora(model: torch.nn.Module, model_cfg: Any, groups: ParallelGroups) -> list[LoRAAdapter]:
+    """Adapters on this stage's targeted linears (before DDP wraps the model); returns them in module order."""
+    config = model.config
+    adapters: list[LoRAAdapter] = []
+    for layer in getattr(getattr(model, "decoder", None), "layers", []):
+        for parent_name in ("self_attention", "mlp"):
+            parent = getattr(layer, parent_name, None)
+            for target in model_cfg.lora_targets:
+                linear = getattr(parent, target, None) if parent is not None else None
+                if linear is None:  # a layer with experts (their MLPs get none), multi-latent attention
+                    continue
+                in_features = linear.weight.shape[1] * (groups.tp_size if target in ROW else 1)
+                full_a = _full_a(model_cfg.init_seed, layer.layer_number - 1, target, model_cfg.lora_rank,
+                                 in_features)
+                adapter = LoRAAdapter(target, linear, model_cfg.lora_rank, model_cfg.lora_alpha, groups,
+                                      config.sequence_parallel, config.gated_linear_unit, full_a)
+                parent.add_module(target + SUFFIX, adapter)
+                linear.register_forward_hook(_hook(adapter))
+                linear.__dict__["lora_adapter"] = adapter  # for merged_weight; not a second submodule
+                adapters.append(adapter)
+    embedding = getattr(model, "embedding", None)  # the first stage's
+    if embedding is not None:
+        embedding.register_forward_hook(_input_requires_grad)
+    return adapters
+
+
+def _input_requires_grad(module: torch.nn.Module, args: tuple, output: Tensor) -> Tensor:
+    """The frozen embedding's output, marked as needing a gradient. Full activation recomputation checkpoints
+    each block with an autograd function whose output needs a gradient only if an input does: from a frozen
+    embedding none would, and no adapter inside would get a gradient."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
+
+
+def is_adapter_param(name: str) -> bool:
+    """A parameter name (local or global) of an adapter."""
+    return any(f".{t}{SUFFIX}." in name for t in (*COLUMN, *ROW))
+
+
+def trainable(model: torch.nn.Module) -> None:
+    """Freeze everything but the adapters."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_param(name))
+
+
+def merged_weight(module: torch.nn.Module, name: str, param: Tensor) -> Tensor:
+    """`param` (named `name` in `module`) as the engine and HF checkpoints see it: W + (alpha / rank) B A for an
+    adapted linear's weight, the parameter itself otherwise."""
+    adapter = getattr(module, "lora_adapter", None)
+    if adapter is None or name != "weight":
+        return param.detach()
+    return (param.detach().float() + adapter.delta()).to(param.dtype)
+
+
+@torch.no_grad()
+def reset_adapters(model: torch.nn.Module) -> None:
+    """B = 0: the model computes its base weights again (after they were set to a merged state dict)."""
+    for module in model.modules():
+        if isinstance(module, LoRAAdapter):
+            module.b.zero_()
