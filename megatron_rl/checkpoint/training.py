@@ -229,6 +229,8 @@ def _reference_sharded_state_dict(trainer, reference: Optional[list[torch.Tensor
     current = trainer.swap_weights(reference) if reference is not None else None
     try:
         sharded = trainer.module.sharded_state_dict(prefix="reference.")
+        if trainer.model_cfg.lora_rank:  # the frozen weights are the model's own: only the adapters differ
+            sharded = {key: value for key, value in sharded.items() if _reference_part(key)}
 
         def detach(value: Any) -> Any:
             if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and isinstance(value.data, torch.Tensor):
@@ -241,10 +243,19 @@ def _reference_sharded_state_dict(trainer, reference: Optional[list[torch.Tensor
     return sharded
 
 
+def _reference_part(key: str) -> bool:
+    """A LoRA model's reference keeps the adapters and the weight buffers (`Trainer._weight_tensors`)."""
+    from megatron_rl.models.lora import is_adapter_param
+    from megatron_rl.weight_sync.sharding import WEIGHT_BUFFERS
+
+    return is_adapter_param(key) or key.endswith(WEIGHT_BUFFERS)
+
+
 def _load_reference(trainer, loaded: dict[str, Any]) -> list[torch.Tensor]:
     """The reference snapshot (`snapshot_weights` order) from its loaded state dict."""
     current = trainer.snapshot_weights()
-    trainer.module.load_state_dict({key[len("reference."):]: value for key, value in loaded.items()})
+    trainer.module.load_state_dict({key[len("reference."):]: value for key, value in loaded.items()},
+                                   strict=not trainer.model_cfg.lora_rank)
     reference = trainer.snapshot_weights()
     trainer.swap_weights(current)
     return reference

@@ -161,11 +161,13 @@ class Trainer:
 
     def _weight_tensors(self) -> list[Tensor]:
         """This rank's parameter shards, then its weight buffers (the routers' selection bias, which
-        `model.moe_router_bias_update_rate` moves), in a fixed order."""
+        `model.moe_router_bias_update_rate` moves), in a fixed order. With LoRA only the adapters among the
+        parameters: the others are frozen, the same in every snapshot (a reference policy costs the adapters)."""
         from megatron_rl.weight_sync.sharding import WEIGHT_BUFFERS
 
         buffers = [b for name, b in self.module.named_buffers() if name.endswith(WEIGHT_BUFFERS)]
-        return [*self.module.parameters(), *buffers]
+        params = [p for p in self.module.parameters() if p.requires_grad or not self.model_cfg.lora_rank]
+        return [*params, *buffers]
 
     def snapshot_weights(self) -> list[Tensor]:
         """This rank's weights (`_weight_tensors`), copied to host memory (e.g. the reference policy)."""

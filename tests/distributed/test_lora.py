@@ -188,11 +188,17 @@ def _checkpoint_worker(rank: int, world: int, root: str, out: str, write: bool) 
     result = {}
     if write:
         trainer.load_full_state_dict(random_state_dict(model_cfg, seed=3))
-        for _ in range(2):
-            trainer.train_step(samples)
-        save_checkpoint(trainer, Path(root), 2, {}, {"model": dataclasses.asdict(model_cfg)})
+        trainer.train_step(samples)
+        reference = trainer.snapshot_weights()  # a KL reference after a warm start: adapters not at zero
+        result["reference_size"] = len(reference)
+        result["reference_logprobs"] = trainer.forward_logprobs(samples)[0]
+        trainer.train_step(samples)
+        save_checkpoint(trainer, Path(root), 2, {"reference": reference}, {"model": dataclasses.asdict(model_cfg)})
     else:
-        load_checkpoint(trainer, find_latest(Path(root)))
+        reference = load_checkpoint(trainer, find_latest(Path(root)))["reference"]
+        current = trainer.swap_weights(reference)
+        result["reference_logprobs"] = trainer.forward_logprobs(samples)[0]
+        trainer.swap_weights(current)
     result["at_save"] = trainer.full_state_dict()
     result["next"] = trainer.train_step(samples)
     result["after"] = trainer.full_state_dict()
@@ -204,10 +210,14 @@ def test_a_lora_checkpoint_resumes_at_another_tensor_parallel_size(tmp_path):
     """The adapters and their optimizer state are in the checkpoint, sharded as Megatron shards their layers
     (linear_fc1's B as SwiGLU's fc1): written at TP=2 with sequence parallelism, read by one process, the
     merged weights and the next step are the writer's. (Adapters left out of the checkpoint would load as
-    B = 0, the base weights.)"""
+    B = 0, the base weights.) The KL reference saved with it (an earlier state of the adapters) swaps in to
+    compute the writer's reference log-probs."""
     run_spawned(_checkpoint_worker, 2, str(tmp_path / "ckpt"), str(tmp_path / "writer.pt"), True)
     run_spawned(_checkpoint_worker, 1, str(tmp_path / "ckpt"), str(tmp_path / "reader.pt"), False)
     writer, reader = (torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in ("writer", "reader"))
+    # the KL reference is the adapters only (the rest is frozen): here 2 of each of the 4 layers' 4 adapters
+    assert writer["reference_size"] == 2 * 4 * MODEL["num_layers"]
+    assert _close(reader["reference_logprobs"], writer["reference_logprobs"], 2e-5)
     for name, value in writer["at_save"].items():
         assert torch.allclose(reader["at_save"][name], value, atol=1e-6), name
     assert reader["next"]["loss"] == pytest.approx(writer["next"]["loss"], rel=1e-6)
