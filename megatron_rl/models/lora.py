@@ -11,9 +11,11 @@ Sharding follows the base layer's: a column-parallel linear (W split along its o
 tensor-parallel rank and B split like W; a row-parallel one (W split along its inputs) has A split like W and
 B whole. So `B_local A_local` is exactly this rank's shard of the merged update, and the checkpoint holds A
 and B with Megatron's sharding (`LoRAAdapter.sharded_state_dict`; linear_fc1's B like SwiGLU's fc1).
-Communication mirrors the layer's own: a column adapter gathers the sequence-parallel input first and
-all-reduces the gradient of A x (each rank's B sees part of the outputs); a row adapter all-reduces A x
-(each rank sees part of the inputs) and scatters its output over the sequence like the layer's reduce-scatter.
+Communication mirrors the layer's own, on the rank-wide A x instead of the hidden-wide activations: a column
+adapter all-gathers A x over the sequence-parallel ranks (or, without sequence parallelism, all-reduces its
+gradient: each rank's B sees part of the outputs); a row adapter reduce-scatters A x (or all-reduces it: each
+rank sees part of the inputs). Under sequence parallelism the TP-whole factor (a column adapter's A, a row
+adapter's B) sees this rank's tokens only, so its gradient is summed over the TP ranks like the norms'.
 
 The adapter runs as a forward hook of the linear it adapts (the input is the hook's argument, the output
 (y, bias) gets the adapter's term), so the layer specs and their fused kernels stay Megatron's, under the
@@ -67,40 +69,44 @@ class LoRAAdapter(torch.nn.Module):
         split.tensor_model_parallel, split.partition_dim, split.partition_stride = groups.tp_size > 1, \
             0 if self.column else 1, 1
         whole.tensor_model_parallel = False
+        # Under sequence parallelism the TP-whole factor sees only this rank's tokens (forward): its gradient is
+        # a sum over the TP ranks, which finalize_model_grads forms for parameters marked so (as for the norms).
+        whole.sequence_parallel = self.sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
         from megatron.core.tensor_parallel import mappings
 
         if self.norm is not None:
             x = self.norm(x)
+        h = F.linear(x, self.a)  # rank-wide [tokens, r]: the communication below moves r columns, not hidden
         if self.column:
-            if self.sequence_parallel:  # the layer all-gathers the sequence too; each rank's gradient is whole
-                x = mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
-                                                                  group=self.tp_group)
-            h = F.linear(x, self.a)
-            if self.tp_size > 1:  # B_local sees part of the outputs: sum the ranks' gradients of A x
+            if self.sequence_parallel:  # this rank's tokens -> all of them; backward: reduce-scatter (B_local
+                # gives each rank part of every token's gradient of A x)
+                h = mappings.gather_from_sequence_parallel_region(h, group=self.tp_group)
+            elif self.tp_size > 1:  # B_local sees part of the outputs: sum the ranks' gradients of A x
                 h = mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
             return F.linear(h, self.b) * self.scale
-        h = F.linear(x, self.a)  # this rank's inputs only
-        if self.tp_size > 1:
+        # row: A_local sees this rank's inputs only, so A x is a partial sum over the TP ranks
+        if self.sequence_parallel:  # as the layer's reduce-scatter: summed, this rank's part of the sequence
+            h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+        elif self.tp_size > 1:
             h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-        out = F.linear(h, self.b) * self.scale
-        if self.sequence_parallel:  # as the layer's reduce-scatter: this rank's part of the sequence
-            out = mappings.scatter_to_sequence_parallel_region(out, group=self.tp_group)
-        return out
+        return F.linear(h, self.b) * self.scale
 
     @torch.no_grad()
-    def delta(self) -> Tensor:
-        """(alpha / rank) B A in fp32: this rank's shard of the update to the layer's weight."""
-        return (self.b.float() @ self.a.float()) * self.scale
+    def merged(self, weight: Tensor) -> Tensor:
+        """W + (alpha / rank) B A for this rank's shard W of the layer's weight, summed in fp32, in W's dtype."""
+        return torch.addmm(weight.float(), self.b.float(), self.a.float(), alpha=self.scale).to(weight.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         state = self.state_dict(prefix="", keep_vars=True)
+        groups = {"tp_group": self.tp_group, "dp_cp_group": metadata["dp_cp_group"]} \
+            if metadata and metadata.get("dp_cp_group") is not None else {}  # as Megatron's linear layers
         sharded = make_sharded_tensors_for_checkpoint(state, prefix, {"b": 0} if self.column else {"a": 1},
-                                                      sharded_offsets)
+                                                      sharded_offsets, **groups)
         if self.glu:  # B's rows are this rank's gate rows, then its up rows, as linear_fc1's weight
             singleton = (metadata or {}).get("singleton_local_shards", False)
             sharded[f"{prefix}b"] = apply_swiglu_sharded_factory(sharded[f"{prefix}b"], sharded_offsets, singleton)
@@ -170,7 +176,7 @@ def attach_lora(model: torch.nn.Module, model_cfg: Any, groups: ParallelGroups) 
                 linear.__dict__["lora_adapter"] = adapter  # for merged_weight; not a second submodule
                 adapters.append(adapter)
     embedding = getattr(model, "embedding", None)  # the first stage's
-    if embedding is not None:
+    if embedding is not None and model_cfg.recompute == "full":
         embedding.register_forward_hook(_input_requires_grad)
     return adapters
 
@@ -201,7 +207,7 @@ def merged_weight(module: torch.nn.Module, name: str, param: Tensor) -> Tensor:
     adapter = getattr(module, "lora_adapter", None)
     if adapter is None or name != "weight":
         return param.detach()
-    return (param.detach().float() + adapter.delta()).to(param.dtype)
+    return adapter.merged(param.detach())
 
 
 @torch.no_grad()

@@ -191,18 +191,20 @@ class Trainer:
         from megatron_rl.models.lora import merged_weight
         from megatron_rl.models.value_head import is_head_parameter
 
-        source = {}  # the policy's weights as the engine sees them: a LoRA policy's merged (models/lora.py)
+        # the policy's weights as the engine sees them: a LoRA policy's merged (models/lora.py), one at a time
+        source = {}
         for module_name, module in policy.module.named_modules():
             prefix = module_name + "." if module_name else ""
             for name, param in module.named_parameters(recurse=False):
-                source.setdefault(prefix + name, merged_weight(module, name, param))
-        source.update(policy.module.named_buffers())
+                source.setdefault(prefix + name, (module, name, param))
+        source.update((name, (None, name, buffer)) for name, buffer in policy.module.named_buffers())
         own = dict(self.module.named_parameters())
         for name, tensor in [*own.items(), *self.module.named_buffers()]:
             if is_head_parameter(name):
                 tensor.zero_()
-            elif name in source and source[name].shape == tensor.shape:
-                tensor.copy_(source[name])
+            elif name in source and source[name][2].shape == tensor.shape:
+                module, local, value = source[name]
+                tensor.copy_(value if module is None else merged_weight(module, local, value))
             elif name in own:
                 raise ValueError(f"the policy has no weight {name!r} of shape {tuple(tensor.shape)} for the critic")
         self.optimizer.reload_model_params()

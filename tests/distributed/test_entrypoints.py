@@ -152,6 +152,12 @@ def test_rl_loop_with_lora(tmp_path):
     """Two RL steps with LoRA adapters (model.lora_rank) at TP=2 with sequence parallelism: the warm start and
     the updates train only the adapters, the engine gets the merged weights W + alpha / r B A, and the
     trainer's log-probs of its samples equal the engine's (a wrong merge, e.g. without the scale, moves them
-    by far more than 1e-4 with alpha / r = 8)."""
-    _two_rl_steps_keep_the_engines_logprobs(tmp_path, "parallel.tp=2", "parallel.sequence_parallel=true",
-                                            "model.lora_rank=4", "model.lora_alpha=32", "optimizer.lr=1e-2")
+    by far more than 1e-4 with alpha / r = 8). An entropy bonus moves the policy whatever the rewards (the tiny
+    model rarely earns one), so step 1 samples from updated adapters; with a KL loss, the reference (the adapters
+    after the warm start) is the policy at step 0 and not at step 1."""
+    metrics = _two_rl_steps_keep_the_engines_logprobs(
+        tmp_path, "parallel.tp=2", "parallel.sequence_parallel=true", "model.lora_rank=4", "model.lora_alpha=32",
+        "optimizer.lr=1e-2", "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.1",
+        "algorithm.filter_zero_variance=false")
+    assert all(m["grad_norm"] > 0 for m in metrics)
+    assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["kl"] > 1e-3
