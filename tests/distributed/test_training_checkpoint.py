@@ -237,6 +237,11 @@ def test_mismatched_architecture_names_the_checkpoint_and_field(tmp_path):
         (tmp_path / "meta.json").write_text(json.dumps({"config": {"model": {key: saved}}}))
         with pytest.raises(ValueError, match=rf"model.{key}={re.escape(str(saved))}, this run has model.{key}="):
             check_compatible(tmp_path, glm)
+    # LoRA: the adapters' shapes, and alpha: what the merged model is
+    for key, saved in (("lora_rank", 8), ("lora_alpha", 32.0)):
+        (tmp_path / "meta.json").write_text(json.dumps({"config": {"model": {key: saved}}}))
+        with pytest.raises(ValueError, match=rf"model.{key}={saved}, this run has model.{key}="):
+            check_compatible(tmp_path, ModelConfig(lora_rank=4))
 
 
 def _moe_setup(ep, dense_layers):
