@@ -6,13 +6,16 @@ the variants, side by side in the same run, as ratios; MFU on GPU.
         [--device cpu|cuda] [--peak-tflops 989]
 
 Variants: fused log-probs (model.fused_logprobs=true), full activation recomputation
-(model.recompute=full); on CPU also the local spec's dense-mask attention (Megatron-core's
-DotProductAttention over whole rows, what the CPU path ran before `PackedAttention`).
+(model.recompute=full), LoRA adapters of rank --lora-rank with fused log-probs (model.lora_rank: the
+frozen weights get no gradients nor optimizer state; the column "grads+optim" shows what each variant
+holds); on CPU also the local spec's dense-mask attention (Megatron-core's DotProductAttention over whole
+rows, what the CPU path ran before `PackedAttention`).
 
 MFU = 6 * active parameters * tokens / time / peak (the dense-transformer estimate that ignores
 attention's quadratic term; for a mixture of experts only the routed experts a token goes through
 count, topk / num_experts of them, and an untied input embedding, a lookup, not at all;
-`--peak-tflops` is the device's dense bf16 peak, 989 for an H100/H200 SXM).
+`--peak-tflops` is the device's dense bf16 peak, 989 for an H100/H200 SXM). With LoRA the frozen weights'
+gradient products are skipped: 4 instead of 6 (the adapters' own products are left out).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (ffn = 3x)")
     p.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    p.add_argument("--lora-rank", type=int, default=16, help="the LoRA variant's rank (0: no LoRA variant)")
     args = p.parse_args()
 
     from megatron_rl.algorithms.objective import make_policy_loss_fn
@@ -78,6 +82,9 @@ def main() -> None:
     variants = {"baseline (logits + log-softmax)": dict(fused_logprobs=False),
                 "fused log-probs": dict(fused_logprobs=True),
                 "recompute=full": dict(fused_logprobs=False, recompute="full")}
+    if args.lora_rank:
+        variants[f"LoRA r={args.lora_rank} + fused log-probs"] = dict(fused_logprobs=True, lora_rank=args.lora_rank,
+                                                                     lora_alpha=2.0 * args.lora_rank)
     if device.type == "cpu":
         variants["dense-mask attention"] = dict(fused_logprobs=False, dense_attention=True)
     results = {}
@@ -102,14 +109,18 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         step = statistics.median(times)
         tokens = args.samples * args.length
-        results[name] = (step, tokens / step, 6 * active * tokens / step / (args.peak_tflops * 1e12))
+        flops_per_param = 4 if cfg.lora_rank else 6
+        plan = trainer.memory_plan()
+        results[name] = (step, tokens / step, flops_per_param * active * tokens / step / (args.peak_tflops * 1e12),
+                         (plan["grads"] + plan["optimizer"]) / 2**20)
         del trainer
     print(f"{args.model}: {params / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token), "
           f"{args.samples} x {args.length} tokens per step, "
           f"device {args.device}, {base.dtype}, median of {args.steps} steps")
     base_tps = next(iter(results.values()))[1]
-    for name, (step, tps, mfu) in results.items():
-        line = f"{name:34s} {step * 1e3:9.1f} ms/step {tps:11.0f} tokens/s  x{tps / base_tps:.2f}"
+    for name, (step, tps, mfu, state_mb) in results.items():
+        line = (f"{name:34s} {step * 1e3:9.1f} ms/step {tps:11.0f} tokens/s  x{tps / base_tps:.2f}"
+                f"  grads+optim {state_mb:9.1f} MB")
         if device.type == "cuda":
             line += f"  MFU {mfu:.1%}"
         print(line)
@@ -130,8 +141,12 @@ def parameter_counts(module: torch.nn.Module, model_cfg) -> tuple[int, int]:
     """(all parameters, those one token's matrix products go through): of a mixture of experts' routed
     experts (`local_experts`) a token uses moe_router_topk of num_experts; the input embedding is a
     lookup (counted only when tied to the output layer, whose product it is too); the rest counts whole."""
+    from megatron_rl.models.lora import is_adapter_param
+
     total = routed = lookup = 0
     for name, p in module.named_parameters():
+        if is_adapter_param(name):  # LoRA's adapters: not the model's
+            continue
         total += p.numel()
         if ".local_experts." in name:
             routed += p.numel()
