@@ -222,8 +222,8 @@ class ModelConfig:
     MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2",
                                                "deepseek_v3", "gpt_oss")
     SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
-    # multi-latent attention (Megatron's MLASelfAttention) and DeepSeek's YaRN
     LORA_TARGETS: ClassVar[tuple[str, ...]] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    # multi-latent attention (Megatron's MLASelfAttention) and DeepSeek's YaRN
     MLA_FAMILIES: ClassVar[tuple[str, ...]] = ("deepseek_v2", "deepseek_v3")
     # families whose router is Megatron's sigmoid one with the selection bias (GLM-4.5's and DeepSeek-V3's)
     SIGMOID_ROUTER_FAMILIES: ClassVar[tuple[str, ...]] = ("glm4_moe", "deepseek_v3")
