@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.jobs import read_metrics
+
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -28,9 +30,7 @@ def _args(run_dir: Path) -> list[str]:
 
 
 def _steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # complete lines: the run may be writing
-    return [json.loads(line)["step"] for line in lines if line.strip()]
+    return [m["step"] for m in read_metrics(run_dir)]
 
 
 def test_usr1_stops_both_ranks_after_the_same_step_and_the_rerun_resumes(tmp_path):

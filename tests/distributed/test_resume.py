@@ -4,15 +4,14 @@ interrupted (deterministic CPU mode), and a metrics file without duplicates."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.integration.jobs import read_metrics, run_until_killed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
@@ -28,24 +27,8 @@ def _env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = path.read_text().split("\n")[:-1]  # complete lines: a running job may be half-way through one
-    return [json.loads(line) for line in lines if line.strip()]
-
-
 def _kill_after(run_dir: Path, min_lines: int, extra=()) -> None:
-    proc = subprocess.Popen(_args(run_dir, extra), env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while len(_metrics(run_dir)) < min_lines:
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "the run made no progress"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole job, every rank, without warning
-    proc.wait()
+    run_until_killed(_args(run_dir, extra), run_dir, min_lines, timeout_s=300)
 
 
 def _compare(resumed: list[dict], reference: list[dict]) -> None:
@@ -60,21 +43,21 @@ def _compare(resumed: list[dict], reference: list[dict]) -> None:
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     subprocess.run(_args(run_dir), env=_env(), check=True, capture_output=True)
-    return _metrics(run_dir)
+    return read_metrics(run_dir)
 
 
-def test_killed_run_resumes_with_identical_metrics(tmp_path, reference):
+def test_killed_run_resumes_with_identicalread_metrics(tmp_path, reference):
     run_dir = tmp_path / "run"
     _kill_after(run_dir, min_lines=4)
-    killed_at = len(_metrics(run_dir))
+    killed_at = len(read_metrics(run_dir))
     assert killed_at < STEPS
     proc = subprocess.run(_args(run_dir), env=_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr
-    _compare(_metrics(run_dir), reference)
+    _compare(read_metrics(run_dir), reference)
 
 
-def test_killed_two_rank_run_resumes_with_identical_metrics(tmp_path):
+def test_killed_two_rank_run_resumes_with_identicalread_metrics(tmp_path):
     extra = ("cluster.nproc=2", "parallel.tp=2")
     straight = tmp_path / "straight"
     subprocess.run(_args(straight, extra), env=_env(), check=True, capture_output=True)
@@ -82,4 +65,4 @@ def test_killed_two_rank_run_resumes_with_identical_metrics(tmp_path):
     _kill_after(run_dir, min_lines=4, extra=extra)
     proc = subprocess.run(_args(run_dir, extra), env=_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _compare(_metrics(run_dir), _metrics(straight))
+    _compare(read_metrics(run_dir), read_metrics(straight))

@@ -4,7 +4,6 @@ step with rewards from the other (no verifier errors, calls still made)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,17 +13,12 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.slurm_job import sandbox_health
+from tests.integration.jobs import read_metrics
 from tests.integration.sandbox_servers import runtime_args, start_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # complete lines: the run may be writing
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 def test_training_continues_when_one_of_two_sandbox_servers_dies(tmp_path):
@@ -40,7 +34,7 @@ def test_training_continues_when_one_of_two_sandbox_servers_dies(tmp_path):
         proc = subprocess.Popen(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300
-        while len(_rows(run_dir)) < 2:
+        while len(read_metrics(run_dir)) < 2:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -48,7 +42,7 @@ def test_training_continues_when_one_of_two_sandbox_servers_dies(tmp_path):
         served_before = sandbox_health(survivor.address).executions_finished
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-3000:]
-        rows = _rows(run_dir)
+        rows = read_metrics(run_dir)
         assert [r["step"] for r in rows] == list(range(STEPS))
         assert all(r["reward/verifier_errors"] == 0 for r in rows)
         assert all(r["reward/verifier_calls"] > 0 for r in rows[2:])
