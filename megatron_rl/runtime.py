@@ -113,16 +113,15 @@ def load_validated(overrides: Sequence[str], world_size: int | Callable[[Any], i
     return cfg
 
 
-def _world_size_for(overrides: Sequence[str]) -> int:
+def _world_size_for(cfg) -> int:
+    """How many ranks train: the launcher's (torchrun, srun) when this process is one of its tasks,
+    else `cluster.nproc` for the local launcher."""
     from megatron_rl.parallel.dist import dist_env_from
 
     env = dist_env_from()
     if env.source != "single":
         return env.world_size
-    from megatron_rl.config import compose
-
-    cluster = compose(overrides).cluster
-    return cluster.nproc if cluster.launcher == "local" else 1
+    return cfg.cluster.nproc if cfg.cluster.launcher == "local" else 1
 
 
 def run_hydra_cli(argv: Sequence[str], config_name: str = "config") -> None:
@@ -149,8 +148,7 @@ def start(argv: Sequence[str], job_name: str, check: Optional[Callable] = None) 
         return None
     overrides = list(argv)
     try:
-        world = _world_size_for(overrides)
-        cfg = load_validated(overrides, world, check)
+        cfg = load_validated(overrides, _world_size_for, check)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

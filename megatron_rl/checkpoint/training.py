@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import queue
 import random
 import re
 import shutil
@@ -194,6 +195,7 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     if critic is not None:
         state["critic"] = _sharded_state_dict(critic, is_loading=False, prefix=_CRITIC)
     state["extra"] = extra
+    _results_in_this_process()
     dist_checkpointing.save(state, str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
@@ -217,6 +219,22 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     _barrier()
     logger.info("saved checkpoint %s (%.2fs)", final, time.perf_counter() - start)
     return final
+
+
+def _results_in_this_process() -> None:
+    """Let Megatron's torch_dist writer hand its write results back through a plain queue.
+
+    The writer gets that queue from a multiprocessing Manager it *spawns* on first use, made for
+    Megatron's asynchronous save, where another process writes. Our saves are synchronous: the
+    writer's own forked workers report through a queue of their own, and the results are put and
+    taken in this process, so a plain queue serves. It spares every rank the spawned server,
+    which re-imports the main module (torch and all: ~4 s on a run's first save on CPU) and stays
+    alive until the rank exits. Should Megatron rename the attribute, the assignment changes
+    nothing and the Manager is spawned as before."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _reference_sharded_state_dict(trainer, reference: Optional[list[torch.Tensor]]) -> dict[str, Any]:
