@@ -58,7 +58,7 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "sglang": ["sglang==0.5.23"],
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "wandb"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "wandb", "peft"],  # peft: the LoRA export test
         "wandb": ["wandb"],
     },
 )

@@ -6,7 +6,8 @@ experts, only its expert-parallel rank's experts), checks them
 against the architecture, converts them with the family's converter and keeps its
 tensor-parallel shard. Out: the full model is gathered (TP all-gather, PP exchange),
 converted back, and rank 0 writes safetensors shards, an index, `config.json` and the
-tokenizer files into a temporary directory that is renamed into place when complete.
+tokenizer files into a temporary directory that is renamed into place when complete. A LoRA run's
+adapters go out merged into the weights (`export_hf`) or alone as a PEFT adapter (`export_peft_adapter`).
 
 Errors name the file and the mismatch (wrong family, missing shard or tensor, wrong shape).
 """
@@ -155,8 +156,10 @@ def load_hf_into_model(model: torch.nn.Module, path: str | Path, arch: Any, grou
 
 
 def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
-              tokenizer: Any = None, max_shard_size: str = "5GB", dtype: Optional[torch.dtype] = None) -> Path:
-    """Write the model as an HF checkpoint directory; every rank must call this.
+              tokenizer: Any = None, max_shard_size: str = "5GB", dtype: Optional[torch.dtype] = None,
+              merged: bool = True) -> Path:
+    """Write the model as an HF checkpoint directory; every rank must call this. A model with LoRA adapters
+    is written with the adapters merged into its weights, or with `merged` False its frozen base weights.
 
     The directory appears complete or not at all (written as `<out_dir>.tmp`, then renamed).
     """
@@ -167,7 +170,7 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
     from megatron_rl.models.hf import fp32_tensors, hf_config, kept_in_fp32
     from megatron_rl.weight_sync.sharding import gather_full_state_dict
 
-    full = gather_full_state_dict(model, groups)
+    full = gather_full_state_dict(model, groups, merged)
     out_dir = Path(out_dir)
     if groups.rank == 0:
         hf = get_converter(arch.family).megatron_to_hf(full, arch)
@@ -195,6 +198,54 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
         logger.info("exported HF checkpoint to %s (%d tensors)", out_dir, len(hf))
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path, base_model: str,
+                        dtype: Optional[torch.dtype] = None) -> Path:
+    """Write a LoRA model's adapters as a PEFT adapter directory (`adapter_config.json`,
+    `adapter_model.safetensors`), for `peft.PeftModel.from_pretrained(<base_model loaded by transformers>, out_dir)`
+    or an engine that serves LoRA adapters; every rank must call this. `base_model` (the HF checkpoint the
+    adapters belong on) is recorded as `base_model_name_or_path`.
+
+    Megatron's fused layers become the HF modules the family's converter writes (linear_qkv: q_proj, k_proj,
+    v_proj; linear_fc1: gate_proj, up_proj), each with the whole A and its rows of B, so PEFT's update
+    (lora_alpha / r) lora_B lora_A of every module is that module's part of the merged update. `target_modules`
+    lists the adapted modules by full name: a mixture of experts adapts only its dense layers' MLPs.
+    """
+    from safetensors.torch import save_file
+
+    from megatron_rl.weight_sync.sharding import gather_adapters
+
+    adapters = gather_adapters(model, groups)
+    if not adapters:
+        raise ValueError("the model has no LoRA adapters (model.lora_rank=0): export the full model instead")
+    out_dir = Path(out_dir)
+    if groups.rank == 0:
+        converter = get_converter(arch.family)
+        tensors: dict[str, Tensor] = {}
+        for weight, (a, b) in adapters.items():
+            for module, (lora_a, lora_b) in converter.adapter_to_hf(weight, a, b, arch).items():
+                for name, value in (("lora_A", lora_a), ("lora_B", lora_b)):
+                    # a copy each: q/k/v share A, and B's parts are views of one tensor (safetensors refuses both)
+                    value = (value.to(dtype) if dtype is not None else value).clone().contiguous()
+                    tensors[f"base_model.model.{module}.{name}.weight"] = value
+        modules = sorted({key[len("base_model.model."):].rsplit(".", 2)[0] for key in tensors})
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+                  "r": arch.lora_rank, "lora_alpha": arch.lora_alpha, "target_modules": modules,
+                  "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+                  "inference_mode": True}
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+        logger.info("exported the LoRA adapters to %s (%d modules)", out_dir, len(modules))
     if dist.is_initialized():
         dist.barrier()
     return out_dir

@@ -6,7 +6,8 @@ attributes (`tensor_model_parallel`, `partition_dim`); the exceptions are SwiGLU
 local to a pipeline stage (`decoder.layers.0` on stage 1 is global layer
 `num_layers / pp`). With tied embeddings and PP > 1 the last stage holds its own copy of
 the embedding as `output_layer.weight`. Names are the local layer spec's (`canonical_name`). A model with
-LoRA adapters gathers as its merged weights and loads into its base weights (`_local_params`).
+LoRA adapters gathers as its merged weights (or, asked so, its base weights) and loads into its base weights
+(`_local_params`); `gather_adapters` gathers the adapters themselves.
 
 Experts (`mlp.experts.local_experts.{j}`): expert-parallel rank r holds the global experts
 [r * E / ep, (r + 1) * E / ep) as local experts 0 .. E / ep - 1, each split over the expert
@@ -21,7 +22,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.lora import LoRAAdapter, merged_weight, reset_adapters
+from megatron_rl.models.lora import SUFFIX, LoRAAdapter, merged_weight, reset_adapters
 from megatron_rl.parallel.state import ParallelGroups
 
 Tensor = torch.Tensor
@@ -167,12 +168,14 @@ def _gather_tp(name: str, param: Tensor, tensor: Tensor, model: torch.nn.Module,
 
 
 @torch.no_grad()
-def gathered_stage_params(model: torch.nn.Module, groups: ParallelGroups) -> Iterator[tuple[str, Tensor]]:
+def gathered_stage_params(model: torch.nn.Module, groups: ParallelGroups,
+                          merged: bool = True) -> Iterator[tuple[str, Tensor]]:
     """This stage's parameters one at a time as full tensors with global names: TP shards
-    all-gathered, experts all-gathered over EP (every rank of the stage yields the same)."""
+    all-gathered, experts all-gathered over EP (every rank of the stage yields the same). An adapted
+    linear's weight is the merged one, or with `merged` False the frozen base weight."""
     offset = layer_offset(model)
     num_local = _num_local_experts(model, groups)
-    for name, param, value in _local_params(model, merged=True):
+    for name, param, value in _local_params(model, merged=merged):
         tensor = _gather_tp(name, param, value, model, groups)
         if groups.ep_size > 1 and _is_expert(name):
             # every EP rank holds the same local names: gather them in EP-rank order
@@ -185,23 +188,47 @@ def gathered_stage_params(model: torch.nn.Module, groups: ParallelGroups) -> Ite
 
 
 @torch.no_grad()
-def gather_full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str, Tensor]:
+def gather_full_state_dict(model: torch.nn.Module, groups: ParallelGroups, merged: bool = True) -> dict[str, Tensor]:
     """The full state dict on every rank: TP all-gather, EP all-gather of experts, then PP
-    exchange of stage tensors.
+    exchange of stage tensors (`merged`: see `gathered_stage_params`).
 
     Meant for checks and small models: it materialises the whole model on each rank.
     Weight sync streams instead (`megatron_rl.weight_sync.stream`).
     """
-    stage = {name: tensor.cpu().clone() for name, tensor in gathered_stage_params(model, groups)}
+    stage = {name: tensor.cpu().clone() for name, tensor in gathered_stage_params(model, groups, merged)}
     if groups.pp_size == 1:
         return stage
-    stages: list[dict[str, Tensor] | None] = [None] * groups.pp_size
-    dist.all_gather_object(stages, stage, group=groups.pp_group)
     full: dict[str, Tensor] = {}
-    for part in stages:
+    for part in _all_stages(stage, groups):
         for key, value in part.items():
             if key == "output_layer.weight" and model.config.pipeline_model_parallel_size > 1 \
                     and getattr(model, "share_embeddings_and_output_weights", False):
                 continue  # the last stage's copy of the tied embedding
             full[key] = value
     return full
+
+
+def _all_stages(stage: dict, groups: ParallelGroups) -> list[dict]:
+    """Every pipeline stage's `stage` dict, in stage order, on every rank."""
+    stages: list[dict | None] = [None] * groups.pp_size
+    dist.all_gather_object(stages, stage, group=groups.pp_group)
+    return stages
+
+
+@torch.no_grad()
+def gather_adapters(model: torch.nn.Module, groups: ParallelGroups) -> dict[str, tuple[Tensor, Tensor]]:
+    """Every LoRA adapter of the model as full factors on every rank: {global name of the adapted weight
+    ("decoder.layers.3.self_attention.linear_qkv.weight"): (A [rank, in], B [out, rank])}, so that the update
+    is (alpha / rank) B A on the weight as `gather_full_state_dict` names and lays it out. The split factor
+    (a column layer's B, a row layer's A) is gathered like the layer's weight: linear_fc1's B as SwiGLU's
+    gate rows, then its up rows."""
+    offset = layer_offset(model)
+    stage = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, LoRAAdapter):
+            weight = module_name[: -len(SUFFIX)] + ".weight"
+            a, b = (_gather_tp(weight, p, p, model, groups).cpu().clone() for p in (module.a, module.b))
+            stage[_global_name(weight, offset)] = (a, b)
+    if groups.pp_size == 1:
+        return stage
+    return {key: value for part in _all_stages(stage, groups) for key, value in part.items()}

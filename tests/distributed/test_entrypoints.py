@@ -1,7 +1,8 @@
 """The main job as a user runs it: bad settings fail fast and write nothing; a short run
 writes a complete run directory with a falling loss; two ranks (TP=2 with sequence parallelism,
-or CP=2; local launcher) reproduce the single-process metrics; RL steps with CP=2 and with a
-DeepSeek-V3 model keep the trainer's log-probs equal to the rollout engine's."""
+or CP=2; local launcher) reproduce the single-process metrics; RL steps with CP=2, with a
+DeepSeek-V3 model and with LoRA keep the trainer's log-probs equal to the rollout engine's; the LoRA
+run's adapters, exported as a PEFT adapter, compute what its merged export computes."""
 
 from __future__ import annotations
 
@@ -161,3 +162,41 @@ def test_rl_loop_with_lora(tmp_path):
         "algorithm.filter_zero_variance=false")
     assert all(m["grad_norm"] > 0 for m in metrics)
     assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["kl"] > 1e-3
+    _the_peft_adapter_equals_the_merged_export(tmp_path / "run", rank=4, alpha=32)
+
+
+def _export(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.export", *args], env=dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _the_peft_adapter_equals_the_merged_export(run: Path, rank: int, alpha: float) -> None:
+    """`megatron_rl.export --adapter` at the run's TP=2 (gathering B of linear_qkv and linear_fc1, A of the row
+    layers) writes a PEFT adapter and the frozen base it belongs on; loaded by `peft` onto that base, it computes
+    the logits of the merged export, written by one process (TP=1). The adapters moved the model: the base
+    alone computes other logits."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter, merged = run / "peft" / "step_00000002", run / "merged"
+    _export("--run", str(run), "--adapter")
+    _export("--run", str(run), "--out", str(merged), "cluster.nproc=1", "parallel.tp=1",
+            "parallel.sequence_parallel=false")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (rank, alpha) and config["base_model_name_or_path"] == str(
+        (adapter / "base").resolve())
+    hf_config = json.loads((merged / "config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(
+        f"model.layers.{i}.{module}" for i in range(hf_config["num_hidden_layers"])
+        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+    tokens = torch.randint(0, hf_config["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(tokens).logits
+        base = AutoModelForCausalLM.from_pretrained(adapter / "base", dtype=torch.float32)
+        before = base(tokens).logits
+        got = PeftModel.from_pretrained(base, adapter)(tokens).logits
+    assert (want - before).abs().max() > 1e-3
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()

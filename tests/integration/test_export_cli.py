@@ -60,7 +60,8 @@ def test_an_ep2_checkpoint_exports_at_ep1_as_the_run_exported_it(moe_run, tmp_pa
 def test_bad_requests_fail_before_any_work(moe_run, tmp_path):
     for extra, message in ((["--checkpoint", "7"], "is neither a complete training checkpoint"),
                            (["--checkpoint", str(moe_run / "hf" / "step_00000002")], "is an HF directory already"),
-                           (["parallel.ep=3"], "parallel.ep=3")):
+                           (["parallel.ep=3"], "parallel.ep=3"),
+                           (["--adapter"], "trained no LoRA adapters (model.lora_rank=0)")):
         proc = subprocess.run([sys.executable, "-m", "megatron_rl.export", "--run", str(moe_run), *extra],
                               env=_env(), capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]

@@ -241,6 +241,29 @@ class DenseDecoderConverter:
         return {h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
                 h + "mlp.down_proj.weight": meg[m + "mlp.linear_fc2.weight"]}
 
+    def adapter_to_hf(self, weight: str, a: Tensor, b: Tensor, arch: Any) -> dict[str, tuple[Tensor, Tensor]]:
+        """A LoRA adapter of the Megatron weight `weight` (global name, e.g. "decoder.layers.3.mlp.linear_fc1.weight";
+        full factors A [rank, in], B [out, rank]) as PEFT adapters of the HF modules that weight becomes:
+        {"model.layers.3.mlp.gate_proj": (A, B's gate rows), ...}. A fused weight's rows go to its modules as
+        `megatron_to_hf` sends them (B's rows are the update's rows), and every module gets the whole A, so
+        each module's update is its rows of the fused one. (Every family's attention output and dense MLP are
+        named as here; multi-latent attention has no linear_qkv, and experts get no adapters.)"""
+        match = re.match(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)\.weight$", weight)
+        if match is None:
+            raise ValueError(f"{weight}: not a weight LoRA adapts")
+        layer, block, target = match.groups()
+        h = f"model.layers.{layer}." + ("self_attn." if block == "self_attention" else "mlp.")
+        if target == "linear_qkv":
+            parts = qkv_split(b, arch.num_attention_heads, arch.num_query_groups, arch.resolved_head_dim)
+            return {h + f"{p}_proj": (a, part) for p, part in zip("qkv", parts)}
+        if target == "linear_fc1":
+            gate, up = b.chunk(2, dim=0)
+            return {h + "gate_proj": (a, gate), h + "up_proj": (a, up)}
+        names = {"linear_proj": "o_proj", "linear_fc2": "down_proj"}
+        if target not in names:
+            raise ValueError(f"{weight}: not a weight LoRA adapts")
+        return {h + names[target]: (a, b)}
+
     def hf_memory_slot(self, name: str, arch: Any) -> tuple[str, tuple]:
         """Where the hub-layout tensor `name` lives in a `transformers` model in memory: (parameter
         name, index into that parameter). The dense layout is held as written."""
