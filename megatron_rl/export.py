@@ -86,12 +86,10 @@ def export(rt, checkpoint: Path, out: Path, dtype: str | None = None, adapter: b
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer, pad_token_id=tokenizer.pad_token_id))
     step = load_weights(trainer, checkpoint)
     dtype = getattr(torch, dtype) if dtype else None
-    if adapter:
-        base = Path(cfg.model.path or out / "base").resolve()
-        path = export_peft_adapter(trainer.module, trainer.groups, trainer.model_cfg, out, str(base), dtype=dtype)
-        if not cfg.model.path:  # built from the config: its frozen weights go beside the adapter
-            export_hf(trainer.module, trainer.groups, trainer.model_cfg, base, tokenizer,
-                      max_shard_size=cfg.checkpoint.hf_max_shard_size, dtype=dtype, merged=False)
+    if adapter:  # a config-built model's frozen base goes beside the adapter
+        base = str(Path(cfg.model.path).resolve()) if cfg.model.path else None
+        path = export_peft_adapter(trainer.module, trainer.groups, trainer.model_cfg, out, base, tokenizer,
+                                   max_shard_size=cfg.checkpoint.hf_max_shard_size, dtype=dtype)
     else:
         path = export_hf(trainer.module, trainer.groups, trainer.model_cfg, out, tokenizer,
                          max_shard_size=cfg.checkpoint.hf_max_shard_size, dtype=dtype)

@@ -203,12 +203,14 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
     return out_dir
 
 
-def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path, base_model: str,
-                        dtype: Optional[torch.dtype] = None) -> Path:
+def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path, base_model: Optional[str],
+                        tokenizer: Any = None, max_shard_size: str = "5GB", dtype: Optional[torch.dtype] = None) -> Path:
     """Write a LoRA model's adapters as a PEFT adapter directory (`adapter_config.json`,
     `adapter_model.safetensors`), for `peft.PeftModel.from_pretrained(<base_model loaded by transformers>, out_dir)`
     or an engine that serves LoRA adapters; every rank must call this. `base_model` (the HF checkpoint the
-    adapters belong on) is recorded as `base_model_name_or_path`.
+    adapters belong on) is recorded as `base_model_name_or_path`; None: the model's frozen base weights are
+    written as an HF checkpoint (with `tokenizer`) into `<out_dir>/base`, which is recorded. The directory
+    appears complete, base included, or not at all.
 
     Megatron's fused layers become the HF modules the family's converter writes (linear_qkv: q_proj, k_proj,
     v_proj; linear_fc1: gate_proj, up_proj), each with the whole A and its rows of B, so PEFT's update
@@ -222,7 +224,8 @@ def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str 
     adapters = gather_adapters(model, groups)
     if not adapters:
         raise ValueError("the model has no LoRA adapters (model.lora_rank=0): export the full model instead")
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
     if groups.rank == 0:
         converter = get_converter(arch.family)
         tensors: dict[str, Tensor] = {}
@@ -233,19 +236,25 @@ def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str 
                     value = (value.to(dtype) if dtype is not None else value).clone().contiguous()
                     tensors[f"base_model.model.{module}.{name}.weight"] = value
         modules = sorted({key[len("base_model.model."):].rsplit(".", 2)[0] for key in tensors})
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
+                  "base_model_name_or_path": base_model or str(out_dir / "base"),
                   "r": arch.lora_rank, "lora_alpha": arch.lora_alpha, "target_modules": modules,
                   "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
                   "inference_mode": True}
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    if base_model is None:  # every rank: the gather is collective
+        if dist.is_initialized():
+            dist.barrier()  # tmp exists
+        export_hf(model, groups, arch, tmp / "base", tokenizer, max_shard_size=max_shard_size, dtype=dtype,
+                  merged=False)
+    if groups.rank == 0:
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
-        logger.info("exported the LoRA adapters to %s (%d modules)", out_dir, len(modules))
+        logger.info("exported the LoRA adapters of %d modules to %s", len(adapters), out_dir)
     if dist.is_initialized():
         dist.barrier()
     return out_dir

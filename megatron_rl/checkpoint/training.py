@@ -229,11 +229,12 @@ def _results_in_this_process() -> None:
     writer's own forked workers report through a queue of their own, and the results are put and
     taken in this process, so a plain queue serves. It spares every rank the spawned server,
     which re-imports the main module (torch and all: ~4 s on a run's first save on CPU) and stays
-    alive until the rank exits. Should Megatron rename the attribute, the assignment changes
-    nothing and the Manager is spawned as before."""
+    alive until the rank exits. A new queue each save: a save that failed between the writer's put
+    and the read leaves nothing for the next. Should Megatron rename the attribute, the assignment
+    changes nothing and the Manager is spawned as before."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is None:
+    if isinstance(getattr(filesystem_async, "_results_queue", None), (queue.Queue, type(None))):
         filesystem_async._results_queue = queue.Queue()
 
 

@@ -175,15 +175,21 @@ def _the_peft_adapter_equals_the_merged_export(run: Path, rank: int, alpha: floa
     """`megatron_rl.export --adapter` at the run's TP=2 (gathering B of linear_qkv and linear_fc1, A of the row
     layers) writes a PEFT adapter and the frozen base it belongs on; loaded by `peft` onto that base, it computes
     the logits of the merged export, written by one process (TP=1). The adapters moved the model: the base
-    alone computes other logits."""
+    alone computes other logits. Exported at PP=2 (each stage its layers), the adapter is the same."""
     import torch
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    adapter, merged = run / "peft" / "step_00000002", run / "merged"
+    adapter, merged, staged = run / "peft" / "step_00000002", run / "merged", run / "staged"
     _export("--run", str(run), "--adapter")
     _export("--run", str(run), "--out", str(merged), "cluster.nproc=1", "parallel.tp=1",
             "parallel.sequence_parallel=false")
+    _export("--run", str(run), "--adapter", "--out", str(staged), "parallel.tp=1", "parallel.pp=2",
+            "parallel.sequence_parallel=false")
+    want_tensors, got_tensors = (load_file(d / "adapter_model.safetensors") for d in (adapter, staged))
+    assert sorted(got_tensors) == sorted(want_tensors)
+    assert all(torch.equal(got_tensors[k], want_tensors[k]) for k in want_tensors)
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (rank, alpha) and config["base_model_name_or_path"] == str(
         (adapter / "base").resolve())
