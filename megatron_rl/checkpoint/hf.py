@@ -204,7 +204,8 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
 
 
 def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path, base_model: Optional[str],
-                        tokenizer: Any = None, max_shard_size: str = "5GB", dtype: Optional[torch.dtype] = None) -> Path:
+                        tokenizer: Any = None, max_shard_size: str = "5GB",
+                        dtype: Optional[torch.dtype] = None) -> Path:
     """Write a LoRA model's adapters as a PEFT adapter directory (`adapter_config.json`,
     `adapter_model.safetensors`), for `peft.PeftModel.from_pretrained(<base_model loaded by transformers>, out_dir)`
     or an engine that serves LoRA adapters; every rank must call this. `base_model` (the HF checkpoint the
