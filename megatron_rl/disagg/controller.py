@@ -244,7 +244,8 @@ class DisaggregatedController:
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_new_tokens, n=r.n_samples_per_prompt,
                                 seed=self.cfg.seed * 100_003 + 7919 * request_id,
-                                stop_token_ids=self.stop_token_ids, stop=tuple(r.stop))
+                                stop_token_ids=self.stop_token_ids, stop=tuple(r.stop),
+                                return_routing=self.cfg.algorithm.routing_replay == "rollout")
         prompts = [(list(self.prompts[i].tokens), dict(self.prompts[i].meta)) for i in indices]
         self._in_flight[request_id] = list(indices)
         self.hub.requests.put(Request(request_id, list(indices), prompts, params))

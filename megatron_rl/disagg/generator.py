@@ -250,7 +250,8 @@ def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rew
         p = positions[g.prompt_index]
         lost = math.isnan(score)  # the verifier's "no verdict" (rewards/custom.py: NO_VERDICT)
         rollout = Rollout(p, list(request.prompts[p][0]), g.output_ids, g.logprobs, g.finish_reason,
-                          g.weight_version, reward=0.0 if lost else float(score), status="unscored" if lost else status)
+                          g.weight_version, reward=0.0 if lost else float(score), status="unscored" if lost else status,
+                          routing=g.routing)
         out.setdefault(p, []).append((rollout, g.token_versions))
     return out
 

@@ -37,6 +37,9 @@ def generate_partial(engine: Any, prompts: Sequence[Sequence[int]], params: Samp
     `chunk_tokens` (0: one call) with `between_chunks()` called between engine calls."""
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 0 (0 generates in one call)")
+    if chunk_tokens and params.return_routing:  # a continuation re-feeds the earlier tokens with newer weights
+        raise ValueError("return_routing needs whole generations (chunk_tokens=0): a chunk's routing of the "
+                         "tokens before it would not be the routing that generated them")
     step = chunk_tokens or params.max_new_tokens
     first = dataclasses.replace(params, max_new_tokens=min(step, params.max_new_tokens))
     out = [_as_partial(g) for g in engine.generate([list(p) for p in prompts], first)]
@@ -63,4 +66,4 @@ def generate_partial(engine: Any, prompts: Sequence[Sequence[int]], params: Samp
 
 def _as_partial(g: Generation) -> PartialGeneration:
     return PartialGeneration(g.prompt_index, list(g.output_ids), list(g.logprobs), g.finish_reason,
-                             g.weight_version, token_versions=[g.weight_version] * len(g.output_ids))
+                             g.weight_version, routing=g.routing, token_versions=[g.weight_version] * len(g.output_ids))

@@ -213,9 +213,11 @@ def check_routing_replay(cfg) -> None:
                           "model.recompute=selective or none")
     if mode != "rollout":
         return
-    if cfg.rollout.mode != "colocated":
-        raise ConfigError(f"{where} is built for rollout.mode=colocated (a partial rollout's routing would mix "
-                          f"weight versions); rollout.mode={cfg.rollout.mode} is not supported")
+    if cfg.rollout.mode == "disaggregated" and cfg.rollout.partial_rollout_tokens:
+        raise ConfigError(f"{where} with rollout.partial_rollout_tokens={cfg.rollout.partial_rollout_tokens}: a "
+                          "partial rollout's continuation routes its earlier tokens with newer weights than "
+                          "generated them; set rollout.partial_rollout_tokens=0 (generators then take weight "
+                          "updates between requests)")
     tasks = [cfg.task] if not cfg.domains else [d.task for d in cfg.domains.values()]
     if any(task.type == "agent" for task in tasks):
         raise ConfigError(f"{where} takes the routing of single-turn generations; agent episodes (task.type=agent) "

@@ -185,6 +185,22 @@ def test_tensor_parallel_trainer_publishes_the_gathered_weights(tmp_path):
     assert max(r["rollout/logprob_mismatch"] for r in rows[1:]) > 1e-3
 
 
+def test_a_mixture_of_experts_replays_the_generators_routing(tmp_path):
+    """algorithm.routing_replay=rollout (R3) with a generator: it returns each sample's routing with its
+    group (whole generations: no partial rollouts), and the trainer's old-log-prob forward and both updates
+    route every token as the generator did, for groups of the current and of the previous weights (a
+    sample without the routing, or with routing of another length, stops the run). At staleness 0 the
+    trainer's log-probs equal the generator's."""
+    run_dir = tmp_path / "run"
+    rows, _ = _run(run_dir, "num_steps=3", "model=tiny_qwen3_moe", "algorithm.routing_replay=rollout",
+                   "algorithm.num_inner_updates=2", "algorithm.max_staleness=1", "rollout.partial_rollout_tokens=0",
+                   "rollout.max_new_tokens=24", "task.sft_warmup_steps=5")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["async/staleness_max"] == 0 and rows[0]["rollout/logprob_mismatch"] <= 1e-4
+    assert max(r["async/staleness_max"] for r in rows) == 1
+    assert all(0 <= r["routing/drift"] < 0.5 for r in rows)
+
+
 def _trainer_args(run_dir: Path, *extra: str) -> list[str]:
     """A trainer that starts no generator of its own (one is started separately)."""
     return _args(run_dir, "task.sft_warmup_steps=5", "global_batch_size=16", "rollout.generator_nodes=1",

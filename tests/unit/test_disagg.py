@@ -142,6 +142,25 @@ def test_partial_rollouts_off_is_one_engine_call():
     assert engine.calls == [(3, 6)] and all(g.token_versions == [0] * 6 for g in gens)
 
 
+def test_whole_generations_keep_their_routing_and_chunked_ones_cannot_ask_for_it():
+    """The engine's routing (rollout routing replay) passes through a one-call request unchanged; chunks are
+    refused: a continuation would route the earlier tokens with newer weights than generated them."""
+    class RoutingEngine(CountingEngine):
+        def generate(self, prompts, params):
+            gens = super().generate(prompts, params)
+            for g in gens:
+                g.routing = torch.full((len(prompts[g.prompt_index]) + len(g.output_ids) - 1, 2, 1), g.prompt_index,
+                                       dtype=torch.int16)
+            return gens
+
+    params = SamplingParams(max_new_tokens=4, n=2, return_routing=True)
+    gens = generate_partial(RoutingEngine(), [[8, 1], [8, 2]], params, chunk_tokens=0)
+    assert [tuple(g.routing.shape) for g in gens] == [(5, 2, 1)] * 4
+    assert [int(g.routing[0, 0, 0]) for g in gens] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="return_routing needs whole generations"):
+        generate_partial(RoutingEngine(), [[8, 1]], params, chunk_tokens=2)
+
+
 def test_overlap_of_two_timelines_merges_each_side_first():
     generate = [(0.0, 1.0), (0.5, 2.0), (5.0, 6.0)]
     train = [(1.5, 3.0), (5.5, 7.0)]
