@@ -20,7 +20,7 @@ import torch
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.evaluation.records import eval_metrics, records_from_rollouts
-from megatron_rl.rollout.collect import Rollout, collect
+from megatron_rl.rollout.collect import Rollout, collect, uncovered_routing
 
 logger = logging.getLogger(__name__)
 
@@ -513,6 +513,7 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
         rollouts, timing = controller.step_rollouts(rt, parts, step)
     else:
         rollouts, timing = generate_groups(rt, parts, step)
+    uncovered_routing(rollouts)
     if cfg.logging.dump_rollouts and rt.is_main:
         from megatron_rl.rollout.dump import write_rollouts
 

@@ -64,6 +64,18 @@ class Rollout:
         return per_target[len(self.prompt_tokens) - 1:]
 
 
+def uncovered_routing(rollouts: Sequence[Rollout]) -> None:
+    """Rollout routing replay packs every sample's extras["routing"] (the packer takes the first sample's keys):
+    when some rollouts carry the engine's routing, one that never reached the engine (an episode that ended
+    before its first turn) gets routing that covers none of its positions (-1: its tokens route freely)."""
+    shape = next((r.routing.shape[1:] for r in rollouts if r.routing is not None), None)
+    if shape is None:
+        return
+    for r in rollouts:
+        if r.routing is None:
+            r.routing = torch.full((len(r.prompt_tokens) + len(r.output_ids) - 1, *shape), -1, dtype=torch.int16)
+
+
 def gather_rollouts(local: Optional[list]) -> list:
     """Every rank gets all the rollouts, ordered by prompt index: each data-parallel group
     contributes its first model-parallel rank's `local` list (the other ranks pass None)."""

@@ -64,9 +64,17 @@ class Episode(Rollout):
     turn_versions: list[int] = dataclasses.field(default_factory=list)  # the weight version of each model turn
 
     def sample(self, extras: dict[str, torch.Tensor]) -> Sample:
+        """The trainer's sample; with the engine's routing (`take_turn`: its last turn's, which covers every
+        token up to that turn's last), extras["routing"] [L-1, MoE layers * k], -1 on the positions after it
+        (a final observation), which the trainer's routers route (`routing_replay.carried_routes`)."""
         tokens = torch.tensor(self.prompt_tokens + self.output_ids, dtype=torch.long)
         mask = torch.zeros(len(tokens) - 1)
         mask[len(self.prompt_tokens) - 1:] = torch.tensor(self.model_mask, dtype=torch.float)
+        if self.routing is not None:
+            routing = self.routing.reshape(len(self.routing), -1)
+            padded = torch.full((len(tokens) - 1, routing.shape[1]), -1, dtype=routing.dtype)
+            padded[:len(routing)] = routing
+            extras = {**extras, "routing": padded}
         return Sample(tokens, mask, extras)
 
 
@@ -222,6 +230,8 @@ def take_turn(ep: Episode, gen: Any, fmt: TurnFormat, limits: EpisodeLimits) -> 
     ep.output_ids += ids
     ep.logprobs += gen.logprobs[:room]
     ep.model_mask += [1] * len(ids)
+    if gen.routing is not None:  # this call fed the whole episode so far: its routing covers every earlier turn
+        ep.routing = gen.routing[:len(ep.prompt_tokens) + len(ep.output_ids) - 1]
     if not ep.turn_versions:
         ep.weight_version = gen.weight_version  # a rollout's version is its first token's
     ep.turn_versions.append(gen.weight_version)

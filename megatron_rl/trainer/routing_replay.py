@@ -173,21 +173,22 @@ def carried_routes(mb: Any, columns: list[int], num_moe_layers: int, topk: int,
     """A micro-batch's routing from its samples' extras["routing"] ([targets, MoE layers * k], the engine's):
     per local MoE layer (`columns`: its index among the model's MoE layers) the experts of every position
     the router sees, [positions, k], and which positions the samples cover. A position that predicts no
-    target (a sample's last token, padding) was never routed by the engine: the routers choose there
-    (`LayerRouting`). `part`: the router's part of a row's per-position tensor (`Trainer._router_part`:
-    under sequence parallelism this TP rank's contiguous part)."""
+    target (a sample's last token, padding) or whose routing is -1 (an episode's tokens after its last
+    engine call) was never routed by the engine: the routers choose there (`LayerRouting`). `part`: the
+    router's part of a row's per-position tensor (`Trainer._router_part`: under sequence parallelism this TP
+    rank's contiguous part)."""
     if "routing" not in mb.extras:
         raise ValueError("routing replay from the rollouts: the samples carry no engine routing (extras['routing']): "
                          "rollouts generated with algorithm.routing_replay=rollout carry it, a rollout.replay_dir "
                          "dump of a run without it does not")
     rows, device = mb.input_ids.shape[1], mb.input_ids.device
+    every = mb.extras["routing"].reshape(-1, num_moe_layers, topk)
     covered = torch.zeros(rows, dtype=torch.bool, device=device)
-    covered[mb.valid] = True
+    covered[mb.valid] = (every >= 0).flatten(1).all(dim=1)
     if not columns:  # a pipeline stage without MoE layers
         return [], part(covered)
-    carried = mb.extras["routing"].reshape(-1, num_moe_layers, topk)[:, columns]
     full = torch.zeros(rows, len(columns), topk, dtype=torch.long, device=device)
-    full[mb.valid] = carried.long()
+    full[mb.valid] = every[:, columns].long().clamp_min(0)
     full = part(full)
     return [full[:, i] for i in range(len(columns))], part(covered)
 
@@ -218,7 +219,3 @@ def check_routing_replay(cfg) -> None:
                           "partial rollout's continuation routes its earlier tokens with newer weights than "
                           "generated them; set rollout.partial_rollout_tokens=0 (generators then take weight "
                           "updates between requests)")
-    tasks = [cfg.task] if not cfg.domains else [d.task for d in cfg.domains.values()]
-    if any(task.type == "agent" for task in tasks):
-        raise ConfigError(f"{where} takes the routing of single-turn generations; agent episodes (task.type=agent) "
-                          "re-feed their context every turn: use algorithm.routing_replay=old")
