@@ -46,7 +46,7 @@ def reference(tmp_path_factory):
     return read_metrics(run_dir)
 
 
-def test_killed_run_resumes_with_identicalread_metrics(tmp_path, reference):
+def test_killed_run_resumes_with_identical_metrics(tmp_path, reference):
     run_dir = tmp_path / "run"
     _kill_after(run_dir, min_lines=4)
     killed_at = len(read_metrics(run_dir))
@@ -57,7 +57,7 @@ def test_killed_run_resumes_with_identicalread_metrics(tmp_path, reference):
     _compare(read_metrics(run_dir), reference)
 
 
-def test_killed_two_rank_run_resumes_with_identicalread_metrics(tmp_path):
+def test_killed_two_rank_run_resumes_with_identical_metrics(tmp_path):
     extra = ("cluster.nproc=2", "parallel.tp=2")
     straight = tmp_path / "straight"
     subprocess.run(_args(straight, extra), env=_env(), check=True, capture_output=True)
