@@ -155,6 +155,26 @@ def load_hf_into_model(model: torch.nn.Module, path: str | Path, arch: Any, grou
     logger.info("loaded %d tensors from %s", len(tensors), path)
 
 
+def _staging_path(out_dir: Path) -> Path:
+    """`<out_dir>.tmp`, where an export is written before `_into_place` renames it."""
+    return out_dir.with_name(out_dir.name + ".tmp")
+
+
+def _staging_dir(out_dir: Path) -> Path:
+    """`_staging_path(out_dir)`, created empty."""
+    tmp = _staging_path(out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _into_place(tmp: Path, out_dir: Path) -> None:
+    """The complete export `tmp` becomes `out_dir` (replacing an older one)."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
 def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
               tokenizer: Any = None, max_shard_size: str = "5GB", dtype: Optional[torch.dtype] = None,
               merged: bool = True) -> Path:
@@ -180,9 +200,7 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
         config = hf_config(arch, eos)
         keep = fp32_tensors(config)  # not rounded to `dtype`: transformers holds them in fp32
         hf = {k: (v.to(dtype) if dtype and not kept_in_fp32(k, keep) else v).contiguous() for k, v in hf.items()}
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp = _staging_dir(out_dir)
         split = split_torch_state_dict_into_shards(hf, max_shard_size=max_shard_size)
         for fname, keys in split.filename_to_tensors.items():
             save_file({k: hf[k] for k in keys}, str(tmp / fname), metadata={"format": "pt"})
@@ -194,9 +212,7 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
         config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        _into_place(tmp, out_dir)
         logger.info("exported HF checkpoint to %s (%d tensors)", out_dir, len(hf))
     if dist.is_initialized():
         dist.barrier()
@@ -226,7 +242,7 @@ def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str 
     if not adapters:
         raise ValueError("the model has no LoRA adapters (model.lora_rank=0): export the full model instead")
     out_dir = Path(out_dir).resolve()
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp = _staging_path(out_dir)  # rank 0 creates it; every rank writes the base into it
     if groups.rank == 0:
         converter = get_converter(arch.family)
         tensors: dict[str, Tensor] = {}
@@ -242,8 +258,7 @@ def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str 
                   "r": arch.lora_rank, "lora_alpha": arch.lora_alpha, "target_modules": modules,
                   "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
                   "inference_mode": True}
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        _staging_dir(out_dir)
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     if base_model is None:  # every rank: the gather is collective
@@ -252,9 +267,7 @@ def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str 
         export_hf(model, groups, arch, tmp / "base", tokenizer, max_shard_size=max_shard_size, dtype=dtype,
                   merged=False)
     if groups.rank == 0:
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        _into_place(tmp, out_dir)
         logger.info("exported the LoRA adapters of %d modules to %s", len(adapters), out_dir)
     if dist.is_initialized():
         dist.barrier()
