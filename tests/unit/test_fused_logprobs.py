@@ -219,12 +219,11 @@ lp, ent = fn(hidden, weight, targets, with_entropy=True)
 seconds = time.perf_counter() - start
 peak = status_kb("VmHWM:")
 out = dict(extra_bytes=(peak - base) * 1024, seconds=seconds)
-if path == "fused":  # the naive forward, 1024 tokens at a time (rows are independent), for equality
-    with torch.no_grad():
-        ref = [naive_logprobs(hidden[i:i + 1024], weight, targets[i:i + 1024], with_entropy=True)
-               for i in range(0, T, 1024)]
-    out["lp_diff"] = float((lp.detach() - torch.cat([r[0] for r in ref])).abs().max())
-    out["ent_diff"] = float((ent.detach() - torch.cat([r[1] for r in ref])).abs().max())
+if path == "fused":  # for equality, the naive forward of every 8th token (rows are independent; every
+    with torch.no_grad():  # token chunk and vocabulary block of the fused path holds some of them)
+        ref_lp, ref_ent = naive_logprobs(hidden[::8], weight, targets[::8], with_entropy=True)
+    out["lp_diff"] = float((lp.detach()[::8] - ref_lp).abs().max())
+    out["ent_diff"] = float((ent.detach()[::8] - ref_ent).abs().max())
 print(json.dumps(out))
 """
 
@@ -248,8 +247,9 @@ def test_peak_memory_8k_tokens_150k_vocab_is_at_most_a_quarter_of_naive():
     (2) the naive path's measured peak at T=512 and 1024 (same V, H), checked to grow linearly
         in T (every buffer it holds is [T, V]), scaled to T=8192: the fused peak is far below
         a quarter of that too.
-    Equality at full size: fused log-probs and entropies against the naive forward run over
-    1024-token slices (softmax rows are independent, so that is the naive result), within 1e-4.
+    Equality at full size: fused log-probs and entropies of every 8th token (1024 rows spread over
+    all of the fused path's token chunks) against the naive forward of those rows (softmax rows are
+    independent, so that is the naive result), within 1e-4.
     """
     T, V, H = 8192, 150_000, 64
     fused = _measure("fused", T, V, H)

@@ -140,7 +140,7 @@ def _nodes_completing(env: dict) -> bool:
 
 
 def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_env, tmp_path):
-    steps = 10
+    steps = 7
     job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
               [*TINY, f"num_steps={steps}", "checkpoint.save_every=100"])
     job.wait_for_steps(2)
