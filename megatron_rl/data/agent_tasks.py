@@ -15,7 +15,8 @@ For the `countdown` environment (`megatron_rl/envs/countdown.py`):
     python -m megatron_rl.data.agent_tasks repo 50 out.jsonl   (or function, countdown)
 
 Both are learnable-size tasks for the CPU demo and fixtures for the tests; real task sets
-come as JSONL rows of the same format.
+come as JSONL rows of the same format. Their tests never import the code under test (see
+`_JUDGED_TEST`): it cannot change how it is judged from inside.
 """
 
 from __future__ import annotations
@@ -50,12 +51,60 @@ def _module(names: list[str], bug: str | None) -> str:
     return "\n\n".join(out)
 
 
+# The generated tests judge outside the process that runs the code under test: each call of the
+# function runs in a child Python process that prints its result as JSON, and the test process,
+# which never imports that code, compares. Code in the solution that patches `unittest`, prints a
+# passing report or exits early on import therefore changes nothing the test process decides,
+# and the test process is made non-dumpable, so the child cannot ptrace it or reach its memory or
+# file descriptors through /proc (its exit status and report stay its own). The assertions keep
+# the `assertEqual(f(args), expected)` form the hard-coded-output guard reads. The child runs
+# without site-packages (`-S`, ~45 ms less per call): the generated functions need the standard
+# library only.
+_JUDGED_TEST = """import json
+import subprocess
+import sys
+import unittest
+
+CHILD = ("import json, sys; sys.path.append('.'); from @MODULE@ import @NAME@; "
+         "result = @NAME@(*json.loads(sys.argv[1])); print(); print(json.dumps(result))")
+
+
+def _seal():
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
+    except (OSError, AttributeError):
+        pass
+
+
+_seal()
+
+
+def @NAME@(*args):
+    \"\"\"@MODULE@.@NAME@(*args), run in a process of its own (the code under test never runs in this one).\"\"\"
+    proc = subprocess.run([sys.executable, "-I", "-B", "-S", "-c", CHILD, json.dumps(args)],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    lines = proc.stdout.splitlines()
+    if proc.returncode != 0 or not lines:
+        raise AssertionError("@NAME@%r failed (exit %d): %s" % (args, proc.returncode, proc.stderr[-2000:]))
+    return json.loads(lines[-1])
+
+
+class Test@CLASS@(unittest.TestCase):
+    def test_@NAME@(self):
+@CASES@
+
+
+if __name__ == '__main__':
+    unittest.main()
+"""
+
+
 def _test_class(module: str, name: str) -> str:
     cases = "\n".join(f"        self.assertEqual({name}({', '.join(map(repr, args))}), {expected!r})"
                       for args, expected in FUNCTIONS[name][3])
-    return (f"import unittest\n\nfrom {module} import {name}\n\n\nclass Test{name.title().replace('_', '')}"
-            f"(unittest.TestCase):\n    def test_{name}(self):\n{cases}\n\n\nif __name__ == '__main__':\n"
-            "    unittest.main()\n")
+    return (_JUDGED_TEST.replace("@MODULE@", module).replace("@NAME@", name)
+            .replace("@CLASS@", name.title().replace("_", "")).replace("@CASES@", cases))
 
 
 def _unittest(module: str, name: str) -> dict[str, Any]:

@@ -20,10 +20,12 @@ changed Python file (symlinks as their target, never followed), so the checks se
 shell commands changed too, not only what the file tools wrote. `TEST_LAUNCHER` runs the
 test commands with the workspace after the standard library on sys.path.
 
-Not covered: the code under test runs in the process that runs the tests, so it can patch
-the test framework from inside (`unittest.TestCase.assertEqual = ...` in the solution, or
-print `Ran 1 test ... OK` and exit). These guards close the routes that need no such code
-in the solution; see docs/agents.md, "Known limits of the verification".
+Not covered here: a test that imports the code under test runs it in its own process, so
+that code can patch the test framework from inside (`unittest.TestCase.assertEqual = ...`
+in the solution, or print `Ran 1 test ... OK` and exit). These guards close the routes that
+need no such code in the solution; the generated tasks' tests close that one by running the
+code in a child process (`data/agent_tasks.py`; docs/agents.md, "Tests that judge outside
+the code's process").
 """
 
 from __future__ import annotations

@@ -130,6 +130,68 @@ def test_stdlib_shadowing_stale_bytecode_and_new_files_under_tests_get_zero(host
     assert episode.reward == 1.0 and "test_" in tokenizer.decode(episode.output_ids).split("exit_code: 0")[1]
 
 
+# Code under test that fakes a pass from inside the process running it: it patches unittest's
+# assertions, or prints unittest's passing report and exits 0 as soon as it is imported.
+IN_PROCESS_HACKS = {
+    "patched_unittest": "import unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None\n",
+    "fake_report": ("import os, sys\nsys.stderr.write('.\\n' + '-' * 70 + '\\nRan 1 test in 0.001s\\n\\nOK\\n')\n"
+                    "sys.stderr.flush()\nos._exit(0)\n"),
+}
+
+
+def _in_process_tests(task: dict) -> dict:
+    """The function task with a hidden test of the common kind: it imports the solution and asserts in
+    the same process (the generated tests run the solution in a child process instead)."""
+    from megatron_rl.data.agent_tasks import FUNCTIONS
+
+    name = task["fail_to_pass"][0]["name"]
+    asserts = "".join(f"        self.assertEqual({name}(*{args!r}), {want!r})\n" for args, want in FUNCTIONS[name][3])
+    test = (f"import unittest\n\nfrom solution import {name}\n\n\nclass T(unittest.TestCase):\n"
+            f"    def test_{name}(self):\n{asserts}")
+    return {**task, "id": task["id"] + "-in-process", "hidden_files": {"test_solution.py": test}}
+
+
+@pytest.mark.parametrize("hack", sorted(IN_PROCESS_HACKS))
+def test_code_that_fakes_a_pass_from_inside_its_process_gets_zero(host, tokenizer, hack):
+    """The generated tests judge in a process the code under test never runs in: both hacks get 0
+    on a function task and on a repo task (whose regressions still pass). Against the same
+    function task with an in-process hidden test, the same hack gets 1: it is a real one."""
+    name = FUNCTION_TASK["fail_to_pass"][0]["name"]
+    solution = IN_PROCESS_HACKS[hack] + f"\n\ndef {name}(*args):\n    return None\n"
+    turns = [call("write", path="solution.py", content=solution), call("submit")]
+    [episode] = _play(host, tokenizer, turns, task=FUNCTION_TASK)
+    assert episode.reward == 0.0 and episode.info["fail_to_pass_passed"] == 0, episode.info
+    assert not episode.info["tampered"] and not episode.info["hardcoded"]  # no other guard took it
+    [control] = _play(host, tokenizer, turns, task=_in_process_tests(FUNCTION_TASK))
+    assert control.reward == 1.0, control.info
+    buggy = IN_PROCESS_HACKS[hack] + TASK["files"]["calc/ops.py"]  # the bug left in place
+    [episode] = _play(host, tokenizer, [call("write", path="calc/ops.py", content=buggy), call("submit")])
+    assert episode.reward == 0.0 and episode.info["fail_to_pass_passed"] == 0, episode.info
+    if hack == "patched_unittest":  # imports fine: the other functions' tests run it and pass
+        assert episode.info["regressions_failed"] == 0
+
+
+def test_the_test_process_is_out_of_the_codes_reach_through_proc(host, tokenizer):
+    """A generated test, imported, makes its process non-dumpable: a child (the code under test)
+    can no longer open the test process's stdout through /proc/<pid>/fd (to write a report into
+    it) nor its /proc/<pid>/mem (nor ptrace it: the same check); without the test module
+    imported it can, so the check is not vacuous on this machine."""
+    judge = FUNCTION_TASK["hidden_files"]["test_solution.py"]
+    child = ("import os, sys\nfor path, mode in (('fd/1', 'w'), ('mem', 'rb')):\n    try:\n"
+             "        open('/proc/%d/%s' % (os.getppid(), path), mode).close()\n        print(path, 'opened')\n"
+             "    except PermissionError:\n        print(path, 'denied')\n")
+    probe = ("import subprocess, sys\nif sys.argv[1] == 'sealed':\n    import judge\n"
+             "out = subprocess.run([sys.executable, 'child.py'], capture_output=True, text=True).stdout\n"
+             "print(sys.argv[1], out.split())\n")
+    turns = [call("write", path="judge.py", content=judge), call("write", path="child.py", content=child),
+             call("write", path="probe.py", content=probe), call("run", command="python3 probe.py sealed"),
+             call("run", command="python3 probe.py open")]
+    [episode] = _play(host, tokenizer, turns, task=FUNCTION_TASK, limits=EpisodeLimits(max_turns=6, max_tokens=8192))
+    text = tokenizer.decode(episode.output_ids)
+    assert "sealed ['fd/1', 'denied', 'mem', 'denied']" in text, text[-2000:]
+    assert "open ['fd/1', 'opened', 'mem', 'opened']" in text, text[-2000:]
+
+
 def test_the_workspace_digest_survives_links_and_many_files_and_fails_closed(host, tokenizer):
     """A dangling symlink does not switch the hard-coded-output guard off; 5,000 new files do
     not break the digest; a digest too large to read back is scored as tampering (0), not
