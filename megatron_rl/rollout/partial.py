@@ -13,12 +13,19 @@ the mix. The hf engine prefills the continuation again; SGLang's radix cache wou
 prefix, but a weight update flushes it anyway.
 
 With `chunk_tokens = 0` the request is one `generate` call (no update can land mid-sequence).
+
+Rollout routing replay (`params.return_routing`): a continuation routes the whole sequence again,
+maybe with newer weights; the sequence keeps, per position, the routing row of the call that
+sampled the token that position predicts (`_extend_routing`), so the rows line up with
+`token_versions` and the log-probs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+import torch
 
 from megatron_rl.rollout.base import Generation, SamplingParams
 
@@ -37,9 +44,6 @@ def generate_partial(engine: Any, prompts: Sequence[Sequence[int]], params: Samp
     `chunk_tokens` (0: one call) with `between_chunks()` called between engine calls."""
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 0 (0 generates in one call)")
-    if chunk_tokens and params.return_routing:  # a continuation re-feeds the earlier tokens with newer weights
-        raise ValueError("return_routing needs whole generations (chunk_tokens=0): a chunk's routing of the "
-                         "tokens before it would not be the routing that generated them")
     step = chunk_tokens or params.max_new_tokens
     first = dataclasses.replace(params, max_new_tokens=min(step, params.max_new_tokens))
     out = [_as_partial(g) for g in engine.generate([list(p) for p in prompts], first)]
@@ -59,6 +63,8 @@ def generate_partial(engine: Any, prompts: Sequence[Sequence[int]], params: Samp
             out[i].output_ids += tokens
             out[i].logprobs += logprobs
             out[i].token_versions += [g.weight_version] * len(tokens)
+            if params.return_routing:
+                out[i].routing = _extend_routing(out[i], g, len(prompts[out[i].prompt_index]))
             stopped = g.finish_reason == "stop" and len(tokens) == len(g.output_ids)
             out[i].finish_reason = "stop" if stopped else g.finish_reason if g.finish_reason == "abort" else "length"
     return out
@@ -67,3 +73,17 @@ def generate_partial(engine: Any, prompts: Sequence[Sequence[int]], params: Samp
 def _as_partial(g: Generation) -> PartialGeneration:
     return PartialGeneration(g.prompt_index, list(g.output_ids), list(g.logprobs), g.finish_reason,
                              g.weight_version, routing=g.routing, token_versions=[g.weight_version] * len(g.output_ids))
+
+
+def _extend_routing(seq: PartialGeneration, more: Generation, prompt_len: int) -> Optional[torch.Tensor]:
+    """`seq`'s routing (its tokens already extended by `more`'s) for rollout routing replay: the rows it had,
+    then `more`'s rows of the positions it adds. A continuation feeds the earlier tokens again with its own,
+    maybe newer, weights; their rows stay those of the call that sampled the token each one predicts (row j
+    routes the token at position j, whose logits give token j + 1), as `token_versions` and the log-probs do."""
+    if seq.routing is None or more.routing is None:
+        raise ValueError("return_routing: the engine returned a generation without its routing")
+    rows = prompt_len + len(seq.output_ids) - 1
+    if more.routing.shape[0] < rows:
+        raise ValueError(f"return_routing: a continuation's routing has {more.routing.shape[0]} rows, fewer than "
+                         f"the {rows} positions its sequence has fed")
+    return torch.cat([seq.routing, more.routing[seq.routing.shape[0]:rows]])

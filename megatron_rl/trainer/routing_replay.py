@@ -212,10 +212,3 @@ def check_routing_replay(cfg) -> None:
         raise ConfigError(f"{where} with model.recompute=full and parallel.pp={cfg.parallel.pp}: the 1F1B "
                           "schedule recomputes a layer's routing while another micro-batch is current; use "
                           "model.recompute=selective or none")
-    if mode != "rollout":
-        return
-    if cfg.rollout.mode == "disaggregated" and cfg.rollout.partial_rollout_tokens:
-        raise ConfigError(f"{where} with rollout.partial_rollout_tokens={cfg.rollout.partial_rollout_tokens}: a "
-                          "partial rollout's continuation routes its earlier tokens with newer weights than "
-                          "generated them; set rollout.partial_rollout_tokens=0 (generators then take weight "
-                          "updates between requests)")

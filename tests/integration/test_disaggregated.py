@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -187,16 +188,21 @@ def test_tensor_parallel_trainer_publishes_the_gathered_weights(tmp_path):
 
 def test_a_mixture_of_experts_replays_the_generators_routing(tmp_path):
     """algorithm.routing_replay=rollout (R3) with a generator: it returns each sample's routing with its
-    group (whole generations: no partial rollouts), and the trainer's old-log-prob forward and both updates
-    route every token as the generator did, for groups of the current and of the previous weights (a
-    sample without the routing, or with routing of another length, stops the run). At staleness 0 the
-    trainer's log-probs equal the generator's."""
+    group, and the trainer's old-log-prob forward and both updates route every token as the generator did,
+    for groups of the current and of the previous weights (a sample without the routing, or with routing
+    of another length, stops the run). Partial rollouts (chunks of 8 of the 24 tokens): each continuation
+    adds the rows of the positions it fed first (tests/unit/test_disagg.py checks which call each row
+    comes from); at staleness 0, every chunk of the same weights, the trainer's log-probs equal the
+    generator's, which a continuation's routing row of the wrong position would break."""
     run_dir = tmp_path / "run"
     rows, _ = _run(run_dir, "num_steps=3", "model=tiny_qwen3_moe", "algorithm.routing_replay=rollout",
-                   "algorithm.num_inner_updates=2", "algorithm.max_staleness=1", "rollout.partial_rollout_tokens=0",
+                   "algorithm.num_inner_updates=2", "algorithm.max_staleness=1", "rollout.partial_rollout_tokens=8",
                    "rollout.max_new_tokens=24", "task.sft_warmup_steps=5")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["async/staleness_max"] == 0 and rows[0]["rollout/logprob_mismatch"] <= 1e-4
+    calls = Counter(e["request"] for e in read_events(run_dir / "timeline" / "generator0.jsonl")
+                    if e["event"] == "generate")
+    assert max(calls.values()) > 1  # requests were continued (chunks), their routing extended
     assert max(r["async/staleness_max"] for r in rows) == 1
     assert all(0 <= r["routing/drift"] < 0.5 for r in rows)
 

@@ -206,14 +206,14 @@ def test_routing_replay_is_refused_where_it_cannot_work() -> None:
     check_train_config(load_config(rollout, world_size=1))
     check_train_config(load_config([*rollout, "algorithm.old_logprobs=rollout"], world_size=1))
     check_train_config(load_config([*old, "model.recompute=full"], world_size=1))  # one stage: the same micro-batch
-    check_train_config(load_config([*rollout, "rollout.mode=disaggregated"], world_size=1))  # whole generations
+    check_train_config(load_config([*rollout, "rollout.mode=disaggregated"], world_size=1))
+    check_train_config(load_config([*rollout, "rollout.mode=disaggregated", "rollout.partial_rollout_tokens=2"],
+                                   world_size=1))  # each position keeps the routing of its chunk's call
     check_train_config(load_config([*rollout, "task.type=agent", "task.max_episode_tokens=500"], world_size=1))
     refused = {
         "has no experts": (["mode=rl", "algorithm.routing_replay=old"], 1),
         "algorithm.old_logprobs=rollout skips": ([*old, "algorithm.old_logprobs=rollout"], 1),
         "1F1B schedule recomputes": ([*old, "model.recompute=full", "cluster.nproc=2", "parallel.pp=2"], 2),
-        "rollout.partial_rollout_tokens=2: a partial rollout's continuation": (
-            [*rollout, "rollout.mode=disaggregated", "rollout.partial_rollout_tokens=2"], 1),
     }
     for message, (overrides, world) in refused.items():
         with pytest.raises(ConfigError, match=message):

@@ -142,23 +142,62 @@ def test_partial_rollouts_off_is_one_engine_call():
     assert engine.calls == [(3, 6)] and all(g.token_versions == [0] * 6 for g in gens)
 
 
-def test_whole_generations_keep_their_routing_and_chunked_ones_cannot_ask_for_it():
-    """The engine's routing (rollout routing replay) passes through a one-call request unchanged; chunks are
-    refused: a continuation would route the earlier tokens with newer weights than generated them."""
-    class RoutingEngine(CountingEngine):
-        def generate(self, prompts, params):
-            gens = super().generate(prompts, params)
-            for g in gens:
-                g.routing = torch.full((len(prompts[g.prompt_index]) + len(g.output_ids) - 1, 2, 1), g.prompt_index,
-                                       dtype=torch.int16)
-            return gens
+class RoutingEngine(CountingEngine):
+    """CountingEngine that returns routing (rollout routing replay), one row per fed position, 2 layers of one
+    expert: layer 0's is the prompt's index in the call, layer 1's 10 * weight version + the call's number."""
 
+    def generate(self, prompts, params):
+        gens = super().generate(prompts, params)
+        for g in gens:
+            rows = len(prompts[g.prompt_index]) + len(g.output_ids) - 1
+            g.routing = torch.tensor([g.prompt_index, 10 * self.weight_version + len(self.calls)],
+                                     dtype=torch.int16).view(1, 2, 1).repeat(rows, 1, 1)
+        return gens
+
+
+def test_whole_generations_keep_their_routing():
+    """The engine's routing passes through a one-call request unchanged."""
     params = SamplingParams(max_new_tokens=4, n=2, return_routing=True)
     gens = generate_partial(RoutingEngine(), [[8, 1], [8, 2]], params, chunk_tokens=0)
     assert [tuple(g.routing.shape) for g in gens] == [(5, 2, 1)] * 4
     assert [int(g.routing[0, 0, 0]) for g in gens] == [0, 0, 1, 1]
-    with pytest.raises(ValueError, match="return_routing needs whole generations"):
-        generate_partial(RoutingEngine(), [[8, 1]], params, chunk_tokens=2)
+
+
+def test_a_partial_rollouts_routing_keeps_each_position_as_the_call_that_sampled_its_next_token():
+    """Chunks of 3 with a weight update after the first: a continuation routes the whole sequence again with
+    the new weights, but the rows of the positions the first chunk fed (prompt, and its tokens but the last)
+    stay the first call's; the rows the continuation adds are its own, so the routing has one row per fed
+    position, [len(prompt) + len(output) - 1], like a whole generation's."""
+    engine = RoutingEngine(stop_at=5)
+    versions = iter([0, 1, 1])
+
+    def between() -> None:
+        engine.weight_version = next(versions) or 1
+
+    params = SamplingParams(max_new_tokens=7, n=1, return_routing=True)
+    stopping, running = generate_partial(engine, [[7, 1], [8, 1]], params, chunk_tokens=3, between_chunks=between)
+    # prompt 7: 2 prompt tokens, 3 tokens from version 0, then 3 from version 1 (the last the stop token)
+    assert stopping.token_versions == [0, 0, 0, 1, 1, 1]
+    assert stopping.routing[:, 1, 0].tolist() == [1] * 4 + [12] * 3  # rows 0-3 fed by call 1 (version 0)
+    # prompt 8: 3 + 3 + 1 tokens; the third call's routing adds one row
+    assert running.token_versions == [0, 0, 0, 1, 1, 1, 1]
+    assert running.routing[:, 1, 0].tolist() == [1] * 4 + [12] * 3 + [13]
+    assert running.routing[:4, 0, 0].tolist() == [1] * 4  # the first call's rows of prompt 8 (its index 1)
+    assert all(g.routing.dtype == torch.int16 for g in (stopping, running))
+
+
+def test_a_continuation_without_routing_is_an_error():
+    class ForgetsOnContinuation(RoutingEngine):
+        def generate(self, prompts, params):
+            gens = super().generate(prompts, params)
+            if len(prompts[0]) > 2:
+                for g in gens:
+                    g.routing = None
+            return gens
+
+    params = SamplingParams(max_new_tokens=6, n=1, return_routing=True)
+    with pytest.raises(ValueError, match="without its routing"):
+        generate_partial(ForgetsOnContinuation(), [[8, 1]], params, chunk_tokens=3)
 
 
 def test_overlap_of_two_timelines_merges_each_side_first():
