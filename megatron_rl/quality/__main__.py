@@ -4,8 +4,9 @@ Per task: solvability (the reference passes), verifier stability (reference and 
 candidate verified `--reruns` times; flaky = a flip rate > 0), exact and near duplicates,
 contamination against `--eval-set` files, empty or ambiguous descriptions, and with
 `--policy HF_DIR` the policy's pass rate (difficulty bucket; always / never solved
-flagged). A verification the sandbox lost is replayed (`--attempts` rounds) and never counted
-as a verdict; a task left without enough verdicts is flagged `unverified`. Writes to `--out`:
+flagged). Up to `--concurrency` tasks are verified at once. A verification the sandbox lost
+is replayed (`--attempts` rounds) and never counted as a verdict; a task left without enough
+verdicts is flagged `unverified`. Writes to `--out`:
 
     report.jsonl    one object per task: every measurement and its flags
     summary.md      counts per flag, difficulty histogram, flaky tasks, duplicate pairs, sandbox
@@ -21,8 +22,9 @@ import argparse
 import logging
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from megatron_rl.quality import checks
 from megatron_rl.quality.report import BLOCKING, write_report
@@ -37,6 +39,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--eval-set", type=Path, action="append", default=[], help="evaluation set to check "
                    "contamination against (repeatable)")
     p.add_argument("--reruns", type=int, default=3, help="verifications per candidate (flakiness)")
+    p.add_argument("--concurrency", type=int, default=1, help="tasks verified at once (each runs its candidates' "
+                   "reruns at once; the sandbox servers queue what exceeds their capacity): raise it when several "
+                   "sandbox servers (--sandbox) serve the inspection")
     p.add_argument("--attempts", type=int, default=3, help="rounds of verifications per candidate: the sandbox's "
                    "lost ones (infrastructure failures, not verdicts) are replayed in the rounds after the first")
     p.add_argument("--policy", type=str, default=None, help="HF checkpoint directory whose pass rate sets difficulty")
@@ -57,6 +62,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.reruns < 2:
         p.error("--reruns must be >= 2 to measure flakiness")
+    if args.concurrency < 1:
+        p.error("--concurrency must be >= 1")
     if args.attempts < 1:
         p.error("--attempts must be >= 1 (1: no replay of verifications the sandbox lost)")
     for path in [args.tasks, *args.eval_set]:
@@ -69,6 +76,20 @@ def load_tasks(path: Path) -> list[dict[str, Any]]:
     from megatron_rl.data.sources import read_splits
 
     return [row for rows in read_splits(path).values() for row in rows]
+
+
+def verdicts_in_order(runner: Any, tasks: Sequence[dict[str, Any]], reruns: int,
+                      concurrency: int) -> Iterator[Any]:
+    """`runner.verdicts(task, reruns)` of each task, in task order, with up to `concurrency` tasks
+    verified at once (threads: a task's verifications wait on the sandbox, not on this process).
+    A failure is raised when its task's turn comes; tasks not started by then are cancelled."""
+    pool = ThreadPoolExecutor(concurrency, thread_name_prefix="quality")
+    try:
+        futures = [pool.submit(runner.verdicts, task, reruns) for task in tasks]
+        for future in futures:
+            yield future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def inspect(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -104,11 +125,13 @@ def inspect(args: argparse.Namespace) -> list[dict[str, Any]]:
         addresses = [address]
     runner = Runner(addresses, tokenizer, args.environment, attempts=args.attempts)
     engine = policy_engine(args.policy, tokenizer) if args.policy else None
+    verdicts_of_tasks = None
     try:
         from tqdm import tqdm
 
-        for row, task in tqdm(list(zip(rows, tasks)), desc="quality", unit="task"):
-            verdicts = runner.verdicts(task, args.reruns)
+        verdicts_of_tasks = verdicts_in_order(runner, tasks, args.reruns, args.concurrency)
+        for row, task, verdicts in tqdm(zip(rows, tasks, verdicts_of_tasks), total=len(rows), desc="quality",
+                                        unit="task"):
             flip_rate, flags = checks.verdict_flags(verdicts.reference, verdicts.bad)
             row.update(reference_rewards=verdicts.reference, bad_rewards=verdicts.bad, flip_rate=flip_rate,
                        lost=dict(verdicts.lost))
@@ -127,6 +150,8 @@ def inspect(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if row["difficulty"] in ("always", "never"):
                         row["flags"].append(f"{row['difficulty']}_solved")
     finally:
+        if verdicts_of_tasks is not None:  # before the runner closes: no verification left running
+            verdicts_of_tasks.close()
         runner.close()
         if server is not None:
             from megatron_rl.rewards.service import stop_local_sandbox
