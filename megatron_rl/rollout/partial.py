@@ -23,7 +23,7 @@ sampled the token that position predicts (`_extend_routing`), so the rows line u
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -75,7 +75,7 @@ def _as_partial(g: Generation) -> PartialGeneration:
                              g.weight_version, routing=g.routing, token_versions=[g.weight_version] * len(g.output_ids))
 
 
-def _extend_routing(seq: PartialGeneration, more: Generation, prompt_len: int) -> Optional[torch.Tensor]:
+def _extend_routing(seq: PartialGeneration, more: Generation, prompt_len: int) -> torch.Tensor:
     """`seq`'s routing (its tokens already extended by `more`'s) for rollout routing replay: the rows it had,
     then `more`'s rows of the positions it adds. A continuation feeds the earlier tokens again with its own,
     maybe newer, weights; their rows stay those of the call that sampled the token each one predicts (row j
