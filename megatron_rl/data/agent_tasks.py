@@ -61,7 +61,7 @@ def _module(names: list[str], bug: str | None) -> str:
 # without site-packages (`-S`, ~45 ms less per call): the generated functions need the standard
 # library only.
 _JUDGED_TEST = """import json
-import subprocess
+@IMPORT_OS@import subprocess
 import sys
 import unittest
 
@@ -78,6 +78,7 @@ def _seal():
 
 
 _seal()
+@FORGET@
 
 
 def @NAME@(*args):
@@ -100,11 +101,17 @@ if __name__ == '__main__':
 """
 
 
-def _test_class(module: str, name: str) -> str:
+# A hidden test deletes its own file once imported (it is written back before every test run), so
+# the code under test, which runs only after that, cannot read the expected values from it.
+_FORGET = "os.unlink(__file__)  # hidden: the code under test cannot read the expected values\n"
+
+
+def _test_class(module: str, name: str, hidden: bool = False) -> str:
     cases = "\n".join(f"        self.assertEqual({name}({', '.join(map(repr, args))}), {expected!r})"
                       for args, expected in FUNCTIONS[name][3])
     return (_JUDGED_TEST.replace("@MODULE@", module).replace("@NAME@", name)
-            .replace("@CLASS@", name.title().replace("_", "")).replace("@CASES@", cases))
+            .replace("@CLASS@", name.title().replace("_", "")).replace("@CASES@", cases)
+            .replace("@IMPORT_OS@", "import os\n" if hidden else "").replace("@FORGET@\n", _FORGET if hidden else ""))
 
 
 def _unittest(module: str, name: str) -> dict[str, Any]:
@@ -123,7 +130,7 @@ def function_tasks(num: int, seed: int = 0) -> list[dict[str, Any]]:
             "id": f"function-{i}-{name}",
             "instruction": f"Write a Python function `{name}({signature})` in solution.py, e.g. {example}.",
             "files": {},
-            "hidden_files": {"test_solution.py": _test_class("solution", name)},
+            "hidden_files": {"test_solution.py": _test_class("solution", name, hidden=True)},
             "fail_to_pass": [_unittest("test_solution", name)],
             "pass_to_pass": [],
             "reference": {"solution.py": f"def {name}({signature}):\n    {body}\n"},

@@ -145,7 +145,8 @@ def _in_process_tests(task: dict) -> dict:
     from megatron_rl.data.agent_tasks import FUNCTIONS
 
     name = task["fail_to_pass"][0]["name"]
-    asserts = "".join(f"        self.assertEqual({name}(*{args!r}), {want!r})\n" for args, want in FUNCTIONS[name][3])
+    asserts = "".join(f"        self.assertEqual({name}({', '.join(map(repr, args))}), {want!r})\n"
+                      for args, want in FUNCTIONS[name][3])
     test = (f"import unittest\n\nfrom solution import {name}\n\n\nclass T(unittest.TestCase):\n"
             f"    def test_{name}(self):\n{asserts}")
     return {**task, "id": task["id"] + "-in-process", "hidden_files": {"test_solution.py": test}}
@@ -169,6 +170,25 @@ def test_code_that_fakes_a_pass_from_inside_its_process_gets_zero(host, tokenize
     assert episode.reward == 0.0 and episode.info["fail_to_pass_passed"] == 0, episode.info
     if hack == "patched_unittest":  # imports fine: the other functions' tests run it and pass
         assert episode.info["regressions_failed"] == 0
+
+
+def test_code_that_reads_the_expected_values_from_a_hidden_test_gets_zero(host, tokenizer):
+    """A solution that finds its answers in the hidden test file at run time (no literal in its source, so
+    the hard-coded-output guard sees nothing): the generated hidden test deletes its file once imported,
+    before the solution runs, so it gets 0; against an in-process hidden test, which stays on disk, 1."""
+    name = FUNCTION_TASK["fail_to_pass"][0]["name"]
+    reader = ("import ast, pathlib\n\n\n"
+              f"def {name}(*args):\n"
+              "    for node in ast.walk(ast.parse(pathlib.Path('test_solution.py').read_text())):\n"
+              "        if isinstance(node, ast.Call) and getattr(node.func, 'attr', '') == 'assertEqual':\n"
+              "            call, want = node.args[:2]\n"
+              "            if [ast.literal_eval(a) for a in call.args] == list(args):\n"
+              "                return ast.literal_eval(want)\n")
+    turns = [call("write", path="solution.py", content=reader), call("submit")]
+    [episode] = _play(host, tokenizer, turns, task=FUNCTION_TASK)
+    assert episode.reward == 0.0 and not episode.info["hardcoded"] and not episode.info["tampered"], episode.info
+    [control] = _play(host, tokenizer, turns, task=_in_process_tests(FUNCTION_TASK))
+    assert control.reward == 1.0, control.info
 
 
 def test_the_test_process_is_out_of_the_codes_reach_through_proc(host, tokenizer):
