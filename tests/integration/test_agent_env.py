@@ -155,8 +155,9 @@ def _in_process_tests(task: dict) -> dict:
 @pytest.mark.parametrize("hack", sorted(IN_PROCESS_HACKS))
 def test_code_that_fakes_a_pass_from_inside_its_process_gets_zero(host, tokenizer, hack):
     """The generated tests judge in a process the code under test never runs in: both hacks get 0
-    on a function task and on a repo task (whose regressions still pass). Against the same
-    function task with an in-process hidden test, the same hack gets 1: it is a real one."""
+    on a function task and on a repo task (where the patched unittest leaves the regressions
+    passing). Against the same function task with an in-process hidden test, the same hack
+    gets 1: it is a real one."""
     name = FUNCTION_TASK["fail_to_pass"][0]["name"]
     solution = IN_PROCESS_HACKS[hack] + f"\n\ndef {name}(*args):\n    return None\n"
     turns = [call("write", path="solution.py", content=solution), call("submit")]

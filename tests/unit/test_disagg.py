@@ -169,10 +169,9 @@ def test_a_partial_rollouts_routing_keeps_each_position_as_the_call_that_sampled
     stay the first call's; the rows the continuation adds are its own, so the routing has one row per fed
     position, [len(prompt) + len(output) - 1], like a whole generation's."""
     engine = RoutingEngine(stop_at=5)
-    versions = iter([0, 1, 1])
 
-    def between() -> None:
-        engine.weight_version = next(versions) or 1
+    def between() -> None:  # the update lands at the first chunk boundary
+        engine.weight_version = 1
 
     params = SamplingParams(max_new_tokens=7, n=1, return_routing=True)
     stopping, running = generate_partial(engine, [[7, 1], [8, 1]], params, chunk_tokens=3, between_chunks=between)
