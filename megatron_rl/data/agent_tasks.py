@@ -73,7 +73,7 @@ def _seal():
     try:
         import ctypes
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
-    except (OSError, AttributeError):
+    except Exception:  # no ctypes or no prctl: the tests still run, unsealed
         pass
 
 

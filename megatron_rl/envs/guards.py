@@ -70,6 +70,7 @@ import hashlib, json, sys
 spec = json.load(sys.stdin)
 original, top_level = spec["original"], set(spec["top_level"])
 protected = [p.rstrip("/") for p in spec["protected"]]
+test_modules = {tuple(m) for m in spec.get("test_modules", [])}  # (directory, stem) of protected .py files
 stdlib = set(getattr(sys, "stdlib_module_names", ())) | {"sitecustomize", "usercustomize"}
 MODULE_SUFFIXES = (".py", ".pyw", ".so", ".pyd")
 
@@ -92,6 +93,12 @@ for root, dirs, names in os.walk(".", onerror=fail):
         if root == "." and name not in top_level and name.split(".")[0] in stdlib and (
                 name.endswith(MODULE_SUFFIXES) if not stat.S_ISDIR(mode)
                 else any(n.startswith("__init__.") for n in os.listdir(path))):
+            shadowing.append(path)
+        # a package `test_x/` or an extension `test_x.*.so` beside a protected test_x.py is what
+        # `import test_x` finds first; anything new of that name there is flagged
+        elif (root[2:], name.split(".")[0]) in test_modules and not any(
+                p == path or p.startswith(path + "/") for p in original) and not (
+                any(path == p for p in protected) and name.endswith(".py")):
             shadowing.append(path)
         if stat.S_ISDIR(mode):
             continue

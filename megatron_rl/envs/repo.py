@@ -17,15 +17,18 @@ A task (one JSONL row; `data/agent_tasks.py` generates examples):
                    agent warm start: `reference_turns`)
     limits         sandbox limits of each command (defaults below)
 
-Reward: 0 if anything under a protected prefix changed, a standard-library name was
-shadowed (tampering), a hard-coded expected output was found (`guards.py`) or the
-workspace could not be checked (a failed digest, a hidden test that cannot be written
-back); 0 if a regression test fails; else the fraction of fail_to_pass tests that pass
-(each distinct test counted once). A test passes when its command exits 0 and, if it has
-a `success_pattern` (a regex), its output matches it: an `os._exit(0)` planted in the
+Reward: 0 if anything under a protected prefix changed, a standard-library name or a
+protected test module was shadowed (a new `test_x/` package or `test_x.*.so` beside a
+protected `test_x.py`) (tampering), a hard-coded expected output was found (`guards.py`)
+or the workspace could not be checked (a failed digest, a hidden test that cannot be
+written back); 0 if a regression test fails; else the fraction of fail_to_pass tests that
+pass (each distinct test counted once). A test passes when its command exits 0 and, if it
+has a `success_pattern` (a regex), its output matches it: an `os._exit(0)` planted in the
 code under test does not pass a unittest whose pattern asks for `Ran N tests ... OK`.
-Before each test run compiled bytecode is deleted and the test command is run with the
-workspace after the standard library on sys.path (`guards.TEST_LAUNCHER`).
+Before each test run the protected and hidden files are written back, compiled bytecode is
+deleted and the workspace is checked again (what an earlier test run's code left there is
+tampering too), and the test command is run with the workspace after the standard library
+on sys.path (`guards.TEST_LAUNCHER`).
 
 A path the sandbox refuses (absolute, `..`, a directory read as a file: gRPC
 INVALID_ARGUMENT / FAILED_PRECONDITION, final answers of the server) is the model's
@@ -215,7 +218,7 @@ class RepoEnvironment:
         passed = failed_regressions = 0
         if not failure:
             for test in fail_to_pass + [t for t in pass_to_pass if t not in fail_to_pass]:
-                failure = await self._prepare_test_run(original, protected)  # every test runs on pristine tests
+                failure = await self._prepare_test_run(original, protected, tampered)  # on pristine tests
                 if failure:
                     tampered.append(failure)
                     break
@@ -239,8 +242,12 @@ class RepoEnvironment:
         like the standard library, failure): a digest that fails, is cut short or is not
         JSON is a failure, which the caller scores as tampering (the checks could not run)."""
         files = self.task.get("files", {})
-        spec = {"original": {p: guards.sha256(c) for p, c in files.items()}, "protected": self.task["protected"],
-                "top_level": sorted({p.split("/")[0] for p in [*files, *self.task.get("hidden_files", {})]})}
+        protected = self.task["protected"]
+        test_modules = sorted({(p.rpartition("/")[0], p.rpartition("/")[2][:-3])
+                               for p in protected if p.endswith(".py")})
+        spec = {"original": {p: guards.sha256(c) for p, c in files.items()}, "protected": protected,
+                "top_level": sorted({p.split("/")[0] for p in [*files, *self.task.get("hidden_files", {})]}),
+                "test_modules": test_modules}
         r = await self._exec(["python3", "-I", "-c", guards.WORKSPACE_DIGEST], stdin=json.dumps(spec).encode(),
                              limits={**self.limits, "output_bytes": DIGEST_OUTPUT_BYTES})
         if r.termination != _termination("EXITED") or r.exit_code != 0 or r.stdout_truncated:
@@ -251,9 +258,11 @@ class RepoEnvironment:
         except (ValueError, KeyError, TypeError) as err:
             return {}, [], f"<workspace digest failed: unreadable output ({err})>"
 
-    async def _prepare_test_run(self, original: dict[str, str], protected: list[str]) -> str:
-        """Write the protected and hidden files back and delete compiled bytecode; a failure
-        (the model put a directory where a hidden test goes, ...) is returned, to be scored
+    async def _prepare_test_run(self, original: dict[str, str], protected: list[str], known: list[str]) -> str:
+        """Write the protected and hidden files back, delete compiled bytecode and check the
+        workspace again; a failure (the model put a directory where a hidden test goes, an
+        earlier test run's code added a file under a protected path or a module shadowing a test
+        or the standard library, ...; what `known` already lists aside) is returned, to be scored
         as tampering."""
         for path, content in original.items():
             if guards.is_protected(path, protected) or path in self.task.get("hidden_files", {}):
@@ -264,10 +273,13 @@ class RepoEnvironment:
                     if refusal is None:
                         raise
                     return f"<cannot write back {path}: {refusal}>"
-        r = await self._exec(["python3", "-I", "-c", guards.CLEAN_BYTECODE])
-        if r.termination != _termination("EXITED") or r.exit_code != 0:
-            return f"<cannot delete compiled bytecode: {_failure(r)}>"
-        return ""
+        # The digest again (it deletes the bytecode first): what an earlier test run's code left in the workspace
+        # (a package shadowing the next test module, a file under tests/) is tampering, as before the first run.
+        digest, shadowing, failure = await self._digest()
+        if failure:
+            return failure
+        planted = [p for p in guards.tampered_paths(original, digest, protected) + shadowing if p not in known]
+        return f"<during verification: {', '.join(planted)}>" if planted else ""
 
     async def _hardcoded(self, digest: dict[str, str], protected: list[str]) -> list[str]:
         files = self.task.get("files", {})
