@@ -1,5 +1,10 @@
-"""Apptainer runtime (rootless; no daemon): `apptainer exec --containall --no-home --net
---network none --bind <workspace>:/workspace --pwd /workspace <image> argv`.
+"""Apptainer runtime (rootless; no daemon): `apptainer exec --containall --no-init --no-home
+--net --network none --bind <workspace>:/workspace --pwd /workspace <image> argv`.
+
+`--no-init`: the command is PID 1 of the container's PID namespace, not Apptainer's shim init
+(`appinit`), a process of the same user that code run by the command could write into through
+`/proc/1/mem` and `/proc/1/fd/` to fake the command's outcome (the bwrap runtime's `--as-pid-1`
+does the same; see there).
 
 Images are SIF files or sandbox directories registered by name (`name=/path/image.sif`).
 `apptainer_cmd` is the command that runs apptainer: plain `apptainer` on a cluster, or a
@@ -44,7 +49,7 @@ class ApptainerRuntime(Runtime):
         image = self._check_image(image)
         if Path(self._images[image]).is_dir():
             self._check_command_in_root(argv[0], Path(self._images[image]), image)
-        args = [*self.cmd, "exec", "--containall", "--no-home", "--cleanenv", "--no-privs", "--bind",
+        args = [*self.cmd, "exec", "--containall", "--no-init", "--no-home", "--cleanenv", "--no-privs", "--bind",
                 f"{workspace}:{WORKSPACE}", "--pwd", WORKSPACE]
         if not limits.network:
             args += ["--net", "--network", "none"]

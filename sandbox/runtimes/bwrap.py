@@ -3,6 +3,14 @@ read-only at /, the workspace read-write at /workspace, a private /tmp of at mos
 limit, no capabilities, an unprivileged uid inside, and the whole namespace killed with its
 parent.
 
+The command is PID 1 of its PID namespace (`--as-pid-1`): bubblewrap's own reaper would
+otherwise be PID 1 there, a process of the same user, dumpable, that holds the command's
+stdout and stderr and decides its exit status, so code run by the command could write a
+report into `/proc/1/fd/1` and machine code into `/proc/1/mem` and fake the outcome of a
+process that judges it (see docs/agents.md, "Tests that judge outside the code's process").
+As PID 1 the command also receives no signal from inside the sandbox it has no handler for;
+orphans it leaves are reaped only when it exits, and the executor kills what is left then.
+
 Images: `host` exposes only the host's /usr tree (Debian's merged /usr: /bin, /lib are
 symlinks into it) and nothing else of the host (no /etc, /home, /root, /work, /tmp);
 further images are root filesystem directories registered by name (`name=/path/to/rootfs`).
@@ -53,7 +61,7 @@ class BwrapRuntime(Runtime):
         image = self._check_image(image)
         root_args, root = self._root_args(image)
         self._check_command_in_root(argv[0], root, image)
-        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
+        args = [self.bwrap, "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session",
                 "--unshare-user", "--uid", str(self.uid), "--gid", str(self.uid), "--cap-drop", "ALL"]
         if limits.network:
             args.append("--share-net")

@@ -9,6 +9,8 @@ tokenized exactly once, log-probs only where the model sampled."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -232,6 +234,49 @@ def test_the_test_process_is_out_of_the_codes_reach_through_proc(host, tokenizer
     text = tokenizer.decode(episode.output_ids)
     assert "sealed ['fd/1', 'denied', 'mem', 'denied']" in text, text[-2000:]
     assert "open ['fd/1', 'opened', 'mem', 'opened']" in text, text[-2000:]
+
+
+# Code under test that takes over the sandbox's PID 1 when PID 1 is a process of the same user it
+# can write into (bubblewrap's own reaper was, before the runtime ran each command as PID 1): a
+# passing unittest report into PID 1's stdout and stderr, which are the command's, and
+# exit_group(0) over the instruction PID 1 returns to from its blocking wait. When the test process
+# ends (failing), PID 1 wakes up and exits 0 instead of reporting that failure; the command's
+# output holds the fake report. x86-64 machine code.
+TAKE_OVER_PID_1 = """def _take_over_pid_1():
+    try:
+        pc = int(open('/proc/1/syscall').read().split()[-1], 16)
+        with open('/proc/1/mem', 'r+b', buffering=0) as mem:
+            report = '.\\n' + '-' * 70 + '\\nRan 1 test in 0.001s\\n\\nOK\\n'
+            for fd in (1, 2):
+                with open('/proc/1/fd/%d' % fd, 'w') as out:
+                    out.write(report)
+            mem.seek(pc)
+            mem.write(bytes.fromhex('31ffb8e70000000f05'))  # xor edi, edi; mov eax, 231; syscall
+    except (OSError, ValueError):
+        print('PID 1 is out of reach')
+
+
+_take_over_pid_1()
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the attack writes x86-64 machine code")
+def test_code_that_takes_over_the_sandboxs_pid_1_gets_zero(host, tokenizer):
+    """The test command is PID 1 of its sandbox (bwrap's `--as-pid-1`) and the generated test seals
+    its process, so no process is left that the code under test could take over: the attack finds
+    PID 1 out of reach and gets 0 (it got 1 when bubblewrap's reaper was PID 1). The same attack run
+    under an unsealed parent that is PID 1 makes the command exit 0 with the fake report, though the
+    code it ran exits 3: the attack works on this machine."""
+    name = FUNCTION_TASK["fail_to_pass"][0]["name"]
+    solution = call("write", path="solution.py", content=TAKE_OVER_PID_1 + f"\n\ndef {name}(*args):\n    return None\n")
+    [episode] = _play(host, tokenizer, [solution, call("submit")], task=FUNCTION_TASK)
+    assert episode.reward == 0.0 and episode.info["fail_to_pass_passed"] == 0, episode.info
+    assert not episode.info["tampered"] and not episode.info["hardcoded"]
+    parent = ("python3 -c \"import subprocess, sys; "
+              "sys.exit(subprocess.call([sys.executable, '-c', 'import solution; raise SystemExit(3)']))\"")
+    [control] = _play(host, tokenizer, [solution, call("run", command=parent)], task=FUNCTION_TASK)
+    observation = tokenizer.decode(control.output_ids).split("import solution")[-1]
+    assert "exit_code: 0" in observation and "Ran 1 test in 0.001s" in observation, observation
 
 
 def test_the_workspace_digest_survives_links_and_many_files_and_fails_closed(host, tokenizer):

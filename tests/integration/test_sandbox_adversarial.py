@@ -160,6 +160,15 @@ def test_the_private_tmp_does_not_reach_the_host(server):
     assert not path.exists(), "the sandbox's /tmp is the host's /tmp"
 
 
+def test_the_command_is_alone_in_its_pid_namespace(server):
+    """No process of the runtime's own (an init or reaper of the same user) shares the sandbox
+    with the command: code run by the command could write into such a process's memory and
+    stdout and so decide the command's reported outcome (docs/agents.md)."""
+    _isolating(server)
+    code = "import os\nprint(os.getpid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+    assert _exec(server, code).stdout.split(b"\n")[0] == b"1 [1]"
+
+
 def test_double_forked_child_outliving_its_parent_is_killed(server):
     marker = f"megatron-rl-orphan-{uuid.uuid4().hex}"
     code = ("import os, subprocess\n"
