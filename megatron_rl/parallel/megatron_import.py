@@ -1,0 +1,103 @@
+"""What importing megatron-core brings along that this project never uses, left out at import time.
+
+Importing megatron-core costs ~5-6 s per process on these CPUs, ~3.5 s of it for two things:
+
+- `megatron/core/jit.py:33` (`enable_jit_fuser()`) makes `jit_fuser` `torch.compile`, and ~40
+  functions are decorated with it as their modules load (`fusions/fused_bias_geglu.py`,
+  `activations.py`, `transformer/moe/experts.py`, ...): each decoration imports torch._dynamo and
+  torch._inductor (~1.5 s). Without CUDA the compiled fusions are no use (inductor would generate
+  C++ on their first call); megatron-core's own `disable_jit_fuser()` makes them plain functions,
+  so it is called right after `megatron.core.jit` loads, on hosts without CUDA only.
+- `inference/contexts/dynamic_context.py:70`, `inference/engines/dynamic_engine.py:78` and
+  `timers.py:13` import wandb when it is installed (~1 s) for megatron's own inference engine and
+  training timers, which this project does not run: those modules load with wandb hidden (their
+  `except ImportError` branch), unless wandb is already imported. The run's own W&B logging
+  imports it as usual.
+
+Every rank of every job pays the import, and the test suite starts hundreds of such processes.
+`install()` (called by `import megatron_rl`) puts a finder first on `sys.meta_path` that wraps
+only those four modules' loaders; it must come before megatron-core is imported, which no
+library hook offers. `tests/unit/test_megatron_import.py` shows that upstream still imports
+both without it, and that it leaves them out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Callable, Iterator, Optional, Sequence
+
+JIT = "megatron.core.jit"
+WANDB_IMPORTERS = ("megatron.core.inference.contexts.dynamic_context", "megatron.core.inference.engines.dynamic_engine",
+                   "megatron.core.timers")
+
+
+def _cuda_available() -> bool:
+    import torch  # already imported: megatron.core.jit's package imported it
+
+    return torch.cuda.is_available()
+
+
+def _after_jit(module: ModuleType) -> None:
+    if not _cuda_available():
+        module.disable_jit_fuser()
+
+
+@contextlib.contextmanager
+def _wandb_hidden() -> Iterator[None]:
+    if "wandb" in sys.modules:
+        yield
+        return
+    sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError
+    try:
+        yield
+    finally:
+        if sys.modules.get("wandb", 1) is None:
+            del sys.modules["wandb"]
+
+
+class _WrappedLoader(importlib.abc.Loader):
+    """The module's own loader, with `around` held over its execution and `after` called once it ran."""
+
+    def __init__(self, loader: importlib.abc.Loader, around: Callable[[], contextlib.AbstractContextManager],
+                 after: Callable[[ModuleType], None]) -> None:
+        self._loader, self._around, self._after = loader, around, after
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        with self._around():
+            self._loader.exec_module(module)
+        self._after(module)
+
+    def __getattr__(self, name: str):  # get_code, get_resource_reader, is_package, ...
+        return getattr(self._loader, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None):
+        if fullname != JIT and fullname not in WANDB_IMPORTERS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        if fullname == JIT:
+            spec.loader = _WrappedLoader(spec.loader, contextlib.nullcontext, _after_jit)
+        else:
+            spec.loader = _WrappedLoader(spec.loader, _wandb_hidden, lambda module: None)
+        return spec
+
+
+def install() -> None:
+    """Idempotent; a no-op for modules already imported."""
+    if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def uninstall() -> None:
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _Finder)]

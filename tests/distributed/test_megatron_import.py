@@ -1,0 +1,62 @@
+"""The import hook of `megatron_rl/parallel/megatron_import.py`, in fresh interpreters: megatron-core
+alone still imports torch._dynamo (its `jit_fuser` decorations) and wandb (when installed), so the
+hook is still needed; after `import megatron_rl` neither is imported, the decorated functions
+compute what their formulas say, and the run's own `import wandb` still works."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+HAVE_WANDB = importlib.util.find_spec("wandb") is not None
+MODULES = ("megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
+           "megatron.core.inference.engines.dynamic_engine", "megatron.core.timers")
+PROBE = f"""
+import importlib, json, sys
+{{first}}
+for name in {MODULES!r}:
+    importlib.import_module(name)
+import torch
+from megatron.core import jit, timers
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
+state = {{{{"dynamo": "torch._dynamo" in sys.modules, "wandb": "wandb" in sys.modules,
+          "jit_fuser": jit.jit_fuser.__name__, "timers_wandb": timers.wandb is not None}}}}
+if jit.jit_fuser.__name__ != "compile":  # a compiled one would run inductor's C++ code generation (~20 s)
+    x = torch.linspace(-3, 3, 13)
+    state["quick_gelu_error"] = float((quick_gelu(x) - x * torch.sigmoid(1.702 * x)).abs().max())
+if {HAVE_WANDB!r}:
+    import wandb
+    state["wandb_after"] = hasattr(wandb, "init")
+print(json.dumps(state))
+"""
+
+
+def _probe(first: str) -> dict:
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", PROBE.format(first=first)], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the compiled fusions are kept")
+def test_megatron_core_alone_still_imports_dynamo_and_wandb():
+    state = _probe("")
+    assert state["dynamo"] and state["jit_fuser"] == "compile"
+    assert state["wandb"] == HAVE_WANDB and state["timers_wandb"] == HAVE_WANDB
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the compiled fusions are kept")
+def test_after_import_megatron_rl_neither_is_imported_and_the_fusions_still_compute():
+    state = _probe("import megatron_rl")
+    assert not state["dynamo"] and state["jit_fuser"] == "noop_decorator"
+    assert not state["wandb"] and not state["timers_wandb"]
+    assert state["quick_gelu_error"] < 1e-6
+    if HAVE_WANDB:
+        assert state["wandb_after"]  # hidden from megatron-core only while its modules load
