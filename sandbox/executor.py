@@ -80,7 +80,8 @@ async def run_confined(command: Command, limits: Limits, limiter: Limiter, stdin
 
 async def _run_in_group(command: Command, limits: Limits, limiter: Limiter, group: Group, stdin: bytes) -> Outcome:
     script = group.join_command() + 'exec "$@"'
-    argv = ["/bin/sh", "-c", script, "sh", "prlimit", *limiter.prlimit_args(limits), "--", *command.argv]
+    argv = ["/bin/sh", "-c", script, "sh", "prlimit", *limiter.prlimit_args(limits, command.pid_1), "--",
+            *command.argv]
     env = command.env or {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     start = time.monotonic()
     try:
@@ -134,19 +135,23 @@ async def _run_in_group(command: Command, limits: Limits, limiter: Limiter, grou
         return outcome
     outcome.termination, outcome.message = _classify(
         timed_out, overflow.is_set(), acc.oom_killed, sig, code, acc.cpu_time_s, outcome.stderr, limits,
-        limiter.name)
+        limiter.name, command.pid_1)
     return outcome
 
 
 def _classify(timed_out: bool, overflowed: bool, oom: bool, sig: int, code: int, cpu_s: float,
-              stderr: bytes, limits: Limits, limiter: str) -> tuple[str, str]:
+              stderr: bytes, limits: Limits, limiter: str, pid_1: bool = False) -> tuple[str, str]:
+    """Without cgroups (`rlimit`) CPU time is not measured; a SIGKILL of a command that is PID 1 of its
+    namespace (which nothing inside can kill) and that the executor did not send is the kernel's, at
+    the hard CPU limit."""
     if timed_out:
         return TIMEOUT, f"killed at the wall-time limit of {limits.wall_time_s:g}s"
     if overflowed:
         return OUTPUT_LIMIT, f"killed after {limits.output_bytes} bytes on one output stream"
     if oom:
         return MEMORY_LIMIT, f"killed at the memory limit of {limits.memory_bytes} bytes"
-    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= 0.95 * limits.cpu_time_s):
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and (cpu_s >= 0.95 * limits.cpu_time_s
+                                                     or (limiter == "rlimit" and pid_1))):
         return CPU_LIMIT, f"killed at the CPU-time limit of {limits.cpu_time_s:g}s"
     if sig == signal.SIGXFSZ:
         return DISK_LIMIT, f"a file exceeded the disk limit of {limits.disk_bytes} bytes"

@@ -89,9 +89,11 @@ class Limiter:
     def create(self, limits: Limits) -> "Group":
         return Group(self, None, limits)
 
-    def prlimit_args(self, limits: Limits) -> list[str]:
+    def prlimit_args(self, limits: Limits, pid_1: bool = False) -> list[str]:
+        """`pid_1`: the command is PID 1 of its PID namespace, for which the kernel drops SIGXCPU at
+        the soft limit; the hard limit (SIGKILL) is then the limit itself, not one second past it."""
         cpu = max(1, int(limits.cpu_time_s + 0.999))
-        args = [f"--cpu={cpu}:{cpu + 1}", f"--fsize={limits.disk_bytes}", "--core=0"]
+        args = [f"--cpu={cpu}:{cpu if pid_1 else cpu + 1}", f"--fsize={limits.disk_bytes}", "--core=0"]
         if self.name == "rlimit":
             args += [f"--as={limits.memory_bytes}", f"--nproc={limits.max_processes + _user_processes()}"]
         return args

@@ -10,14 +10,14 @@ Importing megatron-core costs ~5-6 s per process on these CPUs, ~3.5 s of it for
   so it is called right after `megatron.core.jit` loads, on hosts without CUDA only.
 - `inference/contexts/dynamic_context.py:70`, `inference/engines/dynamic_engine.py:78` and
   `timers.py:13` import wandb when it is installed (~1 s) for megatron's own inference engine and
-  training timers, which this project does not run: those modules load with wandb hidden (their
-  `except ImportError` branch), unless wandb is already imported. The run's own W&B logging
-  imports it as usual.
+  training timers, which this project does not run: while one of those modules loads, `import
+  wandb` fails in the loading thread (their `except ImportError` branch), unless wandb is already
+  imported. Other threads, and the run's own W&B logging later, import it as usual.
 
 Every rank of every job pays the import, and the test suite starts hundreds of such processes.
 `install()` (called by `import megatron_rl`) puts a finder first on `sys.meta_path` that wraps
 only those four modules' loaders; it must come before megatron-core is imported, which no
-library hook offers. `tests/unit/test_megatron_import.py` shows that upstream still imports
+library hook offers. `tests/distributed/test_megatron_import.py` shows that upstream still imports
 both without it, and that it leaves them out.
 """
 
@@ -26,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import sys
+import threading
 from types import ModuleType
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -47,17 +47,22 @@ def _after_jit(module: ModuleType) -> None:
         module.disable_jit_fuser()
 
 
+# Threads loading one of WANDB_IMPORTERS: `import wandb` fails in them (and only in them) meanwhile.
+_hiding: set[int] = set()
+
+
 @contextlib.contextmanager
 def _wandb_hidden() -> Iterator[None]:
-    if "wandb" in sys.modules:
-        yield
-        return
-    sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError
+    """An `import wandb` in this thread raises ImportError meanwhile, unless wandb is already imported
+    (then `import` takes it from sys.modules without asking the finders)."""
+    thread = threading.get_ident()
+    nested = thread in _hiding
+    _hiding.add(thread)
     try:
         yield
     finally:
-        if sys.modules.get("wandb", 1) is None:
-            del sys.modules["wandb"]
+        if not nested:
+            _hiding.discard(thread)
 
 
 class _WrappedLoader(importlib.abc.Loader):
@@ -76,14 +81,19 @@ class _WrappedLoader(importlib.abc.Loader):
         self._after(module)
 
     def __getattr__(self, name: str):  # get_code, get_resource_reader, is_package, ...
+        if name == "_loader" or name.startswith("__"):  # not set yet (copy, pickle) or a protocol probe
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None):
+        if fullname == "wandb" and threading.get_ident() in _hiding:
+            raise ModuleNotFoundError("wandb is not imported for megatron-core (megatron_rl/parallel/"
+                                      "megatron_import.py)", name="wandb")
         if fullname != JIT and fullname not in WANDB_IMPORTERS:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        spec = self._next_spec(fullname, path, target)
         if spec is None or spec.loader is None:
             return spec
         if fullname == JIT:
@@ -91,6 +101,16 @@ class _Finder(importlib.abc.MetaPathFinder):
         else:
             spec.loader = _WrappedLoader(spec.loader, _wandb_hidden, lambda module: None)
         return spec
+
+    def _next_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType]):
+        """The spec the finders after this one give."""
+        later = sys.meta_path[sys.meta_path.index(self) + 1:] if self in sys.meta_path else sys.meta_path
+        for finder in later:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                return spec
+        return None
 
 
 def install() -> None:

@@ -58,4 +58,5 @@ class ApptainerRuntime(Runtime):
         for key, value in {**BASE_ENV, **env}.items():
             args += ["--env", f"{key}={value}"]
         return Command(argv=[*args, self._images[image], *argv], env={"PATH": os.environ.get("PATH", "")},
-                       cwd="/", signal_from_exit_code=True, setup_failure=(255, b"FATAL:"))
+                       cwd="/", signal_from_exit_code=True, setup_failure=(255, b"FATAL:"),
+                       pid_1=True)

@@ -8,7 +8,8 @@ otherwise be PID 1 there, a process of the same user, dumpable, that holds the c
 stdout and stderr and decides its exit status, so code run by the command could write a
 report into `/proc/1/fd/1` and machine code into `/proc/1/mem` and fake the outcome of a
 process that judges it (see docs/agents.md, "Tests that judge outside the code's process").
-As PID 1 the command also receives no signal from inside the sandbox it has no handler for;
+As PID 1 the command also receives no signal from inside the sandbox it has no handler for
+(nor SIGXCPU at the soft CPU limit: it is stopped at the hard one, see `Command.pid_1`);
 orphans it leaves are reaped only when it exits, and the executor kills what is left then.
 
 Images: `host` exposes only the host's /usr tree (Debian's merged /usr: /bin, /lib are
@@ -70,4 +71,4 @@ class BwrapRuntime(Runtime):
                  "--bind", str(workspace), WORKSPACE, "--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
         for key, value in {**BASE_ENV, **env}.items():
             args += ["--setenv", key, value]
-        return Command(argv=[*args, "--", *argv], env={}, cwd="/", signal_from_exit_code=True)
+        return Command(argv=[*args, "--", *argv], env={}, cwd="/", signal_from_exit_code=True, pid_1=True)

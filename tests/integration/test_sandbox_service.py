@@ -339,17 +339,24 @@ def test_snapshots_go_with_their_session(tmp_path):
 
 
 def test_a_server_without_cgroups_says_what_it_does_not_enforce():
-    from megatron_rl_sandbox.client import pb2, pb2_grpc
+    """... and still reports a CPU burn as stopped at the CPU limit, though it measures no CPU time (the
+    command, PID 1 of its namespace, is killed by the kernel at the hard limit; nothing else could)."""
+    from megatron_rl_sandbox.client import SandboxClient, pb2, pb2_grpc
 
     srv = start_server("bwrap", "--limiter", "rlimit")
 
     async def go():
         async with grpc.aio.insecure_channel(srv.address) as channel:
-            return await pb2_grpc.SandboxStub(channel).Health(pb2.HealthRequest(), timeout=10)
+            health = await pb2_grpc.SandboxStub(channel).Health(pb2.HealthRequest(), timeout=10)
+        async with SandboxClient([srv.address], deadline_s=60) as client:
+            burn = await client.execute(["python3", "-c", "while True: pass"], limits={"cpu_time_s": 1,
+                                                                                    "wall_time_s": 20})
+        return health, burn
     try:
-        health = asyncio.run(go())
+        health, burn = asyncio.run(go())
     finally:
         srv.stop()
+    assert burn.termination == pb2.CPU_LIMIT, burn
     assert health.limiter == "rlimit"
     warnings = [line for line in srv.log.read_text().splitlines() if " WARNING " in line]
     assert any("NOT killed" in line and "RLIMIT_AS" in line for line in warnings), warnings
