@@ -141,18 +141,21 @@ async def _run_in_group(command: Command, limits: Limits, limiter: Limiter, grou
 
 def _classify(timed_out: bool, overflowed: bool, oom: bool, sig: int, code: int, cpu_s: float,
               stderr: bytes, limits: Limits, limiter: str, pid_1: bool = False) -> tuple[str, str]:
-    """Without cgroups (`rlimit`) CPU time is not measured; a SIGKILL of a command that is PID 1 of its
-    namespace (which nothing inside can kill) and that the executor did not send is the kernel's, at
-    the hard CPU limit."""
+    """Without cgroups (`rlimit`) CPU time is not measured. A command that is PID 1 of its namespace cannot
+    be SIGKILLed from inside it, so a SIGKILL the executor did not send is most likely the kernel's at the
+    hard CPU limit; but an exit status of 137 reads the same through the runtime (and the host's OOM
+    killer is not seen), so the message says the cause is inferred."""
     if timed_out:
         return TIMEOUT, f"killed at the wall-time limit of {limits.wall_time_s:g}s"
     if overflowed:
         return OUTPUT_LIMIT, f"killed after {limits.output_bytes} bytes on one output stream"
     if oom:
         return MEMORY_LIMIT, f"killed at the memory limit of {limits.memory_bytes} bytes"
-    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and (cpu_s >= 0.95 * limits.cpu_time_s
-                                                     or (limiter == "rlimit" and pid_1))):
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= 0.95 * limits.cpu_time_s):
         return CPU_LIMIT, f"killed at the CPU-time limit of {limits.cpu_time_s:g}s"
+    if sig == signal.SIGKILL and limiter == "rlimit" and pid_1:
+        return CPU_LIMIT, (f"killed by SIGKILL, presumably at the CPU-time limit of {limits.cpu_time_s:g}s "
+                           "(inferred: CPU time is not measured without cgroups)")
     if sig == signal.SIGXFSZ:
         return DISK_LIMIT, f"a file exceeded the disk limit of {limits.disk_bytes} bytes"
     if code != 0 and (b"No space left on device" in stderr or b"File too large" in stderr):

@@ -91,7 +91,8 @@ class Limiter:
 
     def prlimit_args(self, limits: Limits, pid_1: bool = False) -> list[str]:
         """`pid_1`: the command is PID 1 of its PID namespace, for which the kernel drops SIGXCPU at
-        the soft limit; the hard limit (SIGKILL) is then the limit itself, not one second past it."""
+        the soft limit; the hard limit (SIGKILL) is then the limit itself, not one second past it, and no
+        process of the run gets SIGXCPU (a handler of it for a clean shutdown is never called)."""
         cpu = max(1, int(limits.cpu_time_s + 0.999))
         args = [f"--cpu={cpu}:{cpu if pid_1 else cpu + 1}", f"--fsize={limits.disk_bytes}", "--core=0"]
         if self.name == "rlimit":

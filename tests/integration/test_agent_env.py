@@ -269,17 +269,17 @@ def test_code_that_takes_over_the_sandboxs_pid_1_gets_zero(host, tokenizer):
     code it ran exits 3: the attack works on this machine."""
     name = FUNCTION_TASK["fail_to_pass"][0]["name"]
     solution = call("write", path="solution.py", content=TAKE_OVER_PID_1 + f"\n\ndef {name}(*args):\n    return None\n")
+    [episode] = _play(host, tokenizer, [solution, call("submit")], task=FUNCTION_TASK)
+    assert episode.reward == 0.0 and episode.info["fail_to_pass_passed"] == 0, episode.info
+    assert not episode.info["tampered"] and not episode.info["hardcoded"]
     parent = ("python3 -c \"import subprocess, sys; "
               "sys.exit(subprocess.call([sys.executable, '-c', 'import solution; raise SystemExit(3)']))\"")
     [control] = _play(host, tokenizer, [solution, call("run", command=parent)], task=FUNCTION_TASK)
     observation = tokenizer.decode(control.output_ids).split("import solution")[-1]
     if "PID 1 is out of reach" in observation:
         pytest.skip("this kernel keeps a process out of another's /proc/<pid>/mem even when unsealed "
-                    "(Yama ptrace_scope >= 1, or proc_mem.force_override): the attack cannot be shown here")
+                    "(Yama ptrace_scope >= 1, or proc_mem.force_override): the attack's control cannot run here")
     assert "exit_code: 0" in observation and "Ran 1 test in 0.001s" in observation, observation
-    [episode] = _play(host, tokenizer, [solution, call("submit")], task=FUNCTION_TASK)
-    assert episode.reward == 0.0 and episode.info["fail_to_pass_passed"] == 0, episode.info
-    assert not episode.info["tampered"] and not episode.info["hardcoded"]
 
 
 def test_the_workspace_digest_survives_links_and_many_files_and_fails_closed(host, tokenizer):

@@ -138,3 +138,33 @@ def test_a_snapshot_with_an_absolute_symlink_restores_and_a_broken_one_changes_n
         workspace.restore(snapshot[:700] + b"\xff" * 600)  # a corrupt archive
     assert sorted(os.listdir(workspace.path)) == ["keep.txt", "later.txt", "py"]
     assert sorted(os.listdir(tmp_path)) == ["ws"]  # no staging directory left
+
+
+def test_a_pid_1_command_gets_the_cpu_limit_as_its_hard_limit():
+    """The kernel drops SIGXCPU for a namespace's init that has no handler: for a command that is PID 1 the
+    hard CPU limit (SIGKILL) is the limit itself; other commands get SIGXCPU at it and SIGKILL a second on."""
+    from megatron_rl_sandbox.limits import Limiter
+
+    limits = Limits(cpu_time_s=2.5)
+    assert "--cpu=3:3" in Limiter().prlimit_args(limits, pid_1=True)
+    assert "--cpu=3:4" in Limiter().prlimit_args(limits, pid_1=False)
+
+
+def test_without_cgroups_a_sigkill_is_read_as_the_cpu_limit_only_for_a_pid_1_command():
+    """Nothing inside a PID namespace can SIGKILL its PID 1, so without CPU accounting such a kill is
+    presumably the CPU limit's (and says it is inferred); a command that is not PID 1 may have been killed by
+    anything; with cgroups the measured CPU time decides."""
+    import signal
+
+    from megatron_rl_sandbox.executor import CPU_LIMIT, SIGNALED, _classify
+
+    limits = Limits(cpu_time_s=2)
+
+    def classify(cpu_s, limiter, pid_1):
+        return _classify(False, False, False, signal.SIGKILL, 137, cpu_s, b"", limits, limiter, pid_1)
+
+    termination, message = classify(0.0, "rlimit", True)
+    assert termination == CPU_LIMIT and "inferred" in message
+    assert classify(0.0, "rlimit", False)[0] == SIGNALED
+    assert classify(0.3, "cgroup-v1", True)[0] == SIGNALED
+    assert classify(2.0, "cgroup-v1", True) == (CPU_LIMIT, "killed at the CPU-time limit of 2s")
