@@ -3,7 +3,8 @@ per process, and a hard timeout so a hung collective fails the test.
 
 The processes are never forks of the test process (its threads, process groups and Megatron
 state would come along): they are forked by multiprocessing's fork server, a clean process that
-has only imported torch, megatron-core and transformers (`_PRELOAD`) and initialised nothing.
+has only imported megatron_rl's package, torch, megatron-core and transformers (`_PRELOAD`) and
+initialised nothing.
 Each rank then starts without paying those imports again (~8 s of CPU a rank, most of a small
 distributed test's time: the fork server roughly halved this tier's time on 2 cores)."""
 
@@ -47,7 +48,9 @@ def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
                 raise
 
 
-_PRELOAD = ["torch", "megatron.core", "megatron.core.models.gpt", "transformers"]
+# megatron_rl first, as in every process of the product: its import hook must see megatron-core load
+# (megatron_rl/parallel/megatron_import.py; without it the ranks ran torch.compile'd fusions on CPU).
+_PRELOAD = ["megatron_rl", "torch", "megatron.core", "megatron.core.models.gpt", "transformers"]
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> None:
