@@ -117,7 +117,3 @@ def install() -> None:
     """Idempotent; a no-op for modules already imported."""
     if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
-
-
-def uninstall() -> None:
-    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _Finder)]

@@ -27,8 +27,9 @@ class Command:
     signal_from_exit_code: bool  # the wrapper reports "killed by signal N" as exit 128 + N
     # (exit code, stderr prefix) by which the wrapper reports that it could not start the command
     setup_failure: tuple[int, bytes] | None = None
-    # The command is PID 1 of its own PID namespace: no process of the sandbox can signal it, and the
-    # kernel drops the SIGXCPU / SIGXFSZ it has no handler for (it stops at the hard CPU limit instead).
+    # The command is PID 1 of its own PID namespace: a signal it has no handler for does not reach it from
+    # inside the sandbox (SIGKILL included), and the kernel drops such a SIGXCPU / SIGXFSZ too (it stops at
+    # the hard CPU limit instead).
     pid_1: bool = False
 
 
