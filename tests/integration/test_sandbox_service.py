@@ -339,8 +339,9 @@ def test_snapshots_go_with_their_session(tmp_path):
 
 
 def test_a_server_without_cgroups_says_what_it_does_not_enforce():
-    """... and still reports a CPU burn as stopped at the CPU limit, though it measures no CPU time (the
-    command, PID 1 of its namespace, is killed by the kernel at the hard limit; nothing else could)."""
+    """... and still reports a CPU burn as stopped at the CPU limit, though it measures no CPU time: the
+    command, PID 1 of its namespace, cannot be SIGKILLed from inside it, so the kernel's kill at the hard
+    limit is inferred (the message says so; an exit status of 137 would read the same)."""
     from megatron_rl_sandbox.client import SandboxClient, pb2, pb2_grpc
 
     srv = start_server("bwrap", "--limiter", "rlimit")
