@@ -350,8 +350,8 @@ def test_a_server_without_cgroups_says_what_it_does_not_enforce():
         async with grpc.aio.insecure_channel(srv.address) as channel:
             health = await pb2_grpc.SandboxStub(channel).Health(pb2.HealthRequest(), timeout=10)
         async with SandboxClient([srv.address], deadline_s=60) as client:
-            burn = await client.execute(["python3", "-c", "while True: pass"], limits={"cpu_time_s": 1,
-                                                                                    "wall_time_s": 20})
+            burn = await client.execute(["python3", "-c", "while True: pass"],
+                                        limits={"cpu_time_s": 1, "wall_time_s": 20})
         return health, burn
     try:
         health, burn = asyncio.run(go())
