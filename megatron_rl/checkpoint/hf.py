@@ -236,6 +236,7 @@ def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str 
     """
     from safetensors.torch import save_file
 
+    from megatron_rl.models.lora import peft_config, peft_tensors
     from megatron_rl.weight_sync.sharding import gather_adapters
 
     adapters = gather_adapters(model, groups)
@@ -245,19 +246,10 @@ def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str 
     tmp = _staging_path(out_dir)  # rank 0 creates it; every rank writes the base into it
     if groups.rank == 0:
         converter = get_converter(arch.family)
-        tensors: dict[str, Tensor] = {}
-        for weight, (a, b) in adapters.items():
-            for module, (lora_a, lora_b) in converter.adapter_to_hf(weight, a, b, arch).items():
-                for name, value in (("lora_A", lora_a), ("lora_B", lora_b)):
-                    # a copy each: q/k/v share A, and B's parts are views of one tensor (safetensors refuses both)
-                    value = (value.to(dtype) if dtype is not None else value).clone().contiguous()
-                    tensors[f"base_model.model.{module}.{name}.weight"] = value
-        modules = sorted({key[len("base_model.model."):].rsplit(".", 2)[0] for key in tensors})
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
-                  "base_model_name_or_path": base_model or str(out_dir / "base"),
-                  "r": arch.lora_rank, "lora_alpha": arch.lora_alpha, "target_modules": modules,
-                  "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-                  "inference_mode": True}
+        modules = {module: pair for weight, (a, b) in adapters.items()
+                   for module, pair in converter.adapter_to_hf(weight, a, b, arch).items()}
+        tensors = peft_tensors(modules, dtype)
+        config = peft_config(arch.lora_rank, arch.lora_alpha, list(modules), base_model or str(out_dir / "base"))
         _staging_dir(out_dir)
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))

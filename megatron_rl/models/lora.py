@@ -210,6 +210,26 @@ def merged_weight(module: torch.nn.Module, name: str, param: Tensor) -> Tensor:
     return adapter.merged(param.detach())
 
 
+def peft_tensors(adapters: dict[str, tuple[Tensor, Tensor]],
+                 dtype: Optional[torch.dtype] = None) -> dict[str, Tensor]:
+    """HF modules' adapters {"model.layers.3.self_attn.q_proj": (A, B)} as PEFT's tensors
+    ("base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight", ...). Each a contiguous copy: q, k and v
+    share A, and B's parts are views of one tensor (safetensors and SGLang's flattened buckets refuse both)."""
+    tensors: dict[str, Tensor] = {}
+    for module, (lora_a, lora_b) in adapters.items():
+        for name, value in (("lora_A", lora_a), ("lora_B", lora_b)):
+            value = value.to(dtype) if dtype is not None else value
+            tensors[f"base_model.model.{module}.{name}.weight"] = value.clone().contiguous()
+    return tensors
+
+
+def peft_config(rank: int, alpha: float, modules: list[str], base_model: str) -> dict[str, Any]:
+    """PEFT's adapter_config.json of adapters on `modules` (full HF module names)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": rank, "lora_alpha": alpha, "target_modules": sorted(modules), "lora_dropout": 0.0, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True}
+
+
 @torch.no_grad()
 def reset_adapters(model: torch.nn.Module) -> None:
     """B = 0: the model computes its base weights again (after they were set to a merged state dict)."""
