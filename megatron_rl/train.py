@@ -71,7 +71,7 @@ def build(rt, with_critic: bool = True):
     for model in (trainer, critic):
         if model is not None:
             model.onload()
-    controller = ColocationController(trainer, engine, critic=critic)
+    controller = ColocationController(trainer, engine, critic=critic, weight_sync=cfg.rollout.weight_sync)
     controller.log_memory_plan()
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
     rewards = RewardService(task.verifier_factory(addresses))

@@ -378,6 +378,7 @@ def load_weights(trainer, path: Path) -> int:
     meta = check_compatible(path, trainer.model_cfg)
     state = dist_checkpointing.load({"model": trainer.module.sharded_state_dict()}, str(path))
     trainer.module.load_state_dict(state["model"])
+    trainer.weights_loaded += 1
     logger.info("loaded the weights of checkpoint %s (step %d, written at layout %s)", path, meta["step"],
                 meta["layout"])
     return int(meta["step"])
@@ -386,6 +387,7 @@ def load_weights(trainer, path: Path) -> int:
 def _restore(trainer, state: dict[str, Any], path: Path, prefix: str = "") -> None:
     """Model, optimizer, LR schedule and step counts of `trainer` from its loaded `_sharded_state_dict`."""
     trainer.module.load_state_dict({key[len(prefix):]: value for key, value in state["model"].items()})
+    trainer.weights_loaded += 1
     trainer.optimizer.load_state_dict(state["optimizer"])
     changed = {k: (v, getattr(trainer.scheduler, k)) for k, v in state["scheduler"].items()
                if k in _SCHEDULE_FIELDS and getattr(trainer.scheduler, k) != v}

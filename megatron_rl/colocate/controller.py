@@ -9,6 +9,11 @@ On GPU each step really moves memory (Megatron's buffers to pinned host memory, 
 memory saver); on CPU the same calls run in the same order (the hf engine even frees its
 weights), so the order is tested everywhere. Every phase is timed; `phase_log` records the
 order for tests and the step timeline.
+
+With `weight_sync="adapters"` (a LoRA run, rollout.weight_sync=adapters) the first rollout syncs the trainer's
+frozen base weights and its adapters, and later ones only the adapters: the engine keeps its weights
+between rollouts (only its KV cache is released and resumed). A rollout that fails hands everything back,
+weights included, and the next one syncs the base again.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from megatron_rl.rollout.base import TAG_KV_CACHE, TAG_WEIGHTS
-from megatron_rl.weight_sync.stream import SyncStats, sync_weights
+from megatron_rl.weight_sync.stream import SyncStats, sync_adapters, sync_weights
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,8 +36,14 @@ PHASES = ("offload_trainer", "resume_engine_weights", "sync_weights", "resume_en
 
 class ColocationController:
     def __init__(self, trainer: Any, engine: Optional[Any], bucket_bytes: int = 256 * 2**20,
-                 critic: Optional[Any] = None) -> None:
+                 critic: Optional[Any] = None, weight_sync: str = "full") -> None:
+        if weight_sync not in ("full", "adapters"):
+            raise ValueError(f"weight_sync={weight_sync!r}; allowed: full, adapters")
         self.trainer = trainer
+        self.weight_sync = weight_sync
+        # weight_sync=adapters: the trainer's `weights_loaded` count when the engine got the base weights it holds
+        # (None: it holds none); loading weights into the trainer again may change the base
+        self._base_of: Optional[int] = None
         self.critic = critic  # a value model (algorithm.critic): offloaded and onloaded with the trainer
         self.engine = engine  # None on ranks that own no engine (they still take part in sync)
         self.bucket_bytes = bucket_bytes
@@ -45,8 +56,10 @@ class ColocationController:
     def log_memory_plan(self, kv_budget_bytes: Optional[int] = None) -> dict[str, int]:
         plan = self.trainer.memory_plan()
         logger.info("memory plan: trainer params %.1f MB, grads %.1f MB, optimizer %.1f MB (offloaded during "
-                    "rollout); engine weights = params in HF layout; KV cache budget %s",
+                    "rollout); engine weights = params in HF layout%s; KV cache budget %s",
                     plan["params"] / 1e6, plan["grads"] / 1e6, plan["optimizer"] / 1e6,
+                    " (kept between rollouts: only the LoRA adapters are synced)" if self.weight_sync == "adapters"
+                    else "",
                     "engine default" if kv_budget_bytes is None else f"{kv_budget_bytes / 1e6:.1f} MB")
         if self.critic is not None:
             own = self.critic.memory_plan()
@@ -79,13 +92,13 @@ class ColocationController:
             if self.critic is not None:  # inside: a failure hands the policy's memory back too
                 with self._phase("offload_critic"):
                     self.critic.offload()
+            adapters_only = self.weight_sync == "adapters" and self._base_of == self._weights_loaded()
             with self._phase("resume_engine_weights"):
-                if self.engine is not None:
+                if self.engine is not None and not adapters_only:
                     self.engine.resume_memory([TAG_WEIGHTS])
             with self._phase("sync_weights"):
                 self.trainer.onload_weights_for_sync()
-                self.last_sync = sync_weights(self.trainer.module, self.trainer.groups, self.trainer.model_cfg,
-                                              self.engine, version, self.bucket_bytes)
+                self.last_sync = self._sync(version, adapters_only)
                 self.version = version
                 self.trainer.offload_weights_after_sync()
             with self._phase("resume_engine_kv"):
@@ -99,13 +112,31 @@ class ColocationController:
         self._hand_back(failed=False)
         return result
 
+    def _weights_loaded(self) -> int:
+        return getattr(self.trainer, "weights_loaded", 0)
+
+    def _sync(self, version: int, adapters_only: bool) -> SyncStats:
+        module, groups, arch = self.trainer.module, self.trainer.groups, self.trainer.model_cfg
+        if self.weight_sync == "full":
+            return sync_weights(module, groups, arch, self.engine, version, self.bucket_bytes)
+        if adapters_only:
+            return sync_adapters(module, groups, arch, self.engine, version)
+        base = sync_weights(module, groups, arch, self.engine, version, self.bucket_bytes, merged=False)
+        adapters = sync_adapters(module, groups, arch, self.engine, version)
+        self._base_of = self._weights_loaded()
+        return SyncStats(version, base.num_tensors + adapters.num_tensors, base.num_bytes + adapters.num_bytes,
+                         base.num_buckets + adapters.num_buckets, base.seconds + adapters.seconds)
+
     def _hand_back(self, failed: bool) -> None:
         """Release the engine, then onload the trainer (also when the release fails). After a failed
         rollout a failing release is logged, not raised: the rollout's own error is the one to see."""
+        keep_weights = self.weight_sync == "adapters" and self._base_of is not None and not failed
+        if not keep_weights:
+            self._base_of = None
         try:
             with self._phase("release_engine"):
                 if self.engine is not None:
-                    self.engine.release_memory([TAG_WEIGHTS, TAG_KV_CACHE])
+                    self.engine.release_memory([TAG_KV_CACHE] if keep_weights else [TAG_WEIGHTS, TAG_KV_CACHE])
         except Exception:
             if not failed:
                 raise

@@ -814,6 +814,12 @@ class RolloutConfig:
     """Responses sampled per prompt (the group size of group-relative advantages)."""
     mem_fraction_static: float = 0.5
     """SGLang's share of GPU memory for weights and KV cache, in (0, 1)."""
+    weight_sync: str = "full"
+    """What the trainer pushes into the engine before each rollout. full: every weight (a LoRA model's merged
+    W + alpha / r B A). adapters (LoRA runs, model.lora_rank > 0, colocated mode): the frozen base weights
+    once, then only the adapters, which the engine applies itself (the hf engine's hooks; SGLang's LoRA
+    serving, started with enable_lora): a step moves r (in + out) numbers per adapted module instead of the
+    model. The engine's base weights then stay resident between rollouts (only its KV cache is released)."""
     replay_dir: Optional[str] = None
     """Debugging: train on the rollouts a run dumped (logging.dump_rollouts; its run_dir/rollouts) instead
     of generating: step k reads step_k.jsonl (megatron_rl/rollout/dump.py). Colocated mode only."""
@@ -886,10 +892,16 @@ class RolloutConfig:
     AGENT_SCHEDULERS: ClassVar[tuple[str, ...]] = ("lockstep", "async")
     LOG_LEVELS: ClassVar[tuple[str, ...]] = ("debug", "info", "warning", "error")
     MODES: ClassVar[tuple[str, ...]] = ("colocated", "disaggregated")
+    WEIGHT_SYNCS: ClassVar[tuple[str, ...]] = ("full", "adapters")
 
     def __post_init__(self) -> None:
         _check_choice("rollout.backend", self.backend, self.BACKENDS)
         _check_choice("rollout.mode", self.mode, self.MODES)
+        _check_choice("rollout.weight_sync", self.weight_sync, self.WEIGHT_SYNCS)
+        if self.weight_sync == "adapters" and self.mode != "colocated":
+            raise _invalid("rollout.weight_sync", self.weight_sync, "adapter syncs are built for "
+                           "rollout.mode=colocated only (disaggregated generators receive full weights): use "
+                           "rollout.weight_sync=full")
         _check_min("rollout.num_generators", self.num_generators, 1)
         _check_min("rollout.partial_rollout_tokens", self.partial_rollout_tokens, 0)
         _check_min("rollout.generator_nodes", self.generator_nodes, 0)
@@ -1509,6 +1521,9 @@ class TrainConfig:
         _check_min("global_batch_size", self.global_batch_size, 1)
         _check_min("micro_batch_tokens", self.micro_batch_tokens, 1)
         self._check_domains()
+        if self.rollout.weight_sync == "adapters" and not self.model.lora_rank:
+            raise _invalid("rollout.weight_sync", self.rollout.weight_sync, "the model trains no LoRA adapters "
+                           "(model.lora_rank=0): set model.lora_rank > 0 or rollout.weight_sync=full")
         if self.algorithm.critic and self.algorithm.critic_warmup_steps >= self.num_steps:
             raise _invalid("algorithm.critic_warmup_steps", self.algorithm.critic_warmup_steps,
                            f"must be < num_steps={self.num_steps}, or the policy never learns")

@@ -74,6 +74,13 @@ class RolloutEngine(Protocol):
         """Load HF-named tensors (a bucket of them; call repeatedly); `version` stamps what
         generates next. `flush=False` for all buckets but the last of one update."""
 
+    def update_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
+                        version: int) -> None:
+        """Optional (engines that serve rollout.weight_sync=adapters: hf, sglang). LoRA adapters
+        {HF module name: (A [r, in], B [out, r])} on the base weights the last `update_weights` loaded: each
+        module then computes W x + scaling B A x; later calls replace them. `version` stamps what generates
+        next."""
+
     def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
         """Free the tagged regions; a region released already stays so (no error: the colocation controller's
         hand-back releases everything, whatever a failed rollout had resumed)."""

@@ -7,6 +7,12 @@ holds weights differently in memory (fused experts), the family's converter says
 each hub tensor fills (`hf_memory_slot`). Releasing the
 "weights" tag really frees them (the module moves to the meta device); after resuming they
 hold garbage until the next weight update, exactly like SGLang's memory saver.
+
+LoRA adapters (`update_adapters`, for `rollout.weight_sync=adapters`) run as forward hooks of the adapted
+`torch.nn.Linear` modules, which add (alpha / r) B (A x) to their output as the trainer's adapters do, on top
+of whatever base weights the modules hold. Written here rather than with PEFT: PEFT wraps each adapted module
+(its weight becomes `...q_proj.base_layer.weight`), which would rename the parameters that weight updates
+address by their hub names.
 """
 
 from __future__ import annotations
@@ -76,6 +82,16 @@ class _RoutingCapture:
                             for prefill, steps in zip(self.prefill, self.steps)], dim=1)
 
 
+class _Adapter:
+    """One linear layer's LoRA adapter in the engine: its forward hook adds scaling * B (A x)."""
+
+    def set(self, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        self.a, self.b, self.scaling = a.contiguous(), b.contiguous(), scaling
+
+    def hook(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output + torch.nn.functional.linear(torch.nn.functional.linear(args[0], self.a), self.b) * self.scaling
+
+
 class HFEngine:
     def __init__(self, model_cfg: Any, *, device: str | torch.device = "cpu", eos_token_id: int = 0,
                  pad_token_id: int = 0, max_batch_size: int = 256, tokenizer: Any = None) -> None:
@@ -111,6 +127,7 @@ class HFEngine:
         self._paused = threading.Event()
         self._weights_valid = False  # random init until the first update
         self._buffers: dict[str, torch.Tensor] = {}
+        self._adapters: dict[str, _Adapter] = {}  # HF module name -> its LoRA adapter (update_adapters)
         self.generated_tokens = 0
 
     # -- weights ------------------------------------------------------------------------------
@@ -141,6 +158,42 @@ class HFEngine:
                     f"allocated (e.g. {', '.join(missing[:3])}): the update must send every weight")
             self.weight_version = version
             self._weights_valid = True
+
+    @torch.no_grad()
+    def update_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
+                        version: int) -> None:
+        """LoRA adapters {HF module name: (A [r, in], B [out, r])} on the base weights a full update loaded:
+        each named linear then computes W x + scaling B A x. The first call attaches them; later calls must name
+        the same modules and replace their factors. `version` takes effect."""
+        if TAG_WEIGHTS in self._released:
+            raise EngineStateError("update_adapters while the weights are released: resume_memory(['weights']) "
+                                   "and a full weight update first")
+        if not self._weights_valid:
+            raise EngineStateError("update_adapters before any weight update: the engine needs the base weights "
+                                   "first (a full weight update)")
+        if self._adapters and set(adapters) != set(self._adapters):
+            raise ValueError(f"update_adapters names {len(adapters)} modules, the engine's adapters "
+                             f"{len(self._adapters)}: an update must replace every adapter")
+        modules = dict(self.model.named_modules())
+        for name, (a, b) in adapters.items():
+            linear = modules.get(name)
+            if not isinstance(linear, torch.nn.Linear):
+                raise ValueError(f"adapter update names {name!r}, which is no linear layer of the "
+                                 f"{type(self.model).__name__} engine")
+            out_features, in_features = linear.weight.shape
+            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape[0] != out_features \
+                    or a.shape[0] != b.shape[1]:
+                raise ValueError(f"adapter of {name!r}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit its "
+                                 f"weight {tuple(linear.weight.shape)} (A [r, in], B [out, r])")
+        for name, (a, b) in adapters.items():
+            linear = modules[name]
+            adapter = self._adapters.get(name)
+            if adapter is None:
+                adapter = self._adapters[name] = _Adapter()
+                linear.register_forward_hook(adapter.hook)
+            adapter.set(a.to(linear.weight.device, linear.weight.dtype),
+                        b.to(linear.weight.device, linear.weight.dtype), scaling)
+        self.weight_version = version
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in the hub layout (the names and shapes weight sync sends)."""
@@ -178,6 +231,7 @@ class HFEngine:
 
     def health(self) -> dict:
         return {"backend": "hf", "weight_version": self.weight_version, "released": sorted(self._released),
+                "adapters": len(self._adapters),
                 "paused": self._paused.is_set(), "weights_valid": self._weights_valid,
                 "generated_tokens": self.generated_tokens}
 

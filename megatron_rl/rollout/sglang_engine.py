@@ -25,6 +25,11 @@ them against a real engine on CPU):
   prefix cache and stamps the version). Buckets travel as one `FlattenedTensorBucket` per
   call, serialized once per SGLang TP rank: CUDA tensors as CUDA-IPC handles (no copy), CPU
   tensors through shared memory. Either way the engine must be on the same machine.
+- LoRA adapters (`update_adapters`, `rollout.weight_sync=adapters`): SGLang's LoRA serving, started with
+  `enable_lora` (the rollout factory sets it and the adapter's rank and modules). Each update loads the
+  adapters from tensors under a new name (`policy-v<version>`, as a PEFT adapter: the same flattened bucket
+  per TP rank), unloads the previous one and stamps the version; every request then names the newest
+  (`lora_path`), so SGLang computes W x + (alpha / r) B A x on the base weights it holds.
 - Memory: `release_memory`/`resume_memory` map to SGLang's `release_memory_occupation` /
   `resume_memory_occupation` with the same tags. Real release needs torch_memory_saver (CUDA);
   on CPU the calls are accepted and change nothing, so the order is still exercised. A release
@@ -147,13 +152,16 @@ class SGLangEngineConfig:
         if self.mem_fraction_static is not None:
             kwargs["mem_fraction_static"] = self.mem_fraction_static
         kwargs.update(self.server_args)
+        if self.device == "cpu" and kwargs.get("enable_lora"):
+            kwargs.setdefault("lora_backend", "torch_native")  # SGLang's other LoRA backends are GPU kernels
         return kwargs
 
 
 def server_command(config: SGLangEngineConfig, model_path: str, host: str = "127.0.0.1",
                    port: int = 30000, python: str = "python") -> list[str]:
     """The `python -m sglang.launch_server` command line of the server that attach mode expects:
-    the same arguments as the offline engine of `config`, as CLI flags."""
+    the same arguments as the offline engine of `config`, as CLI flags (a list one token per item, a dict as
+    JSON)."""
     kwargs = dataclasses.replace(config, model_path=model_path, base_url=None).engine_kwargs()
     argv = [python, "-m", "sglang.launch_server", "--host", host, "--port", str(port)]
     for key, value in kwargs.items():
@@ -162,8 +170,10 @@ def server_command(config: SGLangEngineConfig, model_path: str, host: str = "127
             argv.append(flag)
         elif value is False or value is None:
             continue
+        elif isinstance(value, (list, tuple)):  # SGLang's list flags take one token per item (nargs)
+            argv += [flag, *map(str, value)]
         else:
-            argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return argv
 
 
@@ -241,6 +251,7 @@ class SGLangEngine:
         self._released: set[str] = set()
         self._paused = False
         self._in_weight_update = False
+        self._lora: Optional[str] = None  # the loaded LoRA adapter's name (update_adapters)
         self._in_flight = 0
         self._idle = threading.Condition()
         self._warned: set[str] = set()
@@ -274,7 +285,8 @@ class SGLangEngine:
         if params.return_routing and self.config.routing_layout is None:
             raise ValueError("return_routing: this SGLang engine has no routing_layout (a mixture of experts "
                              "started with enable_return_routed_experts)")
-        outputs = self._transport.generate(input_ids, sampling_params, return_routed_experts=params.return_routing)
+        outputs = self._transport.generate(input_ids, sampling_params, return_routed_experts=params.return_routing,
+                                           lora=self._lora)
         if len(outputs) != len(input_ids):
             raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(input_ids)} requests")
         generations = [self._to_generation(out, idx) for out, idx in zip(outputs, prompt_index)]
@@ -377,6 +389,34 @@ class SGLangEngine:
             self._end_weight_update()
             self.weight_version = version
 
+    def update_adapters(self, adapters: dict[str, torch.Tensor], scaling: float, version: int) -> None:
+        """LoRA adapters {HF module name: (A [r, in], B [out, r])} on the engine's base weights, loaded as a
+        PEFT adapter under a name of their own (module docstring); `version` takes effect."""
+        from megatron_rl.models.lora import peft_config, peft_tensors
+
+        if TAG_WEIGHTS in self._released:
+            raise EngineStateError("update_adapters while the weights are released: resume_memory(['weights']) "
+                                   "and a full weight update first")
+        rank = next(iter(adapters.values()))[0].shape[0]
+        tensors = peft_tensors(adapters)
+        as_text = isinstance(self._transport, _HTTPTransport)
+        if as_text and any(not t.is_cuda for t in tensors.values()):
+            torch.multiprocessing.set_sharing_strategy("file_system")  # see update_weights
+        keep: list = []
+        payloads = serialize_bucket(list(tensors.items()), self._transport.tp_size, as_text, keep_alive=keep)
+        name, previous = f"policy-v{version}", self._lora
+        if name == previous:
+            raise ValueError(f"update_adapters: version {version} is the loaded adapter's")
+        self._transport.load_lora_adapter(name, payloads, peft_config(rank, scaling * rank, list(adapters),
+                                                                      "megatron-rl"))
+        del keep  # loaded: the engine has read the shared buffer
+        self._lora = name
+        if previous is not None:
+            self._transport.unload_lora_adapter(previous)
+        self._transport.call("flush_cache", {})  # no prefix computed under the previous adapter is reused
+        self._transport.set_weight_version(str(version))
+        self.weight_version = version
+
     def _end_weight_update(self) -> None:
         self._in_weight_update = False
         self._transport.call("end_weight_update", {})
@@ -450,11 +490,17 @@ class _Transport(Protocol):
     tp_size: int
 
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict],
-                 return_routed_experts: bool = False) -> list[dict]:
-        """SGLang's output dicts (output_ids, meta_info), one per request, in request order."""
+                 return_routed_experts: bool = False, lora: Optional[str] = None) -> list[dict]:
+        """SGLang's output dicts (output_ids, meta_info), one per request, in request order; every request
+        with the LoRA adapter named `lora` if one is."""
 
     def update_weights_from_tensor(self, payloads: list, flush_cache: bool,
                                    weight_version: Optional[str]) -> None: ...
+
+    def load_lora_adapter(self, name: str, payloads: list, config: dict) -> None:
+        """A PEFT adapter from flattened-bucket payloads (one per TP rank) under `name`."""
+
+    def unload_lora_adapter(self, name: str) -> None: ...
 
     def set_weight_version(self, version: str) -> None: ...
 
@@ -525,11 +571,21 @@ class _OfflineTransport(_Transport):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict],
-                 return_routed_experts: bool = False) -> list[dict]:
-        routed = {"return_routed_experts": True} if return_routed_experts else {}
+                 return_routed_experts: bool = False, lora: Optional[str] = None) -> list[dict]:
+        extra = _generate_extras(len(input_ids), return_routed_experts, lora)
         out = self._run(self._engine.async_generate(input_ids=input_ids, sampling_params=sampling_params,
-                                                    return_logprob=True, **routed))
+                                                    return_logprob=True, **extra))
         return out if isinstance(out, list) else [out]
+
+    def load_lora_adapter(self, name: str, payloads: list, config: dict) -> None:
+        req = self._io.LoadLoRAAdapterFromTensorsReqInput(
+            lora_name=name, config_dict=config, serialized_named_tensors=payloads, load_format="flattened_bucket")
+        _check_result("load_lora_adapter_from_tensors",
+                      self._run(self._tm.load_lora_adapter_from_tensors(req, None)))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        req = self._io.UnloadLoRAAdapterReqInput(lora_name=name)
+        _check_result("unload_lora_adapter", self._run(self._tm.unload_lora_adapter(req, None)))
 
     def update_weights_from_tensor(self, payloads: list, flush_cache: bool,
                                    weight_version: Optional[str]) -> None:
@@ -616,11 +672,20 @@ class _HTTPTransport(_Transport):
             return raw.decode(errors="replace")
 
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict],
-                 return_routed_experts: bool = False) -> list[dict]:
-        routed = {"return_routed_experts": True} if return_routed_experts else {}
+                 return_routed_experts: bool = False, lora: Optional[str] = None) -> list[dict]:
+        extra = _generate_extras(len(input_ids), return_routed_experts, lora)
         out = self._request("POST", "/generate", {"input_ids": input_ids, "sampling_params": sampling_params,
-                                                  "return_logprob": True, **routed})
+                                                  "return_logprob": True, **extra})
         return out if isinstance(out, list) else [out]
+
+    def load_lora_adapter(self, name: str, payloads: list, config: dict) -> None:
+        body = {"lora_name": name, "config_dict": config, "serialized_named_tensors": payloads,
+                "load_format": "flattened_bucket"}
+        _check_result("load_lora_adapter_from_tensors",
+                      self._request("POST", "/load_lora_adapter_from_tensors", body))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        _check_result("unload_lora_adapter", self._request("POST", "/unload_lora_adapter", {"lora_name": name}))
 
     def update_weights_from_tensor(self, payloads: list, flush_cache: bool,
                                    weight_version: Optional[str]) -> None:
@@ -659,14 +724,21 @@ class _HTTPTransport(_Transport):
         """The server is not ours: leave it running."""
 
 
+def _generate_extras(num_requests: int, return_routed_experts: bool, lora: Optional[str]) -> dict[str, Any]:
+    extra: dict[str, Any] = {"return_routed_experts": True} if return_routed_experts else {}
+    if lora is not None:
+        extra["lora_path"] = [lora] * num_requests
+    return extra
+
+
 def _check_result(name: str, result: Any) -> None:
     """SGLang control calls answer (success, message), an object with .success, a dict or None."""
     if isinstance(result, tuple) and result and isinstance(result[0], bool):
         success, message = result[0], result[1] if len(result) > 1 else ""
-    elif isinstance(result, dict) and "success" in result:
-        success, message = result["success"], result.get("message", "")
+    elif isinstance(result, dict) and "success" in result:  # LoRA calls say error_message
+        success, message = result["success"], result.get("message") or result.get("error_message") or ""
     elif hasattr(result, "success"):
-        success, message = result.success, getattr(result, "message", "")
+        success, message = result.success, getattr(result, "message", None) or getattr(result, "error_message", "")
     else:
         return
     if not success:

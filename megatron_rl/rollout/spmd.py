@@ -22,6 +22,8 @@ colocation controller, weight sync and `collect()` see an ordinary engine on eve
   tensors through shared memory) and the leader hands the k payloads to
   `update_weights_serialized`, payload i to SGLang TP rank i, the one on block rank i's GPU.
   Every rank keeps its copy alive until the leader's engine has loaded it (the round's answer).
+- `update_adapters` (LoRA adapters alone): every rank holds the same gathered adapters; the leader loads
+  its own, once (SGLang serializes them for its TP ranks itself: they are small).
 - memory release/resume, pause/resume and shutdown are rounds that the leader executes once
   when the whole block asks for them; an error on the leader is raised on every rank.
 - `abort` acts on the leader's engine without a round (it is called from another thread while
@@ -78,6 +80,12 @@ class BlockEngine:
         del keep_alive  # the leader's engine has opened every payload by now
         if flush:
             self.weight_version = version
+
+    def update_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
+                        version: int) -> None:
+        # Every rank holds the same adapters (weight sync gathers them): only the leader's are loaded.
+        self._round("update_adapters", (scaling, version), local=adapters)
+        self.weight_version = version
 
     def release_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
         self._round("release_memory", list(tags))
@@ -157,6 +165,12 @@ class BlockEngine:
                 if any(p is None for p in payloads) and any(p is not None for p in payloads):
                     raise RuntimeError("some ranks of the block sent an empty bucket and some did not")
                 engine.update_weights_serialized([p for p in payloads if p is not None], version, flush=flush)
+            return engine.weight_version
+        if op == "update_adapters":
+            if any(w != wires[0] for w in wires):
+                raise RuntimeError(f"rollout block {list(self.block.ranks)}: ranks sent different adapter updates "
+                                   f"(scaling, version) = {wires}")
+            engine.update_adapters(local, *wires[0])
             return engine.weight_version
         if op in ("release_memory", "resume_memory"):
             if any(w != wires[0] for w in wires):

@@ -142,6 +142,9 @@ class Trainer:
         self.optimizer, self.scheduler = _build_optimizer(self.model, optim_cfg, options)
         self.step = 0  # optimizer steps taken by this model (warm start included)
         self.optimizer_step = 0  # steps taken by the current optimizer (Adam's bias correction)
+        # times weights were loaded (a state dict, an HF checkpoint, a training checkpoint): a LoRA model's base
+        # may have changed, which an engine holding it must receive again (rollout.weight_sync=adapters)
+        self.weights_loaded = 0
 
     def reset_optimizer(self, optim_cfg: Any, total_steps: int) -> None:
         """A fresh optimizer and LR schedule for the same weights (e.g. RL after a warm start)."""
@@ -158,6 +161,7 @@ class Trainer:
         """Set weights from a full Megatron-named state dict (each rank takes its shard)."""
         load_full_state_dict(self.module, full, self.groups)
         self.optimizer.reload_model_params()
+        self.weights_loaded += 1
 
     def _weight_tensors(self) -> list[Tensor]:
         """This rank's parameter shards, then its weight buffers (the routers' selection bias, which
@@ -215,6 +219,7 @@ class Trainer:
 
         load_hf_into_model(self.module, path, self.model_cfg, self.groups)
         self.optimizer.reload_model_params()
+        self.weights_loaded += 1
 
     def initialize_weights(self) -> None:
         """Weights from `model.path` when set, else a seeded `transformers` random initialisation."""

@@ -7,6 +7,10 @@ the results into buckets of about `bucket_bytes`. Other stages receive each buck
 broadcast over the pipeline group. Every rank that owns an engine loads each bucket as it
 arrives, so neither the full model nor a second copy of it is ever materialised. Each
 update is stamped with a version; time and bytes/s are returned.
+
+A LoRA model sends its merged weights W + (alpha / r) B A, or (`rollout.weight_sync=adapters`) its frozen
+base weights once (`merged=False`) and then only its adapters (`sync_adapters`): the engine adds
+(alpha / r) B A x itself, and a step's sync moves r (in + out) numbers per adapted module instead of the model.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.state import ParallelGroups
 from megatron_rl.weight_sync.families import get_converter
-from megatron_rl.weight_sync.sharding import gathered_stage_params
+from megatron_rl.weight_sync.sharding import gather_adapters, gathered_stage_params
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -45,12 +49,13 @@ class SyncStats:
         return {"sync/seconds": self.seconds, "sync/gb_per_s": self.gb_per_s, "sync/bytes": float(self.num_bytes)}
 
 
-def _stage_hf_tensors(model: torch.nn.Module, groups: ParallelGroups, arch: Any) -> Iterator[tuple[str, Tensor]]:
+def _stage_hf_tensors(model: torch.nn.Module, groups: ParallelGroups, arch: Any,
+                      merged: bool = True) -> Iterator[tuple[str, Tensor]]:
     """This stage's weights in HF names, a layer at a time (TP/EP-gathered, full tensors)."""
     converter = get_converter(arch.family)
     current_layer: Optional[int] = None
     pending: dict[str, Tensor] = {}
-    for global_name, tensor in gathered_stage_params(model, groups):
+    for global_name, tensor in gathered_stage_params(model, groups, merged):
         match = _LAYER.match(global_name)
         layer = int(match.group(1)) if match else None
         if pending and layer != current_layer:
@@ -126,8 +131,9 @@ def _broadcast_bucket(bucket: Optional[list[tuple[str, Tensor]]], src: int,
 
 @torch.no_grad()
 def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engine: Any, version: int,
-                 bucket_bytes: int = 256 * 2**20) -> SyncStats:
-    """Push the model's current weights into `engine` (None on ranks that own no engine).
+                 bucket_bytes: int = 256 * 2**20, merged: bool = True) -> SyncStats:
+    """Push the model's current weights into `engine` (None on ranks that own no engine); a LoRA model's
+    adapted weights merged, or with `merged` False its base weights.
 
     Every rank of the model-parallel group must call this (it contains collectives).
     """
@@ -146,7 +152,7 @@ def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engi
     for stage in range(groups.pp_size):
         src = _stage_global_rank(groups, stage)
         mine = groups.pp_rank == stage
-        stream = _buckets(_stage_hf_tensors(model, groups, arch), bucket_bytes) if mine else None
+        stream = _buckets(_stage_hf_tensors(model, groups, arch, merged), bucket_bytes) if mine else None
         while True:
             bucket = next(stream, None) if mine else None
             if groups.pp_size > 1:
@@ -161,6 +167,28 @@ def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engi
     stats = SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
     logger.info("weight sync v%d: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s)", version,
                 stats.num_tensors, stats.num_bytes / 1e6, stats.num_buckets, stats.seconds, stats.gb_per_s)
+    return stats
+
+
+@torch.no_grad()
+def sync_adapters(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engine: Any, version: int) -> SyncStats:
+    """Push only the model's LoRA adapters into `engine` (None on ranks that own no engine), whose weights are
+    the model's base weights (`sync_weights(..., merged=False)`): {HF module: (A [r, in], B [out, r])} as the
+    family's converter names them (linear_qkv's adapter becomes q_proj's, k_proj's and v_proj's, each with the
+    whole A and its rows of B), scaled by alpha / r; `version` takes effect. Every rank of the model-parallel
+    group must call this (the adapters are gathered over TP and PP)."""
+    start = time.perf_counter()
+    converter = get_converter(arch.family)
+    adapters = {module: pair for weight, (a, b) in gather_adapters(model, groups).items()
+                for module, pair in converter.adapter_to_hf(weight, a, b, arch).items()}
+    if not adapters:
+        raise ValueError("sync_adapters: the model has no LoRA adapters (model.lora_rank=0)")
+    if engine is not None:
+        engine.update_adapters(adapters, arch.lora_alpha / arch.lora_rank, version)
+    num_bytes = sum(t.numel() * t.element_size() for pair in adapters.values() for t in pair)
+    stats = SyncStats(version, 2 * len(adapters), num_bytes, 1, time.perf_counter() - start)
+    logger.info("adapter sync v%d: %d modules, %.3f MB, %.3fs", version, len(adapters), num_bytes / 1e6,
+                stats.seconds)
     return stats
 
 

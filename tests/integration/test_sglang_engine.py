@@ -20,7 +20,8 @@ import torch
 from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, server_command
 from tests.integration.sglang import harness
 from tests.integration.sglang.engine_scenarios import (
-    ABORT_MAX_NEW_TOKENS, GREEDY, PROMPTS, RELEASE_CYCLES, SAMPLING, STOP_IDS, STOP_STRINGS)
+    ABORT_MAX_NEW_TOKENS, GREEDY, LORA_ALPHA, LORA_RANK, PROMPTS, RELEASE_CYCLES, SAMPLING, STOP_IDS, STOP_STRINGS,
+    lora_adapters)
 
 pytestmark = pytest.mark.timeout(1200)
 _needs_venv = pytest.mark.skipif(
@@ -65,6 +66,12 @@ def test_config_maps_to_sglang_engine_arguments():
     assert argv[:7] == ["py", "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", "1234"]
     assert "--disable-cuda-graph" in argv and "--enable-memory-saver" not in argv
     assert argv[argv.index("--max-total-tokens") + 1] == "64"
+    lora = SGLangEngineConfig(model_path="/ckpt", device="cpu", server_args={
+        "enable_lora": True, "lora_target_modules": ["q_proj", "down_proj"], "json_model_override_args": {"a": 1}})
+    argv = server_command(lora, "/ckpt", python="py")
+    assert argv[argv.index("--lora-target-modules") + 1:][:3] == ["q_proj", "down_proj", "--json-model-override-args"]
+    assert argv[argv.index("--json-model-override-args") + 1] == '{"a": 1}' and "--enable-lora" in argv
+    assert argv[argv.index("--lora-backend") + 1] == "torch_native"
     for bad in ({}, {"model_path": "a", "base_url": "http://b"}, {"model_path": "a", "device": "tpu"},
                 {"model_path": "a", "tp_size": 0}):
         with pytest.raises(ValueError):
@@ -247,3 +254,27 @@ def test_same_random_seed_same_samples_across_engines(scenarios):
     assert [g["output_ids"] for g in offline] == [g["output_ids"] for g in attach]
     for a, b in zip(offline, attach):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=LOGPROB_ATOL)
+
+
+@real_engine
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_adapters_from_tensors_compute_peft_s_lora(scenarios, checkpoints, mode):
+    """`update_adapters` (rollout.weight_sync=adapters) on model A: SGLang's LoRA serving gives the log-probs
+    `peft` computes with the same adapters on the same checkpoint, for the first adapters and for their
+    replacement (the engine unloads the first), which the base model alone does not."""
+    from peft import LoraConfig, get_peft_model
+
+    run = scenarios(mode)
+    for key, seed, version in (("gen_lora", 0, 3), ("gen_lora2", 1, 4)):
+        adapters = lora_adapters(str(checkpoints["A"]), seed)
+        model = get_peft_model(harness.load_checkpoint(checkpoints["A"]), LoraConfig(
+            r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=sorted(adapters), lora_dropout=0.0)).eval()
+        with torch.no_grad():
+            for name, (a, b) in adapters.items():
+                layer = model.base_model.model.get_submodule(name)
+                layer.lora_A["default"].weight.copy_(a)
+                layer.lora_B["default"].weight.copy_(b)
+        assert {g["weight_version"] for g in run[key]} == {version}
+        assert max_logprob_error(model, run[key], SAMPLING.temperature) < LOGPROB_ATOL
+        with model.disable_adapter():
+            assert max_logprob_error(model, run[key], SAMPLING.temperature) > 1000 * LOGPROB_ATOL

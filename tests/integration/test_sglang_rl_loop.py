@@ -16,6 +16,10 @@ What is judged, from the run's metrics and logs:
   second inner update shows how far its first optimizer step moved the policy (`ppo_kl` of the
   last update; 0.3 here with lr 1e-3), yet the next step's samples match the trainer to
   LOGPROB_ATOL, which an engine left on the previous weights could not.
+
+A second run trains LoRA adapters with `rollout.weight_sync=adapters`: the engine gets the base weights once
+and then only the adapters, which SGLang's LoRA serving applies (enable_lora, loaded from tensors); its samples
+still match the trainer to LOGPROB_ATOL after an update that moved the adapters.
 """
 
 from __future__ import annotations
@@ -47,16 +51,15 @@ def _sglang_python() -> Path:
     return python
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _train(run_dir: Path, *overrides: str) -> list[dict]:
     python = _sglang_python()
-    run_dir = tmp_path_factory.mktemp("sglang_rl") / "run"
     args = [str(python), "-m", "megatron_rl.train", "mode=rl", "task=math", "rollout=sglang",
             "rollout.max_total_tokens=4096",  # KV cache on CPU: SGLang would size it from host memory
             f"run_dir={run_dir}", "num_steps=4", "global_batch_size=32", "rollout.n_samples_per_prompt=8",
             "rollout.max_new_tokens=16", "rollout.temperature=0.9", "algorithm.num_inner_updates=2",
             "optimizer.lr=1e-3", "task.sft_warmup_steps=20", "task.num_eval=8", "task.eval_every=0",
-            "task.eval_samples=1", "micro_batch_tokens=512", "logging.progress=false", "logging.tensorboard=false"]
+            "task.eval_samples=1", "micro_batch_tokens=512", "logging.progress=false", "logging.tensorboard=false",
+            *overrides]
     start = time.perf_counter()
     proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=800)
@@ -65,7 +68,13 @@ def run(tmp_path_factory):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     print(f"\n[sglang rl loop] {wall:.0f}s; per step: " + "; ".join(
         f"v{r['weight_version']:.0f} mismatch {r['rollout/logprob_mismatch']:.2e} kl {r['ppo_kl']:.2e}" for r in rows))
-    return run_dir, rows
+    return rows
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("sglang_rl") / "run"
+    return run_dir, _train(run_dir)
 
 
 def test_the_loop_ran_with_sglang(run):
@@ -101,3 +110,24 @@ def test_weight_version_advances_and_the_engine_follows_updates(run):
     assert moved, [r["ppo_kl"] for r in rows]
     for i in moved:
         assert rows[i + 1]["rollout/logprob_mismatch"] < LOGPROB_ATOL
+
+
+def test_lora_adapters_alone_reach_sglang(tmp_path):
+    """Two steps with LoRA adapters and rollout.weight_sync=adapters (an entropy bonus and lr 1e-2 move the
+    adapters whatever the rewards): one full sync of the base, then adapters alone, r (in + out) numbers per
+    adapted module (counted from the architecture), and SGLang's samples match the trainer's log-probs."""
+    from tests.distributed.test_adapter_sync import RANK, sync_sizes
+
+    run_dir = tmp_path / "run"
+    rows = _train(run_dir, "num_steps=2", f"model.lora_rank={RANK}", "model.lora_alpha=32", "optimizer.lr=1e-2",
+                  "algorithm.entropy_coef=0.1", "rollout.weight_sync=adapters")
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "'enable_lora': True" in log and "'max_lora_rank': 4" in log and "'lora_backend': 'torch_native'" in log
+    assert log.count("] INFO megatron_rl.weight_sync.stream: weight sync v") == 1  # the base, before evaluation
+    assert log.count("adapter sync v") == 4  # evaluation before RL, two steps, evaluation after
+    adapter_bytes, _, _ = sync_sizes()
+    assert [r["sync/bytes"] for r in rows] == [adapter_bytes] * 2
+    assert rows[0]["ppo_kl"] > 1e-3, rows[0]["ppo_kl"]  # the first step moved the adapters ...
+    for r in rows:  # ... and the next step's samples still match
+        assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
+        assert r["ppo_kl_first_update"] == 0.0

@@ -243,6 +243,20 @@ def test_lora_settings_are_checked() -> None:
             load_config(overrides, world_size=1)
 
 
+def test_adapter_sync_needs_lora_and_colocation() -> None:
+    cfg = load_config(["mode=rl", "model.lora_rank=4", "rollout.weight_sync=adapters"], world_size=1)
+    assert cfg.rollout.weight_sync == "adapters"
+    refused = {
+        "rollout.weight_sync=adapters is invalid: the model trains no LoRA adapters": ["rollout.weight_sync=adapters"],
+        "rollout.weight_sync=adapters is invalid: adapter syncs are built for rollout.mode=colocated only": [
+            "model.lora_rank=4", "rollout.weight_sync=adapters", "rollout.mode=disaggregated"],
+        "allowed values are full, adapters": ["model.lora_rank=4", "rollout.weight_sync=lora"],
+    }
+    for message, overrides in refused.items():
+        with pytest.raises(ValueError, match=message):
+            load_config(["mode=rl", *overrides], world_size=1)
+
+
 def test_critic_free_gae_runs_with_one_sample_per_prompt() -> None:
     from megatron_rl.train import check_train_config
 

@@ -63,6 +63,19 @@ def test_sglang_engine_arguments_from_the_config():
     assert "trust_remote_code" not in cpu
 
 
+def test_adapter_sync_starts_sglang_with_lora_serving_for_the_runs_adapters():
+    cfg = TrainConfig(mode="rl", run_dir="unused", rollout=RolloutConfig(backend="sglang", weight_sync="adapters"),
+                      model=ModelConfig(lora_rank=8, lora_targets=["linear_qkv", "linear_fc2"]))
+    gpu = sglang_engine_config(cfg, device_type="cuda", model_path="/m", base_gpu_id=0, random_seed=0).engine_kwargs()
+    assert (gpu["enable_lora"], gpu["max_lora_rank"]) == (True, 8) and "lora_backend" not in gpu  # SGLang's choice
+    assert gpu["lora_target_modules"] == ["down_proj", "k_proj", "q_proj", "v_proj"]
+    cpu = sglang_engine_config(cfg, device_type="cpu", model_path="/m", base_gpu_id=0, random_seed=0).engine_kwargs()
+    assert cpu["lora_backend"] == "torch_native"  # the only one without GPU kernels
+    full = sglang_engine_config(rl_config(backend="sglang"), device_type="cpu", model_path="/m", base_gpu_id=0,
+                                random_seed=0).engine_kwargs()
+    assert "enable_lora" not in full and "lora_backend" not in full
+
+
 def test_stop_strings_give_the_sglang_engine_the_runs_tokenizer(tmp_path):
     """rollout.stop with the sglang backend: the run's tokenizer is saved beside the engine's model directory
     and the engine loads it (SGLang matches stop strings on text); without stop strings it runs token ids

@@ -32,7 +32,8 @@ class _Transport:
     def __init__(self, outputs: list[dict]) -> None:
         self.outputs, self.asked = outputs, []
 
-    def generate(self, input_ids, sampling_params, return_routed_experts=False):
+    def generate(self, input_ids, sampling_params, return_routed_experts=False, lora=None):
+        assert lora is None  # no LoRA adapter loaded
         self.asked.append(return_routed_experts)
         return self.outputs
 
@@ -41,7 +42,7 @@ def _engine(outputs: list[dict], layout=(LAYERS, SPARSE, TOPK)) -> SGLangEngine:
     engine = SGLangEngine.__new__(SGLangEngine)  # no engine process: generate's bookkeeping and parsing run
     engine.config = SGLangEngineConfig(model_path="unused", routing_layout=layout)
     engine._transport, engine._released, engine._paused = _Transport(outputs), set(), False
-    engine._deterministic, engine._warned, engine.weight_version = True, set(), 3
+    engine._deterministic, engine._warned, engine.weight_version, engine._lora = True, set(), 3, None
     import threading
 
     engine._idle, engine._in_flight = threading.Condition(), 0

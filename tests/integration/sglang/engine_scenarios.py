@@ -45,9 +45,38 @@ RELEASE_CYCLES = 5
 ABORT_MAX_NEW_TOKENS = 500  # with the prompt, just under the model's 512 positions
 
 
+LORA_RANK, LORA_ALPHA = 4, 8.0
+LORA_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
+
+
 def cpu_config(**kwargs) -> SGLangEngineConfig:
+    # LoRA serving on, as rollout.weight_sync=adapters starts it (requests without an adapter use the base)
     return SGLangEngineConfig(device="cpu", dtype="float32", random_seed=0,
-                              server_args={"max_total_tokens": 8192}, **kwargs)
+                              server_args={"max_total_tokens": 8192, "enable_lora": True, "max_lora_rank": LORA_RANK,
+                                           "lora_target_modules": [m.split(".")[1] for m in LORA_MODULES]},
+                              **kwargs)
+
+
+def lora_adapters(model_dir: str, seed: int) -> dict:
+    """Seeded LoRA adapters {HF module: (A [r, in], B [out, r])} for every layer of the checkpoint's
+    architecture (the test module rebuilds them to judge the engine against peft)."""
+    import torch
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    h, f = config["hidden_size"], config["intermediate_size"]
+    hd = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
+              "up_proj": (h, f), "down_proj": (f, h)}  # (in, out)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in LORA_MODULES:
+            fan_in, fan_out = shapes[module.split(".")[1]]
+            out[f"model.layers.{layer}.{module}"] = (torch.randn(LORA_RANK, fan_in, generator=gen) / fan_in ** 0.5,
+                                                     torch.randn(fan_out, LORA_RANK, generator=gen) * 0.2)
+    return out
 
 
 def as_dicts(generations) -> list[dict]:
@@ -149,6 +178,12 @@ def run(engine: SGLangEngine, args: argparse.Namespace) -> dict:
     out["abort"] = abort_scenario(engine)
     out["after_abort"] = as_dicts(engine.generate(PROMPTS[:1], GREEDY))
     out["health_end"] = engine.health()
+
+    # LoRA adapters on model A (rollout.weight_sync=adapters), then a replacement: the engine loads each
+    # under a new name and unloads the one before
+    for key, seed, version in (("gen_lora", 0, 3), ("gen_lora2", 1, 4)):
+        engine.update_adapters(lora_adapters(args.model_a, seed), LORA_ALPHA / LORA_RANK, version)
+        out[key] = as_dicts(engine.generate(PROMPTS, SAMPLING))
     return out
 
 

@@ -11,6 +11,11 @@
    `megatron_rl_sandbox` -> sandbox/, `megatron_rl_kernels` -> kernels/) are found in the
    checkout on sys.path, as an editable install finds them; this venv only has the checkout
    on its path (a .pth file), not the package installed.
+4. SGLang's LoRA serving (`sglang.srt.lora`) allocates its host-side index tensors pinned
+   (`pin_memory=True`, `.pin_memory()`) whatever the device; torch refuses to pin without an
+   accelerator. On a host without CUDA, pinning becomes a no-op (a plain host tensor, which is
+   what the CPU engine uses them as), set up the first time anything looks for that package.
+   Only calls that would otherwise raise behave differently.
 
 Test infrastructure only; the package never imports this.
 """
@@ -75,3 +80,31 @@ class _CheckoutAliasFinder(MetaPathFinder):
 
 if not any(isinstance(finder, _CheckoutAliasFinder) for finder in sys.meta_path):
     sys.meta_path.append(_CheckoutAliasFinder())
+
+
+_PINNED_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_like", "zeros_like", "ones_like")
+
+
+class _PinMemoryFinder(MetaPathFinder):
+    """Makes pinning a no-op on hosts without CUDA just before sglang.srt.lora is first looked up (item 4)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "sglang.srt.lora":
+            return None
+        sys.meta_path.remove(self)
+        import functools
+
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+        for name in _PINNED_FACTORIES:
+            def unpinned(*args, _factory=getattr(torch, name), pin_memory=False, **kwargs):
+                return _factory(*args, **kwargs)
+            setattr(torch, name, functools.wraps(getattr(torch, name))(unpinned))
+        return None
+
+
+if not any(isinstance(finder, _PinMemoryFinder) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _PinMemoryFinder())
