@@ -7,6 +7,13 @@ The model is built from the architecture in conf/model/<model>.yaml with random 
 (Megatron's own initialisation; nothing is downloaded). Prints sync seconds and GB/s, the
 plain-copy GB/s (every engine tensor `copy_`-ed from a same-shaped source), and their ratio
 (target >= 0.5 on CPU).
+
+    .venv/bin/python benchmarks/weight_sync.py --lora-rank 16
+
+With `--lora-rank r` the model carries LoRA adapters on every targeted linear (B random, so they change the
+model) and the benchmark puts the two ways of syncing such a model side by side in the same run: the merged
+weights every step (rollout.weight_sync=full) against the adapters alone (rollout.weight_sync=adapters, on an
+engine that holds the base), seconds and bytes of each and their ratios.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2_5_0_5b")
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lora-rank", type=int, default=0, help="compare merged and adapter-only syncs")
     args = parser.parse_args()
 
     from megatron_rl.config import ConfigError, load_config
@@ -40,7 +48,7 @@ def main() -> None:
     # in fp32, so engine and trainer agree
     try:
         model_cfg = load_config([f"model={args.model}", "model.path=null", "model.tokenizer=builtin:char",
-                                 "model.dtype=float32"], world_size=1).model
+                                 "model.dtype=float32", f"model.lora_rank={args.lora_rank}"], world_size=1).model
     except ConfigError as exc:
         parser.error(str(exc))
     mdist.init_distributed(mdist.dist_env_from({}), torch.device("cpu"))
@@ -52,7 +60,10 @@ def main() -> None:
     print(f"model {args.model}: {params / 1e9:.3f} B parameters (built in {time.perf_counter() - start:.0f}s), "
           f"threads {torch.get_num_threads()}")
 
-    targets = [t for t in engine.model.state_dict().values()]
+    if args.lora_rank:
+        return compare_lora(model, groups, model_cfg, engine, args)
+    # each engine tensor once (a tied lm_head is the embedding's storage, which weight sync sends once)
+    targets = list({t.data_ptr(): t for t in engine.model.state_dict().values()}.values())
     sources = [torch.empty_like(t).normal_() for t in targets]
     nbytes = sum(t.numel() * t.element_size() for t in targets)
     copy_times, sync_times, sync_bytes = [], [], 0
@@ -70,6 +81,30 @@ def main() -> None:
     print(f"weight sync: {sync_bytes / 1e9:.2f} GB in {statistics.median(sync_times):.3f}s = {sync_gbs:.2f} GB/s "
           f"({args.bucket_mb} MB buckets)")
     print(f"ratio sync / plain copy: {sync_gbs / copy_gbs:.2f} (target >= 0.5)")
+
+
+def compare_lora(model, groups, model_cfg, engine, args) -> None:
+    """Merged weights every step against the adapters alone, alternating, medians of each."""
+    from megatron_rl.models.lora import attach_lora
+    from megatron_rl.weight_sync.stream import sync_adapters, sync_weights
+
+    adapters = attach_lora(model, model_cfg, groups)
+    with torch.no_grad():
+        for adapter in adapters:
+            adapter.b.normal_(0, 0.01)
+    bucket = args.bucket_mb * 2**20
+    sync_weights(model, groups, model_cfg, engine, 1, bucket, merged=False)  # the base, once
+    full, alone = [], []
+    for i in range(args.repeats):
+        full.append(sync_weights(model, groups, model_cfg, engine, 2 * i + 2, bucket))
+        alone.append(sync_adapters(model, groups, model_cfg, engine, 2 * i + 3))
+    full_s, alone_s = (statistics.median(s.seconds for s in runs) for runs in (full, alone))
+    full_b, alone_b = full[-1].num_bytes, alone[-1].num_bytes
+    print(f"LoRA r={args.lora_rank} on {len(adapters)} linears ({sum(a.a.numel() + a.b.numel() for a in adapters) / 1e6:.2f} M "
+          f"adapter numbers)")
+    print(f"merged weights (weight_sync=full)    : {full_b / 1e6:9.1f} MB in {full_s:.3f}s")
+    print(f"adapters alone (weight_sync=adapters): {alone_b / 1e6:9.1f} MB in {alone_s:.3f}s")
+    print(f"ratio full / adapters: bytes x{full_b / alone_b:.1f}, time x{full_s / alone_s:.1f}")
 
 
 if __name__ == "__main__":

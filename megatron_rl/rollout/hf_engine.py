@@ -213,6 +213,9 @@ class HFEngine:
     def resume_memory(self, tags: Sequence[str] = ALL_TAGS) -> None:
         if TAG_WEIGHTS in tags and TAG_WEIGHTS in self._released:
             self.model.to_empty(device=self.device)  # allocated, uninitialised: sync weights next
+            # to_empty gives each tied parameter storage of its own: tie them again (a tied lm_head is the
+            # embedding, which weight sync sends once)
+            self.model.tie_weights()
             self._unwritten = {name for name, _ in self.model.named_parameters()}
             with torch.no_grad():
                 for name, buf in self.model.named_buffers():

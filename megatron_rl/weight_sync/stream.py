@@ -55,21 +55,28 @@ def _stage_hf_tensors(model: torch.nn.Module, groups: ParallelGroups, arch: Any,
     converter = get_converter(arch.family)
     current_layer: Optional[int] = None
     pending: dict[str, Tensor] = {}
+    def convert(meg: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in converter.megatron_to_hf(meg, arch).items():
+            # A tied lm_head is the embedding (converters write it for checkpoints): engines take it from
+            # model.embed_tokens.weight, so sending it would move the vocabulary's rows twice.
+            if not (name == "lm_head.weight" and arch.tie_word_embeddings):
+                yield name, tensor
+
     for global_name, tensor in gathered_stage_params(model, groups, merged):
         match = _LAYER.match(global_name)
         layer = int(match.group(1)) if match else None
         if pending and layer != current_layer:
-            yield from converter.megatron_to_hf(pending, arch).items()
+            yield from convert(pending)
             pending = {}
         current_layer = layer
         if global_name == "output_layer.weight" and arch.tie_word_embeddings:
             continue  # the last stage's copy of the tied embedding
         pending[global_name] = tensor
         if layer is None:  # embedding / final norm / output layer: convertible on their own
-            yield from converter.megatron_to_hf(pending, arch).items()
+            yield from convert(pending)
             pending = {}
     if pending:
-        yield from converter.megatron_to_hf(pending, arch).items()
+        yield from convert(pending)
 
 
 def _buckets(tensors: Iterator[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:

@@ -298,6 +298,27 @@ def test_hf_engine_refuses_an_update_that_leaves_weights_unwritten():
     assert all(torch.equal(held[k], v) for k, v in sent.items()) and engine.weight_version == 2
 
 
+def test_hf_engine_keeps_a_tied_lm_head_tied_after_a_release():
+    """A tied lm_head is the embedding (weight sync sends it once): after release / resume it still is, one
+    tensor, written by the embedding's update; an untied one is written by its own."""
+    import torch
+
+    from megatron_rl.models.hf import build_hf_model, hub_state_dict
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    for tied in (True, False):
+        cfg = dataclasses.replace(rl_config().model, tie_word_embeddings=tied)
+        engine = HFEngine(cfg)
+        sent = {k: v for k, v in hub_state_dict(build_hf_model(cfg, seed=7)).items()
+                if not (tied and k == "lm_head.weight")}
+        engine.release_memory()
+        engine.resume_memory()
+        engine.update_weights(sent.items(), version=1)
+        model = engine.model
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        assert torch.equal(model.lm_head.weight, sent["lm_head.weight" if not tied else "model.embed_tokens.weight"])
+
+
 def test_hf_engine_unseeded_requests_draw_new_samples():
     """A seeded request is reproducible and leaves the global generator alone; unseeded ones draw
     from it, so two of them differ (forking the generator for them repeated the same samples)."""
