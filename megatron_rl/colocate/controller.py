@@ -97,10 +97,10 @@ class ColocationController:
                 if self.engine is not None and not adapters_only:
                     self.engine.resume_memory([TAG_WEIGHTS])
             with self._phase("sync_weights"):
-                self.trainer.onload_weights_for_sync()
+                self.trainer.onload_weights_for_sync(adapters_only=adapters_only)
                 self.last_sync = self._sync(version, adapters_only)
                 self.version = version
-                self.trainer.offload_weights_after_sync()
+                self.trainer.offload_weights_after_sync(adapters_only=adapters_only)
             with self._phase("resume_engine_kv"):
                 if self.engine is not None:
                     self.engine.resume_memory([TAG_KV_CACHE])

@@ -208,7 +208,8 @@ class ModelConfig:
 
     lora_rank: int = 0
     """LoRA (models/lora.py): rank of the low-rank adapters trained in place of the model's weights, which
-    stay frozen; 0 trains every weight. The engine receives the merged weights W + (alpha / rank) B A."""
+    stay frozen; 0 trains every weight. The engine receives the merged weights W + (alpha / rank) B A, or with
+    rollout.weight_sync=adapters the base once and then the adapters alone."""
     lora_alpha: float = 16.0
     """LoRA scale numerator: the adapters' output is multiplied by lora_alpha / lora_rank."""
     lora_targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1",
@@ -1524,6 +1525,11 @@ class TrainConfig:
         if self.rollout.weight_sync == "adapters" and not self.model.lora_rank:
             raise _invalid("rollout.weight_sync", self.rollout.weight_sync, "the model trains no LoRA adapters "
                            "(model.lora_rank=0): set model.lora_rank > 0 or rollout.weight_sync=full")
+        if self.rollout.weight_sync == "adapters" and self.model.moe_router_bias_update_rate:
+            raise _invalid("rollout.weight_sync", self.rollout.weight_sync, "adapter syncs send the routers' "
+                           "selection bias with the base weights only, but model.moe_router_bias_update_rate="
+                           f"{format_value(self.model.moe_router_bias_update_rate)} moves it every step: use "
+                           "rollout.weight_sync=full or model.moe_router_bias_update_rate=0")
         if self.algorithm.critic and self.algorithm.critic_warmup_steps >= self.num_steps:
             raise _invalid("algorithm.critic_warmup_steps", self.algorithm.critic_warmup_steps,
                            f"must be < num_steps={self.num_steps}, or the policy never learns")

@@ -100,7 +100,9 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
         m = cfg.model
         layout = (m.num_layers, tuple(m.sparse_layers), m.moe_router_topk)
     if r.weight_sync == "adapters":  # SGLang's LoRA serving, sized for the run's adapters
-        server_args.update(enable_lora=True, max_lora_rank=cfg.model.lora_rank,
+        # two adapters in a batch at most: the run's (and none, SGLang's base, which no request uses) rather than
+        # SGLang's default 8, whose buffers would be sized for eight
+        server_args.update(enable_lora=True, max_lora_rank=cfg.model.lora_rank, max_loras_per_batch=2,
                            lora_target_modules=sorted({m for t in cfg.model.lora_targets for m in HF_LORA_MODULES[t]}))
     server_args.update(dict(r.server_args))
     if r.base_url is not None:  # an attached server must have been started with enable_return_routed_experts

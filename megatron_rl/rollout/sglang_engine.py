@@ -27,8 +27,9 @@ them against a real engine on CPU):
   tensors through shared memory. Either way the engine must be on the same machine.
 - LoRA adapters (`update_adapters`, `rollout.weight_sync=adapters`): SGLang's LoRA serving, started with
   `enable_lora` (the rollout factory sets it and the adapter's rank and modules). Each update loads the
-  adapters from tensors under a new name (`policy-v<version>`, as a PEFT adapter: the same flattened bucket
-  per TP rank), unloads the previous one and stamps the version; every request then names the newest
+  adapters from tensors under a new name (`policy-<engine id>-<load>-v<version>`, as a PEFT adapter: the same
+  flattened bucket per TP rank), unloads the previous one and stamps the version (an attached server's last
+  adapter is unloaded at shutdown); every request then names the newest
   (`lora_path`), so SGLang computes W x + (alpha / r) B A x on the base weights it holds.
 - Memory: `release_memory`/`resume_memory` map to SGLang's `release_memory_occupation` /
   `resume_memory_occupation` with the same tags. Real release needs torch_memory_saver (CUDA);
@@ -54,6 +55,7 @@ import os
 import signal
 import threading
 import urllib.error
+import uuid
 import urllib.request
 from typing import Any, ClassVar, Iterable, Optional, Protocol, Sequence
 
@@ -252,6 +254,9 @@ class SGLangEngine:
         self._paused = False
         self._in_weight_update = False
         self._lora: Optional[str] = None  # the loaded LoRA adapter's name (update_adapters)
+        # adapter names of this engine object alone: an attached server outlives runs, and a resumed run
+        # repeats versions, which SGLang would refuse as a name already loaded
+        self._lora_prefix, self._lora_loads = f"policy-{uuid.uuid4().hex[:8]}", 0
         self._in_flight = 0
         self._idle = threading.Condition()
         self._warned: set[str] = set()
@@ -404,9 +409,8 @@ class SGLangEngine:
             torch.multiprocessing.set_sharing_strategy("file_system")  # see update_weights
         keep: list = []
         payloads = serialize_bucket(list(tensors.items()), self._transport.tp_size, as_text, keep_alive=keep)
-        name, previous = f"policy-v{version}", self._lora
-        if name == previous:
-            raise ValueError(f"update_adapters: version {version} is the loaded adapter's")
+        self._lora_loads += 1  # a retried load gets a name of its own too
+        name, previous = f"{self._lora_prefix}-{self._lora_loads}-v{version}", self._lora
         self._transport.load_lora_adapter(name, payloads, peft_config(rank, scaling * rank, list(adapters),
                                                                       "megatron-rl"))
         del keep  # loaded: the engine has read the shared buffer
@@ -465,6 +469,13 @@ class SGLangEngine:
                 "tp_size": self._transport.tp_size}
 
     def shutdown(self) -> None:
+        if self._lora is not None and self._transport.mode == "attach":  # the server lives on: take ours back
+            try:
+                self._transport.unload_lora_adapter(self._lora)
+            except (RuntimeError, OSError):
+                logger.warning("could not unload LoRA adapter %s from the attached SGLang server", self._lora,
+                               exc_info=True)
+            self._lora = None
         self._transport.shutdown()
 
 

@@ -231,20 +231,28 @@ class Trainer:
             self.load_full_state_dict(random_state_dict(self.model_cfg, self.model_cfg.init_seed))
 
     # -- memory time-sharing with rollout engines ----------------------------------------------
-    def _params_to(self, device: Any) -> int:
+    def _params_to(self, device: Any, adapters_only: bool = False) -> int:
         """Move the parameters DDP's buffers do not hold to `device` (pinned host memory for "cpu");
         returns the bytes moved. Megatron's DDP keeps parameters in a buffer of its own (which
         `offload_to_cpu` moves) only with the distributed optimizer: otherwise `param_data` is None
         and each parameter is moved by itself, keeping its identity (the optimizer's references). Frozen
-        parameters (a LoRA model's base weights) are in no buffer: moved by themselves too."""
+        parameters (a LoRA model's base weights) are in no buffer: moved by themselves too, unless
+        `adapters_only` (then only LoRA adapters move)."""
         moved = 0
-        in_buffer = {id(param) for buffer in self.model.buffers + self.model.expert_parallel_buffers
-                     if buffer.param_data is not None for param in buffer.params}
-        for param in self.module.parameters():
-            if id(param) not in in_buffer and param.device.type != torch.device(device).type:
+        for param in self._params_moved_alone(adapters_only):
+            if param.device.type != torch.device(device).type:
                 moved += param.numel() * param.element_size()
                 param.data = param.data.to(device, non_blocking=True)  # to "cpu": pinned memory
         return moved
+
+    def _params_moved_alone(self, adapters_only: bool = False) -> list[torch.nn.Parameter]:
+        """The parameters `_params_to` moves: those in no DDP buffer (with `adapters_only`, LoRA adapters)."""
+        from megatron_rl.models.lora import is_adapter_param
+
+        in_buffer = {id(param) for buffer in self.model.buffers + self.model.expert_parallel_buffers
+                     if buffer.param_data is not None for param in buffer.params}
+        return [param for name, param in self.module.named_parameters()
+                if id(param) not in in_buffer and (is_adapter_param(name) or not adapters_only)]
 
     def offload(self) -> int:
         """Move parameters, gradients and optimizer state off the accelerator (to pinned host
@@ -280,16 +288,18 @@ class Trainer:
         torch.cuda.synchronize()
         return moved
 
-    def onload_weights_for_sync(self) -> None:
-        """Bring back only the parameters (weight sync reads them); grads and optimizer stay off."""
+    def onload_weights_for_sync(self, adapters_only: bool = False) -> None:
+        """Bring back only the parameters (weight sync reads them); grads and optimizer stay off. With
+        `adapters_only` (an adapter-only sync) a LoRA model's frozen base stays off too (DDP's buffers hold
+        only trainable parameters: with LoRA, the adapters)."""
         if self.groups.device.type != "cpu":
-            self._params_to(self.groups.device)
+            self._params_to(self.groups.device, adapters_only)
             for buffer in self.model.buffers + self.model.expert_parallel_buffers:
                 buffer.reload_from_cpu(move_params=True, move_grads=False)
 
-    def offload_weights_after_sync(self) -> None:
+    def offload_weights_after_sync(self, adapters_only: bool = False) -> None:
         if self.groups.device.type != "cpu":
-            self._params_to("cpu")
+            self._params_to("cpu", adapters_only)
             for buffer in self.model.buffers + self.model.expert_parallel_buffers:
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
             torch.cuda.synchronize()

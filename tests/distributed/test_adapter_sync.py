@@ -2,7 +2,7 @@
 model's frozen base weights once, then its adapters alone, and the engine's log-probs of its samples equal
 Megatron's recomputed ones (fp32; bound 1e-4, as the merged sync's in test_rollout_sync.py) at TP=2 with
 sequence parallelism and at PP=2: after the first sync, after a training step moved the adapters (only they
-travel), and after weights were loaded into the trainer again (the base travels again). A step's sync moves
+travel), and after an HF export was loaded into the trainer (the base travels again). A step's sync moves
 r (in + out) numbers per adapted HF module, counted here from the architecture.
 """
 
@@ -22,6 +22,7 @@ TEMPERATURE = 0.7
 
 
 def _worker(rank, world, tp, pp, sequence_parallel, out):
+    from megatron_rl.checkpoint.hf import export_hf
     from megatron_rl.colocate.controller import ColocationController
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
     from megatron_rl.models.lora import LoRAAdapter
@@ -66,10 +67,18 @@ def _worker(rank, world, tp, pp, sequence_parallel, out):
     first = rollout()
     trainer.train_step(first["samples"])  # moves the adapters only
     second = rollout()
-    trainer.load_full_state_dict(trainer.full_state_dict())  # a load: the merged weights become the base, B = 0
+    # a load, as offline evaluation loads a merged HF export: the merged weights become the base, B = 0
+    export_hf(trainer.module, groups, model_cfg, f"{out}.export")
+    trainer.load_hf(f"{out}.export")
     third = rollout()
+    # what an adapter-only sync brings back to the accelerator (no distributed optimizer: every parameter is
+    # moved by itself): the adapters alone, where a full sync moves every parameter
+    names = {id(p): name for name, p in trainer.module.named_parameters()}
+    moved = sorted({names[id(p)].rsplit(".", 1)[-1] for p in trainer._params_moved_alone(adapters_only=True)})
+    everything = len(trainer._params_moved_alone()) == len(names)
     if rank == 0:
-        torch.save([{k: v for k, v in r.items() if k != "samples"} for r in (first, second, third)], out)
+        torch.save({"rollouts": [{k: v for k, v in r.items() if k != "samples"} for r in (first, second, third)],
+                    "moved": moved, "full_moves_everything": everything}, out)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +110,7 @@ def sync_sizes() -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_the_engine_computes_the_trainers_logprobs(results, layout):
-    for step, r in enumerate(results[layout]):
+    for step, r in enumerate(results[layout]["rollouts"]):
         assert r["diff"] <= 1e-4, (step, r["diff"])
         assert r["versions"] == [step + 1]
 
@@ -109,9 +118,15 @@ def test_the_engine_computes_the_trainers_logprobs(results, layout):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_the_base_travels_once_and_then_the_adapters_alone(results, layout):
     adapter_bytes, base_bytes, with_head = sync_sizes()
-    first, second, third = results[layout]
+    first, second, third = results[layout]["rollouts"]
     assert base_bytes <= first["bytes"] - adapter_bytes <= with_head
     assert second["bytes"] == adapter_bytes < base_bytes / 10
     assert third["bytes"] == first["bytes"]  # weights were loaded into the trainer: the base again
     # between rollouts the engine keeps its weights and gives back its KV cache
-    assert all(r["released"] == ["kv_cache"] for r in results[layout])
+    assert all(r["released"] == ["kv_cache"] for r in results[layout]["rollouts"])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_an_adapter_only_sync_brings_back_the_adapters_alone(results, layout):
+    assert results[layout]["moved"] == ["a", "b"]  # LoRAAdapter's factors; the frozen weights stay off
+    assert results[layout]["full_moves_everything"]

@@ -257,14 +257,16 @@ def test_same_random_seed_same_samples_across_engines(scenarios):
 
 
 @real_engine
-@pytest.mark.parametrize("mode", MODES)
-def test_lora_adapters_from_tensors_compute_peft_s_lora(scenarios, checkpoints, mode):
-    """`update_adapters` (rollout.weight_sync=adapters) on model A: SGLang's LoRA serving gives the log-probs
-    `peft` computes with the same adapters on the same checkpoint, for the first adapters and for their
-    replacement (the engine unloads the first), which the base model alone does not."""
+def test_lora_adapters_from_tensors_compute_peft_s_lora(scenarios, checkpoints):
+    """`update_adapters` (rollout.weight_sync=adapters) on model A, over HTTP to a server started with LoRA
+    serving (the offline path runs in test_sglang_rl_loop.py): SGLang gives the log-probs `peft` computes with
+    the same adapters on the same checkpoint, for the first adapters and for their replacement, which the base
+    model alone does not. The server holds one adapter at a time, and none once the engine shut down."""
     from peft import LoraConfig, get_peft_model
 
-    run = scenarios(mode)
+    run = scenarios("attach")
+    first, second = run["gen_lora_loaded"], run["gen_lora2_loaded"]
+    assert len(first) == len(second) == 1 and first != second and run["loaded_after_shutdown"] == []
     for key, seed, version in (("gen_lora", 0, 3), ("gen_lora2", 1, 4)):
         adapters = lora_adapters(str(checkpoints["A"]), seed)
         model = get_peft_model(harness.load_checkpoint(checkpoints["A"]), LoraConfig(

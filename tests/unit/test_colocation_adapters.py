@@ -24,11 +24,11 @@ class _Trainer:
     def onload(self):
         pass
 
-    def onload_weights_for_sync(self):
-        pass
+    def onload_weights_for_sync(self, adapters_only=False):
+        self.log.append("params on" + (" (adapters)" if adapters_only else ""))
 
-    def offload_weights_after_sync(self):
-        pass
+    def offload_weights_after_sync(self, adapters_only=False):
+        self.log.append("params off" + (" (adapters)" if adapters_only else ""))
 
 
 class _Engine:
@@ -66,11 +66,13 @@ def _rollout(ctl, log) -> list[str]:
 
 def test_the_base_goes_once_then_the_adapters_alone(monkeypatch):
     ctl, _, log = _controller(monkeypatch)
-    assert _rollout(ctl, log) == ["resume weights", "weights v1 base", "adapters v1", "resume kv_cache",
-                                  "release kv_cache"]
+    assert _rollout(ctl, log) == ["resume weights", "params on", "weights v1 base", "adapters v1", "params off",
+                                  "resume kv_cache", "release kv_cache"]
     assert (ctl.last_sync.num_tensors, ctl.last_sync.num_bytes) == (14, 1010)  # both parts counted
     for version in (2, 3):
-        assert _rollout(ctl, log) == [f"adapters v{version}", "resume kv_cache", "release kv_cache"]
+        # the trainer brings back its adapters alone, the engine keeps its weights
+        assert _rollout(ctl, log) == ["params on (adapters)", f"adapters v{version}", "params off (adapters)",
+                                      "resume kv_cache", "release kv_cache"]
     assert (ctl.last_sync.num_bytes, ctl.version) == (10, 3)
 
 
@@ -78,8 +80,8 @@ def test_weights_loaded_into_the_trainer_send_the_base_again(monkeypatch):
     ctl, trainer, log = _controller(monkeypatch)
     _rollout(ctl, log)
     trainer.weights_loaded += 1  # e.g. evaluation loading the next checkpoint
-    assert _rollout(ctl, log)[:3] == ["resume weights", "weights v2 base", "adapters v2"]
-    assert _rollout(ctl, log)[0] == "adapters v3"
+    assert _rollout(ctl, log)[:4] == ["resume weights", "params on", "weights v2 base", "adapters v2"]
+    assert _rollout(ctl, log)[:2] == ["params on (adapters)", "adapters v3"]
 
 
 def test_a_failed_rollout_releases_everything_and_the_next_sends_the_base(monkeypatch):
@@ -91,14 +93,15 @@ def test_a_failed_rollout_releases_everything_and_the_next_sends_the_base(monkey
         raise ValueError("generation failed")
     with pytest.raises(ValueError, match="generation failed"):
         ctl.rollout(generate)
-    assert log == ["adapters v2", "resume kv_cache", "release weights+kv_cache"]
-    assert _rollout(ctl, log)[:3] == ["resume weights", "weights v3 base", "adapters v3"]
+    assert log == ["params on (adapters)", "adapters v2", "params off (adapters)", "resume kv_cache",
+                   "release weights+kv_cache"]
+    assert _rollout(ctl, log)[:4] == ["resume weights", "params on", "weights v3 base", "adapters v3"]
 
 
 def test_full_sync_is_unchanged(monkeypatch):
     ctl, _, log = _controller(monkeypatch, weight_sync="full")
     for version in (1, 2):
-        assert _rollout(ctl, log) == ["resume weights", f"weights v{version}", "resume kv_cache",
-                                      "release weights+kv_cache"]
+        assert _rollout(ctl, log) == ["resume weights", "params on", f"weights v{version}", "params off",
+                                      "resume kv_cache", "release weights+kv_cache"]
     with pytest.raises(ValueError, match="weight_sync='lora'"):
         colocate.ColocationController(_Trainer([]), None, weight_sync="lora")

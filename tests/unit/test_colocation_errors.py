@@ -22,10 +22,10 @@ class _Trainer:
     def onload(self):
         self.log.append("trainer.onload")
 
-    def onload_weights_for_sync(self):
+    def onload_weights_for_sync(self, adapters_only=False):
         self.log.append("trainer.weights_on")
 
-    def offload_weights_after_sync(self):
+    def offload_weights_after_sync(self, adapters_only=False):
         self.log.append("trainer.weights_off")
 
 

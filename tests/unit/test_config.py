@@ -251,6 +251,8 @@ def test_adapter_sync_needs_lora_and_colocation() -> None:
         "rollout.weight_sync=adapters is invalid: adapter syncs are built for rollout.mode=colocated only": [
             "model.lora_rank=4", "rollout.weight_sync=adapters", "rollout.mode=disaggregated"],
         "allowed values are full, adapters": ["model.lora_rank=4", "rollout.weight_sync=lora"],
+        "moves it every step": ["model=tiny_glm4_moe", "model.lora_rank=4", "model.lora_targets=[linear_qkv]",
+                                "model.moe_router_bias_update_rate=0.001", "rollout.weight_sync=adapters"],
     }
     for message, overrides in refused.items():
         with pytest.raises(ValueError, match=message):

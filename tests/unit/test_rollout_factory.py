@@ -67,7 +67,8 @@ def test_adapter_sync_starts_sglang_with_lora_serving_for_the_runs_adapters():
     cfg = TrainConfig(mode="rl", run_dir="unused", rollout=RolloutConfig(backend="sglang", weight_sync="adapters"),
                       model=ModelConfig(lora_rank=8, lora_targets=["linear_qkv", "linear_fc2"]))
     gpu = sglang_engine_config(cfg, device_type="cuda", model_path="/m", base_gpu_id=0, random_seed=0).engine_kwargs()
-    assert (gpu["enable_lora"], gpu["max_lora_rank"]) == (True, 8) and "lora_backend" not in gpu  # SGLang's choice
+    assert (gpu["enable_lora"], gpu["max_lora_rank"], gpu["max_loras_per_batch"]) == (True, 8, 2)
+    assert "lora_backend" not in gpu  # SGLang's choice
     assert gpu["lora_target_modules"] == ["down_proj", "k_proj", "q_proj", "v_proj"]
     cpu = sglang_engine_config(cfg, device_type="cpu", model_path="/m", base_gpu_id=0, random_seed=0).engine_kwargs()
     assert cpu["lora_backend"] == "torch_native"  # the only one without GPU kernels

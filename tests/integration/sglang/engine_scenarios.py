@@ -50,12 +50,13 @@ LORA_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
                 "mlp.up_proj", "mlp.down_proj")
 
 
-def cpu_config(**kwargs) -> SGLangEngineConfig:
-    # LoRA serving on, as rollout.weight_sync=adapters starts it (requests without an adapter use the base)
+def cpu_config(lora: bool = False, **kwargs) -> SGLangEngineConfig:
+    """`lora`: LoRA serving on, as rollout.weight_sync=adapters starts it (the attach-mode server; the offline
+    engine runs without, as full weight syncs use SGLang)."""
+    lora_args = {"enable_lora": True, "max_lora_rank": LORA_RANK, "max_loras_per_batch": 2,
+                 "lora_target_modules": [m.split(".")[1] for m in LORA_MODULES]} if lora else {}
     return SGLangEngineConfig(device="cpu", dtype="float32", random_seed=0,
-                              server_args={"max_total_tokens": 8192, "enable_lora": True, "max_lora_rank": LORA_RANK,
-                                           "lora_target_modules": [m.split(".")[1] for m in LORA_MODULES]},
-                              **kwargs)
+                              server_args={"max_total_tokens": 8192, **lora_args}, **kwargs)
 
 
 def lora_adapters(model_dir: str, seed: int) -> dict:
@@ -179,17 +180,25 @@ def run(engine: SGLangEngine, args: argparse.Namespace) -> dict:
     out["after_abort"] = as_dicts(engine.generate(PROMPTS[:1], GREEDY))
     out["health_end"] = engine.health()
 
-    # LoRA adapters on model A (rollout.weight_sync=adapters), then a replacement: the engine loads each
-    # under a new name and unloads the one before
-    for key, seed, version in (("gen_lora", 0, 3), ("gen_lora2", 1, 4)):
-        engine.update_adapters(lora_adapters(args.model_a, seed), LORA_ALPHA / LORA_RANK, version)
-        out[key] = as_dicts(engine.generate(PROMPTS, SAMPLING))
+    if args.mode == "attach":  # LoRA adapters on model A (rollout.weight_sync=adapters), then a replacement:
+        # the engine loads each under a new name and unloads the one before
+        for key, seed, version in (("gen_lora", 0, 3), ("gen_lora2", 1, 4)):
+            engine.update_adapters(lora_adapters(args.model_a, seed), LORA_ALPHA / LORA_RANK, version)
+            out[key] = as_dicts(engine.generate(PROMPTS, SAMPLING))
+            out[key + "_loaded"] = loaded_adapters(engine.config.base_url)
     return out
+
+
+def loaded_adapters(url: str) -> list[str]:
+    """The LoRA adapters a server holds (its /v1/models lists them beside the base model)."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
+        models = json.loads(resp.read())["data"]
+    return sorted(m["id"] for m in models if m.get("parent"))
 
 
 def start_server(model_dir: str, log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    argv = server_command(cpu_config(model_path=model_dir), model_dir, port=port, python=sys.executable)
+    argv = server_command(cpu_config(lora=True, model_path=model_dir), model_dir, port=port, python=sys.executable)
     log = open(log_path, "w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -267,7 +276,12 @@ def main() -> None:
     finally:
         engine.shutdown()
         if server is not None:
-            stop_server(server)
+            try:
+                after_shutdown = loaded_adapters(url)  # the engine took its adapter back
+            finally:
+                stop_server(server)
+    if server is not None:
+        result["loaded_after_shutdown"] = after_shutdown
     result["timings"]["engine_start"] = round(engine_start, 3)
     result["timings"]["total"] = round(time.perf_counter() - start, 3)
     result["mode"] = args.mode
