@@ -125,7 +125,7 @@ def test_lora_adapters_alone_reach_sglang(tmp_path):
     assert "'enable_lora': True" in log and "'max_lora_rank': 4" in log and "'lora_backend': 'torch_native'" in log
     assert log.count("] INFO megatron_rl.weight_sync.stream: weight sync v") == 1  # the base, before evaluation
     assert log.count("adapter sync v") == 4  # evaluation before RL, two steps, evaluation after
-    adapter_bytes, _, _ = sync_sizes()
+    adapter_bytes, _ = sync_sizes()
     assert [r["sync/bytes"] for r in rows] == [adapter_bytes] * 2
     assert rows[0]["ppo_kl"] > 1e-3, rows[0]["ppo_kl"]  # the first step moved the adapters ...
     for r in rows:  # ... and the next step's samples still match
