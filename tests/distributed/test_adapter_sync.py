@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_spawned
+from tests.distributed.test_rollout_sync import engine_vs_trainer
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -31,7 +32,6 @@ def _worker(rank, world, tp, pp, sequence_parallel, out):
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.hf_engine import HFEngine
     from megatron_rl.trainer.core import Trainer, TrainerOptions
-    from megatron_rl.trainer.packing import Sample
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
     model_cfg = ModelConfig(num_layers=4, lora_rank=RANK, lora_alpha=ALPHA)
@@ -51,17 +51,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, out):
 
     def rollout() -> dict:
         generations = controller.rollout(lambda: engine.generate(PROMPTS, params))
-        samples = []
-        for g in generations:
-            prompt = PROMPTS[g.prompt_index]
-            tokens = torch.tensor(prompt + g.output_ids)
-            mask = torch.zeros(len(tokens) - 1)
-            mask[len(prompt) - 1:] = 1
-            samples.append(Sample(tokens, mask))
-        recomputed, _ = trainer.forward_logprobs(samples)
-        diff = max((lp[s.loss_mask.bool()] - torch.tensor(g.logprobs)).abs().max().item()
-                   for g, lp, s in zip(generations, recomputed, samples))
-        return {"diff": diff, "bytes": controller.last_sync.num_bytes, "released": engine.health()["released"],
+        samples, diffs = engine_vs_trainer(trainer, PROMPTS, generations)
+        return {"diff": max(diffs), "bytes": controller.last_sync.num_bytes, "released": engine.health()["released"],
                 "versions": sorted({g.weight_version for g in generations}), "samples": samples}
 
     first = rollout()

@@ -59,7 +59,6 @@ def _worker(rank, world, tp, pp, ep, sequence_parallel, model, out):
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.hf_engine import EngineStateError, HFEngine
     from megatron_rl.trainer.core import Trainer, TrainerOptions
-    from megatron_rl.trainer.packing import Sample
     from megatron_rl.weight_sync.families import get_converter
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
@@ -97,16 +96,7 @@ def _worker(rank, world, tp, pp, ep, sequence_parallel, model, out):
     except EngineStateError as exc:
         released_error = str(exc)
 
-    samples = []
-    for gen in generations:
-        prompt = PROMPTS[gen.prompt_index]
-        tokens = torch.tensor(prompt + gen.output_ids)
-        mask = torch.zeros(len(tokens) - 1)
-        mask[len(prompt) - 1:] = 1
-        samples.append(Sample(tokens, mask))
-    recomputed, _ = trainer.forward_logprobs(samples)
-    diffs = [(lp[s.loss_mask.bool()] - torch.tensor(g.logprobs)).abs().max().item()
-             for g, lp, s in zip(generations, recomputed, samples)]
+    samples, diffs = engine_vs_trainer(trainer, PROMPTS, generations)
 
     # a training step, then a second rollout: the engine must follow (version 2, new weights)
     trainer.train_step(samples)
@@ -120,6 +110,22 @@ def _worker(rank, world, tp, pp, ep, sequence_parallel, model, out):
                     "hf_bytes": sum(v.numel() * v.element_size() for k, v in expected.items()
                                     if not (k == "lm_head.weight" and model_cfg.tie_word_embeddings)),
                     "count": len(generations)}, out)
+
+
+def engine_vs_trainer(trainer, prompts, generations) -> tuple[list, list[float]]:
+    """(`generations` as training samples, each one's largest |engine - trainer| log-prob of its response)."""
+    from megatron_rl.trainer.packing import Sample
+
+    samples = []
+    for gen in generations:
+        prompt = prompts[gen.prompt_index]
+        tokens = torch.tensor(prompt + gen.output_ids)
+        mask = torch.zeros(len(tokens) - 1)
+        mask[len(prompt) - 1:] = 1
+        samples.append(Sample(tokens, mask))
+    recomputed, _ = trainer.forward_logprobs(samples)
+    return samples, [(lp[s.loss_mask.bool()] - torch.tensor(g.logprobs)).abs().max().item()
+                     for g, lp, s in zip(generations, recomputed, samples)]
 
 
 @pytest.fixture(scope="module")
