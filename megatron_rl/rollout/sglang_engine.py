@@ -354,6 +354,11 @@ class SGLangEngine:
         tensors = list(named_tensors)
         if not tensors and not flush:
             return
+        payloads = self._payloads(tensors) if tensors else []
+        self.update_weights_serialized(payloads, version, flush)
+
+    def _payloads(self, tensors: list[tuple[str, torch.Tensor]], keep_alive: Optional[list] = None) -> list[Any]:
+        """`serialize_bucket` for this engine's transport: one copy per SGLang TP rank, as text over HTTP."""
         as_text = isinstance(self._transport, _HTTPTransport)
         if as_text and any(not t.is_cuda for _, t in tensors):
             # CPU tensors travel through shared memory. The default file-descriptor strategy
@@ -361,8 +366,7 @@ class SGLangEngine:
             # multiprocessing authkey, which only our own children know; a server that is not
             # our child fails with "digest sent was rejected". Named files work for anyone.
             torch.multiprocessing.set_sharing_strategy("file_system")
-        payloads = serialize_bucket(tensors, self._transport.tp_size, as_text) if tensors else []
-        self.update_weights_serialized(payloads, version, flush)
+        return serialize_bucket(tensors, self._transport.tp_size, as_text, keep_alive=keep_alive)
 
     def update_weights_serialized(self, payloads: Sequence[Any], version: int, flush: bool = True) -> None:
         """Like `update_weights` with the bucket already serialized (`serialize_bucket`): one payload
@@ -403,12 +407,8 @@ class SGLangEngine:
             raise EngineStateError("update_adapters while the weights are released: resume_memory(['weights']) "
                                    "and a full weight update first")
         rank = next(iter(adapters.values()))[0].shape[0]
-        tensors = peft_tensors(adapters)
-        as_text = isinstance(self._transport, _HTTPTransport)
-        if as_text and any(not t.is_cuda for t in tensors.values()):
-            torch.multiprocessing.set_sharing_strategy("file_system")  # see update_weights
         keep: list = []
-        payloads = serialize_bucket(list(tensors.items()), self._transport.tp_size, as_text, keep_alive=keep)
+        payloads = self._payloads(list(peft_tensors(adapters).items()), keep_alive=keep)
         self._lora_loads += 1  # a retried load gets a name of its own too
         name, previous = f"{self._lora_prefix}-{self._lora_loads}-v{version}", self._lora
         self._transport.load_lora_adapter(name, payloads, peft_config(rank, scaling * rank, list(adapters),
