@@ -24,14 +24,6 @@ SUMMARY_KEYS = {"loss": "loss", "eval_loss": "eval", "grad_norm": "gnorm", "lr":
                 "tokens_per_s": "tok/s", "step_time_s": "time"}
 
 
-def check_sft_config(cfg) -> None:
-    from megatron_rl.config import ConfigError
-
-    if cfg.task.type == "dataset" and cfg.task.reward == "tests":
-        raise ConfigError("task.reward=tests: SFT needs reference responses; give rows a "
-                          f"{cfg.task.response_key!r} column and keep task.reward=auto")
-
-
 def prompt_response_sample(tokenizer, prompt: str, response: str) -> Sample:
     """Tokens of prompt + response + eos; the loss covers the response and the eos."""
     p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -125,6 +117,8 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from megatron_rl.config.run_checks import check_sft_config
+
     rt = runtime.start(list(sys.argv[1:] if argv is None else argv), "megatron_rl.sft",
                        check=check_sft_config)
     if rt is None:

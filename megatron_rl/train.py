@@ -15,8 +15,6 @@ import sys
 import time
 from typing import Optional, Sequence
 
-import torch
-
 from megatron_rl import runtime
 
 logger = logging.getLogger(__name__)
@@ -224,9 +222,13 @@ def finish_rl(rt, parts, history) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # torch is first imported here, by a rank: a bad config and the local launcher never load it (~2 s).
     rt = runtime.start(list(sys.argv[1:] if argv is None else argv), "megatron_rl.train", check=check_train_config)
     if rt is None:
         return
+    import torch
+
+    torch.set_num_threads(torch.get_num_threads())
     try:
         if rt.cfg.mode == "sft":
             from megatron_rl.sft import run_sft
@@ -239,5 +241,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(torch.get_num_threads())
     main()

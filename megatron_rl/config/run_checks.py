@@ -7,15 +7,68 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def check_sft_config(cfg) -> None:
+    """`mode=sft`'s checks (megatron_rl.sft)."""
+    from megatron_rl.config import ConfigError
+
+    if cfg.task.type == "dataset" and cfg.task.reward == "tests":
+        raise ConfigError("task.reward=tests: SFT needs reference responses; give rows a "
+                          f"{cfg.task.response_key!r} column and keep task.reward=auto")
+
+
+def check_disaggregated_config(cfg) -> None:
+    """Refuse settings disaggregated mode (megatron_rl.disagg) cannot run; colocated: checks that no
+    disaggregated-only setting was changed."""
+    from megatron_rl.config import ConfigError
+
+    r, algo = cfg.rollout, cfg.algorithm
+    if r.mode != "disaggregated":
+        if algo.max_staleness != 1:
+            raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} applies to rollout.mode=disaggregated "
+                              "only: set rollout.mode=disaggregated or drop the override")
+        return
+    for key, value, off in (("oversample", r.oversample, 0.0), ("step_deadline_s", r.step_deadline_s, None)):
+        if value != off:  # the buffer takes finished groups as they come; nothing waits for a step's stragglers
+            raise ConfigError(f"rollout.{key}={value} is a colocated-mode setting (it cuts the stragglers of a "
+                              f"step's rollout); with rollout.mode=disaggregated the experience buffer takes "
+                              f"groups as they finish: drop the override")
+    if r.stop and r.partial_rollout_tokens:
+        raise ConfigError(f"rollout.stop={r.stop} with rollout.partial_rollout_tokens={r.partial_rollout_tokens}: "
+                          "a stop string may span two chunks of a partial rollout, which stop strings are not "
+                          "checked across; use stop token ids or partial_rollout_tokens=0")
+    if algo.old_logprobs != "recompute":
+        raise ConfigError(f"algorithm.old_logprobs={algo.old_logprobs} is invalid with rollout.mode=disaggregated: "
+                          "stale rollouts need old_logprobs=recompute so that the truncated-IS weight "
+                          "(algorithm.tis_cap) corrects the rollout/trainer mismatch")
+
+
+def check_routing_replay(cfg) -> None:
+    """algorithm.routing_replay's requirements, before any work starts."""
+    from megatron_rl.config import ConfigError
+
+    mode = cfg.algorithm.routing_replay
+    if mode == "none":
+        return
+    where = f"algorithm.routing_replay={mode}"
+    if not cfg.model.is_moe:
+        raise ConfigError(f"{where} replays a mixture of experts' routing, but the model (family "
+                          f"{cfg.model.family}) has no experts: set algorithm.routing_replay=none")
+    if mode == "old" and cfg.algorithm.old_logprobs != "recompute":
+        raise ConfigError(f"{where} records the routing at the trainer's old-log-prob forward, which "
+                          f"algorithm.old_logprobs={cfg.algorithm.old_logprobs} skips: use algorithm.old_logprobs="
+                          "recompute, or algorithm.routing_replay=rollout (the engine's routing)")
+    if cfg.model.recompute == "full" and cfg.parallel.pp > 1:
+        raise ConfigError(f"{where} with model.recompute=full and parallel.pp={cfg.parallel.pp}: the 1F1B "
+                          "schedule recomputes a layer's routing while another micro-batch is current; use "
+                          "model.recompute=selective or none")
+
+
 def check_run_config(cfg) -> None:
     from megatron_rl.config import ConfigError
-    from megatron_rl.sft import check_sft_config
 
     if cfg.mode == "sft":
         return check_sft_config(cfg)
-    from megatron_rl.disagg.controller import check_disaggregated_config
     from megatron_rl.rollout.factory import check_engine_config, job_shape
-    from megatron_rl.trainer.routing_replay import check_routing_replay
 
     check_engine_config(cfg, *job_shape(cfg))
     _check_reward_functions(cfg)

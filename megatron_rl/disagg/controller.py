@@ -67,32 +67,6 @@ T = TypeVar("T")
 LOOPBACK = "127.0.0.1"
 
 
-def check_disaggregated_config(cfg: Any) -> None:
-    """Refuse settings disaggregated mode cannot run (raises ConfigError); colocated: checks
-    that no disaggregated-only setting was changed."""
-    from megatron_rl.config import ConfigError
-
-    r, algo = cfg.rollout, cfg.algorithm
-    if r.mode != "disaggregated":
-        if algo.max_staleness != 1:
-            raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} applies to rollout.mode=disaggregated "
-                              "only: set rollout.mode=disaggregated or drop the override")
-        return
-    for key, value, off in (("oversample", r.oversample, 0.0), ("step_deadline_s", r.step_deadline_s, None)):
-        if value != off:  # the buffer takes finished groups as they come; nothing waits for a step's stragglers
-            raise ConfigError(f"rollout.{key}={value} is a colocated-mode setting (it cuts the stragglers of a "
-                              f"step's rollout); with rollout.mode=disaggregated the experience buffer takes "
-                              f"groups as they finish: drop the override")
-    if r.stop and r.partial_rollout_tokens:
-        raise ConfigError(f"rollout.stop={r.stop} with rollout.partial_rollout_tokens={r.partial_rollout_tokens}: "
-                          "a stop string may span two chunks of a partial rollout, which stop strings are not "
-                          "checked across; use stop token ids or partial_rollout_tokens=0")
-    if algo.old_logprobs != "recompute":
-        raise ConfigError(f"algorithm.old_logprobs={algo.old_logprobs} is invalid with rollout.mode=disaggregated: "
-                          "stale rollouts need old_logprobs=recompute so that the truncated-IS weight "
-                          "(algorithm.tis_cap) corrects the rollout/trainer mismatch")
-
-
 class DisaggregatedController:
     """Publishes weights, sends prompts and takes experience; the colocated controller's place in `parts`."""
 

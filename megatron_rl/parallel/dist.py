@@ -5,6 +5,9 @@ Ranks and the rendezvous address come from (in order) torchrun-style variables
 Slurm variables (`SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_STEP_NODELIST`), or nothing
 (a single process). Slurm's compressed node lists are expanded here in Python
 so that no rank shells out to `scontrol` in start-up.
+
+torch is imported by the functions that use it, not by this module: the local launcher and the
+config checks read ranks, node lists and ports here without loading torch (~2 s of CPU a process).
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import os
 import random
 import re
 import socket
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +150,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     """`auto` picks the GPU of this local rank when CUDA is present, else the CPU."""
+    import torch
+
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"cluster.device={requested!r} is invalid: use auto, cpu or cuda")
     if requested == "cuda" and not torch.cuda.is_available():
@@ -162,6 +168,8 @@ def backend_for(device: torch.device) -> str:
 
 def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the default process group (gloo on CPU, NCCL on GPU); idempotent."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return
     dist.init_process_group(
@@ -178,6 +186,9 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.
 def all_reduce_cpu_scalars(values: list[float], group: Optional[dist.ProcessGroup] = None,
                            device: Optional[torch.device] = None) -> list[float]:
     """Sum a few Python floats over a group (metrics); a no-op without torch.distributed."""
+    import torch
+    import torch.distributed as dist
+
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device or "cpu")
@@ -192,6 +203,8 @@ def weight_update_store(host: str, port: int, world_size: int, is_master: bool,
     The store takes any client without credentials (what goes into it is authenticated by
     megatron_rl/disagg/weights.py). A master at a loopback address listens on the loopback only:
     TCPStore itself binds every interface whatever `host` is, so it is handed a socket bound here."""
+    import torch.distributed as dist
+
     timeout = datetime.timedelta(seconds=timeout_s)
     loopback = "127.0.0.1" if host == "localhost" else host if host.startswith("127.") or host == "::1" else None
     if is_master and loopback is not None:
@@ -221,6 +234,8 @@ class WeightUpdateGroup:
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
                  timeout_s: float = 600.0) -> None:
+        import torch.distributed as dist
+
         self.rank, self.world_size, self.device = rank, world_size, device
         prefixed = dist.PrefixStore("weight_update_group", store)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -233,6 +248,8 @@ class WeightUpdateGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In place on every member; blocks until every member has joined this broadcast."""
+        import torch.distributed as dist
+
         options = dist.BroadcastOptions()
         options.rootRank = src
         self.pg.broadcast([tensor], options).wait()
@@ -243,6 +260,8 @@ def generator_device(requested: str, index: int, num_local_trainer_ranks: int, t
     or the GPUs after the trainer's local ranks, generator i on num_local_trainer_ranks + i * tp onwards.
     A node without that many GPUs is refused: a generator on a trainer rank's GPU (NCCL refuses two ranks
     of one group on a device) or on another generator's would fail later, less clearly."""
+    import torch
+
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     gpu = generator_gpu(index, num_local_trainer_ranks, tp, torch.cuda.device_count())

@@ -19,7 +19,7 @@ parallel share), which the trainer's deterministic packing of the same samples g
 
 Full activation recomputation re-runs a layer's routing during the backward pass; with one pipeline
 stage the micro-batch being recomputed is still the current one, with several (1F1B) it is not, so
-that combination is refused (`check_routing_replay`).
+that combination is refused (`megatron_rl.config.run_checks.check_routing_replay`).
 """
 
 from __future__ import annotations
@@ -191,24 +191,3 @@ def carried_routes(mb: Any, columns: list[int], num_moe_layers: int, topk: int,
     full[mb.valid] = every[:, columns].long().clamp_min(0)
     full = part(full)
     return [full[:, i] for i in range(len(columns))], part(covered)
-
-
-def check_routing_replay(cfg) -> None:
-    """algorithm.routing_replay's requirements, before any work starts."""
-    from megatron_rl.config import ConfigError
-
-    mode = cfg.algorithm.routing_replay
-    if mode == "none":
-        return
-    where = f"algorithm.routing_replay={mode}"
-    if not cfg.model.is_moe:
-        raise ConfigError(f"{where} replays a mixture of experts' routing, but the model (family "
-                          f"{cfg.model.family}) has no experts: set algorithm.routing_replay=none")
-    if mode == "old" and cfg.algorithm.old_logprobs != "recompute":
-        raise ConfigError(f"{where} records the routing at the trainer's old-log-prob forward, which "
-                          f"algorithm.old_logprobs={cfg.algorithm.old_logprobs} skips: use algorithm.old_logprobs="
-                          "recompute, or algorithm.routing_replay=rollout (the engine's routing)")
-    if cfg.model.recompute == "full" and cfg.parallel.pp > 1:
-        raise ConfigError(f"{where} with model.recompute=full and parallel.pp={cfg.parallel.pp}: the 1F1B "
-                          "schedule recomputes a layer's routing while another micro-batch is current; use "
-                          "model.recompute=selective or none")

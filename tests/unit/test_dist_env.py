@@ -104,3 +104,32 @@ def test_generators_take_the_gpus_after_the_trainer_ranks_and_never_share_one():
         generator_gpu(2, 4, 2, 8)
     with pytest.raises(RuntimeError, match=r"generator 0 needs GPUs 1..1"):
         generator_gpu(0, 1, 1, 1)  # one GPU, held by the trainer
+
+
+def test_the_launcher_path_never_loads_torch(tmp_path):
+    """A bad config, and everything the local and Slurm launchers do before starting ranks (compose and
+    validate configs of several kinds, read the rank variables, pick a port), run without importing torch
+    (~2 s of CPU a process)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = ("import sys\n"
+             "from megatron_rl import runtime, slurm_job, train\n"
+             "from megatron_rl.parallel.dist import dist_env_from, free_port\n"
+             "for overrides in (['cluster.nproc=2', 'parallel.tp=2'], ['mode=sft'],\n"
+             "                  ['+experiment=demo_agent_countdown'], ['rollout.mode=disaggregated', 'task=math'],\n"
+             "                  ['model=tiny_qwen3_moe', 'algorithm.routing_replay=rollout']):\n"
+             "    runtime.load_validated(overrides, runtime._world_size_for, train.check_train_config)\n"
+             "assert dist_env_from({}).source == 'single' and free_port() > 0\n"
+             "try:\n"
+             "    train.main(['optimizer.lr=-1'])\n"
+             "except SystemExit as exc:\n"
+             "    assert exc.code == 2, exc.code\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "config error: optimizer.lr=-1" in proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
