@@ -34,6 +34,21 @@ PHASES = ("offload_trainer", "resume_engine_weights", "sync_weights", "resume_en
           "release_engine", "onload_trainer")
 
 
+def sync_policy(model: Any, groups: Any, arch: Any, engine: Optional[Any], version: int, bucket_bytes: int,
+                weight_sync: str = "full", adapters_only: bool = False) -> SyncStats:
+    """A rollout's weight sync by `rollout.weight_sync` (this controller's, and disaggregated mode's publish):
+    "full", the merged weights; "adapters", the base weights (unmerged) and then the adapters, or with
+    `adapters_only` (the engine holds this base already) the adapters alone. Every model-parallel rank calls it."""
+    if weight_sync == "full":
+        return sync_weights(model, groups, arch, engine, version, bucket_bytes)
+    if adapters_only:
+        return sync_adapters(model, groups, arch, engine, version)
+    base = sync_weights(model, groups, arch, engine, version, bucket_bytes, merged=False)
+    adapters = sync_adapters(model, groups, arch, engine, version)
+    return SyncStats(version, base.num_tensors + adapters.num_tensors, base.num_bytes + adapters.num_bytes,
+                     base.num_buckets + adapters.num_buckets, base.seconds + adapters.seconds)
+
+
 class ColocationController:
     def __init__(self, trainer: Any, engine: Optional[Any], bucket_bytes: int = 256 * 2**20,
                  critic: Optional[Any] = None, weight_sync: str = "full") -> None:
@@ -116,16 +131,11 @@ class ColocationController:
         return getattr(self.trainer, "weights_loaded", 0)
 
     def _sync(self, version: int, adapters_only: bool) -> SyncStats:
-        module, groups, arch = self.trainer.module, self.trainer.groups, self.trainer.model_cfg
-        if self.weight_sync == "full":
-            return sync_weights(module, groups, arch, self.engine, version, self.bucket_bytes)
-        if adapters_only:
-            return sync_adapters(module, groups, arch, self.engine, version)
-        base = sync_weights(module, groups, arch, self.engine, version, self.bucket_bytes, merged=False)
-        adapters = sync_adapters(module, groups, arch, self.engine, version)
-        self._base_of = self._weights_loaded()
-        return SyncStats(version, base.num_tensors + adapters.num_tensors, base.num_bytes + adapters.num_bytes,
-                         base.num_buckets + adapters.num_buckets, base.seconds + adapters.seconds)
+        stats = sync_policy(self.trainer.module, self.trainer.groups, self.trainer.model_cfg, self.engine, version,
+                            self.bucket_bytes, self.weight_sync, adapters_only)
+        if self.weight_sync == "adapters" and not adapters_only:
+            self._base_of = self._weights_loaded()
+        return stats
 
     def _hand_back(self, failed: bool) -> None:
         """Release the engine, then onload the trainer (also when the release fails). After a failed

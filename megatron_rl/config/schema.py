@@ -817,10 +817,11 @@ class RolloutConfig:
     """SGLang's share of GPU memory for weights and KV cache, in (0, 1)."""
     weight_sync: str = "full"
     """What the trainer pushes into the engine before each rollout. full: every weight (a LoRA model's merged
-    W + alpha / r B A). adapters (LoRA runs, model.lora_rank > 0, colocated mode): the frozen base weights
-    once, then only the adapters, which the engine applies itself (the hf engine's hooks; SGLang's LoRA
-    serving, started with enable_lora): a step moves r (in + out) numbers per adapted module instead of the
-    model. The engine's base weights then stay resident between rollouts (only its KV cache is released)."""
+    W + alpha / r B A). adapters (LoRA runs, model.lora_rank > 0): the frozen base weights once, then only the
+    adapters, which the engine applies itself (the hf engine's hooks; SGLang's LoRA serving, started with
+    enable_lora): a step moves r (in + out) numbers per adapted module instead of the model. Colocated, the
+    engine's base weights then stay resident between rollouts (only its KV cache is released); disaggregated,
+    each publish to the generators is the adapters alone after the first."""
     replay_dir: Optional[str] = None
     """Debugging: train on the rollouts a run dumped (logging.dump_rollouts; its run_dir/rollouts) instead
     of generating: step k reads step_k.jsonl (megatron_rl/rollout/dump.py). Colocated mode only."""
@@ -899,10 +900,6 @@ class RolloutConfig:
         _check_choice("rollout.backend", self.backend, self.BACKENDS)
         _check_choice("rollout.mode", self.mode, self.MODES)
         _check_choice("rollout.weight_sync", self.weight_sync, self.WEIGHT_SYNCS)
-        if self.weight_sync == "adapters" and self.mode != "colocated":
-            raise _invalid("rollout.weight_sync", self.weight_sync, "adapter syncs are built for "
-                           "rollout.mode=colocated only (disaggregated generators receive full weights): use "
-                           "rollout.weight_sync=full")
         _check_min("rollout.num_generators", self.num_generators, 1)
         _check_min("rollout.partial_rollout_tokens", self.partial_rollout_tokens, 0)
         _check_min("rollout.generator_nodes", self.generator_nodes, 0)

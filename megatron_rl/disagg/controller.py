@@ -86,6 +86,9 @@ class DisaggregatedController:
         self._timeline: Any = None
         self._step = -1
         self._sink: Any = None
+        # rollout.weight_sync=adapters: the trainer's `weights_loaded` count when the generators got the base
+        # weights they hold (None: none yet)
+        self._base_of: Optional[int] = None
         self._next_issue_step = 0
         self._next_request = 0
         self._in_flight: dict[int, list[int]] = {}  # request id -> source indices not trained on yet
@@ -181,20 +184,30 @@ class DisaggregatedController:
         self.events.write("connect", start, time.time(), generators=num)
 
     def _publish(self, version: int) -> Any:
-        from megatron_rl.weight_sync.stream import sync_weights
+        """Weights v=`version` to every generator. rollout.weight_sync=adapters: the base weights and the adapters
+        the first time (the generators are this run's processes, started with it) and after weights were loaded
+        into the trainer again, else the adapters alone; every trainer rank decides alike (the sync's collectives)."""
+        from megatron_rl.colocate.controller import sync_policy
 
+        mode = self.colocated.weight_sync
+        loaded = getattr(self.trainer, "weights_loaded", 0)
+        adapters_only = mode == "adapters" and self._base_of == loaded
+        if self._sink is not None:
+            self._sink.adapters_follow = mode == "adapters" and not adapters_only
         start = time.time()
         try:
-            stats = sync_weights(self.trainer.module, self.trainer.groups, self.trainer.model_cfg, self._sink,
-                                 version, self.colocated.bucket_bytes)
+            stats = sync_policy(self.trainer.module, self.trainer.groups, self.trainer.model_cfg, self._sink,
+                                version, self.colocated.bucket_bytes, mode, adapters_only)
         except RuntimeError as exc:  # the weight group lost a member: say which generator it was
             if not self.is_main:
                 raise
             raise RuntimeError(f"publishing weights v{version} to the generators failed ({self.hub.describe()}; "
                                f"logs under {self.events.path.parents[1] / 'logs'}): {exc}") from exc
         self.version = version
+        if mode == "adapters":
+            self._base_of = loaded
         if self.is_main:
-            self.events.write("publish", start, time.time(), version=version)
+            self.events.write("publish", start, time.time(), version=version, bytes=stats.num_bytes)
         return stats
 
     # -- prompts in flight --------------------------------------------------------------------------

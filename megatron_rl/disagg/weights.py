@@ -9,6 +9,9 @@ one broadcast over the `WeightUpdateGroup` (gloo on CPU, NCCL on GPU).
 Generator side, `WeightReceiver.poll()` is called between generation chunks: when the first
 bucket of the next version is announced in the store it joins the broadcasts, bucket by
 bucket, and loads each into its engine with `engine.update_weights(bucket, version, flush)`.
+With rollout.weight_sync=adapters (a LoRA run) the trainer sends the frozen base weights once, then
+each version's adapters alone: `sync_adapters` into the sink's `update_adapters`, one bucket of
+`<module>.lora_A` / `.lora_B` tensors that the receiver hands to `engine.update_adapters`.
 The trainer blocks in the broadcast until every generator has joined, i.e. at most one
 generation chunk (`rollout.partial_rollout_tokens`) or, without partial rollouts, one request.
 
@@ -24,10 +27,12 @@ the same store's rendezvous keys) are not authenticated; see docs/rollout.md.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
 import logging
+import math
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -83,17 +88,47 @@ def _malformed(name: str, why: str) -> WeightStoreError:
     return WeightStoreError(f"weight store value {name!r} is malformed: {why}")
 
 
-def encode_bucket(meta: BucketMeta, flush: bool) -> bytes:
-    """A bucket's metadata as JSON: {"flush": bool, "tensors": [[name, shape, dtype name], ...]}."""
+ADAPTER_SUFFIXES = (".lora_A", ".lora_B")  # an adapter bucket's tensor names: <HF module>.lora_A / .lora_B
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """What a bucket's metadata says. A weight bucket: `flush` (the version's weights are complete) and,
+    on the flushing bucket, `adapters_follow` (an adapter bucket of the same version comes next). An
+    adapter bucket (`lora_scaling` set: alpha / r) holds each module's A and B and ends the version."""
+
+    meta: BucketMeta
+    flush: bool
+    adapters_follow: bool = False
+    lora_scaling: Optional[float] = None
+
+    @property
+    def ends_version(self) -> bool:
+        return self.lora_scaling is not None or (self.flush and not self.adapters_follow)
+
+
+def encode_bucket(meta: BucketMeta, flush: bool, adapters_follow: bool = False,
+                  lora_scaling: Optional[float] = None) -> bytes:
+    """A bucket's metadata as JSON: {"flush": bool, "tensors": [[name, shape, dtype name], ...]}, with
+    "adapters_follow": true on a flushing weight bucket an adapter bucket follows; an adapter bucket is
+    {"lora_scaling": number, "tensors": [...]}."""
     for _, _, dtype in meta:
         if dtype not in _NAMES:
             raise ValueError(f"a weight of dtype {dtype} cannot be sent to the generators: allowed dtypes are "
                              f"{', '.join(DTYPES)}")
     tensors = [[name, [int(n) for n in shape], _NAMES[dtype]] for name, shape, dtype in meta]
-    return json.dumps({"flush": bool(flush), "tensors": tensors}, separators=(",", ":")).encode()
+    if lora_scaling is not None:
+        doc: dict[str, Any] = {"lora_scaling": float(lora_scaling), "tensors": tensors}
+    else:
+        doc = {"flush": bool(flush), "tensors": tensors}
+        if adapters_follow:
+            if not flush:
+                raise ValueError("adapters_follow is for the bucket that completes the weights (flush=True)")
+            doc["adapters_follow"] = True
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def decode_bucket(payload: bytes, name: str) -> tuple[BucketMeta, bool]:
+def decode_bucket(payload: bytes, name: str) -> Bucket:
     """`encode_bucket`'s inverse, checked field by field (raises WeightStoreError naming the problem)."""
     try:
         doc = json.loads(payload.decode("utf-8"))
@@ -101,10 +136,18 @@ def decode_bucket(payload: bytes, name: str) -> tuple[BucketMeta, bool]:
         raise _malformed(name, f"not JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise _malformed(name, f"must be an object, got {type(doc).__name__}")
-    if set(doc) != {"flush", "tensors"}:
-        raise _malformed(name, f"keys must be exactly flush, tensors; got {', '.join(sorted(map(str, doc)))}")
-    if not isinstance(doc["flush"], bool):
-        raise _malformed(name, f"flush must be true or false, got {doc['flush']!r}")
+    shapes = ({"flush", "tensors"}, {"flush", "tensors", "adapters_follow"}, {"lora_scaling", "tensors"})
+    if set(doc) not in shapes:
+        raise _malformed(name, "keys must be exactly flush, tensors (and adapters_follow), or lora_scaling, tensors; "
+                         f"got {', '.join(sorted(map(str, doc)))}")
+    scaling = doc.get("lora_scaling")
+    if "lora_scaling" in doc and not (type(scaling) in (int, float) and math.isfinite(scaling) and scaling > 0):
+        raise _malformed(name, f"lora_scaling must be a finite number > 0, got {scaling!r}")
+    for key in ("flush", "adapters_follow"):
+        if key in doc and not isinstance(doc[key], bool):
+            raise _malformed(name, f"{key} must be true or false, got {doc[key]!r}")
+    if doc.get("adapters_follow") is False or (doc.get("adapters_follow") and not doc["flush"]):
+        raise _malformed(name, "adapters_follow must be true, and only on a bucket with flush true")
     if not isinstance(doc["tensors"], list):
         raise _malformed(name, "tensors must be a list")
     meta: BucketMeta = []
@@ -119,7 +162,13 @@ def decode_bucket(payload: bytes, name: str) -> tuple[BucketMeta, bool]:
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise _malformed(name, f"tensor {tensor!r}: unknown dtype {dtype!r} (allowed: {', '.join(DTYPES)})")
         meta.append((tensor, tuple(shape), DTYPES[dtype]))
-    return meta, doc["flush"]
+    if scaling is not None:
+        names = [tensor for tensor, _, _ in meta]
+        modules = [n[:-len(ADAPTER_SUFFIXES[0])] for n in names[::2]]
+        if names != [m + suffix for m in modules for suffix in ADAPTER_SUFFIXES]:
+            raise _malformed(name, "an adapter bucket's tensors must be <module>.lora_A, <module>.lora_B pairs")
+        return Bucket(meta, True, lora_scaling=float(scaling))
+    return Bucket(meta, doc["flush"], adapters_follow=doc.get("adapters_follow", False))
 
 
 def read_start(store: Any, hub_key: bytes, name: str) -> int:
@@ -131,31 +180,49 @@ def read_start(store: Any, hub_key: bytes, name: str) -> int:
 
 
 class BroadcastSink:
-    """The trainer's end: an `update_weights` target that broadcasts each bucket to the generators.
-    `hub_key`: the hub's key (`channel.Hub.key`), which authenticates the metadata in the store."""
+    """The trainer's end: an `update_weights` / `update_adapters` target that broadcasts each bucket to the
+    generators. `hub_key`: the hub's key (`channel.Hub.key`), which authenticates the metadata in the store.
+    Set `adapters_follow` before a full weight update that `update_adapters` completes (rollout.weight_sync=
+    adapters: the base weights, then their adapters, one version)."""
 
     def __init__(self, group: Any, store: Any, hub_key: bytes) -> None:
         self.group, self.store, self.hub_key = group, store, hub_key
         self.weight_version = -1
+        self.adapters_follow = False
         self._bucket = 0
         self._version: Optional[int] = None
         self._sent: Optional[tuple[int, int]] = None  # (version, buckets) of the last complete update
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        flush: bool = True) -> None:
-        tensors = list(named_tensors)
+        follow = flush and self.adapters_follow
+        self._send(list(named_tensors), version, flush=flush, adapters_follow=follow)
+        if flush and not follow:
+            self._sent_all(version)
+
+    def update_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
+                        version: int) -> None:
+        """The engine's `update_adapters`, in one bucket: {HF module: (A [r, in], B [out, r])}, alpha / r."""
+        tensors = [(module + suffix, t) for module, pair in adapters.items()
+                   for suffix, t in zip(ADAPTER_SUFFIXES, pair)]
+        self._send(tensors, version, flush=True, lora_scaling=scaling)
+        self.adapters_follow = False
+        self._sent_all(version)
+
+    def _send(self, tensors: list[tuple[str, torch.Tensor]], version: int, **fields: Any) -> None:
         if version != self._version:
             self._version, self._bucket = version, 0
         meta, flat = pack_bucket(tensors)
-        signed_set(self.store, self.hub_key, _key(version, self._bucket), encode_bucket(meta, flush))
+        signed_set(self.store, self.hub_key, _key(version, self._bucket), encode_bucket(meta, **fields))
         self.group.broadcast(flat.to(self.group.device), src=0)
         self._bucket += 1
-        if flush:  # every member has read the previous update's keys by now
-            if self._sent is not None:
-                for bucket in range(self._sent[1]):
-                    self.store.delete_key(_key(self._sent[0], bucket))
-            self._sent = (version, self._bucket)
-            self.weight_version = version
+
+    def _sent_all(self, version: int) -> None:
+        if self._sent is not None:  # every member has read the previous update's keys by now
+            for bucket in range(self._sent[1]):
+                self.store.delete_key(_key(self._sent[0], bucket))
+        self._sent = (version, self._bucket)
+        self.weight_version = version
 
 
 class WeightReceiver:
@@ -184,13 +251,20 @@ class WeightReceiver:
         bucket = 0
         while True:
             name = _key(version, bucket)
-            meta, flush = decode_bucket(signed_get(self.store, self.hub_key, name), name)
-            flat = torch.empty(bucket_bytes_of(meta), dtype=torch.uint8, device=self.group.device)
+            got = decode_bucket(signed_get(self.store, self.hub_key, name), name)
+            flat = torch.empty(bucket_bytes_of(got.meta), dtype=torch.uint8, device=self.group.device)
             self.group.broadcast(flat, src=0)
-            self.engine.update_weights(unpack_bucket(meta, flat), version, flush=flush)
+            tensors = unpack_bucket(got.meta, flat)
+            if got.lora_scaling is None:
+                self.engine.update_weights(tensors, version, flush=got.flush)
+            else:
+                pairs = [t for _, t in tensors]
+                modules = [n[:-len(ADAPTER_SUFFIXES[0])] for n, _ in tensors[::2]]
+                self.engine.update_adapters(dict(zip(modules, zip(pairs[::2], pairs[1::2]))), got.lora_scaling,
+                                            version)
             self.progress()
             bucket += 1
-            if flush:
+            if got.ends_version:
                 break
         self.version = version
         if self.on_update is not None:

@@ -186,6 +186,34 @@ def test_tensor_parallel_trainer_publishes_the_gathered_weights(tmp_path):
     assert max(r["rollout/logprob_mismatch"] for r in rows[1:]) > 1e-3
 
 
+def test_a_lora_run_publishes_the_base_once_and_then_the_adapters_alone(tmp_path):
+    """rollout.weight_sync=adapters: the first publish carries the frozen base weights and the adapters, later
+    ones the adapters alone (their bytes counted from the architecture: A [r, in] and B [out, r] of q, k, v, o,
+    gate, up and down in every layer, fp32). On-policy (max_staleness=0), each step's groups come from that
+    step's weights, so the generator's log-probs equal the trainer's at every step: it applied each new
+    adapter (the updates at lr 1e-2 move the log-probs by far more than 1e-4)."""
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config.schema import ModelConfig
+
+    run_dir = tmp_path / "run"
+    rows, _ = _run(run_dir, "num_steps=3", "model.lora_rank=4", "rollout.weight_sync=adapters", "optimizer.lr=1e-2",
+                   "algorithm.max_staleness=0", "rollout.max_new_tokens=16", "task.sft_warmup_steps=5")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    model = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").model)
+    m = ModelConfig(**model)
+    h, q, kv, f = m.hidden_size, m.num_attention_heads * m.resolved_head_dim, \
+        m.num_query_groups * m.resolved_head_dim, m.ffn_hidden_size
+    adapter_bytes = 4 * m.num_layers * sum(m.lora_rank * (i + o) for i, o in
+                                           [(h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h)])
+    assert rows[0]["sync/bytes"] > 10 * adapter_bytes
+    assert rows[1]["sync/bytes"] == rows[2]["sync/bytes"] == adapter_bytes
+    for r in rows:
+        assert r["async/staleness_max"] == 0 and r["rollout/logprob_mismatch"] <= 1e-4, r
+    publishes = [e for e in read_events(run_dir / "timeline" / "trainer.jsonl") if e["event"] == "publish"]
+    assert [e["bytes"] for e in publishes] == [r["sync/bytes"] for r in rows]
+
+
 def test_a_mixture_of_experts_replays_the_generators_routing(tmp_path):
     """algorithm.routing_replay=rollout (R3) with a generator: it returns each sample's routing with its
     group, and the trainer's old-log-prob forward and both updates route every token as the generator did,

@@ -243,13 +243,13 @@ def test_lora_settings_are_checked() -> None:
             load_config(overrides, world_size=1)
 
 
-def test_adapter_sync_needs_lora_and_colocation() -> None:
-    cfg = load_config(["mode=rl", "model.lora_rank=4", "rollout.weight_sync=adapters"], world_size=1)
-    assert cfg.rollout.weight_sync == "adapters"
+def test_adapter_sync_needs_lora() -> None:
+    for mode in ("colocated", "disaggregated"):
+        cfg = load_config(["mode=rl", "model.lora_rank=4", "rollout.weight_sync=adapters", f"rollout.mode={mode}"],
+                          world_size=1)
+        assert cfg.rollout.weight_sync == "adapters"
     refused = {
         "rollout.weight_sync=adapters is invalid: the model trains no LoRA adapters": ["rollout.weight_sync=adapters"],
-        "rollout.weight_sync=adapters is invalid: adapter syncs are built for rollout.mode=colocated only": [
-            "model.lora_rank=4", "rollout.weight_sync=adapters", "rollout.mode=disaggregated"],
         "allowed values are full, adapters": ["model.lora_rank=4", "rollout.weight_sync=lora"],
         "moves it every step": ["model=tiny_glm4_moe", "model.lora_rank=4", "model.lora_targets=[linear_qkv]",
                                 "model.moe_router_bias_update_rate=0.001", "rollout.weight_sync=adapters"],

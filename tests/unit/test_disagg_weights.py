@@ -67,6 +67,9 @@ class _Engine:
     def update_weights(self, named_tensors, version: int, flush: bool = True) -> None:
         self.calls.append(([(n, t.clone()) for n, t in named_tensors], version, flush))
 
+    def update_adapters(self, adapters, scaling: float, version: int) -> None:
+        self.calls.append(({m: (a.clone(), b.clone()) for m, (a, b) in adapters.items()}, version, scaling))
+
 
 @pytest.fixture
 def store():
@@ -139,6 +142,37 @@ def test_a_genuine_value_replayed_under_another_name_is_refused(store):
         receiver.poll()
 
 
+def test_the_base_then_adapters_in_one_version_and_later_the_adapters_alone(store):
+    """rollout.weight_sync=adapters: the base weights' last bucket says adapters follow, the adapter bucket
+    (each module's A and B, alpha / r) completes the version; the next version is that bucket alone."""
+    wire, engine = _Wire(), _Engine()
+    sink = BroadcastSink(wire, store, KEY)
+    g = torch.Generator().manual_seed(1)
+    adapters = {f"model.layers.0.self_attn.{p}_proj": (torch.randn(2, 4, generator=g), torch.randn(3, 2, generator=g))
+                for p in ("q", "o")}
+    sink.adapters_follow = True
+    buckets = _buckets()
+    for i, bucket in enumerate(buckets):
+        sink.update_weights(bucket, 0, flush=i == len(buckets) - 1)
+    sink.update_adapters(adapters, 8.0, 0)
+    assert json.loads(store.get("v0/b1").partition(b"\n")[2])["adapters_follow"] is True
+    assert json.loads(store.get("v0/b2").partition(b"\n")[2]) == {"lora_scaling": 8.0, "tensors": [
+        [f"model.layers.0.self_attn.{p}_proj.lora_{m}", shape, "float32"]
+        for p in ("q", "o") for m, shape in (("A", [2, 4]), ("B", [3, 2]))]}
+    receiver = WeightReceiver(_Receiving(wire), store, engine, KEY)
+    assert receiver.poll() and receiver.version == 0
+    assert [call[1:] for call in engine.calls] == [(0, False), (0, True), (0, 8.0)]
+    got = engine.calls[2][0]
+    assert list(got) == list(adapters) and all(torch.equal(got[m][0], adapters[m][0]) and
+                                               torch.equal(got[m][1], adapters[m][1]) for m in adapters)
+    assert not sink.adapters_follow and not receiver.poll()  # the version ended with the adapters
+    moved = {m: (a + 1, b - 1) for m, (a, b) in adapters.items()}
+    sink.update_adapters(moved, 8.0, 1)
+    assert not store.check(["v0/b0"]) and receiver.poll() and receiver.version == 1
+    assert [call[1:] for call in engine.calls[3:]] == [(1, 8.0)] and torch.equal(
+        engine.calls[3][0]["model.layers.0.self_attn.o_proj"][1], moved["model.layers.0.self_attn.o_proj"][1])
+
+
 @pytest.mark.parametrize("body, message", [
     (b"\x80\x04K\x01.", "not JSON"),
     (b"[1, 2]", "must be an object"),
@@ -153,6 +187,14 @@ def test_a_genuine_value_replayed_under_another_name_is_refused(store):
     (b'{"flush": true, "tensors": [["w", [true], "float32"]]}', "shape must be a list of integers >= 0"),
     (b'{"flush": true, "tensors": [[7, [2], "float32"]]}', "name must be a string"),
     (b'{"flush": true, "tensors": [["w", [2]]]}', r"must be \[name, shape, dtype\]"),
+    (b'{"flush": false, "adapters_follow": true, "tensors": []}', "only on a bucket with flush true"),
+    (b'{"flush": true, "adapters_follow": 1, "tensors": []}', "adapters_follow must be true or false"),
+    (b'{"lora_scaling": -2, "tensors": []}', "lora_scaling must be a finite number > 0"),
+    (b'{"lora_scaling": true, "tensors": []}', "lora_scaling must be a finite number > 0"),
+    (b'{"lora_scaling": 2, "flush": true, "tensors": []}', "keys must be exactly"),
+    (b'{"lora_scaling": 2, "tensors": [["m.lora_B", [2], "float32"], ["m.lora_A", [2], "float32"]]}',
+     "must be <module>.lora_A, <module>.lora_B pairs"),
+    (b'{"lora_scaling": 2, "tensors": [["m.lora_A", [2], "float32"]]}', "must be <module>.lora_A, <module>.lora_B"),
 ])
 def test_authentic_but_malformed_metadata_is_refused_with_the_reason(store, body, message):
     """A value under the right key that is not what a sink writes (a bug, or a sink of another
