@@ -46,9 +46,7 @@ print(max(1, min(len(os.sched_getaffinity(0)), 4, int(mem_gib // 8))))
 PY
 )}
 parallel=()
-# Files go out longest first (tests/conftest.py orders them by tests/durations.json), not xdist's
-# default order (most tests first), which left the slowest few-test files to the end.
-[[ $workers -gt 1 ]] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+[[ $workers -gt 1 ]] && parallel=(-n "$workers" --dist loadfile)
 first=0 second=0
 # --durations: the slowest tests close the first pass's report (where the suite's time goes)
 "${pytest[@]}" -m "not serial" "${parallel[@]}" --durations=25 "$@" || first=$?
