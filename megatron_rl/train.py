@@ -222,7 +222,7 @@ def finish_rl(rt, parts, history) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    # torch is first imported here, by a rank: a bad config and the local launcher never load it (~2 s).
+    # torch only in a rank (runtime.start returned one): a bad config and the local launcher never load it (~2 s).
     rt = runtime.start(list(sys.argv[1:] if argv is None else argv), "megatron_rl.train", check=check_train_config)
     if rt is None:
         return
