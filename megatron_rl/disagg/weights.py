@@ -91,6 +91,11 @@ def _malformed(name: str, why: str) -> WeightStoreError:
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")  # an adapter bucket's tensor names: <HF module>.lora_A / .lora_B
 
 
+def _adapter_modules(names: list[str]) -> list[str]:
+    """The modules of an adapter bucket's tensor names, read off every A (decode_bucket checks the pairs)."""
+    return [n[:-len(ADAPTER_SUFFIXES[0])] for n in names[::2]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """What a bucket's metadata says. A weight bucket: `flush` (the version's weights are complete) and,
@@ -164,7 +169,7 @@ def decode_bucket(payload: bytes, name: str) -> Bucket:
         meta.append((tensor, tuple(shape), DTYPES[dtype]))
     if scaling is not None:
         names = [tensor for tensor, _, _ in meta]
-        modules = [n[:-len(ADAPTER_SUFFIXES[0])] for n in names[::2]]
+        modules = _adapter_modules(names)
         if names != [m + suffix for m in modules for suffix in ADAPTER_SUFFIXES]:
             raise _malformed(name, "an adapter bucket's tensors must be <module>.lora_A, <module>.lora_B pairs")
         return Bucket(meta, True, lora_scaling=float(scaling))
@@ -259,7 +264,7 @@ class WeightReceiver:
                 self.engine.update_weights(tensors, version, flush=got.flush)
             else:
                 pairs = [t for _, t in tensors]
-                modules = [n[:-len(ADAPTER_SUFFIXES[0])] for n, _ in tensors[::2]]
+                modules = _adapter_modules([n for n, _ in tensors])
                 self.engine.update_adapters(dict(zip(modules, zip(pairs[::2], pairs[1::2]))), got.lora_scaling,
                                             version)
             self.progress()
