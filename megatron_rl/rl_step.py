@@ -168,20 +168,22 @@ def _generate(rt, parts: dict, prompts: list, params: SamplingParams,
 def _episodes(rt, parts: dict, prompts: list, params: SamplingParams, task_cfg: Any, rewards: Any,
               training: bool, target: Optional[int] = None) -> tuple[list[Rollout], dict[str, float]]:
     """Agent task `task_cfg`'s prompts played as episodes (its turn format and episode limits).
-    In a training step with over-sampling, groups beyond the first `target` done are cut
-    (default: the batch's share of `prompts`), and episodes stop at the step deadline."""
+    In a training step with over-sampling, the groups beyond the first `target` done are cut
+    (default: the batch's groups, global_batch_size / n), and episodes stop at the step deadline."""
     from megatron_rl.rollout.multiturn import EpisodeLimits, collect_episodes
 
     r = rt.cfg.rollout
-    groups = len(prompts)
     if not training:
         target = None
     elif r.oversample and target is None:
-        target = groups - round(groups * r.oversample / (1 + r.oversample))
-    return collect_episodes(parts["engine"], prompts, params, rewards, rt.groups,
-                            _turn_format(parts, task_cfg), EpisodeLimits.of(task_cfg), r.agent_scheduler,
-                            r.max_concurrent_episodes, target, parts["controller"].timeline,
-                            r.step_deadline_s if training else None, r.straggler_policy == "partial")
+        target = rt.cfg.global_batch_size // params.n
+    got, stats = collect_episodes(parts["engine"], prompts, params, rewards, rt.groups,
+                                  _turn_format(parts, task_cfg), EpisodeLimits.of(task_cfg), r.agent_scheduler,
+                                  r.max_concurrent_episodes, target, parts["controller"].timeline,
+                                  r.step_deadline_s if training else None, r.straggler_policy == "partial")
+    if target is not None:
+        _cut_beyond(got, target)
+    return got, stats
 
 
 def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams,
@@ -220,8 +222,6 @@ def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams,
         else:
             view = _DomainRewards(rewards.verifier.verifiers[domain], rewards.loop)
             got, stats = _episodes(rt, parts, mine, params, task.tasks[domain].cfg, view, training, targets.get(domain))
-            if targets:
-                _cut_beyond(got, targets[domain])
             stats = {(k if k.startswith("time/") else f"domain/{domain}/{k}"): v for k, v in stats.items()}
         for r in got:
             r.prompt_index = index[r.prompt_index]
@@ -235,8 +235,10 @@ def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams,
 
 def _cut_beyond(rollouts: list[Rollout], target: int) -> None:
     """Cut the groups beyond the first `target` (in prompt order) that were neither cut nor stopped
-    at the deadline: groups that finished together with the one that filled the share, or that
-    `straggler_policy=partial` kept, so that a domain's share of the batch is exact."""
+    at the deadline: groups that finished together with the one that filled the share (in the same
+    turn of the event loop, or on another data-parallel rank, whose share is rounded up), or that
+    `straggler_policy=partial` kept, so that the batch (or a domain's share of it) is exact and
+    every group generated beyond it is counted as cut."""
     lost = {r.prompt_index for r in rollouts if r.status in ("aborted", "deadline")}
     extra = set(sorted({r.prompt_index for r in rollouts} - lost)[target:])
     for r in rollouts:

@@ -95,3 +95,37 @@ def test_groups_finished_beyond_a_domains_share_are_cut():
     assert kept == [0, 2]
     assert all(r.status == "aborted" and r.reward == 0.0 for r in rollouts if r.prompt_index in (4, 5))
     assert [r.status for r in rollouts if r.prompt_index == 3] == ["deadline"] * 2
+
+
+def test_a_group_finished_beside_the_batchs_last_is_cut_in_a_single_task_run(monkeypatch):
+    """Over-sampling without domains (6 groups drawn for a batch of 4): when a fifth group finishes in
+    the same turn of the event loop as the fourth (the scheduler then returns 5 complete groups;
+    CI saw it), or on another data-parallel rank, the batch is still exactly its 4 groups and the
+    others are cut (counted in sched/groups_cut)."""
+    from types import SimpleNamespace
+
+    from megatron_rl import rl_step
+    from megatron_rl.rollout import multiturn
+
+    cfg = load_config(["mode=rl", "task.type=agent", "global_batch_size=8", "rollout.n_samples_per_prompt=2",
+                       "rollout.agent_scheduler=async", "rollout.oversample=0.5"], world_size=1)
+    seen = {}
+
+    def collect_episodes(engine, prompts, params, rewards, groups, fmt, limits, scheduler, concurrency, target,
+                         *rest):
+        seen["target"] = target
+        status = ["submitted"] * 5 + ["aborted"]  # group 5 still running at the cut
+        return [SimpleNamespace(prompt_index=g, status=s, reward=float(s != "aborted")) for g, s in enumerate(status)
+                for _ in range(2)], {}
+
+    monkeypatch.setattr(multiturn, "collect_episodes", collect_episodes)
+    monkeypatch.setattr(rl_step, "_turn_format", lambda parts, task_cfg: None)
+    rt = SimpleNamespace(cfg=cfg, groups=None)
+    parts = {"engine": None, "controller": SimpleNamespace(timeline=None)}
+    prompts = [SimpleNamespace(meta={}) for _ in range(6)]
+    got, _ = rl_step._episodes(rt, parts, prompts, SimpleNamespace(n=2), cfg.task, None, training=True)
+    assert seen["target"] == 4
+    assert sorted({r.prompt_index for r in got if r.status != "aborted"}) == [0, 1, 2, 3]
+    assert all(r.reward == 0.0 for r in got if r.prompt_index >= 4)
+    got, _ = rl_step._episodes(rt, parts, prompts, SimpleNamespace(n=2), cfg.task, None, training=False)
+    assert seen["target"] is None and sum(r.status != "aborted" for r in got) == 10  # evaluation cuts nothing
