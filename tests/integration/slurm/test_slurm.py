@@ -139,6 +139,19 @@ def _nodes_completing(env: dict) -> bool:
     return proc.returncode != 0 or not states or any("completing" in s or s.endswith("@") for s in states)
 
 
+def _slurm_says(env: dict, job: Job) -> str:
+    """For a failure message: the job's `scontrol show job` state and reason, and the lines of the
+    test cluster's daemon logs that name it (why Slurm ended or held it)."""
+    fields = job._show()
+    lines = [f"scontrol: JobState={fields.get('JobState')} Reason={fields.get('Reason')} "
+             f"ExitCode={fields.get('ExitCode')} Restarts={fields.get('Restarts')}"]
+    for log in sorted((Path(env["MEGATRON_RL_SLURM_LAB"]) / "log").glob("slurm*.log")):
+        named = [line for line in log.read_text(errors="replace").splitlines()
+                 if re.search(rf"(JobId=|[Jj]ob |jobid |StepId=|\[){job.job_id}\b", line)]
+        lines += [f"{log.name}: {line}" for line in named[-15:]]
+    return "\n".join(lines)
+
+
 def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_env, tmp_path):
     steps = 7
     job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
@@ -148,6 +161,7 @@ def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_en
     subprocess.run(["scancel", "--batch", "--signal=USR1", job.job_id], env=slurm_env, check=True)
     deadline = time.monotonic() + 300  # KillWait, the node's "completing", the forced start; slow on a loaded box
     states: list[str] = []  # the job's states while it requeues, for the failure message
+    free_since: Optional[float] = None  # since when the nodes have been done with the first start
     while "start 2" not in job.log():
         state = job.state()
         if not states or states[-1] != state:
@@ -157,11 +171,18 @@ def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_en
         # it); only the deadline judges it then.
         if "requeueing job" not in job.log():
             assert not job.finished(), job.log()[-6000:]
-        assert time.monotonic() < deadline, f"states {states}\n{job.log()[-6000:]}"
-        # Slurm holds a requeued job back ~2 min, not needed here; but it must not start while a node still
-        # completes the previous instance: slurmd revokes that instance's job credential when it ends, and a
-        # start forced before then is killed ("Job credential revoked"; CI saw it: the job FAILED)
-        if state == "PENDING" and not _nodes_completing(slurm_env):
+        assert time.monotonic() < deadline, f"states {states}\n{job.log()[-6000:]}\n{_slurm_says(slurm_env, job)}"
+        # Slurm holds a requeued job back ~2 min (longer than its job credentials live), not needed here.
+        # The start must come after slurmd revoked the first start's credential (before the nodes end
+        # "completing") and in a later second: a start in the second of the revocation reads as revoked,
+        # and the job is killed ("Job credential revoked"; CI saw it, the job FAILED). So 3 s after the
+        # nodes are done. StartTime=now again at every poll: a het job starts from the backfill
+        # scheduler only, which runs when something changed, not when a begin time passes.
+        if state != "PENDING" or _nodes_completing(slurm_env):
+            free_since = None
+        elif free_since is None:
+            free_since = time.monotonic()
+        elif time.monotonic() - free_since > 3:
             subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], env=slurm_env)
         time.sleep(0.5)
     assert job.wait() == 0, job.log()[-6000:]
