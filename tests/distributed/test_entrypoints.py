@@ -107,7 +107,7 @@ def _two_rl_steps_keep_the_engines_logprobs(tmp_path, *layout: str) -> list[dict
     the first update's KL is 0. Returns the steps' metrics."""
     run_dir = tmp_path / "run"
     proc, _ = _run(["mode=rl", "num_steps=2", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
-                    "rollout.max_new_tokens=12", "task.sft_warmup_steps=10", "task.eval_every=0",
+                    "rollout.max_new_tokens=12", "task.sft_warmup_steps=10", "task.num_eval=0",
                     "cluster.nproc=2", *layout, f"run_dir={run_dir}", "logging.progress=false"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = _metrics(run_dir)
