@@ -1501,8 +1501,9 @@ class TrainConfig:
     """Token budget of one packed micro-batch on one rank."""
     deterministic: bool = True
     """Use deterministic kernels and fixed reduction order (bitwise reproducible runs)."""
-    mode: str = "sft"
-    """sft (supervised fine-tuning on task references) or rl (rollouts + policy-gradient update)."""
+    mode: str = "rl"
+    """rl (rollouts + policy-gradient update; an optional supervised warm start, task.sft_warmup_steps)
+    or sft (supervised fine-tuning on the task's references alone)."""
     domains: dict[str, DomainConfig] = field(default_factory=dict)
     """Multi-domain joint RL: {name: {task: ..., weight: ...}} with >= 2 entries; prompts of every
     domain are mixed by weight, and `task` only gives the run-level settings. Empty: a single-task

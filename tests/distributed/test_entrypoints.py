@@ -37,7 +37,7 @@ def _run(args, cwd, timeout=300):
     (["model.path=/nonexistent/ckpt"], ["model.path=/nonexistent/ckpt", "does not exist"]),
     (["cluster.nproc=2", "parallel.tp=2", "model.num_attention_heads=3", "model.num_query_groups=3",
       "model.hidden_size=96"], ["parallel.tp=2"]),
-    (["mode=rl", "global_batch_size=30", "rollout.n_samples_per_prompt=8"],
+    (["global_batch_size=30", "rollout.n_samples_per_prompt=8"],
      ["global_batch_size=30", "rollout.n_samples_per_prompt=8"]),
 ])
 def test_invalid_settings_fail_fast_and_write_nothing(tmp_path, override, words):
@@ -65,7 +65,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single") / "run"
-    proc, _ = _run(["num_steps=12", f"run_dir={run_dir}", "logging.progress=false"], cwd=run_dir.parent)
+    proc, _ = _run(["mode=sft", "num_steps=12", f"run_dir={run_dir}", "logging.progress=false"], cwd=run_dir.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -93,7 +93,7 @@ def test_main_job_loss_falls(single_run):
                          ids=["tp2_sp", "cp2"])
 def test_two_ranks_reproduce_single_process_metrics(single_run, tmp_path, layout):
     run_dir = tmp_path / "run"
-    proc, _ = _run(["num_steps=12", f"run_dir={run_dir}", "logging.progress=false", "cluster.nproc=2", *layout],
+    proc, _ = _run(["mode=sft", "num_steps=12", f"run_dir={run_dir}", "logging.progress=false", "cluster.nproc=2", *layout],
                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "logs" / "rank1.log").is_file()
@@ -106,7 +106,7 @@ def _two_rl_steps_keep_the_engines_logprobs(tmp_path, *layout: str) -> list[dict
     """Two RL steps on two ranks: the trainer's log-probs of the rollouts equal the engine's, so
     the first update's KL is 0. Returns the steps' metrics."""
     run_dir = tmp_path / "run"
-    proc, _ = _run(["mode=rl", "num_steps=2", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
+    proc, _ = _run(["num_steps=2", "global_batch_size=16", "rollout.n_samples_per_prompt=4",
                     "rollout.max_new_tokens=12", "task.sft_warmup_steps=10", "task.num_eval=0",
                     "cluster.nproc=2", *layout, f"run_dir={run_dir}", "logging.progress=false"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,7 +19,7 @@ STEPS = 6
 
 
 def _args(run_dir: Path, extra=()):
-    return [sys.executable, "-m", "megatron_rl.train", f"num_steps={STEPS}", f"run_dir={run_dir}",
+    return [sys.executable, "-m", "megatron_rl.train", "mode=sft", f"num_steps={STEPS}", f"run_dir={run_dir}",
             "checkpoint.save_every=2", "logging.progress=false", "global_batch_size=32", *extra]
 
 
