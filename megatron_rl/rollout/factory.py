@@ -23,11 +23,6 @@ SGLANG_INSTALL_HINT = ("pip install -e '.[sglang]' on GPU nodes; for CPU tests "
                        "(see docs/rollout.md)")
 
 
-# the HF modules of each LoRA target (model.lora_targets): what SGLang's lora_target_modules names
-HF_LORA_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-
-
 def job_shape(cfg: Any) -> tuple[int, int]:
     """(world size, ranks per node) of the job this process belongs to or will launch."""
     from megatron_rl.parallel.dist import dist_env_from
@@ -100,10 +95,12 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
         m = cfg.model
         layout = (m.num_layers, tuple(m.sparse_layers), m.moe_router_topk)
     if r.weight_sync == "adapters":  # SGLang's LoRA serving, sized for the run's adapters
+        from megatron_rl.weight_sync.families.dense import LORA_HF_MODULES
+
         # two adapters in a batch at most: the run's (and none, SGLang's base, which no request uses) rather than
         # SGLang's default 8, whose buffers would be sized for eight
         server_args.update(enable_lora=True, max_lora_rank=cfg.model.lora_rank, max_loras_per_batch=2,
-                           lora_target_modules=sorted({m for t in cfg.model.lora_targets for m in HF_LORA_MODULES[t]}))
+                           lora_target_modules=sorted({m for t in cfg.model.lora_targets for m in LORA_HF_MODULES[t]}))
     server_args.update(dict(r.server_args))
     if r.base_url is not None:  # an attached server must have been started with enable_return_routed_experts
         return SGLangEngineConfig(base_url=r.base_url, device=device_type, tp_size=r.tp,

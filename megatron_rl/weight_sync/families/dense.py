@@ -20,6 +20,10 @@ import torch
 Tensor = torch.Tensor
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MEG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# The HF modules each LoRA target (model.lora_targets) becomes, in the order of its fused rows: the
+# modules `adapter_to_hf` writes adapters for, and SGLang's lora_target_modules.
+LORA_HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 
 
 def qkv_fuse(q: Tensor, k: Tensor, v: Tensor, groups: int) -> Tensor:
@@ -252,17 +256,16 @@ class DenseDecoderConverter:
         if match is None:
             raise ValueError(f"{weight}: not a weight LoRA adapts")
         layer, block, target = match.groups()
+        if target not in LORA_HF_MODULES:
+            raise ValueError(f"{weight}: not a weight LoRA adapts")
         h = f"model.layers.{layer}." + ("self_attn." if block == "self_attention" else "mlp.")
         if target == "linear_qkv":
-            parts = qkv_split(b, arch.num_attention_heads, arch.num_query_groups, arch.resolved_head_dim)
-            return {h + f"{p}_proj": (a, part) for p, part in zip("qkv", parts)}
-        if target == "linear_fc1":
-            gate, up = b.chunk(2, dim=0)
-            return {h + "gate_proj": (a, gate), h + "up_proj": (a, up)}
-        names = {"linear_proj": "o_proj", "linear_fc2": "down_proj"}
-        if target not in names:
-            raise ValueError(f"{weight}: not a weight LoRA adapts")
-        return {h + names[target]: (a, b)}
+            rows = qkv_split(b, arch.num_attention_heads, arch.num_query_groups, arch.resolved_head_dim)
+        elif target == "linear_fc1":
+            rows = b.chunk(2, dim=0)
+        else:
+            rows = (b,)
+        return {h + module: (a, part) for module, part in zip(LORA_HF_MODULES[target], rows, strict=True)}
 
     def hf_memory_slot(self, name: str, arch: Any) -> tuple[str, tuple]:
         """Where the hub-layout tensor `name` lives in a `transformers` model in memory: (parameter
