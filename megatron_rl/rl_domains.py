@@ -64,7 +64,8 @@ class JointDomains:
             if index.numel():
                 adv = advantages[index].double()
                 metrics.update({prefix + "reward_mean": raw[index].mean().item(),
-                                prefix + "adv_mean": adv.mean().item(), prefix + "adv_std": adv.std(unbiased=False).item()})
+                                prefix + "adv_mean": adv.mean().item(),
+                                prefix + "adv_std": adv.std(unbiased=False).item()})
                 unscaled[d] = raw[index].mean().item() / self.task.tasks[d].cfg.reward_scale
             if self.calibrator is not None and d in self.calibrator.stats:
                 mean, std = self.calibrator.mean_std(d)

@@ -290,7 +290,8 @@ def _become_rank(cfg, env, job_name: str) -> Runtime:
         _save_config(cfg, run_path)
         (run_path / MARKER).unlink(missing_ok=True)  # a stop record is about the previous start
     groups = state.initialize(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, ep=cfg.parallel.ep,
-                              etp=cfg.parallel.expert_tp(cfg.model), sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.seed, device=device)
+                              etp=cfg.parallel.expert_tp(cfg.model), sequence_parallel=cfg.parallel.sequence_parallel,
+                              seed=cfg.seed, device=device)
     writer = MetricsWriter(run_path, enabled_tensorboard=cfg.logging.tensorboard, rank=env.rank,
                            wandb_init=_wandb_init(cfg, run_path) if cfg.logging.wandb else None)
     logger.info("%s: run directory %s", job_name, run_path)

@@ -212,8 +212,7 @@ class ModelConfig:
     rollout.weight_sync=adapters the base once and then the adapters alone."""
     lora_alpha: float = 16.0
     """LoRA scale numerator: the adapters' output is multiplied by lora_alpha / lora_rank."""
-    lora_targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1",
-                                                              "linear_fc2"])
+    lora_targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     """The linear layers that get adapters, by Megatron name: linear_qkv and linear_proj (attention),
     linear_fc1 and linear_fc2 (the dense MLPs; the experts of a mixture of experts get none)."""
 

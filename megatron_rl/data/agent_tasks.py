@@ -38,7 +38,8 @@ FUNCTIONS: dict[str, tuple[str, str, str, list[tuple[tuple, Any]]]] = {
     "is_even": ("n", "return n % 2 == 0", "return n % 2 == 1", [((4,), True), ((7,), False), ((0,), True)]),
     "clamp": ("x, lo, hi", "return max(lo, min(x, hi))", "return min(lo, max(x, hi))",
               [((5, 0, 3), 3), ((-2, 0, 3), 0), ((2, 0, 3), 2)]),
-    "maximum": ("a, b", "return a if a > b else b", "return a if a < b else b", [((2, 9), 9), ((7, 1), 7), ((4, 4), 4)]),
+    "maximum": ("a, b", "return a if a > b else b", "return a if a < b else b",
+                [((2, 9), 9), ((7, 1), 7), ((4, 4), 4)]),
     "negate": ("x", "return -x", "return x", [((3,), -3), ((-8,), 8), ((0,), 0)]),
 }
 

@@ -74,7 +74,7 @@ def _random_expression(rng: random.Random, numbers: tuple[int, ...]) -> ast.expr
     while len(operands) > 1:
         i = rng.randrange(len(operands) - 1)
         op = rng.choice(list(_OPERATORS))()
-        operands[i : i + 2] = [ast.BinOp(left=operands[i], op=op, right=operands[i + 1])]
+        operands[i:i + 2] = [ast.BinOp(left=operands[i], op=op, right=operands[i + 1])]
     return operands[0]
 
 

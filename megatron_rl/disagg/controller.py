@@ -30,10 +30,10 @@ With rollout.generator_nodes=0 it spawns rollout.num_generators processes itself
 (multiprocessing 'spawn'; megatron_rl/disagg/generator.py) during start-up, so they load while
 the warm start runs; on a GPU node generator i uses the rollout.tp GPUs after the trainer's local
 ranks and the generators before it (parallel.dist.generator_device; refused when the node has too
-few), so a node of 8 GPUs runs e.g. 6 trainer ranks (`--ntasks-per-node=6`) and 2 generators. With rollout.generator_nodes=N > 0 the generators are
-separate processes on other nodes (the Slurm job runs them as a step of their own on the last N
-nodes, one per GPU) that find the hub through `<run_dir>/disagg/hub.json` and join the store
-at rank 0's address; the trainer waits for them and stops with an error naming the generator
+few), so a node of 8 GPUs runs e.g. 6 trainer ranks (`--ntasks-per-node=6`) and 2 generators. With
+rollout.generator_nodes=N > 0 the generators are separate processes on other nodes (the Slurm job runs them as
+a step of their own on the last N nodes, one per GPU) that find the hub through `<run_dir>/disagg/hub.json` and
+join the store at rank 0's address; the trainer waits for them and stops with an error naming the generator
 when one falls silent for rollout.generator_timeout_s (dead), or makes no progress for
 rollout.generator_progress_timeout_s (hung). The other trainer ranks take part in weight sync
 (TP gather, PP stages, as in colocated mode) and get the step's groups from rank 0 by

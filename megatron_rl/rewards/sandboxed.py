@@ -61,8 +61,8 @@ class CountdownVerifier:
         self.calls += 1
         payload = [{"expr": exprs[i], "numbers": list(items[i][0]["numbers"]), "target": items[i][0]["target"]}
                    for i in todo]
-        result = await self.client.execute(["python3", "verify.py"], {"verify.py": COUNTDOWN_SCRIPT,
-                                                                     "candidates.json": json.dumps(payload)},
+        files = {"verify.py": COUNTDOWN_SCRIPT, "candidates.json": json.dumps(payload)}
+        result = await self.client.execute(["python3", "verify.py"], files,
                                            limits=self.limits, deadline_s=self.deadline_s)
         try:
             scores = json.loads(result.stdout)

@@ -3,8 +3,8 @@ rewards, overlapping reward computation with generation.
 
 Each data-parallel rank generates for its contiguous share of the prompts (ranks of one
 model-parallel group, context-parallel ranks included, generate identically: same weights,
-same seed) in chunks; as soon as a chunk is generated its rewards are submitted to the reward service, and the next chunk
-generates meanwhile. The first rank of each model-parallel group contributes its share to
+same seed) in chunks; as soon as a chunk is generated its rewards are submitted to the reward service, and the
+next chunk generates meanwhile. The first rank of each model-parallel group contributes its share to
 an all-gather, so every rank ends with the whole batch in prompt order.
 """
 

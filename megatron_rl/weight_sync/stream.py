@@ -55,6 +55,7 @@ def _stage_hf_tensors(model: torch.nn.Module, groups: ParallelGroups, arch: Any,
     converter = get_converter(arch.family)
     current_layer: Optional[int] = None
     pending: dict[str, Tensor] = {}
+
     def convert(meg: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in converter.megatron_to_hf(meg, arch).items():
             # A tied lm_head is the embedding (converters write it for checkpoints): engines take it from
