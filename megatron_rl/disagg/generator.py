@@ -264,9 +264,11 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
     this generator's engine and environments. With partial rollouts (rollout.partial_rollout_tokens
     > 0) a pending weight update is applied before any turn, so an episode may span versions (its
     turns keep theirs: `Episode.turn_versions`); otherwise updates wait for the whole request.
-    Also returns the async scheduler's statistics (none for lockstep), its engine-busy fraction
+    Also returns the scheduler's statistics (`scheduler_stats`), its engine-busy fraction
     counting generation only: the updates ran inside its engine calls."""
-    from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes, task_system_prompt
+    from megatron_rl.observability.timeline import Timeline
+    from megatron_rl.rollout.multiturn import (EpisodeLimits, TurnFormat, run_episodes, scheduler_stats,
+                                               task_system_prompt)
     from megatron_rl.rollout.scheduler import run_episodes_async
 
     r = cfg.rollout
@@ -281,11 +283,14 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
         episodes, stats = run_episodes_async(turns, tasks, request.params.n, request.params, host.make_env, fmt,
                                              limits, loop, max_concurrency=r.max_concurrent_episodes,
                                              backpressure=getattr(client, "backpressure", None))
-        wall = stats["sched/wall_s"]
-        busy = max(stats["sched/engine_busy"] * wall - turns.before_s, 0.0)
-        stats["sched/engine_busy"] = busy / max(wall, 1e-9)
     else:
-        episodes = run_episodes(turns, tasks, request.params.n, request.params, host.make_env, fmt, limits, loop)
+        timeline, begun = Timeline(), time.perf_counter()
+        episodes = run_episodes(turns, tasks, request.params.n, request.params, host.make_env, fmt, limits, loop,
+                                timeline=timeline)
+        stats = scheduler_stats(episodes, timeline, begun, time.perf_counter() - begun)
+    wall = stats["sched/wall_s"]
+    busy = max(stats["sched/engine_busy"] * wall - turns.before_s, 0.0)
+    stats["sched/engine_busy"] = busy / max(wall, 1e-9)
     out: dict[int, list[tuple[Any, list[int]]]] = {}
     for episode in episodes:
         if not episode.turn_versions:

@@ -14,7 +14,9 @@ Episodes advance in lockstep: each turn, the active episodes' sequences go to th
 one `generate` call (the engine batches them), then their environment steps run
 concurrently on the reward service's event loop (sandbox calls overlap). A sandbox failure
 the environment cannot recover from drops that episode (status "dropped", counted), never
-the step.
+the step. Engine calls, environment steps and rewards land on a `Timeline`, from which both
+schedulers' `sched/...` metrics come (`scheduler_stats`): the lockstep driver's engine-busy
+fraction is what an asynchronous scheduler would win back.
 
 The observation wrapper comes from the tokenizer's own chat template: rendering a
 conversation with and without one more `observation_role` message and taking the
@@ -31,12 +33,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megatron_rl.observability.timeline import Timeline
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.collect import Rollout
 from megatron_rl.trainer.packing import Sample
 
 logger = logging.getLogger(__name__)
 _MARK = "\u2063OBSERVATION\u2063"
+ENVIRONMENTS = "environments"  # the lockstep driver's timeline row for its environments' calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +131,17 @@ class _Live:
 
 def run_episodes(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: SamplingParams,
                  make_env: Callable[[], Any], fmt: TurnFormat, limits: EpisodeLimits,
-                 loop: asyncio.AbstractEventLoop, timeout_s: float = 600.0) -> list[Episode]:
-    """`n` episodes per task (group id = task index); returns them all, dropped ones included."""
+                 loop: asyncio.AbstractEventLoop, timeout_s: float = 600.0,
+                 timeline: Optional[Timeline] = None) -> list[Episode]:
+    """`n` episodes per task (group id = task index); returns them all, dropped ones included.
+    Each turn's engine calls go on `timeline`'s `engine` track, the environments' resets, steps
+    and rewards on its `environments` track (all episodes at once: they run together)."""
     def on_loop(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
 
     live: list[_Live] = []
     try:
-        _play_lockstep(engine, tasks, n, params, make_env, fmt, limits, on_loop, live)
+        _play_lockstep(engine, tasks, n, params, make_env, fmt, limits, on_loop, live, timeline or Timeline())
     except BaseException:  # an engine failure or a stop: still close the environments (their sandbox sessions)
         try:
             asyncio.run_coroutine_threadsafe(_gather([x.env.close() for x in live]), loop).result(30)
@@ -147,13 +154,14 @@ def run_episodes(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: S
 
 def _play_lockstep(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params: SamplingParams,
                    make_env: Callable[[], Any], fmt: TurnFormat, limits: EpisodeLimits, on_loop: Callable,
-                   live: list[_Live]) -> None:
+                   live: list[_Live], timeline: Timeline) -> None:
     """`run_episodes`' body: fills `live` as environments are made, plays every episode to its end."""
     for index, task in enumerate(tasks):
         for _ in range(n):
             prompt = fmt.encode(fmt.prompt(task["instruction"]))
             live.append(_Live(Episode(index, prompt, [], [], "stop", -1), on_loop(_make(make_env)), time.monotonic()))
-    resets = on_loop(_gather([x.env.reset(tasks[x.episode.prompt_index]) for x in live]))
+    with timeline.span("reset", ENVIRONMENTS, episodes=len(live)):
+        resets = on_loop(_gather([x.env.reset(tasks[x.episode.prompt_index]) for x in live]))
     for x, outcome in zip(live, resets):
         if isinstance(outcome, Exception):
             _drop(x, outcome)
@@ -167,11 +175,13 @@ def _play_lockstep(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params:
             calls.setdefault(min(params.max_new_tokens, room_left(x.episode, limits)), []).append(x)
         for length, batch in calls.items():
             call_seed = seed if seed is None or length == params.max_new_tokens else seed * 7919 + length
-            generations = engine.generate([x.episode.prompt_tokens + x.episode.output_ids for x in batch],
-                                          turn_sampling(params, fmt, call_seed, length))
+            with timeline.span("generate", "engine", batch=len(batch), turn=turn):
+                generations = engine.generate([x.episode.prompt_tokens + x.episode.output_ids for x in batch],
+                                              turn_sampling(params, fmt, call_seed, length))
             for x, gen in zip(batch, generations):
                 x.closed, x.text = take_turn(x.episode, gen, fmt, limits)
-        steps = on_loop(_gather([x.env.step(x.text) for x in active]))
+        with timeline.span("environment", ENVIRONMENTS, episodes=len(active), turn=turn):
+            steps = on_loop(_gather([x.env.step(x.text) for x in active]))
         for x, outcome in zip(active, steps):
             if isinstance(outcome, Exception):
                 _drop(x, outcome)
@@ -179,7 +189,8 @@ def _play_lockstep(engine: Any, tasks: Sequence[dict[str, Any]], n: int, params:
             after_step(x.episode, *outcome, x.closed, fmt, limits, x.started)
         turn += 1
     finished = [x for x in live if x.episode.status != "dropped"]
-    rewards = on_loop(_gather([x.env.evaluate() for x in finished]))
+    with timeline.span("reward", ENVIRONMENTS, episodes=len(finished)):
+        rewards = on_loop(_gather([x.env.evaluate() for x in finished]))
     for x, outcome in zip(finished, rewards):
         if isinstance(outcome, Exception):
             _drop(x, outcome)
@@ -280,6 +291,20 @@ def _drop(x: _Live, error: BaseException) -> None:
     x.episode.infra_errors += 1
 
 
+def scheduler_stats(episodes: Sequence[Episode], timeline: Timeline, start: float, wall: float,
+                    backpressure_wait_s: float = 0.0) -> dict[str, float]:
+    """A scheduler run's metrics, either scheduler's (the run began at `start`, perf_counter
+    seconds, and took `wall`): `sched/engine_busy`, the fraction of the run the engine spent in
+    `generate` (its `engine` spans on `timeline`), `sched/wall_s`, its episodes counted by the
+    statuses only a scheduler gives (cut: aborted, deadline, partial), the seconds the sandbox's
+    back-pressure held episodes back, and `episode_metrics`."""
+    busy = timeline.busy("engine", start, start + wall)
+    return {"sched/engine_busy": busy / max(wall, 1e-9), "sched/wall_s": wall,
+            **{f"sched/{status}": float(sum(e.status == status for e in episodes))
+               for status in ("aborted", "deadline", "partial")},
+            "sched/backpressure_wait_s": backpressure_wait_s, **episode_metrics(episodes)}
+
+
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Counts for the step's metrics: attribution of failures, turns, statuses; and the mean of each
     number the environments put in `info` (`agent/env/<key>`, over the episodes that report it)."""
@@ -361,7 +386,11 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
                                               backpressure=getattr(client, "backpressure", None),
                                               keep_partial=keep_partial)
         else:
-            local = run_episodes(engine, tasks, params.n, params, verifier.make_env, fmt, limits, reward_service.loop)
+            timeline = timeline or Timeline()
+            begun = time.perf_counter()
+            local = run_episodes(engine, tasks, params.n, params, verifier.make_env, fmt, limits, reward_service.loop,
+                                 timeline=timeline)
+            stats = scheduler_stats(local, timeline, begun, time.perf_counter() - begun)
         for episode in local:
             episode.prompt_index = mine[episode.prompt_index]
         verifier.calls += len(local)

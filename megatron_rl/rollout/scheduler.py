@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 from megatron_rl.observability.timeline import Timeline
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.multiturn import (Episode, EpisodeLimits, TurnFormat, after_step, end_if_full,
-                                           episode_metrics, room_left, take_turn, turn_sampling)
+                                           room_left, scheduler_stats, take_turn, turn_sampling)
 
 logger = logging.getLogger(__name__)
 
@@ -186,13 +186,7 @@ def run_episodes_async(engine: Any, tasks: Sequence[dict[str, Any]], n: int, par
         _run_all(engine, tasks, n, params, make_env, fmt, limits, loop, max_concurrency, max_batch, policy,
                  timeline), loop).result(timeout_s)
     wall = time.perf_counter() - start
-    busy = timeline.busy("engine", start, start + wall)
-    stats = {"sched/engine_busy": busy / max(wall, 1e-9), "sched/wall_s": wall,
-             "sched/aborted": float(sum(e.status == "aborted" for e in episodes)),
-             "sched/deadline": float(sum(e.status == "deadline" for e in episodes)),
-             "sched/partial": float(sum(e.status == "partial" for e in episodes)),
-             "sched/backpressure_wait_s": policy.waited_s, **episode_metrics(episodes)}
-    return episodes, stats
+    return episodes, scheduler_stats(episodes, timeline, start, wall, policy.waited_s)
 
 
 def combine_engines(parts: Sequence[dict[str, float]]) -> dict[str, float]:

@@ -468,7 +468,8 @@ def _agent_job(run_dir, *extra: str):
 
 def test_rl_loop_on_agent_tasks(tmp_path):
     """`python -m megatron_rl.train task.type=agent`: episodes in a sandbox server started by
-    the job, rewards from the environment, masked samples through the update, checkpoint."""
+    the job, rewards from the environment, masked samples through the update, checkpoint; the
+    lockstep driver's scheduler metrics (its engine idles while the sandbox runs the turns)."""
     import json
 
     run_dir = tmp_path / "run"
@@ -478,6 +479,8 @@ def test_rl_loop_on_agent_tasks(tmp_path):
     for r in rows:
         assert _ended(r) == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
         assert 1 <= r["agent/turns_mean"] <= 3 and r["num_tokens"] > 0
+        assert 0 < r["sched/engine_busy"] < 1 and 0 < r["sched/wall_s"] and r["sched/aborted"] == 0
+        assert 0 < r["sched/step_engine_busy"] < 1  # the engine calls are on the step's timeline
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
 
@@ -611,6 +614,6 @@ def test_agent_episodes_on_an_engine_shared_by_two_ranks(tmp_path, layout):
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert _ended(r) == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
-        assert r["num_tokens"] > 0
+        assert r["num_tokens"] > 0 and 0 < r["sched/engine_busy"] < 1  # the leader's engine, the block's only one
     rank1 = (run_dir / "logs" / "rank1.log").read_text()
     assert "step 1" in (run_dir / "logs" / "rank0.log").read_text() and "Traceback" not in rank1

@@ -72,6 +72,34 @@ def test_generation_overlaps_environment_waits(tokenizer, loop):
     assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"generate", "environment", "reward"}
 
 
+def test_lockstep_metrics_show_the_engine_idle_while_environments_run(tokenizer, loop):
+    """The lockstep driver's `sched/...` metrics (`scheduler_stats`, as the async scheduler's): 4
+    episodes of 3 turns are 3 engine calls of 4 sequences (0.1 s each), each followed by the 4
+    environment steps together (0.2 s); the engine is busy for the calls only, never while an
+    environment runs, so its busy fraction is about 0.3 s of >= 0.9 s."""
+    from megatron_rl.rollout.multiturn import scheduler_stats
+
+    fmt = TurnFormat(tokenizer, "sys")
+    policy = SlowScript(tokenizer, ["step", "step", "done"], end_of_turn=fmt.end_of_turn, cost_s=0.1)
+    env = lambda: make_environment("synthetic", min_latency_s=0.2, max_latency_s=0.2, turns=3)  # noqa: E731
+    timeline, start = Timeline(), time.perf_counter()
+    episodes = run_episodes(policy, _tasks(2), 2, SamplingParams(max_new_tokens=64), env, fmt, LIMITS, loop,
+                            timeline=timeline)
+    wall = time.perf_counter() - start
+    stats = scheduler_stats(episodes, timeline, start, wall)
+    assert [e.status for e in episodes] == ["submitted"] * 4 and policy.sizes == [4, 4, 4]
+    generate = [e for e in timeline.events if e["track"] == "engine"]
+    environment = [e for e in timeline.events if e["name"] == "environment"]
+    assert [e["args"]["batch"] for e in generate] == [4, 4, 4] and len(environment) == 3
+    assert not any(w["start"] < g["start"] < w["end"] for g in generate for w in environment)
+    busy = sum(e["end"] - e["start"] for e in generate)
+    assert 0.3 <= busy < 0.6 and wall >= 0.3 + 3 * 0.2
+    assert stats["sched/wall_s"] == wall and stats["sched/engine_busy"] == pytest.approx(busy / wall)
+    assert stats["sched/engine_busy"] < 0.5
+    assert stats["sched/aborted"] == stats["sched/deadline"] == stats["sched/partial"] == 0
+    assert stats["agent/submitted"] == 4 and stats["agent/turns_mean"] == 3
+
+
 def _trace(timeline):
     import tempfile
     from pathlib import Path
