@@ -255,7 +255,8 @@ def fused_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, tp_group: Op
     Gradients flow to hidden and weight; grad_hidden is this rank's contribution (see module doc).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden [T, H] and weight [V, H] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"hidden [T, H] and weight [V, H] expected, "
+                         f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must be [T] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
     if chunk_tokens < 1 or chunk_vocab < 1:

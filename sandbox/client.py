@@ -234,8 +234,8 @@ class SandboxClient:
                     logger.debug("%s on %s failed (%s); trying the next server", method, server.address, code)
             attempt += 1
             await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0, max(0.0, deadline - time.monotonic())))
-        raise asyncio.TimeoutError(f"{method}: no sandbox server answered within the deadline"
-                                   f" ({last_error.code().name if isinstance(last_error, grpc.aio.AioRpcError) else 'no reply'})")
+        why = last_error.code().name if isinstance(last_error, grpc.aio.AioRpcError) else "no reply"
+        raise asyncio.TimeoutError(f"{method}: no sandbox server answered within the deadline ({why})")
 
     # -- one-shot calls ----------------------------------------------------------------------
     def _class(self, priority_class: Optional[str]) -> str:

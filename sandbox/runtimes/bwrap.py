@@ -35,7 +35,8 @@ class BwrapRuntime(Runtime):
     def __init__(self, images: dict[str, str] | None = None, bwrap: str = "bwrap", uid: int = 1000) -> None:
         path = shutil.which(bwrap)
         if path is None:
-            raise RuntimeError(f"the bwrap runtime needs bubblewrap ({bwrap!r} not on PATH): apt-get install bubblewrap")
+            raise RuntimeError(f"the bwrap runtime needs bubblewrap ({bwrap!r} not on PATH): "
+                               "apt-get install bubblewrap")
         self.bwrap = path
         self.uid = uid
         self._images: dict[str, Path | None] = {"host": None}
