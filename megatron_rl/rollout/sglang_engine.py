@@ -25,6 +25,11 @@ them against a real engine on CPU):
   prefix cache and stamps the version). Buckets travel as one `FlattenedTensorBucket` per
   call, serialized once per SGLang TP rank: CUDA tensors as CUDA-IPC handles (no copy), CPU
   tensors through shared memory. Either way the engine must be on the same machine.
+- Tied embeddings: weight sync leaves a tied lm_head out (the embedding is the head). SGLang's
+  Llama, Qwen2, Qwen3 and DeepSeek classes tie it again; its other MoE classes (Qwen3-MoE,
+  Qwen2-MoE, Mixtral, GLM-4.5, gpt-oss) ignore `tie_word_embeddings` and keep an lm_head of their
+  own, which nothing would fill: for those (`needs_head_copy`) every bucket holding the embedding
+  carries it as `lm_head.weight` too.
 - LoRA adapters (`update_adapters`, `rollout.weight_sync=adapters`): SGLang's LoRA serving, started with
   `enable_lora` (the rollout factory sets it and the adapter's rank and modules). Each update loads the
   adapters from tensors under a new name (`policy-<engine id>-<load>-v<version>`, as a PEFT adapter: the same
@@ -71,6 +76,23 @@ _INSTALL_HINT = ("needs sglang: see docs/rollout.md (GPU: pip install -e '.[sgla
 _FINISH_REASONS = ("stop", "length", "abort")  # SGLang's finish_reason types = the protocol's
 _SEED_STRIDE = 1_000_003  # prime: distinct (seed, prompt, sample) -> distinct sampling_seed
 IDLE_WAIT_S = 60.0  # release_memory: the longest wait for the scheduler to retire its last batch
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# model.family values whose SGLang (0.5.23) model class takes a tied lm_head from the embedding
+# (`tie_word_embeddings`, at SGLang pp_size 1, the only one used here)
+TYING_FAMILIES = ("llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
+
+
+def needs_head_copy(model_cfg: Any) -> bool:
+    """Whether SGLang's class for this model keeps an lm_head of its own although the model ties it to the
+    embedding (module docstring): weight updates must then send the embedding as the head too."""
+    return bool(model_cfg.tie_word_embeddings) and model_cfg.family not in TYING_FAMILIES
+
+
+def with_head_copy(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A bucket, plus the embedding as `lm_head.weight` when it holds the embedding (`needs_head_copy`)."""
+    out = list(named_tensors)
+    out += [(HEAD, t) for name, t in named_tensors if name == EMBEDDING]
+    return out
 
 
 def _import_sglang():
@@ -122,6 +144,9 @@ class SGLangEngineConfig:
     """A mixture of experts whose routing generations may return (SamplingParams.return_routing): (the model's
     layers, the indices of those with experts, top k). SGLang's `routed_experts` holds every layer's; the
     engine must run with enable_return_routed_experts (the rollout factory sets both)."""
+    head_copy: bool = False
+    """Weight updates send the embedding as `lm_head.weight` too (`needs_head_copy`: a tied model whose
+    SGLang class keeps a head of its own)."""
 
     DEVICES: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
 
@@ -206,12 +231,15 @@ as `keep_alive` and hold it until then. `as_text` base64-encodes for HTTP. Impor
     return [MultiprocessingSerializer.serialize(payload, output_str=as_text) for _ in range(num_copies)]
 
 
-def block_payload(named_tensors: list[tuple[str, torch.Tensor]], as_text: bool = False) -> tuple[Any, list]:
+def block_payload(named_tensors: list[tuple[str, torch.Tensor]], as_text: bool = False,
+                  head_copy: bool = False) -> tuple[Any, list]:
     """One training rank's copy of a bucket for its block leader's engine (`rollout.spmd`):
     (the payload for the SGLang TP rank on this rank's device, the buffer to keep alive until
     the engine has loaded it). CPU tensors are shared through named files: the engine's
     scheduler is not a child of this rank, and the default file-descriptor hand-over only
-    works with our own children."""
+    works with our own children. `head_copy`: as `SGLangEngineConfig.head_copy`."""
+    if head_copy:
+        named_tensors = with_head_copy(named_tensors)
     if any(not t.is_cuda for _, t in named_tensors):
         torch.multiprocessing.set_sharing_strategy("file_system")
     keep: list = []
@@ -354,6 +382,8 @@ class SGLangEngine:
         tensors = list(named_tensors)
         if not tensors and not flush:
             return
+        if self.config.head_copy:
+            tensors = with_head_copy(tensors)
         payloads = self._payloads(tensors) if tensors else []
         self.update_weights_serialized(payloads, version, flush)
 

@@ -19,7 +19,8 @@ What is judged, from the run's metrics and logs:
 
 A second run trains LoRA adapters with `rollout.weight_sync=adapters`: the engine gets the base weights once
 and then only the adapters, which SGLang's LoRA serving applies (enable_lora, loaded from tensors); its samples
-still match the trainer to LOGPROB_ATOL after an update that moved the adapters.
+still match the trainer to LOGPROB_ATOL after an update that moved the adapters. Three mixtures of experts
+(Qwen3-MoE with tied embeddings, Mixtral, GLM-4.5) run two steps each, judged the same way.
 """
 
 from __future__ import annotations
@@ -129,5 +130,21 @@ def test_lora_adapters_alone_reach_sglang(tmp_path):
     assert [r["sync/bytes"] for r in rows] == [adapter_bytes] * 2
     assert rows[0]["ppo_kl"] > 1e-3, rows[0]["ppo_kl"]  # the first step moved the adapters ...
     for r in rows:  # ... and the next step's samples still match
+        assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
+        assert r["ppo_kl_first_update"] == 0.0
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3_moe", "tiny_mixtral", "tiny_glm4_moe"])
+def test_mixtures_of_experts_match_the_trainer(tmp_path, model):
+    """Mixtures of experts through SGLang, two steps each: the experts arrive in SGLang's fused expert weights
+    (Qwen3-MoE's gate/up/down_proj, Mixtral's w1/w3/w2, GLM-4.5's with its shared expert and dense first layer)
+    and its routing is the trainer's (softmax top-2 renormalised; GLM-4.5's sigmoid router with the selection
+    bias, synced as a buffer). The tiny Qwen3-MoE ties its embeddings, which SGLang's Qwen3-MoE class ignores (an
+    lm_head of its own): the engine sends the embedding as the head too (`sglang_engine.needs_head_copy`); before
+    that, SGLang sampled from a random head (mismatch ~4). Qwen2-MoE and gpt-oss do not run on SGLang's CPU
+    path (docs/rollout.md)."""
+    rows = _train(tmp_path / "run", f"model={model}", "num_steps=2", "algorithm.entropy_coef=0.1")
+    assert rows[0]["ppo_kl"] > 1e-3, rows[0]["ppo_kl"]  # whatever the rewards, the first step moved the policy ...
+    for r in rows:  # ... and both steps' samples match the trainer
         assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
         assert r["ppo_kl_first_update"] == 0.0

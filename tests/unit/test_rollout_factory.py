@@ -77,6 +77,33 @@ def test_adapter_sync_starts_sglang_with_lora_serving_for_the_runs_adapters():
     assert "enable_lora" not in full and "lora_backend" not in full
 
 
+@pytest.mark.parametrize("model,copy", [("tiny_qwen3_moe", True), ("tiny_qwen3", False), ("tiny_qwen2", False),
+                                        ("tiny_mixtral", False)])
+def test_a_tied_head_goes_to_sglang_classes_that_keep_one_of_their_own(model, copy):
+    """SGLang's Qwen3-MoE class ignores tie_word_embeddings (its lm_head is a parameter of its own), its Qwen2 and
+    Qwen3 classes tie it; Mixtral's is untied anyway. Weight sync leaves a tied head out, so for the first the
+    engine's buckets carry the embedding as lm_head.weight too (the same tensor: nothing is copied here)."""
+    import torch
+
+    from megatron_rl.config import compose, to_typed
+    from megatron_rl.rollout.sglang_engine import with_head_copy
+
+    cfg = to_typed(compose([f"model={model}", "rollout=sglang"]))
+    assert cfg.model.tie_word_embeddings is (model != "tiny_mixtral")
+    for device, path in (("cuda", "/m"), ("cpu", "/m")):
+        engine = sglang_engine_config(cfg, device_type=device, model_path=path, base_gpu_id=0, random_seed=0)
+        assert engine.head_copy is copy and "head_copy" not in engine.engine_kwargs()
+    attach = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, base_url="http://h:1"))
+    assert sglang_engine_config(attach, device_type="cuda", model_path=None, base_gpu_id=0,
+                                random_seed=0).head_copy is copy
+    embedding, norm, layer = torch.randn(128, 8), torch.ones(8), torch.randn(8, 8)
+    out = with_head_copy([("model.embed_tokens.weight", embedding), ("model.norm.weight", norm)])
+    assert [name for name, _ in out] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert out[2][1] is embedding
+    assert [name for name, _ in with_head_copy([("model.layers.0.mlp.gate.weight", layer)])] == [
+        "model.layers.0.mlp.gate.weight"]  # a bucket without the embedding is left as it is
+
+
 def test_stop_strings_give_the_sglang_engine_the_runs_tokenizer(tmp_path):
     """rollout.stop with the sglang backend: the run's tokenizer is saved beside the engine's model directory
     and the engine loads it (SGLang matches stop strings on text); without stop strings it runs token ids
