@@ -32,7 +32,7 @@ class ExperienceGroup:
     token_versions: list[list[int]]  # per rollout: one per output token (an episode: one per model turn)
     generator: int
     generated: tuple[float, float]  # wall-clock start and end of its generation (and scoring) in its request
-    sched: dict[str, float] = dataclasses.field(default_factory=dict)  # its `scheduler_shares` (async scheduler)
+    sched: dict[str, float] = dataclasses.field(default_factory=dict)  # its `scheduler_shares` (agent episodes)
 
     @property
     def version(self) -> int:
@@ -97,14 +97,15 @@ BUSY_S, WALL_S = "sched/engine_busy_s", "sched/generator_wall_s"
 
 def scheduler_shares(stats: dict[str, float], episodes: dict[int, list[Any]],
                      prefix: str = "") -> dict[int, dict[str, float]]:
-    """What each group of one scheduler run sends along (`ExperienceGroup.sched`): `stats` are
-    `rollout.scheduler.run_episodes_async`'s for the run (one per request and agent domain) that
+    """What each group of one scheduler run sends along (`ExperienceGroup.sched`): `stats` are the
+    scheduler's (`rollout.multiturn.scheduler_stats`, lockstep or async) for the run (one per request and agent
+    domain) that
     played `episodes` (group -> its episodes). Every quantity is one that adds up over groups:
     the run's engine-busy, wall and back-pressure seconds in equal shares per group (its groups
     have n episodes each and were played concurrently on one engine, so no group's own part of
     the engine's time can be told apart), and the group's own episodes counted by status.
     `prefix`: `domain/<d>/` for a joint run's agent domain, as colocated mode names its metrics.
-    Without stats (the lockstep scheduler keeps none, in either mode) the groups carry nothing."""
+    Without stats (no scheduler ran) the groups carry nothing."""
     if not stats:
         return {g: {} for g in episodes}
     wall = stats["sched/wall_s"]

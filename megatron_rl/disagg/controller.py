@@ -135,7 +135,7 @@ class DisaggregatedController:
     def step_rollouts(self, rt: Any, parts: dict, step: int) -> tuple[list, dict[str, float]]:
         """Publish weights v=step, send prompts up to step + max_staleness, return the step's
         rollouts (prompt_index = group id) and timing/buffer metrics, on every trainer rank; with
-        agent episodes also their `agent/...` metrics and, from the generators' async scheduler,
+        agent episodes also their `agent/...` metrics and, from the generators' schedulers,
         `sched/...` (`buffer.scheduler_metrics` says how they are summed over groups and generators)."""
         self.timings, self._step = {}, step
         start = time.perf_counter()
@@ -158,7 +158,7 @@ class DisaggregatedController:
                                   source=group.rollouts[0].source_index)
             self.events.write("take", take_start, time.time(), step=step, groups=len(kept))
             stats["async/generator_version"] = float(max((max(g.versions) for g in kept), default=-1))
-            stats.update(scheduler_metrics(kept))  # the generators' sched/... (async scheduler), summed over groups
+            stats.update(scheduler_metrics(kept))  # the generators' sched/... (agent episodes), summed over groups
         rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group.rollouts]
         if self.is_main:
             stats.update(episode_stats(parts["task"], rollouts))

@@ -13,7 +13,7 @@ computed as in `rollout.collect`: the decoded response and the prompt's meta go 
        colocated mode: rollout.multiturn / rollout.scheduler, this generator's environments;
        with partial rollouts, updates applied between turns)
     -> put one ExperienceGroup per prompt into the buffer (blocks while it is full, still
-       applying updates); with the async scheduler each group carries its share of the
+       applying updates); an agent task's groups carry their share of the
        scheduler's statistics (`buffer.scheduler_shares`), which become the trainer's `sched/...`
        metrics
 

@@ -65,7 +65,7 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
     """The `SGLangEngineConfig` of one block's engine (offline with `model_path`, else attach). With stop
     strings (rollout.stop) the engine loads a tokenizer (from `tokenizer_path`, else the model's): SGLang
     matches them on the text; an attached server must have been started with one."""
-    from megatron_rl.rollout.sglang_engine import SGLangEngineConfig, needs_head_copy
+    from megatron_rl.rollout.sglang_engine import SGLangEngineConfig
 
     r = cfg.rollout
     server_args: dict[str, Any] = {}
@@ -104,13 +104,19 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
     server_args.update(dict(r.server_args))
     if r.base_url is not None:  # an attached server must have been started with enable_return_routed_experts
         return SGLangEngineConfig(base_url=r.base_url, device=device_type, tp_size=r.tp,
-                                  skip_tokenizer_init=not r.stop, routing_layout=layout,
-                                  head_copy=needs_head_copy(cfg.model))
+                                  skip_tokenizer_init=not r.stop, routing_layout=layout, head_copy=_head_copy(cfg))
     return SGLangEngineConfig(
         model_path=model_path, device=device_type, tp_size=r.tp, base_gpu_id=base_gpu_id, dtype=cfg.model.dtype,
         mem_fraction_static=r.mem_fraction_static, random_seed=random_seed, log_level=r.log_level,
-        skip_tokenizer_init=not r.stop, server_args=server_args, routing_layout=layout,
-        head_copy=needs_head_copy(cfg.model))
+        skip_tokenizer_init=not r.stop, server_args=server_args, routing_layout=layout, head_copy=_head_copy(cfg))
+
+
+def _head_copy(cfg: Any) -> bool:
+    """`SGLangEngineConfig.head_copy` for this run (`sglang_engine.needs_head_copy`; an attached server's
+    pp_size is read from rollout.server_args too, where the run should say it)."""
+    from megatron_rl.rollout.sglang_engine import needs_head_copy
+
+    return needs_head_copy(cfg.model, int(dict(cfg.rollout.server_args).get("pp_size", 1)))
 
 
 def engine_model_dir(cfg: Any, eos_token_id: int, work_dir: Path) -> str:
@@ -138,10 +144,9 @@ def make_engine(cfg: Any, groups: Any, tokenizer: Any, *, local_rank: int, local
     if block.is_leader:
         engine = _leader_engine(cfg, groups, tokenizer, block, work_dir)
     if r.backend == "sglang":
-        from megatron_rl.rollout.sglang_engine import block_payload, needs_head_copy
+        from megatron_rl.rollout.sglang_engine import block_payload
 
-        serialize = functools.partial(block_payload, as_text=r.base_url is not None,
-                                      head_copy=needs_head_copy(cfg.model))
+        serialize = functools.partial(block_payload, as_text=r.base_url is not None, head_copy=_head_copy(cfg))
     if block.size == 1:
         return engine
     return BlockEngine(block, engine, serialize)

@@ -82,10 +82,11 @@ EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 TYING_FAMILIES = ("llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
 
 
-def needs_head_copy(model_cfg: Any) -> bool:
+def needs_head_copy(model_cfg: Any, pp_size: int = 1) -> bool:
     """Whether SGLang's class for this model keeps an lm_head of its own although the model ties it to the
-    embedding (module docstring): weight updates must then send the embedding as the head too."""
-    return bool(model_cfg.tie_word_embeddings) and model_cfg.family not in TYING_FAMILIES
+    embedding (module docstring): weight updates must then send the embedding as the head too. Under SGLang's
+    own pipeline parallelism (`pp_size` > 1, a server argument) no class ties it."""
+    return bool(model_cfg.tie_word_embeddings) and (model_cfg.family not in TYING_FAMILIES or pp_size > 1)
 
 
 def with_head_copy(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
