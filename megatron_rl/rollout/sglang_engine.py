@@ -78,7 +78,7 @@ _SEED_STRIDE = 1_000_003  # prime: distinct (seed, prompt, sample) -> distinct s
 IDLE_WAIT_S = 60.0  # release_memory: the longest wait for the scheduler to retire its last batch
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # model.family values whose SGLang (0.5.23) model class takes a tied lm_head from the embedding
-# (`tie_word_embeddings`, at SGLang pp_size 1, the only one used here)
+# (`tie_word_embeddings`; only at SGLang pp_size 1, which `needs_head_copy` checks)
 TYING_FAMILIES = ("llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
 
 
