@@ -20,7 +20,8 @@ What is judged, from the run's metrics and logs:
 A second run trains LoRA adapters with `rollout.weight_sync=adapters`: the engine gets the base weights once
 and then only the adapters, which SGLang's LoRA serving applies (enable_lora, loaded from tensors); its samples
 still match the trainer to LOGPROB_ATOL after an update that moved the adapters. Three mixtures of experts
-(Qwen3-MoE with tied embeddings, Mixtral, GLM-4.5) run two steps each, judged the same way.
+(Qwen3-MoE with tied embeddings, Mixtral, GLM-4.5) run two steps each, judged the same way, and so do
+multi-turn agent episodes with either scheduler.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def _sglang_python() -> Path:
     return python
 
 
-def _train(run_dir: Path, *overrides: str) -> list[dict]:
+def _train(run_dir: Path, *overrides: str, task: str = "task=math") -> list[dict]:
     python = _sglang_python()
-    args = [str(python), "-m", "megatron_rl.train", "mode=rl", "task=math", "rollout=sglang",
+    args = [str(python), "-m", "megatron_rl.train", "mode=rl", task, "rollout=sglang",
             "rollout.max_total_tokens=4096",  # KV cache on CPU: SGLang would size it from host memory
             f"run_dir={run_dir}", "num_steps=4", "global_batch_size=32", "rollout.n_samples_per_prompt=8",
             "rollout.max_new_tokens=16", "rollout.temperature=0.9", "algorithm.num_inner_updates=2",
@@ -148,3 +149,22 @@ def test_mixtures_of_experts_match_the_trainer(tmp_path, model):
     for r in rows:  # ... and both steps' samples match the trainer
         assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
         assert r["ppo_kl_first_update"] == 0.0
+
+
+@pytest.mark.parametrize("scheduler", ["lockstep", "async"])
+def test_agent_episodes_match_the_trainer(tmp_path, scheduler):
+    """Multi-turn episodes through SGLang (the countdown agent experiment: the environment answers each
+    expression in-process), with either scheduler (async: turns of concurrent episodes batched by a front end on
+    a worker thread): every episode's model turns, fed back token-in/token-out with the environment's answers
+    between them, have SGLang's log-probs equal to the trainer's, before and after an update that moved the
+    policy."""
+    rows = _train(tmp_path / "run", "num_steps=2", "task.sft_warmup_steps=60", "task.num_eval=0",
+                  "rollout.n_samples_per_prompt=4", f"rollout.agent_scheduler={scheduler}",
+                  "algorithm.entropy_coef=0.1", task="+experiment=demo_agent_countdown")
+    assert rows[0]["ppo_kl"] > 1e-3, rows[0]["ppo_kl"]  # whatever the rewards, the first step moved the policy
+    ends = ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline", "partial")
+    for r in rows:
+        assert sum(r[f"agent/{s}"] for s in ends) == 32 and r["agent/dropped"] == 0
+        assert r["agent/turns_mean"] > 1  # the environment's answers went back into the episodes
+        assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
+        assert 0 < r["sched/engine_busy"] <= 1
