@@ -54,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.adapter and not cfg.model.lora_rank:
             raise ValueError(f"--adapter: the run {args.run} trained no LoRA adapters (model.lora_rank=0); "
                              "export the model without --adapter")
+        if args.adapter and cfg.model.expert_lora_targets:
+            raise ValueError(f"--adapter: the run {args.run} trained adapters on its experts "
+                             f"({', '.join(cfg.model.expert_lora_targets)}), which export merged only: "
+                             "export the model without --adapter")
     except ValueError as exc:  # ConfigError is one
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

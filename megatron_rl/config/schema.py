@@ -214,7 +214,9 @@ class ModelConfig:
     """LoRA scale numerator: the adapters' output is multiplied by lora_alpha / lora_rank."""
     lora_targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     """The linear layers that get adapters, by Megatron name: linear_qkv and linear_proj (attention),
-    linear_fc1 and linear_fc2 (the dense MLPs; the experts of a mixture of experts get none)."""
+    linear_fc1 and linear_fc2 (the dense MLPs), experts.linear_fc1 and experts.linear_fc2 (each routed expert
+    of a mixture of experts: an adapter per expert; not by default), shared_experts.linear_fc1 and
+    shared_experts.linear_fc2 (the shared experts of Qwen2-MoE, GLM-4.5, DeepSeek; not by default)."""
 
     FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
                                            "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
@@ -222,7 +224,9 @@ class ModelConfig:
     MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2",
                                                "deepseek_v3", "gpt_oss")
     SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
-    LORA_TARGETS: ClassVar[tuple[str, ...]] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    LORA_TARGETS: ClassVar[tuple[str, ...]] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+                                               "experts.linear_fc1", "experts.linear_fc2",
+                                               "shared_experts.linear_fc1", "shared_experts.linear_fc2")
     # multi-latent attention (Megatron's MLASelfAttention) and DeepSeek's YaRN
     MLA_FAMILIES: ClassVar[tuple[str, ...]] = ("deepseek_v2", "deepseek_v3")
     # families whose router is Megatron's sigmoid one with the selection bias (GLM-4.5's and DeepSeek-V3's)
@@ -354,8 +358,25 @@ class ModelConfig:
             raise _invalid("model.lora_targets", self.lora_targets, f"model.family={self.family}'s multi-latent "
                            "attention has no linear_qkv (its down and up projections get no adapters); leave it out")
         if {"linear_fc1", "linear_fc2"} & set(self.lora_targets) and len(self.sparse_layers) == self.num_layers:
-            raise _invalid("model.lora_targets", self.lora_targets, "every layer of this model has experts, which "
-                           "get no adapters, so linear_fc1 / linear_fc2 would adapt nothing; leave them out")
+            raise _invalid("model.lora_targets", self.lora_targets, "every layer of this model has experts, so "
+                           "linear_fc1 / linear_fc2 (the dense MLPs') would adapt nothing; leave them out (the "
+                           "experts' are experts.linear_fc1 / experts.linear_fc2)")
+        routed = [t for t in self.expert_lora_targets if t.startswith("experts.")]
+        if routed and not self.is_moe:
+            raise _invalid("model.lora_targets", self.lora_targets, f"model.family={self.family} has no experts; "
+                           f"leave {' / '.join(routed)} out")
+        shared = [t for t in self.expert_lora_targets if t.startswith("shared_experts.")]
+        if shared and not self.moe_shared_expert_intermediate_size:
+            raise _invalid("model.lora_targets", self.lora_targets, f"model.family={self.family} has no shared "
+                           f"experts (model.moe_shared_expert_intermediate_size is null); leave {' / '.join(shared)} "
+                           "out")
+
+    @property
+    def expert_lora_targets(self) -> list[str]:
+        """The LoRA targets in the routed and shared experts (experts.linear_fc1, shared_experts.linear_fc2, ...),
+        which engines and exports get merged only."""
+        return [t for t in self.lora_targets if t.startswith(("experts.", "shared_experts."))] if self.lora_rank \
+            else []
 
     def _check_rope_scaling(self) -> None:
         if self.family in self.YARN_FAMILIES:
@@ -1522,6 +1543,11 @@ class TrainConfig:
         if self.rollout.weight_sync == "adapters" and not self.model.lora_rank:
             raise _invalid("rollout.weight_sync", self.rollout.weight_sync, "the model trains no LoRA adapters "
                            "(model.lora_rank=0): set model.lora_rank > 0 or rollout.weight_sync=full")
+        if self.rollout.weight_sync == "adapters" and self.model.expert_lora_targets:
+            raise _invalid("rollout.weight_sync", self.rollout.weight_sync, "engines get adapters on experts "
+                           f"merged only (model.lora_targets has {', '.join(self.model.expert_lora_targets)}; "
+                           "adapter syncs address the attention's and dense MLPs' HF modules, and transformers "
+                           "fuses a layer's routed experts into one tensor): use rollout.weight_sync=full")
         if self.rollout.weight_sync == "adapters" and self.model.moe_router_bias_update_rate:
             raise _invalid("rollout.weight_sync", self.rollout.weight_sync, "adapter syncs send the routers' "
                            "selection bias with the base weights only, but model.moe_router_bias_update_rate="

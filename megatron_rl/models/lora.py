@@ -1,9 +1,11 @@
 """LoRA: low-rank adapters on the GPT model's linear layers, tensor- and sequence-parallel.
 
 `attach_lora(model, model_cfg, groups)` gives every targeted linear of this rank's stage (`model.lora_targets`:
-linear_qkv, linear_proj, linear_fc1, linear_fc2 of the attention and the dense MLPs) an adapter: the layer
-then returns W x + (alpha / rank) B A x. A starts random (PEFT's Kaiming-uniform), B at zero, so a model with
-fresh adapters computes what its base weights compute. Only the adapters train (`trainable`); the engine
+linear_qkv, linear_proj, linear_fc1, linear_fc2 of the attention and the dense MLPs; experts.linear_fc1 and
+experts.linear_fc2 of each routed expert this rank holds; shared_experts.linear_fc1 and .linear_fc2 of the
+shared experts, a dense MLP to Megatron) an adapter: the layer then returns W x + (alpha / rank) B A x. A
+starts random (PEFT's Kaiming-uniform), B at zero, so a model with fresh adapters computes what its base
+weights compute. Only the adapters train (`trainable`); the engine
 receives merged weights W + (alpha / rank) B A (`weight_sync.sharding` asks `merged_weight`), so rollouts
 need no adapter support.
 
@@ -16,6 +18,16 @@ adapter all-gathers A x over the sequence-parallel ranks (or, without sequence p
 gradient: each rank's B sees part of the outputs); a row adapter reduce-scatters A x (or all-reduces it: each
 rank sees part of the inputs). Under sequence parallelism the TP-whole factor (a column adapter's A, a row
 adapter's B) sees this rank's tokens only, so its gradient is summed over the TP ranks like the norms'.
+
+A routed expert's linears (Megatron's SequentialMLP: one MLP per local expert) are split over the expert
+tensor-parallel ranks (parallel.etp) and do no communication of their own: the token dispatcher gives every
+rank of an expert's group the same tokens and sums the group's partial outputs (and, backward, its partial
+input gradients). So an expert adapter communicates no activations either: a column adapter's B_local A x
+and a row adapter's B A_local x_local are partial outputs like the layer's, summed by the dispatcher. Only
+the group-whole factor's gradient (a column adapter's A, a row adapter's B) is then a partial sum, which is
+all-reduced over the group in the backward pass (`_summed_grad`). Each expert's A is drawn from its global
+expert index, and the adapters are expert parameters to Megatron's DDP and optimizer (`allreduce` as the
+layer's weight: reduced over the expert-data-parallel ranks), so each expert-parallel rank trains its own.
 
 The adapter runs as a forward hook of the linear it adapts (the input is the hook's argument, the output
 (y, bias) gets the adapter's term), so the layer specs and their fused kernels stay Megatron's, under the
@@ -41,6 +53,8 @@ from megatron_rl.parallel.state import ParallelGroups
 Tensor = torch.Tensor
 COLUMN = ("linear_qkv", "linear_fc1")  # W split along its outputs
 ROW = ("linear_proj", "linear_fc2")  # W split along its inputs
+EXPERTS = "experts."  # model.lora_targets "experts.linear_fc1": linear_fc1 of every routed expert
+SHARED = "shared_experts."  # "shared_experts.linear_fc1": the shared experts' (split over TP like a dense MLP)
 SUFFIX = "_lora"  # the adapter of `parent.linear_qkv` is `parent.linear_qkv_lora`
 
 
@@ -48,17 +62,20 @@ class LoRAAdapter(torch.nn.Module):
     """The adapter of one linear layer; `forward(x)` is its term of the layer's output."""
 
     def __init__(self, target: str, linear: torch.nn.Module, rank: int, alpha: float, groups: ParallelGroups,
-                 sequence_parallel: bool, glu: bool, full_a: Tensor) -> None:
+                 sequence_parallel: bool, glu: bool, full_a: Tensor, expert: bool = False) -> None:
         super().__init__()
-        self.target, self.rank, self.scale = target, rank, alpha / rank
+        self.target, self.rank, self.scale, self.expert = target, rank, alpha / rank, expert
         self.column = target in COLUMN
         self.glu = glu and target == "linear_fc1"
-        self.tp_group, self.tp_size = groups.tp_group, groups.tp_size
-        self.sequence_parallel = sequence_parallel and groups.tp_size > 1
+        # an expert's linear is split over the expert tensor-parallel group, any other over the TP group
+        tp_rank = groups.etp_rank if expert else groups.tp_rank
+        self.tp_group = groups.etp_group if expert else groups.tp_group
+        self.tp_size = groups.etp_size if expert else groups.tp_size
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1 and not expert
         self.norm = _fused_norm(linear)
         weight = linear.weight
         out_local, in_local = weight.shape
-        a = full_a if self.column else full_a.chunk(groups.tp_size, dim=1)[groups.tp_rank]
+        a = full_a if self.column else full_a.chunk(self.tp_size, dim=1)[tp_rank]
         self.a = torch.nn.Parameter(a.to(device=weight.device, dtype=weight.dtype).contiguous())
         self.b = torch.nn.Parameter(torch.zeros(out_local, rank, device=weight.device, dtype=weight.dtype))
         if self.a.shape[1] != in_local:
@@ -66,9 +83,15 @@ class LoRAAdapter(torch.nn.Module):
         # Megatron's attributes, read by its optimizer (grad-norm counts), the checkpoint and weight sync: the
         # split factor is this module's own (sharded_state_dict), the TP-whole one is identical on every rank.
         split, whole = (self.b, self.a) if self.column else (self.a, self.b)
-        split.tensor_model_parallel, split.partition_dim, split.partition_stride = groups.tp_size > 1, \
+        split.tensor_model_parallel, split.partition_dim, split.partition_stride = self.tp_size > 1, \
             0 if self.column else 1, 1
         whole.tensor_model_parallel = False
+        if expert:  # as the expert's weight: Megatron marks it split even when etp is 1, and its DDP reduces it
+            # over the expert-data-parallel ranks when experts are split over expert-parallel ones
+            split.tensor_model_parallel = bool(getattr(weight, "tensor_model_parallel", False))
+            whole.tensor_model_parallel = split.tensor_model_parallel and self.tp_size == 1
+            for param in (self.a, self.b):
+                param.allreduce = getattr(weight, "allreduce", True)
         # Under sequence parallelism the TP-whole factor sees only this rank's tokens (forward): its gradient is
         # a sum over the TP ranks, which finalize_model_grads forms for parameters marked so (as for the norms).
         whole.sequence_parallel = self.sequence_parallel
@@ -78,6 +101,11 @@ class LoRAAdapter(torch.nn.Module):
 
         if self.norm is not None:
             x = self.norm(x)
+        if self.expert:  # partial outputs like the expert's own, summed by the token dispatcher
+            a, b = self.a, self.b
+            if self.tp_size > 1:  # the group-whole factor's gradient is a partial sum over the group
+                a, b = (_summed_grad(a, self.tp_group), b) if self.column else (a, _summed_grad(b, self.tp_group))
+            return F.linear(F.linear(x, a), b) * self.scale
         h = F.linear(x, self.a)  # rank-wide [tokens, r]: the communication below moves r columns, not hidden
         if self.column:
             if self.sequence_parallel:  # this rank's tokens -> all of them; backward: reduce-scatter (B_local
@@ -111,6 +139,13 @@ class LoRAAdapter(torch.nn.Module):
             singleton = (metadata or {}).get("singleton_local_shards", False)
             sharded[f"{prefix}b"] = apply_swiglu_sharded_factory(sharded[f"{prefix}b"], sharded_offsets, singleton)
         return sharded
+
+
+def _summed_grad(param: Tensor, group: Any) -> Tensor:
+    """`param` itself forward; backward, its gradient all-reduced over `group`."""
+    from megatron.core.tensor_parallel import mappings
+
+    return mappings.copy_to_tensor_model_parallel_region(param, group=group)
 
 
 class _Norm(torch.nn.Module):
@@ -149,7 +184,8 @@ def _hook(adapter: LoRAAdapter):
 
 def _full_a(seed: int, layer: int, target: str, rank: int, in_features: int) -> Tensor:
     """A's full value (the same on every rank that holds a part of it): Kaiming-uniform like PEFT's and
-    torch.nn.Linear's, from a generator seeded by (seed, global layer, target)."""
+    torch.nn.Linear's, from a generator seeded by (seed, global layer, target; an expert's target names its
+    global index, "experts.3.linear_fc1")."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{layer}/{target}".encode()))
     bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on a [rank, in] weight
     return (torch.rand(rank, in_features, generator=gen, dtype=torch.float32) * 2 - 1) * bound
@@ -159,22 +195,42 @@ def attach_lora(model: torch.nn.Module, model_cfg: Any, groups: ParallelGroups) 
     """Adapters on this stage's targeted linears (before DDP wraps the model); returns them in module order."""
     config = model.config
     adapters: list[LoRAAdapter] = []
+
+    def attach(parent: torch.nn.Module, target: str, layer: int, expert: Optional[int],
+               key: Optional[str] = None) -> None:
+        linear = getattr(parent, target, None)
+        if linear is None:  # a layer with experts (for the dense targets), multi-latent attention
+            return
+        tp_size = groups.tp_size if expert is None else groups.etp_size
+        in_features = linear.weight.shape[1] * (tp_size if target in ROW else 1)
+        key = key or (target if expert is None else f"{EXPERTS}{expert}.{target}")
+        full_a = _full_a(model_cfg.init_seed, layer, key, model_cfg.lora_rank, in_features)
+        adapter = LoRAAdapter(target, linear, model_cfg.lora_rank, model_cfg.lora_alpha, groups,
+                              config.sequence_parallel, config.gated_linear_unit, full_a, expert=expert is not None)
+        parent.add_module(target + SUFFIX, adapter)
+        linear.register_forward_hook(_hook(adapter))
+        linear.__dict__["lora_adapter"] = adapter  # for merged_weight; not a second submodule
+        adapters.append(adapter)
+
     for layer in getattr(getattr(model, "decoder", None), "layers", []):
+        index = layer.layer_number - 1
         for parent_name in ("self_attention", "mlp"):
             parent = getattr(layer, parent_name, None)
             for target in model_cfg.lora_targets:
-                linear = getattr(parent, target, None) if parent is not None else None
-                if linear is None:  # a layer with experts (their MLPs get none), multi-latent attention
-                    continue
-                in_features = linear.weight.shape[1] * (groups.tp_size if target in ROW else 1)
-                full_a = _full_a(model_cfg.init_seed, layer.layer_number - 1, target, model_cfg.lora_rank,
-                                 in_features)
-                adapter = LoRAAdapter(target, linear, model_cfg.lora_rank, model_cfg.lora_alpha, groups,
-                                      config.sequence_parallel, config.gated_linear_unit, full_a)
-                parent.add_module(target + SUFFIX, adapter)
-                linear.register_forward_hook(_hook(adapter))
-                linear.__dict__["lora_adapter"] = adapter  # for merged_weight; not a second submodule
-                adapters.append(adapter)
+                if parent is not None and not target.startswith((EXPERTS, SHARED)):
+                    attach(parent, target, index, None)
+        shared = getattr(getattr(layer, "mlp", None), "shared_experts", None)
+        for target in model_cfg.lora_targets:
+            if shared is not None and target.startswith(SHARED):
+                attach(shared, target.removeprefix(SHARED), index, None, key=target)
+        local = getattr(getattr(getattr(layer, "mlp", None), "experts", None), "local_experts", None)
+        if local is None:  # a dense layer
+            continue
+        first = groups.ep_rank * len(local)  # this rank's experts are first, first + 1, ... (global indices)
+        for j, expert_mlp in enumerate(local):
+            for target in model_cfg.lora_targets:
+                if target.startswith(EXPERTS):
+                    attach(expert_mlp, target.removeprefix(EXPERTS), index, first + j)
     embedding = getattr(model, "embedding", None)  # the first stage's
     if embedding is not None and model_cfg.recompute == "full":
         embedding.register_forward_hook(_input_requires_grad)

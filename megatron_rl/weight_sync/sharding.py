@@ -226,6 +226,8 @@ def gather_adapters(model: torch.nn.Module, groups: ParallelGroups) -> dict[str,
     stage = {}
     for module_name, module in model.named_modules():
         if isinstance(module, LoRAAdapter):
+            if module.expert:  # the configuration refuses this (rollout.weight_sync=adapters, export --adapter)
+                raise ValueError(f"{module_name}: experts' adapters reach engines and checkpoints merged only")
             weight = module_name[: -len(SUFFIX)] + ".weight"
             a, b = (_gather_tp(weight, p, p, model, groups).cpu().clone() for p in (module.a, module.b))
             stage[_global_name(weight, offset)] = (a, b)

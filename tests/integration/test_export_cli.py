@@ -61,7 +61,9 @@ def test_bad_requests_fail_before_any_work(moe_run, tmp_path):
     for extra, message in ((["--checkpoint", "7"], "is neither a complete training checkpoint"),
                            (["--checkpoint", str(moe_run / "hf" / "step_00000002")], "is an HF directory already"),
                            (["parallel.ep=3"], "parallel.ep=3"),
-                           (["--adapter"], "trained no LoRA adapters (model.lora_rank=0)")):
+                           (["--adapter"], "trained no LoRA adapters (model.lora_rank=0)"),
+                           (["--adapter", "model.lora_rank=4", "model.lora_targets=[experts.linear_fc1]"],
+                            "trained adapters on its experts (experts.linear_fc1), which export merged only")):
         proc = subprocess.run([sys.executable, "-m", "megatron_rl.export", "--run", str(moe_run), *extra],
                               env=_env(), capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]

@@ -229,6 +229,13 @@ def test_lora_settings_are_checked() -> None:
                 world_size=1)  # its layer 0 is dense
     load_config(["model=tiny_qwen3_moe", "model.lora_rank=4", "model.lora_targets=[linear_qkv,linear_proj]"],
                 world_size=1)
+    cfg = load_config(["model=tiny_qwen3_moe", "model.lora_rank=4",
+                       "model.lora_targets=[linear_proj,experts.linear_fc1,experts.linear_fc2]"], world_size=1)
+    assert cfg.model.expert_lora_targets == ["experts.linear_fc1", "experts.linear_fc2"]
+    cfg = load_config(["model=tiny_glm4_moe", "model.lora_rank=4",
+                       "model.lora_targets=[linear_fc1,shared_experts.linear_fc1,shared_experts.linear_fc2]"],
+                      world_size=1)  # layer 0 is dense
+    assert cfg.model.expert_lora_targets == ["shared_experts.linear_fc1", "shared_experts.linear_fc2"]
     refused = {
         "model.lora_rank": ["model.lora_rank=-1"],
         "model.lora_alpha": ["model.lora_rank=4", "model.lora_alpha=0"],
@@ -237,6 +244,10 @@ def test_lora_settings_are_checked() -> None:
         "name at least one": ["model.lora_rank=4", "model.lora_targets=[]"],
         "has no linear_qkv": ["model=tiny_deepseek_v3", "model.lora_rank=4"],
         "every layer of this model has experts": ["model=tiny_qwen3_moe", "model.lora_rank=4"],
+        "has no experts; leave experts.linear_fc2 out": ["model.lora_rank=4",
+                                                         "model.lora_targets=[experts.linear_fc2]"],
+        "has no shared experts": ["model=tiny_qwen3_moe", "model.lora_rank=4",
+                                  "model.lora_targets=[linear_qkv,shared_experts.linear_fc1]"],
     }
     for message, overrides in refused.items():
         with pytest.raises(ValueError, match=message):
@@ -253,6 +264,9 @@ def test_adapter_sync_needs_lora() -> None:
         "allowed values are full, adapters": ["model.lora_rank=4", "rollout.weight_sync=lora"],
         "moves it every step": ["model=tiny_glm4_moe", "model.lora_rank=4", "model.lora_targets=[linear_qkv]",
                                 "model.moe_router_bias_update_rate=0.001", "rollout.weight_sync=adapters"],
+        "engines get adapters on experts merged only": ["model=tiny_qwen3_moe", "model.lora_rank=4",
+                                                        "model.lora_targets=[experts.linear_fc1]",
+                                                        "rollout.weight_sync=adapters"],
     }
     for message, overrides in refused.items():
         with pytest.raises(ValueError, match=message):
