@@ -53,6 +53,7 @@ without it, and attach mode needs sglang only for weight updates (tensor seriali
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import json
 import logging
@@ -590,6 +591,7 @@ class _OfflineTransport(_Transport):
         usr1 = signal.getsignal(signal.SIGUSR1) if threading.current_thread() is threading.main_thread() else None
         if usr1 is not None:
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        before = _child_pids()
         try:
             self._engine = sglang.Engine(**kwargs)
         finally:
@@ -603,6 +605,12 @@ class _OfflineTransport(_Transport):
                     root.addHandler(handler)
             root.setLevel(level)
             logging.getLogger("sglang").setLevel(str(kwargs.get("log_level", "error")).upper())
+        # the processes SGLang started (scheduler, detokenizer, ...), not the resource tracker it may have started
+        self._sglang_pids = sorted(_child_pids() - before - {_resource_tracker_pid()})
+        # at exit, this shutdown rather than SGLang's (which would kill every child of this process)
+        atexit.unregister(self._engine.shutdown)
+        atexit.register(self.shutdown)
+        self._closed = False
         self.tp_size = int(kwargs["tp_size"])
         self._tm = self._engine.tokenizer_manager
         self._loop = self._engine.loop
@@ -677,11 +685,46 @@ class _OfflineTransport(_Transport):
                                   for p in pids)
 
     def shutdown(self) -> None:
+        """SGLang's shutdown, killing SGLang's processes only. `Engine.shutdown` SIGKILLs every child of the
+        calling process (`kill_process_tree(os.getpid(), include_parent=False)`): multiprocessing's resource
+        tracker went with it, and every run using SGLang ended with "resource_tracker: process died
+        unexpectedly" and a KeyError traceback; a sandbox server or generator this process started would go
+        too. For the call the kill is narrowed to the processes that appeared while the engine started."""
+        if self._closed:
+            return
+        self._closed = True
+        from sglang.srt.entrypoints import engine as engine_module
+
+        kill_tree = engine_module.kill_process_tree
+
+        def kill_sglang_processes(parent_pid: Optional[int] = None, include_parent: bool = True, *args: Any,
+                                  **kwargs: Any) -> None:
+            if parent_pid not in (None, os.getpid()) or include_parent:  # not the blanket kill of our children
+                return kill_tree(parent_pid, include_parent, *args, **kwargs)
+            for pid in self._sglang_pids:  # each with its own children
+                kill_tree(pid, True, **{k: v for k, v in kwargs.items() if k == "wait_timeout"})
+
+        engine_module.kill_process_tree = kill_sglang_processes
         try:
             self._engine.shutdown()
         finally:
+            engine_module.kill_process_tree = kill_tree
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+
+def _child_pids() -> set[int]:
+    import psutil  # an sglang dependency
+
+    return {child.pid for child in psutil.Process().children()}
+
+
+def _resource_tracker_pid() -> Optional[int]:
+    """The pid of multiprocessing's resource tracker of this process, if it runs (private state: None when
+    Python keeps it elsewhere)."""
+    from multiprocessing import resource_tracker
+
+    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
 
 
 class _HTTPTransport(_Transport):

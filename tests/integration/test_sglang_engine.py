@@ -124,6 +124,17 @@ def test_the_offline_engines_processes_ignore_the_stop_signal(scenarios):
 
 
 @real_engine
+def test_shutdown_stops_sglangs_processes_and_no_other(scenarios):
+    """`sglang.Engine.shutdown` SIGKILLs every child of the calling process; the engine narrows that to
+    SGLang's own processes: a child started before the engine (as a sandbox server would be) and
+    multiprocessing's resource tracker survive it (killed, the tracker was relaunched at exit with a
+    "process died unexpectedly" warning and a KeyError traceback at the end of every run)."""
+    shutdown = scenarios("offline")["shutdown"]
+    assert shutdown["sglang_pids"] and shutdown["sglang_left"] == []
+    assert shutdown["bystander_alive"] and shutdown["tracker_alive"]
+
+
+@real_engine
 @pytest.mark.parametrize("mode", MODES)
 def test_generate_shapes_order_and_version(scenarios, mode):
     gens = scenarios(mode)["gen_a"]

@@ -21,7 +21,8 @@ A second run trains LoRA adapters with `rollout.weight_sync=adapters`: the engin
 and then only the adapters, which SGLang's LoRA serving applies (enable_lora, loaded from tensors); its samples
 still match the trainer to LOGPROB_ATOL after an update that moved the adapters. Three mixtures of experts
 (Qwen3-MoE with tied embeddings, Mixtral, GLM-4.5) run two steps each, judged the same way, and so do
-multi-turn agent episodes with either scheduler.
+multi-turn agent episodes with either scheduler and disaggregated runs whose generator process runs SGLang
+(whole-model publishes, and LoRA adapters alone).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def _train(run_dir: Path, *overrides: str, task: str = "task=math") -> list[dict
                           capture_output=True, text=True, timeout=800)
     wall = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-6000:]
+    # SGLang's shutdown at exit spares this process's other children (sglang_engine._OfflineTransport.shutdown)
+    assert "resource_tracker" not in proc.stderr, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     print(f"\n[sglang rl loop] {wall:.0f}s; per step: " + "; ".join(
         f"v{r['weight_version']:.0f} mismatch {r['rollout/logprob_mismatch']:.2e} kl {r['ppo_kl']:.2e}" for r in rows))
@@ -149,6 +152,28 @@ def test_mixtures_of_experts_match_the_trainer(tmp_path, model):
     for r in rows:  # ... and both steps' samples match the trainer
         assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
         assert r["ppo_kl_first_update"] == 0.0
+
+
+@pytest.mark.parametrize("weight_sync", ["full", "adapters"])
+def test_disaggregated_generators_run_sglang(tmp_path, weight_sync):
+    """rollout.mode=disaggregated with an SGLang engine in the generator process (it had run with the hf
+    engine only), at max_staleness=0 so that every step's samples come from the weights the trainer published
+    for it: the generator's log-probs equal the trainer's at both steps, after the first publish (the whole
+    model) and after the second (the whole model again, or with LoRA and rollout.weight_sync=adapters the
+    adapters alone, which the generator's SGLang applies with its LoRA serving)."""
+    lora = ["model.lora_rank=4", "model.lora_alpha=32", "optimizer.lr=1e-2"] if weight_sync == "adapters" else []
+    run_dir = tmp_path / "run"
+    rows = _train(run_dir, "rollout.mode=disaggregated", "algorithm.max_staleness=0", "num_steps=2",
+                  "task.num_eval=0", "algorithm.num_inner_updates=1", "algorithm.entropy_coef=0.1",
+                  f"rollout.weight_sync={weight_sync}", *lora)
+    generator_log = (run_dir / "logs" / "generator0.log").read_text()
+    assert "starting SGLang engine" in generator_log
+    assert [r["async/generator_version"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
+        assert r["async/staleness_max"] == 0
+    sizes = [r["sync/bytes"] for r in rows]
+    assert sizes[1] < sizes[0] / 10 if weight_sync == "adapters" else sizes[1] == sizes[0]
 
 
 @pytest.mark.parametrize("scheduler", ["lockstep", "async"])

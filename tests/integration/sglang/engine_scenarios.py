@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import urllib.request
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -237,6 +238,12 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _resource_tracker_alive() -> bool:
+    """multiprocessing's resource tracker of this process runs."""
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return pid is not None and pid in _children(os.getpid())
+
+
 def _ignores_usr1(pid: int) -> bool:
     """SIGUSR1 is in the process's ignored-signal mask (/proc/<pid>/status, SigIgn)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -258,7 +265,12 @@ def main() -> None:
     server = None
     stop_requested = []
     signal.signal(signal.SIGUSR1, lambda *_: stop_requested.append(True))  # as megatron_rl.preemption does
+    bystander = None
     if args.mode == "offline":
+        # a child process of this one that is not SGLang's (as a sandbox server or generator would be): the
+        # engine's shutdown must leave it running
+        bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])
+        resource_tracker.ensure_running()  # as a run's multiprocessing objects start it
         # with the checkpoint's tokenizer, for stop strings (token ids still go in and out)
         config = cpu_config(model_path=args.model_a, skip_tokenizer_init=False)
         config.server_args["tokenizer_path"] = args.model_a  # as the rollout factory passes it
@@ -269,12 +281,20 @@ def main() -> None:
     engine_start = time.perf_counter() - start
     try:
         result = run(engine, args)
-        result["children_ignore_usr1"] = [_ignores_usr1(pid) for pid in _children(os.getpid())]
+        ours = {getattr(resource_tracker._resource_tracker, "_pid", None), bystander and bystander.pid}
+        result["children_ignore_usr1"] = [_ignores_usr1(pid) for pid in _children(os.getpid()) if pid not in ours]
         os.kill(os.getpid(), signal.SIGUSR1)  # this process keeps its own handler
         time.sleep(0.1)
         result["parent_handled_usr1"] = bool(stop_requested)
     finally:
+        sglang_pids = list(getattr(engine._transport, "_sglang_pids", []))
         engine.shutdown()
+        if bystander is not None:
+            result["shutdown"] = {"sglang_pids": sglang_pids, "bystander_alive": bystander.poll() is None,
+                                  "sglang_left": [pid for pid in sglang_pids if pid in _children(os.getpid())],
+                                  "tracker_alive": _resource_tracker_alive()}
+            bystander.kill()
+            bystander.wait()
         if server is not None:
             try:
                 after_shutdown = loaded_adapters(url)  # the engine took its adapter back
