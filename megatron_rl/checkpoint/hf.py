@@ -232,7 +232,8 @@ def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str 
     Megatron's fused layers become the HF modules the family's converter writes (linear_qkv: q_proj, k_proj,
     v_proj; linear_fc1: gate_proj, up_proj), each with the whole A and its rows of B, so PEFT's update
     (lora_alpha / r) lora_B lora_A of every module is that module's part of the merged update. `target_modules`
-    lists the adapted modules by full name: a mixture of experts adapts only its dense layers' MLPs.
+    lists the adapted modules by full name: a mixture of experts' adapters are on its dense layers' MLPs (runs
+    with adapters on experts export merged only).
     """
     from safetensors.torch import save_file
 

@@ -1545,9 +1545,10 @@ class TrainConfig:
                            "(model.lora_rank=0): set model.lora_rank > 0 or rollout.weight_sync=full")
         if self.rollout.weight_sync == "adapters" and self.model.expert_lora_targets:
             raise _invalid("rollout.weight_sync", self.rollout.weight_sync, "engines get adapters on experts "
-                           f"merged only (model.lora_targets has {', '.join(self.model.expert_lora_targets)}; "
-                           "adapter syncs address the attention's and dense MLPs' HF modules, and transformers "
-                           "fuses a layer's routed experts into one tensor): use rollout.weight_sync=full")
+                           f"merged only (model.lora_targets has {', '.join(self.model.expert_lora_targets)}): "
+                           "adapter syncs carry the attention's and dense MLPs' adapters, not yet the experts' "
+                           "(transformers fuses a layer's routed experts into one tensor, which per-module PEFT "
+                           "adapters do not address); use rollout.weight_sync=full")
         if self.rollout.weight_sync == "adapters" and self.model.moe_router_bias_update_rate:
             raise _invalid("rollout.weight_sync", self.rollout.weight_sync, "adapter syncs send the routers' "
                            "selection bias with the base weights only, but model.moe_router_bias_update_rate="

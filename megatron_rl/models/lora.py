@@ -26,8 +26,9 @@ input gradients). So an expert adapter communicates no activations either: a col
 and a row adapter's B A_local x_local are partial outputs like the layer's, summed by the dispatcher. Only
 the group-whole factor's gradient (a column adapter's A, a row adapter's B) is then a partial sum, which is
 all-reduced over the group in the backward pass (`_summed_grad`). Each expert's A is drawn from its global
-expert index, and the adapters are expert parameters to Megatron's DDP and optimizer (`allreduce` as the
-layer's weight: reduced over the expert-data-parallel ranks), so each expert-parallel rank trains its own.
+expert index, and each adapter carries its expert weight's `allreduce` tag: where the experts are expert
+parameters to Megatron's DDP and optimizer (EP > 1, or etp != tp: models/gpt.py), so are their adapters,
+reduced over the expert-data-parallel ranks; each expert-parallel rank trains its own experts' adapters.
 
 The adapter runs as a forward hook of the linear it adapts (the input is the hook's argument, the output
 (y, bias) gets the adapter's term), so the layer specs and their fused kernels stay Megatron's, under the
@@ -223,8 +224,14 @@ def attach_lora(model: torch.nn.Module, model_cfg: Any, groups: ParallelGroups) 
         for target in model_cfg.lora_targets:
             if shared is not None and target.startswith(SHARED):
                 attach(shared, target.removeprefix(SHARED), index, None, key=target)
-        local = getattr(getattr(getattr(layer, "mlp", None), "experts", None), "local_experts", None)
-        if local is None:  # a dense layer
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is None:  # a dense layer
+            continue
+        local = getattr(experts, "local_experts", None)
+        if local is None and any(t.startswith(EXPERTS) for t in model_cfg.lora_targets):
+            raise ValueError(f"LoRA on experts needs one MLP module per expert (Megatron's SequentialMLP, "
+                             f"moe_grouped_gemm=False); layer {index}'s experts are a {type(experts).__name__}")
+        if local is None:
             continue
         first = groups.ep_rank * len(local)  # this rank's experts are first, first + 1, ... (global indices)
         for j, expert_mlp in enumerate(local):

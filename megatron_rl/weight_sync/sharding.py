@@ -2,7 +2,8 @@
 
 Which dimension a parameter is split along comes from Megatron's own parameter
 attributes (`tensor_model_parallel`, `partition_dim`); the exceptions are SwiGLU's fused
-`linear_fc1`, whose gate and up halves are split separately, and layer numbering, which is
+`linear_fc1`, whose gate and up halves are split separately, an expert's down projection, which
+Transformer Engine tags wrongly (`_partition_dim`), and layer numbering, which is
 local to a pipeline stage (`decoder.layers.0` on stage 1 is global layer
 `num_layers / pp`). With tied embeddings and PP > 1 the last stage holds its own copy of
 the embedding as `output_layer.weight`. Names are the local layer spec's (`canonical_name`). A model with
@@ -69,6 +70,16 @@ def _tp_coords(name: str, groups: ParallelGroups) -> tuple[int, int, dist.Proces
     if _is_expert(name):
         return groups.etp_size, groups.etp_rank, groups.etp_group
     return groups.tp_size, groups.tp_rank, groups.tp_group
+
+
+def _partition_dim(name: str, param: Tensor) -> int:
+    """The dimension a tensor-parallel parameter is split along: its `partition_dim`, except an expert's down
+    projection, split along its inputs (1) but tagged 0 by Transformer Engine. Megatron builds an expert's TE
+    linears with parallel_mode=None (it does their communication itself: extensions/transformer_engine.py,
+    explicit_expert_comm), and TE tags every weight of a linear that is not "row" with dim 0."""
+    if _is_expert(name) and name.endswith("linear_fc2.weight"):
+        return 1
+    return param.partition_dim
 
 
 def _split(full: Tensor, dim: int, size: int, rank: int, glu: bool) -> Tensor:
@@ -143,7 +154,7 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, Tensor], groups
         tensor = full[src]
         tp_size, tp_rank, _ = _tp_coords(name, groups)
         if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-            tensor = _split(tensor, param.partition_dim, tp_size, tp_rank, _is_glu_fc1(name, model))
+            tensor = _split(tensor, _partition_dim(name, param), tp_size, tp_rank, _is_glu_fc1(name, model))
         if tensor.shape != param.shape:
             raise ValueError(f"tensor {src!r} has shape {tuple(full[src].shape)}, which does not fit "
                              f"parameter {name!r} of shape {tuple(param.shape)} at tp={groups.tp_size}, "
@@ -159,7 +170,7 @@ def _gather_tp(name: str, param: Tensor, tensor: Tensor, model: torch.nn.Module,
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(tp_size)]
     dist.all_gather(parts, tensor.contiguous(), group=tp_group)
-    dim = param.partition_dim
+    dim = _partition_dim(name, param)
     if _is_glu_fc1(name, model):
         halves = [p.chunk(2, dim=dim) for p in parts]
         return torch.cat([torch.cat([h[0] for h in halves], dim=dim),
@@ -227,7 +238,7 @@ def gather_adapters(model: torch.nn.Module, groups: ParallelGroups) -> dict[str,
     for module_name, module in model.named_modules():
         if isinstance(module, LoRAAdapter):
             if module.expert:  # the configuration refuses this (rollout.weight_sync=adapters, export --adapter)
-                raise ValueError(f"{module_name}: experts' adapters reach engines and checkpoints merged only")
+                raise ValueError(f"{module_name}: experts' adapters reach engines and HF exports merged only")
             weight = module_name[: -len(SUFFIX)] + ".weight"
             a, b = (_gather_tp(weight, p, p, model, groups).cpu().clone() for p in (module.a, module.b))
             stage[_global_name(weight, offset)] = (a, b)

@@ -13,10 +13,14 @@ from the tokens the dispatcher brings it; A is drawn from the global expert inde
 alike), EP=2 with the distributed optimizer (the adapters are expert parameters: reduced and sharded over
 the expert-data-parallel ranks), TP=2 with sequence parallelism (experts split over the TP ranks, etp=2: a
 column adapter's A and a row adapter's B whole on both ranks, their gradients summed over the pair), the same
-with experts unsplit (etp=1: each TP rank runs whole experts on its own tokens), and PP=2. The log-probs
-before and after two steps, the losses, gradient norms and merged weights equal the single process's, and
-the TP ranks' copies of every factor they both hold stay equal (a group-whole factor whose gradient was not
-summed over the group would step with half of it).
+with experts unsplit (etp=1: each TP rank runs whole experts on its own tokens), and PP=2; on four ranks
+(the Qwen3-MoE) EP=2 x TP=2 with sequence parallelism at etp 2 and 1, and EP=2 x DP=2 with the distributed
+optimizer (each expert's adapters sharded over the two ranks holding that expert). The log-probs before and
+after two steps, the losses, every rank's gradient norms and the merged weights equal the single process's,
+and the ranks' copies of every parameter they should share stay equal (a group-whole factor whose gradient
+was not summed over the group would step with half of it). Each rank clips by its own gradient norm, so the
+norms of all ranks are compared: counting a factor on the wrong ranks (the tensor-parallel tags) changes
+them (0.81313 against 0.81458 on one rank, tried) while leaving rank 0's right.
 
 A checkpoint written at TP=2 (etp=2) with sequence parallelism resumes in one process: the expert adapters
 and their optimizer state are sharded as Megatron shards the experts (B of linear_fc1 like SwiGLU's fc1,
@@ -39,7 +43,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_spawned
-from tests.distributed.test_moe_parity import _replica_drift, _samples
+from tests.distributed.test_moe_parity import _samples
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -60,6 +64,13 @@ LAYOUTS = {
     "tp2_sp": dict(tp=2, pp=1, ep=1, sequence_parallel=True, distopt=False),
     "tp2_sp_etp1": dict(tp=2, pp=1, ep=1, sequence_parallel=True, distopt=False, etp=1),
     "pp2": dict(tp=1, pp=2, ep=1, sequence_parallel=False, distopt=False),
+}
+# four ranks (the Qwen3-MoE only): experts split over EP and TP at once, and expert data parallelism (EP=2 x DP=2:
+# the distributed optimizer shards each expert's adapters over the two ranks that hold that expert)
+LAYOUTS_4 = {
+    "ep2_tp2_sp": dict(tp=2, pp=1, ep=2, sequence_parallel=True, distopt=False),
+    "ep2_tp2_sp_etp1": dict(tp=2, pp=1, ep=2, sequence_parallel=True, distopt=False, etp=1),
+    "ep2_dp2_distopt": dict(tp=1, pp=1, ep=2, sequence_parallel=False, distopt=True),
 }
 REFERENCE = dict(tp=1, pp=1, ep=1, sequence_parallel=False, distopt=False)
 LR = 1e-2
@@ -87,6 +98,34 @@ def _groups(layout):
                             sequence_parallel=layout["sequence_parallel"])
 
 
+def _replica_drift(module, groups) -> float:
+    """Largest difference between copies of a parameter that ranks should hold identically: a dense parameter
+    not split over TP on the TP ranks; an expert's parameter on the expert-data-parallel ranks (those holding
+    the same expert and the same expert-TP shard); an expert adapter's group-whole factor on its expert-TP
+    ranks. (full_state_dict reads one copy, so a rank that stepped differently would go unseen there.)"""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    def spread(param, group) -> float:
+        size = dist.get_world_size(group)
+        if size == 1:
+            return 0.0
+        parts = [torch.empty_like(param.data) for _ in range(size)]
+        dist.all_gather(parts, param.data.contiguous(), group=group)
+        return max((p - parts[0]).abs().max().item() for p in parts)
+
+    drift = 0.0
+    for name, param in module.named_parameters():
+        split = getattr(param, "tensor_model_parallel", False)
+        if ".mlp.experts." in name:
+            drift = max(drift, spread(param, ps.get_expert_data_parallel_group()))
+            if groups.etp_size > 1 and not split:
+                drift = max(drift, spread(param, groups.etp_group))
+        elif not split:
+            drift = max(drift, spread(param, groups.tp_group))
+    return drift
+
+
 def _worker(rank: int, world: int, model: str, layouts: dict, out_path: str) -> None:
     from megatron_rl.models.hf import random_state_dict
     from megatron_rl.models.lora import LoRAAdapter
@@ -106,6 +145,10 @@ def _worker(rank: int, world: int, model: str, layouts: dict, out_path: str) -> 
         out["after"] = trainer.forward_logprobs(samples)[0]
         out["merged"] = trainer.full_state_dict()
         out["drift"] = _replica_drift(trainer.module, groups)
+        # every rank's gradient norms (each rank clips by its own: one that counted a factor differently would
+        # step differently)
+        out["rank_grad_norms"] = [None] * world
+        torch.distributed.all_gather_object(out["rank_grad_norms"], [m["grad_norm"] for m in out["steps"]])
         if name == "ref":
             out["trainable"] = sorted(n for n, p in trainer.module.named_parameters() if p.requires_grad)
             out["base"] = {n: p.detach().clone() for n, p in trainer.module.named_parameters()
@@ -129,8 +172,11 @@ def runs(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"lora_experts_{request.param}")
     run_spawned(_worker, 1, request.param, {"ref": REFERENCE}, str(out / "ref.pt"))
     run_spawned(_worker, 2, request.param, LAYOUTS, str(out / "layouts.pt"))
-    return (request.param, torch.load(out / "ref.pt", weights_only=False)["ref"],
-            torch.load(out / "layouts.pt", weights_only=False))
+    layouts = torch.load(out / "layouts.pt", weights_only=False)
+    if request.param == "qwen3_moe":
+        run_spawned(_worker, 4, request.param, LAYOUTS_4, str(out / "layouts_4.pt"), timeout_s=600)
+        layouts.update(torch.load(out / "layouts_4.pt", weights_only=False))
+    return request.param, torch.load(out / "ref.pt", weights_only=False)["ref"], layouts
 
 
 def _max_diff(a, b) -> float:
@@ -191,15 +237,19 @@ def test_merged_weights_are_base_plus_scaled_adapter_product(runs):
         assert torch.equal(merged[name], full[name]), name
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, *LAYOUTS_4])
 def test_layouts_match_the_single_process(runs, layout):
-    _, ref, runs_2 = runs
-    got = runs_2[layout]
+    model, ref, runs_n = runs
+    if layout in LAYOUTS_4 and model != "qwen3_moe":
+        pytest.skip("four-rank layouts run for the Qwen3-MoE only")
+    got = runs_n[layout]
     assert _max_diff(got["before"], ref["before"]) <= 2e-5
     assert _max_diff(got["after"], ref["after"]) <= 2e-5
     for mine, theirs in zip(got["steps"], ref["steps"], strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6, abs=1e-6)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    for rank_norms in got["rank_grad_norms"]:
+        assert rank_norms == pytest.approx([m["grad_norm"] for m in ref["steps"]], rel=1e-5)
     for name, value in ref["merged"].items():
         assert torch.allclose(got["merged"][name], value, atol=1e-4), name
     assert got["drift"] == 0.0

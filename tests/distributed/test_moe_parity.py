@@ -327,3 +327,39 @@ def test_updated_weights_match_single_process(results, layout):
     for key in want:
         diff = (got[key] - want[key]).abs().max().item()
         assert diff <= 3e-5, f"{key}: max abs diff {diff:.3e}"
+
+
+def _te_tagged_worker(rank: int, world: int, out_path: str) -> None:
+    """TP=2 with sequence parallelism (experts split over both ranks, etp=2), the experts' down projections
+    tagged as Transformer Engine tags them: load a full state dict, gather it back."""
+    from megatron_rl.config.schema import OptimizerConfig
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.core import Trainer, TrainerOptions
+
+    mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
+    groups = state.initialize(2, 1, 1, ep=1, sequence_parallel=True)
+    trainer = Trainer(_model_cfg("qwen3_moe"), OptimizerConfig(), groups, TrainerOptions(micro_batch_tokens=48))
+    retagged = 0
+    for name, param in trainer.module.named_parameters():
+        if ".mlp.experts." in name and name.endswith("linear_fc2.weight"):
+            param.partition_dim = 0  # TE: parallel_mode=None under Megatron's explicit expert communication
+            retagged += 1
+    full = _initial_weights("qwen3_moe")
+    trainer.load_full_state_dict(full)
+    gathered = trainer.full_state_dict()
+    if rank == 0:
+        torch.save({"retagged": retagged, "full": full, "gathered": gathered}, out_path)
+
+
+def test_expert_down_projections_tagged_as_transformer_engine_tags_them_load_and_gather(tmp_path):
+    """Transformer Engine (the GPU spec) tags an expert's linear_fc2 weight, split along its inputs, with
+    partition_dim 0 (Megatron builds expert linears with parallel_mode=None; TE tags every linear that is not
+    "row" so). Weight loading and gathering split it along its inputs anyway: the full state dict comes back
+    as loaded. (Read from the tag, loading failed with a shape error.)"""
+    run_spawned(_te_tagged_worker, 2, str(tmp_path / "out.pt"))
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert out["retagged"] == 4 * 4  # four layers of four experts
+    assert sorted(out["gathered"]) == sorted(out["full"])
+    for name, tensor in out["full"].items():
+        assert torch.equal(out["gathered"][name], tensor), name

@@ -251,7 +251,8 @@ class DenseDecoderConverter:
         {"model.layers.3.mlp.gate_proj": (A, B's gate rows), ...}. A fused weight's rows go to its modules as
         `megatron_to_hf` sends them (B's rows are the update's rows), and every module gets the whole A, so
         each module's update is its rows of the fused one. (Every family's attention output and dense MLP are
-        named as here; multi-latent attention has no linear_qkv, and experts get no adapters.)"""
+        named as here; multi-latent attention has no linear_qkv, and experts' adapters never come here: runs
+        with them sync and export merged weights only.)"""
         match = re.match(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)\.weight$", weight)
         if match is None:
             raise ValueError(f"{weight}: not a weight LoRA adapts")
