@@ -413,22 +413,23 @@ def load_checkpoint(trainer, path: Path, critic: Any = None) -> dict[str, Any]:
     meta = check_compatible(path, trainer.model_cfg)
     saved_layout = saved_layout_of(meta)
     current = _layout(trainer.groups)
-    if _expert_optimizer(saved_layout) != _expert_optimizer(current) and saved_layout["ep"] == current["ep"]:
-        # as for ep below: the experts moved between the dense optimizer and one of their own
+    if _expert_optimizer(saved_layout) != _expert_optimizer(current):
+        # Megatron-core keeps expert parameters in an optimizer of their own when they are expert-parallel
+        # (or reduced over their own data-parallel group: models/gpt.py) and saves a chained optimizer in
+        # another structure (optimizer.py:1200-1213); loading across that fails inside Megatron
+        # (optimizer.py:413), so it is refused here with the fix. Between two layouts that both have it
+        # (EP 2 -> 4, EP 2 -> EP 1 with experts unsplit over TP=2), the state reshards.
         where = {True: "an optimizer of their own", False: "the dense optimizer"}
+        saved_how = (f"parallel.ep={saved_layout['ep']}, parallel.tp={saved_layout['tp']}, expert TP "
+                     f"{saved_layout['etp']}")
+        current_how = f"parallel.ep={current['ep']}, parallel.tp={current['tp']}, expert TP {current['etp']}"
         raise ValueError(f"checkpoint {path} keeps the experts in {where[_expert_optimizer(saved_layout)]} "
-                         f"(parallel.tp={saved_layout['tp']}, expert TP {saved_layout['etp']}), this run in "
-                         f"{where[_expert_optimizer(current)]} (parallel.tp={current['tp']}, "
-                         f"expert TP {current['etp']}): "
-                         "Megatron-core cannot load an optimizer across that; resume with expert TP equal to "
-                         "parallel.tp, or 1 at parallel.tp > 1, as the checkpoint has it")
-    if saved_layout["ep"] != trainer.groups.ep_size:
-        # Megatron-core keeps expert parameters in a separate optimizer when ep > 1 and saves a
-        # chained optimizer in another structure (optimizer.py:1200-1213); loading across that
-        # change fails inside Megatron (optimizer.py:413), so it is refused here with the fix.
-        raise ValueError(f"checkpoint {path} was written at parallel.ep={saved_layout['ep']}, this run has "
-                         f"parallel.ep={trainer.groups.ep_size}: resuming at another expert-parallel size is "
-                         f"not supported; set parallel.ep={saved_layout['ep']}")
+                         f"({saved_how}), this run in {where[_expert_optimizer(current)]} ({current_how}): "
+                         "Megatron-core cannot load an optimizer across that; resume at a layout that keeps them "
+                         "where the checkpoint has them: "
+                         + ("parallel.ep > 1, or parallel.etp=1 at parallel.tp > 1" if _expert_optimizer(saved_layout)
+                            else f"parallel.ep=1 with expert TP equal to parallel.tp (parallel.ep="
+                                 f"{saved_layout['ep']} as written)"))
     saved_distopt = meta.get("distributed_optimizer", False)
     if saved_distopt != trainer.options.use_distributed_optimizer:
         # The two optimizers store their state in different structures (distrib_optimizer.py:1175

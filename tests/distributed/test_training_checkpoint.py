@@ -244,7 +244,7 @@ def test_mismatched_architecture_names_the_checkpoint_and_field(tmp_path):
             check_compatible(tmp_path, ModelConfig(lora_rank=4))
 
 
-def _moe_setup(ep, dense_layers):
+def _moe_setup(ep, dense_layers, tp=1, etp=None, distopt=False):
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
@@ -252,36 +252,39 @@ def _moe_setup(ep, dense_layers):
 
     if not torch.distributed.is_initialized():
         mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
-    groups = state.initialize(1, 1, ep=ep)
+    groups = state.initialize(tp, 1, ep=ep, etp=etp, sequence_parallel=tp > 1)
     model_cfg = ModelConfig(family="qwen3_moe", num_layers=3, num_experts=4, moe_ffn_hidden_size=64,
                             moe_dense_layers=dense_layers)
-    trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-3), groups, TrainerOptions(micro_batch_tokens=40))
+    trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-3), groups,
+                      TrainerOptions(micro_batch_tokens=40, use_distributed_optimizer=distopt))
     trainer.initialize_weights()
     return trainer
 
 
-def _moe_writer(rank, world, root, dense_layers, out):
+def _moe_writer(rank, world, root, dense_layers, out, distopt=False):
     from megatron_rl.checkpoint.training import save_checkpoint
 
-    trainer = _moe_setup(2, dense_layers)
+    trainer = _moe_setup(2, dense_layers, distopt=distopt)
     trainer.train_step(_batch(0))
     save_checkpoint(trainer, Path(root), 1, {}, _config_for(trainer))
     at_save = trainer.full_state_dict()
     metrics = trainer.train_step(_batch(1))
+    after = trainer.full_state_dict()
     if rank == 0:
-        torch.save({"at_save": at_save, "metrics": metrics}, out)
+        torch.save({"at_save": at_save, "metrics": metrics, "after": after}, out)
 
 
-def _moe_reader(rank, world, root, ep, dense_layers, out):
+def _moe_reader(rank, world, root, ep, dense_layers, out, tp=1, etp=None, distopt=False):
     from megatron_rl.checkpoint.training import find_latest, load_checkpoint
 
-    trainer = _moe_setup(ep, dense_layers)
+    trainer = _moe_setup(ep, dense_layers, tp, etp, distopt)
     try:
         load_checkpoint(trainer, find_latest(Path(root)))
     except ValueError as exc:
         result = {"error": str(exc)}
     else:
-        result = {"loaded": trainer.full_state_dict(), "metrics": trainer.train_step(_batch(1))}
+        result = {"loaded": trainer.full_state_dict(), "metrics": trainer.train_step(_batch(1)),
+                  "after": trainer.full_state_dict()}
     if rank == 0:
         torch.save(result, out)
 
@@ -304,6 +307,34 @@ def test_moe_checkpoint_resumes_at_its_expert_parallel_size_and_refuses_another(
     assert same["metrics"]["grad_norm"] == pytest.approx(writer["metrics"]["grad_norm"], rel=1e-5)
     error = torch.load(tmp_path / "ep1.pt")["error"]
     assert "parallel.ep=2" in error and "parallel.ep=1" in error and str(root) in error
+    assert "an optimizer of their own" in error and "the dense optimizer" in error
+
+
+@pytest.mark.parametrize("distopt", [False, True], ids=["adam", "distributed_optimizer"])
+def test_moe_checkpoint_reshards_between_layouts_that_keep_an_expert_optimizer(tmp_path, distopt):
+    """Written at EP=2 on two ranks, resumed at EP=4 on four ranks (one expert each) and at EP=1 with the
+    experts unsplit over TP=2 (etp=1: they keep an optimizer of their own there too): the loaded weights are
+    the saved ones and the next step is the writer's, weights included, so the optimizer state resharded with
+    the experts. A fresh Adam's first step moves every weight by lr = 1e-3 (the sign of its gradient), which a
+    step with the saved moments does not; the readers' steps differ from the writer's by 2e-7 (EP=4) and up to
+    7.8e-6 (TP=2 with sequence parallelism, at one element: its re-ordered gradient sums differ by rounding,
+    which Adam scales by lr / eps where a gradient is near eps = 1e-8): 5e-5. Also with the distributed
+    optimizer, whose expert state is sharded over the expert-data-parallel ranks (one at EP=4, two at TP=2 x
+    etp=1)."""
+    root = tmp_path / "checkpoints"
+    run_spawned(_moe_writer, 2, str(root), [1], str(tmp_path / "writer.pt"), distopt)
+    run_spawned(_moe_reader, 4, str(root), 4, [1], str(tmp_path / "ep4.pt"), 1, None, distopt)
+    run_spawned(_moe_reader, 2, str(root), 1, [1], str(tmp_path / "tp2_etp1.pt"), 2, 1, distopt)
+    writer = torch.load(tmp_path / "writer.pt")
+    for name in ("ep4", "tp2_etp1"):
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert "error" not in got, got.get("error")
+        for key, value in writer["at_save"].items():
+            assert torch.equal(got["loaded"][key], value), (name, key)
+        assert got["metrics"]["loss"] == pytest.approx(writer["metrics"]["loss"], rel=1e-6)
+        assert got["metrics"]["grad_norm"] == pytest.approx(writer["metrics"]["grad_norm"], rel=1e-5)
+        for key, value in writer["after"].items():
+            assert torch.allclose(got["after"][key], value, atol=5e-5), (name, key)
 
 
 def _gpt_oss_setup(tp):
