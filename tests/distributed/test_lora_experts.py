@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_spawned
-from tests.distributed.test_moe_parity import _samples
+from tests.distributed.test_moe_parity import _replica_drift, _samples
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -96,34 +96,6 @@ def _groups(layout):
 
     return state.initialize(layout["tp"], layout["pp"], 1, ep=layout["ep"], etp=layout.get("etp"),
                             sequence_parallel=layout["sequence_parallel"])
-
-
-def _replica_drift(module, groups) -> float:
-    """Largest difference between copies of a parameter that ranks should hold identically: a dense parameter
-    not split over TP on the TP ranks; an expert's parameter on the expert-data-parallel ranks (those holding
-    the same expert and the same expert-TP shard); an expert adapter's group-whole factor on its expert-TP
-    ranks. (full_state_dict reads one copy, so a rank that stepped differently would go unseen there.)"""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    def spread(param, group) -> float:
-        size = dist.get_world_size(group)
-        if size == 1:
-            return 0.0
-        parts = [torch.empty_like(param.data) for _ in range(size)]
-        dist.all_gather(parts, param.data.contiguous(), group=group)
-        return max((p - parts[0]).abs().max().item() for p in parts)
-
-    drift = 0.0
-    for name, param in module.named_parameters():
-        split = getattr(param, "tensor_model_parallel", False)
-        if ".mlp.experts." in name:
-            drift = max(drift, spread(param, ps.get_expert_data_parallel_group()))
-            if groups.etp_size > 1 and not split:
-                drift = max(drift, spread(param, groups.etp_group))
-        elif not split:
-            drift = max(drift, spread(param, groups.tp_group))
-    return drift
 
 
 def _worker(rank: int, world: int, model: str, layouts: dict, out_path: str) -> None:

@@ -115,20 +115,30 @@ def _samples():
 
 
 def _replica_drift(module, groups) -> float:
-    """Largest difference between the TP ranks' copies of a weight each of them holds whole (full_state_dict
-    reads rank 0's, so a rank that stepped differently would go unseen there)."""
+    """Largest difference between copies of a parameter that ranks should hold identically: a dense parameter
+    not split over TP on the TP ranks; an expert's parameter on the expert-data-parallel ranks (those holding
+    the same expert and the same expert-TP shard); an expert adapter's group-whole factor on its expert-TP
+    ranks. (full_state_dict reads one copy, so a rank that stepped differently would go unseen there.)"""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    if groups.tp_size == 1:
-        return 0.0
+    def spread(param, group) -> float:
+        size = dist.get_world_size(group)
+        if size == 1:
+            return 0.0
+        parts = [torch.empty_like(param.data) for _ in range(size)]
+        dist.all_gather(parts, param.data.contiguous(), group=group)
+        return max((p - parts[0]).abs().max().item() for p in parts)
+
     drift = 0.0
     for name, param in module.named_parameters():
-        expert = ".mlp.experts." in name
-        if getattr(param, "tensor_model_parallel", False) and not (expert and groups.etp_size == 1):
-            continue  # split over the TP ranks
-        parts = [torch.empty_like(param.data) for _ in range(groups.tp_size)]
-        dist.all_gather(parts, param.data.contiguous(), group=groups.tp_group)
-        drift = max(drift, max((p - parts[0]).abs().max().item() for p in parts))
+        split = getattr(param, "tensor_model_parallel", False)
+        if ".mlp.experts." in name:
+            drift = max(drift, spread(param, ps.get_expert_data_parallel_group()))
+            if groups.etp_size > 1 and not split:
+                drift = max(drift, spread(param, groups.etp_group))
+        elif not split:
+            drift = max(drift, spread(param, groups.tp_group))
     return drift
 
 
