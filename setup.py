@@ -25,11 +25,12 @@ setup(
     version="0.1.0",
     description="Slurm-native RL post-training for LLMs on Megatron-core and SGLang",
     python_requires=">=3.10",
-    # sandbox/ and kernels/ are importable as `megatron_rl_sandbox` and `megatron_rl_kernels`
-    # (top-level `sandbox` / `kernels` would collide with PyPI projects).
+    # sandbox/ and kernels/megatron_rl_kernels/ are importable as `megatron_rl_sandbox` and `megatron_rl_kernels`
+    # (top-level `sandbox` / `kernels` would collide with PyPI projects). kernels/ itself is no package: PyPI's
+    # `kernels` (which transformers >= 5.25 imports) must win over it when the checkout is on sys.path.
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"])
     + ["megatron_rl_sandbox", "megatron_rl_sandbox.runtimes", "megatron_rl_kernels"],
-    package_dir={"megatron_rl_sandbox": "sandbox", "megatron_rl_kernels": "kernels"},
+    package_dir={"megatron_rl_sandbox": "sandbox", "megatron_rl_kernels": "kernels/megatron_rl_kernels"},
     package_data={"megatron_rl": ["assets/**/*"], "megatron_rl_sandbox": ["sandbox.proto", "_generated/*"]},
     cmdclass={"build_py": BuildPyWithStubs},
     include_package_data=True,

@@ -160,13 +160,21 @@ def test_cpu_selects_the_pytorch_reference_and_never_imports_triton():
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
 
 
-def test_installed_as_megatron_rl_kernels_not_kernels(tmp_path):
-    code = ("import importlib.util, megatron_rl_kernels; "
-            "print(megatron_rl_kernels.__file__); print(importlib.util.find_spec('kernels'))")
-    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, capture_output=True,
-                         text=True).stdout.split("\n")
-    assert Path(out[0]).resolve() == REPO / "kernels" / "__init__.py"
-    assert out[1] == "None" or str(REPO) not in out[1]
+@pytest.mark.parametrize("where", ["elsewhere", "checkout"])
+def test_installed_as_megatron_rl_kernels_and_never_shadows_kernels(tmp_path, where):
+    """The package is `megatron_rl_kernels`; `kernels` is PyPI's name, and transformers >= 5.25 imports PyPI's
+    `kernels` with every model (transformers.activations). Run from the checkout (its root first on sys.path,
+    as `python -m megatron_rl.train` and the test suite have it), `kernels` must not be found in the checkout:
+    a kernels/__init__.py there made every model fail to build with "cannot import name 'CUDAProperties' from
+    'kernels'" (kernels/ is now no package; ours is kernels/megatron_rl_kernels/)."""
+    code = ("import importlib.util, megatron_rl_kernels, transformers.activations; "
+            "print(megatron_rl_kernels.__file__); spec = importlib.util.find_spec('kernels'); "
+            "print(spec and spec.origin)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO if where == "checkout" else tmp_path,
+                         capture_output=True, text=True).stdout.split("\n")
+    assert Path(out[0]).resolve() == REPO / "kernels" / "megatron_rl_kernels" / "__init__.py"
+    # not installed (None), a namespace portion (origin None), or PyPI's package: never a module of the checkout
+    assert out[1] == "None" or not Path(out[1]).resolve().is_relative_to(REPO / "kernels"), out[1]
 
 
 _INTERPRET = r"""

@@ -8,7 +8,7 @@
    time anything looks for torchvision, so interpreters that never touch it (pip) stay fast.
 2. SGLANG_USE_CPU_ENGINE=1 by default: without it SGLang imports vllm for rotary embeddings.
 3. The checkout's packages installed under other names (setup.py's package_dir:
-   `megatron_rl_sandbox` -> sandbox/, `megatron_rl_kernels` -> kernels/) are found in the
+   `megatron_rl_sandbox` -> sandbox/, `megatron_rl_kernels` -> kernels/megatron_rl_kernels/) are found in the
    checkout on sys.path, as an editable install finds them; this venv only has the checkout
    on its path (a .pth file), not the package installed.
 4. SGLang's LoRA serving (`sglang.srt.lora`) allocates its host-side index tensors pinned
@@ -56,11 +56,11 @@ if not any(isinstance(finder, _TorchvisionSchemaFinder) for finder in sys.meta_p
     sys.meta_path.insert(0, _TorchvisionSchemaFinder())
 
 
-_ALIASES = {"megatron_rl_sandbox": "sandbox", "megatron_rl_kernels": "kernels"}
+_ALIASES = {"megatron_rl_sandbox": "sandbox", "megatron_rl_kernels": os.path.join("kernels", "megatron_rl_kernels")}
 
 
 class _CheckoutAliasFinder(MetaPathFinder):
-    """`megatron_rl_kernels` -> <checkout>/kernels (and the sandbox), the checkout being the
+    """`megatron_rl_kernels` -> <checkout>/kernels/megatron_rl_kernels (and the sandbox), the checkout being the
     sys.path entry that holds megatron_rl/. Submodules then resolve through the package's
     __path__ with the regular finders."""
 

@@ -28,7 +28,7 @@ through Megatron's `copy_to_tensor_model_parallel_region` (or, with sequence par
 exactly as the output layer (`ColumnParallelLinear`) does for its input.
 
 The per-block softmax work is pluggable: `TorchBlockOps` (this module, any device) or
-`kernels/triton_logprobs.py` (CUDA + Triton); `fused_logprobs(..., backend="auto")` picks
+`kernels/megatron_rl_kernels/triton_logprobs.py` (CUDA + Triton); `fused_logprobs(..., backend="auto")` picks
 Triton when the tensors are on a GPU and Triton imports, else the PyTorch reference.
 """
 
