@@ -30,9 +30,13 @@ def check_train_config(cfg) -> None:
     check_run_config(cfg)
 
 
-def build(rt, with_critic: bool = True):
-    """Everything one RL run holds: tokenizer, task, trainer, engine, colocation, rewards (and, with
-    algorithm.critic unless `with_critic` is False, the critic: evaluation needs none)."""
+def build(rt, evaluation: bool = False):
+    """Everything one RL run holds: tokenizer, task, trainer, engine, controller, rewards (and, with
+    algorithm.critic, the critic).
+
+    `evaluation` (offline evaluation of checkpoints, megatron_rl/evaluation/runner.py): no critic, and the
+    rollouts come from this job's own engine, also for a disaggregated run's config (no generators start).
+    A disaggregated training run uses its own engine only to evaluate: without held-out prompts it builds none."""
     from megatron_rl.algorithms.objective import make_policy_loss_fn, make_value_loss_fn
     from megatron_rl.checkpoint.manager import CheckpointManager
     from megatron_rl.colocate.controller import ColocationController
@@ -56,27 +60,34 @@ def build(rt, with_critic: bool = True):
     # PPO's value model: the policy's architecture with a value head, its weights copied from the policy
     # once RL starts (`start_critic`)
     critic = None
-    if cfg.algorithm.critic and with_critic:
+    if cfg.algorithm.critic and not evaluation:
         critic = Trainer(cfg.model, critic_optimizer(cfg), rt.groups, options, head="value")
-    # The engine sizes its KV cache from the device memory free when it starts: the trainer's (and the critic's)
-    # is handed over first, as in every rollout (no-ops on CPU)
-    for model in (trainer, critic):
-        if model is not None:
-            model.offload()
-    engine = make_engine(cfg, rt.groups, tokenizer, local_rank=rt.env.local_rank,
-                         local_world_size=rt.env.local_world_size, work_dir=rt.run_dir)
-    engine.release_memory()  # the controller resumes it for each rollout
-    for model in (trainer, critic):
-        if model is not None:
-            model.onload()
+    train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
+    disaggregated = cfg.rollout.mode == "disaggregated" and not evaluation
+    engine = None
+    if disaggregated and not eval_prompts:
+        logger.info("rollout.mode=disaggregated without held-out prompts to evaluate: the trainer ranks start no "
+                    "engine of their own")
+    else:
+        # The engine sizes its KV cache from the device memory free when it starts: the trainer's (and the
+        # critic's) is handed over first, as in every rollout (no-ops on CPU)
+        for model in (trainer, critic):
+            if model is not None:
+                model.offload()
+        engine = make_engine(cfg, rt.groups, tokenizer, local_rank=rt.env.local_rank,
+                             local_world_size=rt.env.local_world_size, work_dir=rt.run_dir)
+        if engine is not None:
+            engine.release_memory()  # the controller resumes it for each rollout
+        for model in (trainer, critic):
+            if model is not None:
+                model.onload()
     controller = ColocationController(trainer, engine, critic=critic, weight_sync=cfg.rollout.weight_sync)
     controller.log_memory_plan()
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
     rewards = RewardService(task.verifier_factory(addresses))
-    train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
     check_sample_budget(cfg, train_prompts)
     sampler = make_sampler(task, train_prompts, cfg.seed)
-    if cfg.rollout.mode == "disaggregated":  # generator processes + experience buffer; evaluation stays colocated
+    if disaggregated:  # generator processes + experience buffer; evaluation stays colocated
         from megatron_rl.disagg.controller import DisaggregatedController
 
         controller = DisaggregatedController(rt, controller, train_prompts, sampler, task.stop_token_ids, addresses)

@@ -42,7 +42,10 @@ authenticated with the hub's key (megatron_rl/disagg/weights.py), and on one nod
 listens on the loopback only.
 
 Evaluation runs on the trainer's own engine through the colocated controller (the engine is
-built as in colocated mode), with the trainer's current weights.
+built as in colocated mode), with the trainer's current weights. A task without held-out prompts
+has nothing to evaluate: the trainer ranks then start no engine at all (megatron_rl.train.build).
+Offline evaluation of a disaggregated run's checkpoints (megatron_rl.eval) uses the evaluating
+job's own engine and starts no generators.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def run_evaluation(rt, spec: EvalSpec) -> dict[str, Any]:
     from megatron_rl.rl_step import evaluation_records
     from megatron_rl.train import build
 
-    parts = build(rt, with_critic=False)  # the policy is evaluated; a PPO run's critic plays no part
+    parts = build(rt, evaluation=True)  # the policy alone, on this job's engine (no critic, no generators)
     parts["domains"] = None  # offline: no domain pausing; per-domain numbers come from the records
     sets = {HELD_OUT: parts}
     for set_name, regression in spec.regression:

@@ -169,6 +169,8 @@ def test_disaggregated_generators_run_sglang(tmp_path):
                   "rollout.weight_sync=adapters", "model.lora_rank=4", "model.lora_alpha=32", "optimizer.lr=1e-2")
     generator_log = (run_dir / "logs" / "generator0.log").read_text()
     assert "starting SGLang engine" in generator_log
+    # no held-out prompts: the trainer has nothing to generate and starts no engine of its own
+    assert "starting SGLang engine" not in (run_dir / "logs" / "rank0.log").read_text()
     assert [r["async/generator_version"] for r in rows] == [0, 1]
     for r in rows:
         assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
