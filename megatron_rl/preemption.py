@@ -14,13 +14,15 @@ signal keeps its default action: the process ends at once, as it would without t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +91,25 @@ class Preemption:
             os.replace(tmp, path)
             logger.warning("checkpointed after step %d and stopped; run the same command (or let Slurm "
                            "requeue the job) to resume from %s", steps_done, checkpoints.root)
+
+
+@contextlib.contextmanager
+def children_ignore_usr1() -> Iterator[None]:
+    """Processes started inside this block ignore SIGUSR1; this one gets its handler back after it.
+
+    srun forwards the stop signal to every process of the step, not only to the ranks: helper processes
+    (SGLang's schedulers, local disaggregated generators, multiprocessing's resource tracker) would die
+    of it (USR1's default action) while the ranks checkpoint. An ignored signal stays ignored across
+    fork and exec, a handled one does not. The ranks own the stop and end their helpers themselves.
+    Off the main thread (where signals cannot be set) the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, before)
 
 
 def read_marker(run_dir: Path) -> Optional[dict[str, Any]]:

@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from megatron_rl.disagg.buffer import ExperienceBuffer, ExperienceGroup, scheduler_metrics
 from megatron_rl.disagg.events import EventLog
+from megatron_rl.preemption import children_ignore_usr1
 from megatron_rl.rollout.base import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,8 @@ class DisaggregatedController:
                 # not daemonic: an sglang engine starts processes of its own; close() (also at exit) stops them
                 proc = ctx.Process(target=run_local_generator, args=(i, *self.hub.address, self.hub.key),
                                    name=f"generator{i}")
-                proc.start()
+                with children_ignore_usr1():  # the trainer checkpoints on USR1 (srun sends it to all of them)
+                    proc.start()
                 self.procs.append(proc)
         atexit.register(self.close)
         logger.info("disaggregated rollout: %d generator process(es)%s, max_staleness %d, partial rollouts %s",

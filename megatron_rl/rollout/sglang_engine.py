@@ -58,7 +58,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import threading
 import urllib.error
 import uuid
@@ -67,6 +66,7 @@ from typing import Any, ClassVar, Iterable, Optional, Protocol, Sequence
 
 import torch
 
+from megatron_rl.preemption import children_ignore_usr1
 from megatron_rl.rollout.base import ALL_TAGS, TAG_WEIGHTS, Generation, SamplingParams
 from megatron_rl.rollout.base import EngineStateError
 
@@ -585,18 +585,13 @@ class _OfflineTransport(_Transport):
         # handlers (rank filter, run-directory log file). Keep ours; SGLang's loggers keep its level.
         root = logging.getLogger()
         handlers, level = list(root.handlers), root.level
-        # srun forwards the stop signal (SIGUSR1, megatron_rl.preemption) to every process of the step;
-        # SGLang's scheduler processes would die of it. They inherit an ignored signal: ignore it while
-        # they start, then give this process its handler back.
-        usr1 = signal.getsignal(signal.SIGUSR1) if threading.current_thread() is threading.main_thread() else None
-        if usr1 is not None:
-            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         before = _child_pids()
         try:
-            self._engine = sglang.Engine(**kwargs)
+            # srun forwards the stop signal (SIGUSR1) to every process of the step: SGLang's schedulers
+            # would die of it while the ranks checkpoint
+            with children_ignore_usr1():
+                self._engine = sglang.Engine(**kwargs)
         finally:
-            if usr1 is not None:
-                signal.signal(signal.SIGUSR1, usr1)
             for handler in list(root.handlers):
                 if handler not in handlers:
                     root.removeHandler(handler)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -121,13 +122,50 @@ def test_partial_rollouts_span_two_versions_and_are_importance_weighted(one_step
     assert all(0 < r["tis_weight"] <= 2.0 for r in rows)
 
 
-def test_a_resumed_run_asks_again_for_the_prompts_in_flight(one_step_off, tmp_path):
-    """Checkpoints keep the prompts sent to the generators but not trained on yet. The fixture's
-    run stopped after 2 steps (its final checkpoint holds step 2's prompts, sent during step 1)
-    and resumed to 5: every step trains on the same prompts as the uninterrupted run (one
-    generator: step s trains on the sampler's s-th batch), and step 2's groups were generated
+RESUMED = ["algorithm.max_staleness=1", "rollout.max_new_tokens=64", "rollout.partial_rollout_tokens=2"]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """The fixture run's settings, stopped by SIGUSR1 after its first step, then run again to the end.
+
+    The signal goes to the whole process group, as srun delivers Slurm's stop warning to every process
+    of the step: the local generator process (and multiprocessing's resource tracker) get it too and
+    must not die of it, or the trainer fails on a dead generator instead of checkpointing."""
+    run_dir = tmp_path_factory.mktemp("disagg_resumed") / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(_args(run_dir, "num_steps=5", *RESUMED), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 400
+        while not metrics.exists() or not metrics.read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, "no training step"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGUSR1)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-4000:]
+    assert "process died unexpectedly" not in err and "exited with code" not in err, err[-4000:]
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    stopped = marker["steps_done"]
+    assert marker["signal"] == "SIGUSR1" and 1 <= stopped < 5, marker
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert "Traceback" not in (run_dir / "logs" / "generator0.log").read_text()
+    rows, _ = _run(run_dir, "num_steps=5", *RESUMED, "checkpoint.save_at_end=true")  # evaluated below
+    return run_dir, rows, stopped
+
+
+def test_a_resumed_run_asks_again_for_the_prompts_in_flight(one_step_off, resumed):
+    """Checkpoints keep the prompts sent to the generators but not trained on yet. The run stopped
+    after `stopped` steps (its checkpoint holds the next step's prompts, sent a step earlier) and
+    resumed to 5: every step trains on the same prompts as the uninterrupted run (one generator:
+    step s trains on the sampler's s-th batch), and the first resumed step's groups were generated
     again after the resume, with the resumed weights (staleness 0)."""
     reference_dir, reference, _ = one_step_off
+    run_dir, rows, stopped = resumed
 
     def sources(run_dir: Path) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
@@ -136,17 +174,29 @@ def test_a_resumed_run_asks_again_for_the_prompts_in_flight(one_step_off, tmp_pa
                 out.setdefault(e["step"], []).append(e["source"])
         return {step: sorted(found) for step, found in out.items()}
 
-    run_dir = tmp_path / "run"
-    fixture = ["algorithm.max_staleness=1", "rollout.max_new_tokens=64", "rollout.partial_rollout_tokens=2",
-               "checkpoint.save_at_end=true"]
-    _run(run_dir, "num_steps=2", *fixture)
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    rows, _ = _run(run_dir, "num_steps=5", *fixture)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     expected = sources(reference_dir)
     assert sorted(expected) == [0, 1, 2, 3, 4] and all(len(v) == 8 for v in expected.values())
     assert sources(run_dir) == expected
-    assert rows[2]["async/staleness_max"] == 0
+    assert rows[stopped]["async/staleness_max"] == 0
+
+
+def test_evaluating_a_disaggregated_runs_checkpoint_starts_no_generators(resumed):
+    """Offline evaluation of a disaggregated run's checkpoint generates on the evaluating job's own
+    engine: no generator starts (it would wait for the hub, or for external generators), and with
+    seed 0 it draws what the run's final evaluation drew (same weights, same samples)."""
+    run_dir, rows, _ = resumed
+    out = run_dir / "eval" / "latest"
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.eval", "--run", str(run_dir), "--checkpoints",
+                           "latest", "--seeds", "1", "--name", "latest"],
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "disaggregated rollout" not in proc.stderr and not list(out.rglob("generator*"))
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and {r["step"] for r in records} == {5}
+    accuracy = sum(r["reward"] for r in records) / len(records)
+    assert accuracy == pytest.approx(rows[-1]["eval/accuracy"])
 
 
 @pytest.mark.slow
