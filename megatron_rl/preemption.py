@@ -100,12 +100,14 @@ def children_ignore_usr1() -> Iterator[None]:
     srun forwards the stop signal to every process of the step, not only to the ranks: helper processes
     (SGLang's schedulers, local disaggregated generators, multiprocessing's resource tracker) would die
     of it (USR1's default action) while the ranks checkpoint. An ignored signal stays ignored across
-    fork and exec, a handled one does not. The ranks own the stop and end their helpers themselves.
-    Off the main thread (where signals cannot be set) the block changes nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    fork and exec; a handled one is reset at exec (multiprocessing's 'spawn' and SGLang's schedulers exec).
+    The ranks own the stop and end their helpers themselves. Off the main thread (where signals cannot be
+    set), or with a handler installed outside Python (which could not be restored), the block changes nothing."""
+    before = signal.getsignal(signal.SIGUSR1) if threading.current_thread() is threading.main_thread() else None
+    if before is None:
         yield
         return
-    before = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         yield
     finally:

@@ -76,8 +76,7 @@ def build(rt, evaluation: bool = False):
                 model.offload()
         engine = make_engine(cfg, rt.groups, tokenizer, local_rank=rt.env.local_rank,
                              local_world_size=rt.env.local_world_size, work_dir=rt.run_dir)
-        if engine is not None:
-            engine.release_memory()  # the controller resumes it for each rollout
+        engine.release_memory()  # the controller resumes it for each rollout
         for model in (trainer, critic):
             if model is not None:
                 model.onload()
