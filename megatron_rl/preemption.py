@@ -8,8 +8,16 @@ ranks at slightly different times), then `save_and_mark()` writes a checkpoint (
 step already has one) and rank 0 writes `<run_dir>/preempted.json`, which tells the batch
 script (`megatron_rl.slurm_job`) to `scontrol requeue` the job.
 
-Until the loop calls `watch()` (e.g. while building the model), and for a second signal, the
-signal keeps its default action: the process ends at once, as it would without this module.
+Until the loop calls `watch()` (e.g. while building the model) a stop signal ends the process at
+once, as it would without this module. After the first one, more change nothing (Slurm sends SIGTERM
+twice at the time limit, measured with Slurm 22.05, and USR1 may have come before): SIGINT (Ctrl-C)
+or SIGKILL ends a stopping job at once.
+
+The ranks' helper processes get the same signals (srun sends USR1 to every process of the step, and
+Slurm ends a job with SIGTERM to all of them) but the ranks own the stop: `children_block_stop_signals`
+starts helpers (SGLang's schedulers, local generators) with both signals blocked, and
+`helper_defers_stop_signals` makes a helper's own process (a generator) log them and serve on until the
+trainer stops it.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -40,7 +49,7 @@ class Preemption:
         self.run_dir = Path(run_dir)
         self.is_main = is_main
         self.device = device
-        self.signum: Optional[int] = None
+        self.received: set[int] = set()  # the kinds of stop signal that came
         self.watched = False
         self.reason = ""  # the agreed stop signal's name
 
@@ -54,11 +63,14 @@ class Preemption:
         self.watched = True
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if not self.watched or self.signum is not None:
-            signal.signal(signum, signal.SIG_DFL)  # nobody polls, or asked twice: stop now
+        if not self.watched:
+            signal.signal(signum, signal.SIG_DFL)  # nobody polls: stop now
             os.kill(os.getpid(), signum)
             return
-        self.signum = signum  # logging here could interleave with a log call it interrupted
+        # Logging here could interleave with a log call it interrupted. A repeat changes nothing: Slurm sends
+        # SIGTERM twice at the time limit, and USR1 may precede it; the ranks are stopping already, and
+        # SIGKILL follows after KillWait anyway.
+        self.received.add(signum)
 
     def stop_agreed(self, steps_done: int, total_steps: int) -> bool:
         """True on every rank when any rank got a stop signal and steps remain (a collective:
@@ -66,7 +78,7 @@ class Preemption:
         from megatron_rl.parallel.dist import all_reduce_cpu_scalars
 
         self.watch()
-        local = [float(self.signum == sig) for sig in STOP_SIGNALS]
+        local = [float(sig in self.received) for sig in STOP_SIGNALS]
         counts = all_reduce_cpu_scalars(local, device=self.device)
         if not any(counts) or steps_done >= total_steps:
             return False
@@ -94,24 +106,48 @@ class Preemption:
 
 
 @contextlib.contextmanager
-def children_ignore_usr1() -> Iterator[None]:
-    """Processes started inside this block ignore SIGUSR1; this one gets its handler back after it.
+def children_block_stop_signals() -> Iterator[None]:
+    """Processes started inside this block have SIGUSR1 and SIGTERM blocked (held pending, never acted on
+    unless they unblock them: `helper_defers_stop_signals` does); this thread blocks them for the block only.
 
-    srun forwards the stop signal to every process of the step, not only to the ranks: helper processes
-    (SGLang's schedulers, local disaggregated generators, multiprocessing's resource tracker) would die
-    of it (USR1's default action) while the ranks checkpoint. An ignored signal stays ignored across
-    fork and exec; a handled one is reset at exec (multiprocessing's 'spawn' and SGLang's schedulers exec).
-    The ranks own the stop and end their helpers themselves. Off the main thread (where signals cannot be
-    set), or with a handler installed outside Python (which could not be restored), the block changes nothing."""
-    before = signal.getsignal(signal.SIGUSR1) if threading.current_thread() is threading.main_thread() else None
-    if before is None:
-        yield
-        return
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    srun forwards the stop warning (USR1) to every process of the step, not only to the ranks, and Slurm
+    ends a job (time limit, scancel, preemption) with SIGTERM to every process of every step, SIGKILL
+    KillWait seconds later: helper processes (SGLang's schedulers, local disaggregated generators,
+    multiprocessing's resource tracker) would die of either while the ranks finish their step and
+    checkpoint. The ranks own the stop and end their helpers themselves (SIGKILL).
+
+    A blocked mask, not an ignored disposition: both survive fork and exec, but nothing is lost in this
+    process. A signal that arrives during the block (SGLang's start takes minutes) is acted on by another
+    thread of the process, or by this one when the block ends, as without the block; an ignored one would
+    be dropped. Threads started inside the block keep the mask, so the signals reach the others."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
-        signal.signal(signal.SIGUSR1, before)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def helper_defers_stop_signals(name: str) -> None:
+    """In a helper process of the ranks (a disaggregated generator): SIGUSR1 and SIGTERM are logged and
+    otherwise ignored, as the trainer acts on them (it finishes its step, checkpoints, then stops this helper;
+    Slurm's SIGKILL follows KillWait seconds after its SIGTERMs). SIGINT (Ctrl-C) or SIGKILL ends it at once.
+    Unblocks both (`children_block_stop_signals`): one held pending since the start is taken now. Call it
+    from the main thread."""
+    said: queue.SimpleQueue = queue.SimpleQueue()  # put() may be called from a signal handler; logging may not
+
+    def say() -> None:
+        while True:
+            logger.warning("%s got %s: the trainer stops it (after checkpointing); SIGINT or SIGKILL ends it now",
+                           name, signal.Signals(said.get()).name)
+
+    threading.Thread(target=say, name="stop-signal-log", daemon=True).start()
+
+    def handle(signum: int, frame: Any) -> None:
+        said.put(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handle)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def read_marker(run_dir: Path) -> Optional[dict[str, Any]]:

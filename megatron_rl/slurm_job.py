@@ -180,7 +180,7 @@ class BatchStep:
             self.train.send_signal(signal.SIGUSR1)  # srun forwards it to every rank
 
     def _on_term(self, signum: int, frame) -> None:
-        self.terminating = True  # Slurm signals the ranks itself; forwarding would make it a second signal
+        self.terminating = True  # Slurm signals the ranks itself; forwarding would only repeat it
 
     # -- steps -------------------------------------------------------------------------------
     def _srun_sandbox(self) -> list[str]:
@@ -230,7 +230,8 @@ class BatchStep:
         self.generators = subprocess.Popen(cmd)
 
     def _stop_generators(self) -> None:
-        """They stop when the trainer does; a step still running after 60 s is cancelled."""
+        """They stop when the trainer does; a step still running after 60 s is cancelled (srun turns a
+        SIGTERM into SIGKILL for its tasks, so the generators' deferral of SIGTERM does not apply)."""
         if self.generators is None:
             return
         try:

@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from megatron_rl.disagg.buffer import ExperienceBuffer, ExperienceGroup, scheduler_metrics
 from megatron_rl.disagg.events import EventLog
-from megatron_rl.preemption import children_ignore_usr1
+from megatron_rl.preemption import children_block_stop_signals
 from megatron_rl.rollout.base import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class DisaggregatedController:
                 # not daemonic: an sglang engine starts processes of its own; close() (also at exit) stops them
                 proc = ctx.Process(target=run_local_generator, args=(i, *self.hub.address, self.hub.key),
                                    name=f"generator{i}")
-                with children_ignore_usr1():  # the trainer checkpoints on USR1 (srun sends it to all of them)
+                with children_block_stop_signals():  # the trainer checkpoints on them (Slurm signals every process)
                     proc.start()
                 self.procs.append(proc)
         atexit.register(self.close)
@@ -329,9 +329,9 @@ class DisaggregatedController:
         self.hub.stop.set()
         for proc in self.procs:
             proc.join(timeout=30)
-            if proc.is_alive():
-                logger.warning("generator %s did not stop in 30s; terminating it", proc.name)
-                proc.terminate()
+            if proc.is_alive():  # it defers SIGTERM to the trainer (preemption.helper_defers_stop_signals)
+                logger.warning("generator %s did not stop in 30s; killing it", proc.name)
+                proc.kill()
                 proc.join(timeout=10)
         left = self.hub.wait_stopped(0 if self.procs else 30)
         if left:

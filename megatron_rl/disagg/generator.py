@@ -24,6 +24,9 @@ Each of these steps, and each round of a wait, stamps the generator's progress c
 stands still for rollout.generator_progress_timeout_s (the loop hangs), not only when the
 heartbeat stops (the process died).
 Requests, experience and the stop signal come over the trainer's hub (megatron_rl/disagg/channel.py).
+Slurm's stop signals (srun's USR1, the job's SIGTERM) reach the generators too; the trainer acts on
+them, so a generator logs them and serves on until the trainer stops it (SIGINT or SIGKILL ends it at
+once: `preemption.helper_defers_stop_signals`).
 With `rollout.generator_nodes=0` trainer rank 0 starts the generators (multiprocessing 'spawn');
 otherwise they are started separately, on any node that reaches the trainer:
 
@@ -52,6 +55,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.disagg.buffer import ExperienceGroup, scheduler_shares
 from megatron_rl.disagg.events import EventLog
+from megatron_rl.preemption import helper_defers_stop_signals
 from megatron_rl.rollout.base import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -106,6 +110,8 @@ def run_generator(hub: Any, index: int, local_index: int, hub_key: bytes) -> Non
     spec: GeneratorSpec = hub.spec(index)
     cfg, run_dir = spec.cfg, Path(spec.run_dir)
     init_logger(index + 1, cfg.logging.level, run_dir / "logs" / f"generator{index}.log")
+    if threading.current_thread() is threading.main_thread():
+        helper_defers_stop_signals(f"generator {index}")  # Slurm signals every process; the trainer acts on it
     device = generator_device(cfg.cluster.device, local_index, spec.num_local_trainer_ranks, cfg.rollout.tp)
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     hub.join(index, {"host": host, "pid": os.getpid(), "device": str(device)})

@@ -66,7 +66,7 @@ from typing import Any, ClassVar, Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from megatron_rl.preemption import children_ignore_usr1
+from megatron_rl.preemption import children_block_stop_signals
 from megatron_rl.rollout.base import ALL_TAGS, TAG_WEIGHTS, Generation, SamplingParams
 from megatron_rl.rollout.base import EngineStateError
 
@@ -587,9 +587,9 @@ class _OfflineTransport(_Transport):
         handlers, level = list(root.handlers), root.level
         before = _child_pids()
         try:
-            # srun forwards the stop signal (SIGUSR1) to every process of the step: SGLang's schedulers
-            # would die of it while the ranks checkpoint
-            with children_ignore_usr1():
+            # Slurm's stop signals (USR1 from srun, the job's end SIGTERM) reach every process of the step:
+            # SGLang's schedulers would die of them while the ranks checkpoint (its shutdown SIGKILLs them)
+            with children_block_stop_signals():
                 self._engine = sglang.Engine(**kwargs)
         finally:
             for handler in list(root.handlers):

@@ -127,35 +127,50 @@ RESUMED = ["algorithm.max_staleness=1", "rollout.max_new_tokens=64", "rollout.pa
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """The fixture run's settings, stopped by SIGUSR1 after its first step, then run again to the end.
+    """The fixture run's settings, stopped by SIGTERM after its first step, then run again to the end.
 
-    The signal goes to the whole process group, as srun delivers Slurm's stop warning to every process
-    of the step: the local generator process (and multiprocessing's resource tracker) get it too and
-    must not die of it, or the trainer fails on a dead generator instead of checkpointing."""
-    run_dir = tmp_path_factory.mktemp("disagg_resumed") / "run"
+    SIGTERM goes to the whole process group twice, as Slurm ends a job at its time limit (SIGTERM to every
+    process of it, twice: measured with Slurm 22.05), and the generator got srun's forward of the USR1 stop
+    warning before: the trainer must take the repeat as the same request, and the local generator process
+    (and multiprocessing's resource tracker) must outlive all of them, or the trainer dies or fails on a
+    dead generator instead of checkpointing."""
+    root = tmp_path_factory.mktemp("disagg_resumed")
+    run_dir, stderr = root / "run", root / "stderr.txt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(_args(run_dir, "num_steps=5", *RESUMED), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    metrics = run_dir / "metrics.jsonl"
-    try:
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(_args(run_dir, "num_steps=5", *RESUMED), env=env, stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True)
+    metrics, generator_log = run_dir / "metrics.jsonl", run_dir / "logs" / "generator0.log"
+
+    def wait_for(ready, what: str) -> None:
         deadline = time.monotonic() + 400
-        while not metrics.exists() or not metrics.read_text().strip():
-            assert proc.poll() is None and time.monotonic() < deadline, "no training step"
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, f"no {what}: {stderr.read_text()[-4000:]}"
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGUSR1)
-        _, err = proc.communicate(timeout=300)
+
+    try:
+        wait_for(lambda: metrics.exists() and metrics.read_text().strip(), "training step")
+        pid = int(re.search(r"generator 0 of 1 on .* \(pid (\d+),", generator_log.read_text()).group(1))
+        os.kill(pid, signal.SIGUSR1)
+        wait_for(lambda: "generator 0 got SIGUSR1" in generator_log.read_text(), "word of SIGUSR1")
+        for _ in range(2):  # as Slurm at the time limit
+            os.killpg(proc.pid, signal.SIGTERM)
+            time.sleep(0.2)
+        proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    err = stderr.read_text()
     assert proc.returncode == 0, err[-4000:]
     assert "process died unexpectedly" not in err and "exited with code" not in err, err[-4000:]
     marker = json.loads((run_dir / "preempted.json").read_text())
     stopped = marker["steps_done"]
-    assert marker["signal"] == "SIGUSR1" and 1 <= stopped < 5, marker
+    assert marker["signal"] == "SIGTERM" and 1 <= stopped < 5, marker
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
-    log = (run_dir / "logs" / "generator0.log").read_text()
+    log = generator_log.read_text()
     # the generator lived on to stop when the trainer did (a killed one writes neither a traceback nor this)
     assert "Traceback" not in log and log.count("generator 0 stops at weights v") == 1, log[-3000:]
+    assert "generator 0 got SIGTERM" in log, log[-3000:]
     rows, _ = _run(run_dir, "num_steps=5", *RESUMED, "checkpoint.save_at_end=true")  # evaluated below
     return run_dir, rows, stopped
 

@@ -115,12 +115,16 @@ def max_logprob_error(model, generations, temperature: float) -> float:
 
 
 @real_engine
-def test_the_offline_engines_processes_ignore_the_stop_signal(scenarios):
-    """srun forwards SIGUSR1 (megatron_rl.preemption's stop request) to every process of the step: SGLang's
-    scheduler processes must survive it, and the rank keeps its own handler."""
+def test_the_offline_engines_processes_are_shielded_from_the_stop_signals(scenarios):
+    """srun forwards SIGUSR1 (megatron_rl.preemption's stop request) to every process of the step, and Slurm
+    ends a job with SIGTERM to all of them: SGLang's scheduler processes must survive both while the rank
+    checkpoints, and the rank keeps its own handlers through the engine's start and its generate calls
+    (SGLang sets a SIGTERM handler of its own when its event loop runs on the main thread)."""
     run = scenarios("offline")
-    assert run["children_ignore_usr1"] and all(run["children_ignore_usr1"])
-    assert run["parent_handled_usr1"]
+    assert run["children_shielded"] and all(run["children_shielded"])
+    assert run["parent_handled"] == ["SIGUSR1", "SIGTERM"]
+    # signalled, SGLang's processes still generate (greedy: the same tokens as before the signals)
+    assert [g["output_ids"] for g in run["greedy_after_stop_signals"]] == [g["output_ids"] for g in run["greedy_a"]]
 
 
 @real_engine

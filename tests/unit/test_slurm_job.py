@@ -1,17 +1,20 @@
 """The batch step's reading of a Slurm allocation (environment as Slurm 22.05 sets it, copied
-from a real het job), its run directory rule and its parsing of srun's failure lines; and the
-stop flag of `megatron_rl.preemption` in one process."""
+from a real het job), its run directory rule and its parsing of srun's failure lines; the
+stop flag of `megatron_rl.preemption` in one process, and how helper processes take the stop signals."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.parallel.dist import dist_env_from
-from megatron_rl.preemption import Preemption
+from megatron_rl.preemption import STOP_SIGNALS, Preemption, children_block_stop_signals
 from megatron_rl.slurm_job import count_tasks, first_failure, job_layout, run_dir_for
 
 # Batch-step variables of `sbatch --ntasks-per-node=2 --gpus-per-node=2 : --cpus-per-task=1 run.sh`.
@@ -103,6 +106,12 @@ def test_a_watched_stop_signal_is_a_request_not_an_exit(tmp_path):
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.stop_agreed(2, 10) and stop.reason == "SIGUSR1"
         assert not stop.stop_agreed(10, 10), "after the last step there is nothing to stop"
+        # the time limit after the warning: Slurm sends SIGTERM twice (measured with Slurm 22.05); this process
+        # lives on to checkpoint (a repeat ended it at once before), and SIGTERM is the reason now
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        assert stop.stop_agreed(3, 10) and stop.reason == "SIGTERM"
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -121,3 +130,83 @@ def test_the_steps_pass_the_allocations_cpus_per_task_on(tmp_path, monkeypatch):
     assert "--cpus-per-task=12" in step._srun_train() and "--cpus-per-task=32" in step._srun_sandbox()
     monkeypatch.delenv("SLURM_CPUS_PER_TASK_HET_GROUP_0")
     assert not any(a.startswith("--cpus-per-task") for a in step._srun_train())
+
+
+def _shielded(pid: int) -> set[int]:
+    """The signals a process blocks (its main thread) or ignores (/proc/<pid>/status: bit masks from signal 1)."""
+    mask = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("SigBlk", "SigIgn"):
+            mask |= int(value.split()[0], 16)
+    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+
+
+def _still_running(proc: subprocess.Popen, after_s: float = 1.0) -> bool:
+    try:
+        proc.wait(timeout=after_s)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
+
+
+def test_processes_started_in_the_block_outlive_both_stop_signals_and_this_one_loses_none():
+    """Slurm sends USR1 (srun's forward of the warning) and SIGTERM (the job's end) to every process
+    of a step; helpers the ranks start must outlive them while the ranks checkpoint. This process
+    acts on a signal that arrives during the block (SGLang's start, minutes long) as without it."""
+    got: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        with children_block_stop_signals():
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)
+        assert got == [signal.SIGUSR1], "a signal that came during the block was lost"
+        try:
+            assert {signal.SIGUSR1, signal.SIGTERM} <= _shielded(child.pid)
+            for sig in STOP_SIGNALS:
+                child.send_signal(sig)
+            assert _still_running(child)
+        finally:
+            child.kill()
+            child.wait()
+        assert not {signal.SIGUSR1, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert got == [signal.SIGUSR1, signal.SIGTERM]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+HELPER = """
+import logging, os, signal, sys, time
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+from megatron_rl.preemption import children_block_stop_signals, helper_defers_stop_signals
+os.kill(os.getpid(), signal.SIGUSR1)  # before the helper takes the signals: held pending, as in a spawned generator
+helper_defers_stop_signals("generator 3")
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_helper_serves_on_through_the_stop_signals_and_ends_at_sigint():
+    """A generator's own process (started blocked, as `children_block_stop_signals` starts it)."""
+    with children_block_stop_signals():
+        proc = subprocess.Popen([sys.executable, "-c", HELPER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGTERM):  # Slurm's warning, then its time limit
+            proc.send_signal(sig)
+            time.sleep(0.3)  # two pending signals of a kind are one
+        assert _still_running(proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == -signal.SIGINT
+        out = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert out.count("generator 3 got SIGUSR1: the trainer stops it") == 2  # the pending one and the later one
+    assert out.count("generator 3 got SIGTERM") == 2

@@ -244,12 +244,16 @@ def _resource_tracker_alive() -> bool:
     return pid is not None and pid in _children(os.getpid())
 
 
-def _ignores_usr1(pid: int) -> bool:
-    """SIGUSR1 is in the process's ignored-signal mask (/proc/<pid>/status, SigIgn)."""
+def _shielded_from_stop_signals(pid: int) -> bool:
+    """SIGUSR1 and SIGTERM are blocked or ignored by the process (/proc/<pid>/status: SigBlk of its main
+    thread, SigIgn)."""
+    masks = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigIgn:"):
-            return bool(int(line.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1)
-    return False
+        key, _, value = line.partition(":")
+        if key in ("SigBlk", "SigIgn"):
+            masks[key] = int(value.split()[0], 16)
+    either = masks.get("SigBlk", 0) | masks.get("SigIgn", 0)
+    return all(either >> (sig - 1) & 1 for sig in (signal.SIGUSR1, signal.SIGTERM))
 
 
 def main() -> None:
@@ -264,7 +268,8 @@ def main() -> None:
     start = time.perf_counter()
     server = None
     stop_requested = []
-    signal.signal(signal.SIGUSR1, lambda *_: stop_requested.append(True))  # as megatron_rl.preemption does
+    for sig in (signal.SIGUSR1, signal.SIGTERM):  # as megatron_rl.preemption does
+        signal.signal(sig, lambda signum, frame: stop_requested.append(signum))
     bystander = None
     if args.mode == "offline":
         # a child process of this one that is not SGLang's (as a sandbox server or generator would be): the
@@ -282,10 +287,18 @@ def main() -> None:
     try:
         result = run(engine, args)
         ours = {getattr(resource_tracker._resource_tracker, "_pid", None), bystander and bystander.pid}
-        result["children_ignore_usr1"] = [_ignores_usr1(pid) for pid in _children(os.getpid()) if pid not in ours]
-        os.kill(os.getpid(), signal.SIGUSR1)  # this process keeps its own handler
-        time.sleep(0.1)
-        result["parent_handled_usr1"] = bool(stop_requested)
+        result["children_shielded"] = [_shielded_from_stop_signals(pid) for pid in _children(os.getpid())
+                                       if pid not in ours]
+        for sig in (signal.SIGUSR1, signal.SIGTERM):  # this process keeps its own handlers
+            os.kill(os.getpid(), sig)
+            time.sleep(0.1)
+        result["parent_handled"] = [signal.Signals(sig).name for sig in stop_requested]
+        if args.mode == "offline":  # SGLang's processes get both (as Slurm sends them) and go on generating
+            for pid in engine._transport._sglang_pids:
+                for sig in (signal.SIGUSR1, signal.SIGTERM):
+                    os.kill(pid, sig)
+            time.sleep(1.0)
+            result["greedy_after_stop_signals"] = as_dicts(engine.generate(PROMPTS, GREEDY))
     finally:
         sglang_pids = list(getattr(engine._transport, "_sglang_pids", []))
         engine.shutdown()
