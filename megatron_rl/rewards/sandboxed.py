@@ -1,6 +1,11 @@
 """Sandbox verifiers: the reward comes from really executing model output in the sandbox
-service, through the client (deadline per call; a late or failed verification is a 0
-reward and is counted, never a hung step).
+service, through the client (deadline per call, never a hung step). A verification that no
+server answered in time (all down, draining or saturated), whose verifier script failed, or
+that ran no test (a task without tests) is no verdict on the model: its items score
+`NO_VERDICT`, which the rollout collector turns into unscored samples (left out of baselines
+and the loss), and it is counted in `reward/verifier_errors`. Scoring them 0 would train the
+policy away from answers that were never checked. What the candidate's own code does (fails
+tests, hits a limit) is a verdict.
 
 - `CountdownVerifier`: the expressions of a whole batch run in ONE sandbox execution (a
   small script evaluates each and checks the numbers used), so a step costs one round trip.
@@ -16,6 +21,8 @@ import json
 import logging
 import re
 from typing import Any, Sequence
+
+from megatron_rl.rewards.custom import NO_VERDICT
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +74,12 @@ class CountdownVerifier:
         try:
             scores = json.loads(result.stdout)
             assert len(scores) == len(todo)
-        except (ValueError, AssertionError):
+        except (ValueError, AssertionError):  # no server answered, or the script failed: not the candidates'
             self.errors += 1
-            logger.warning("countdown verification failed (%s); %d rewards set to 0",
+            logger.warning("countdown verification failed (%s); %d sample(s) left unscored",
                            result.message or result.stderr[-200:], len(todo))
+            for i in todo:
+                rewards[i] = NO_VERDICT
             return rewards
         for i, s in zip(todo, scores):
             rewards[i] = float(s)
@@ -94,7 +103,8 @@ class TestsVerifier:
             async with self.semaphore:
                 result = await self.client.verify(files, task["tests"], limits=self.limits,
                                                   deadline_s=self.deadline_s)
-            if result.total == 0 or not result.server:
+            if not result.server or result.total == 0:  # no server answered in time, or the task has no tests
                 self.errors += 1
+                return NO_VERDICT
             return float(result.reward)
         return list(await asyncio.gather(*(one(t, c) for t, c in items)))

@@ -1,0 +1,57 @@
+"""The sandbox verifiers' verdicts against a real server, and their "no verdict" when no server
+answers: a reward nobody checked must not score 0 (the rollout collector leaves a NaN score
+unscored, out of baselines and the loss), while what the candidate itself does stays a verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from megatron_rl.rewards import sandboxed
+from tests.integration.sandbox_servers import runtime_args, start_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+RUNTIME = "bwrap" if runtime_args("bwrap") else "process"  # verdicts, not isolation, are under test here
+
+PROBLEM = {"numbers": [3, 5, 7], "target": 22}
+COUNTDOWN = [(PROBLEM, "3*5+7"), (PROBLEM, "3+5+7"), (PROBLEM, "__import__('os')")]  # right, wrong, unscreened
+TASK = {"files": {}, "solution_path": "sol.py", "tests": [
+    {"name": "adds", "argv": ["python3", "-c", "from sol import add; assert add(2, 3) == 5"]},
+    {"name": "zero", "argv": ["python3", "-c", "from sol import add; assert add(0, 0) == 0"]}]}
+RIGHT = "def add(a, b):\n    return a + b\n"
+HALF = "def add(a, b):\n    return a * b\n"  # passes add(0, 0) only
+LOOPS = "def add(a, b):\n    while True:\n        pass\n"
+
+
+def _score(address: str, deadline_s: float) -> tuple[list[float], list[float], int]:
+    from megatron_rl_sandbox.client import SandboxClient
+
+    async def go():
+        async with SandboxClient([address], deadline_s=deadline_s) as client:
+            countdown = sandboxed.CountdownVerifier(client, deadline_s=deadline_s)
+            tests = sandboxed.TestsVerifier(client, deadline_s=deadline_s, limits={"wall_time_s": 2})
+            untested = dict(TASK, tests=[])
+            got = (await countdown.score(COUNTDOWN),
+                   await tests.score([(TASK, c) for c in (RIGHT, HALF, LOOPS)] + [(untested, RIGHT)]))
+            return (*got, countdown.errors + tests.errors)
+    return asyncio.run(go())
+
+
+def test_a_verification_no_server_answered_is_no_verdict():
+    server = start_server(RUNTIME, "--capacity", "2")
+    try:
+        countdown, tests, errors = _score(server.address, deadline_s=60)
+    finally:
+        server.stop()
+    # the candidates' own outcomes are verdicts: wrong answers, failed tests and a loop killed by its limit score 0
+    assert countdown == [1.0, 0.0, 0.0] and tests[:3] == [1.0, 0.5, 0.0]
+    assert math.isnan(tests[3]) and errors == 1  # a task without tests judges nothing
+
+    countdown, tests, errors = _score(server.address, deadline_s=2)  # the server is gone
+    assert math.isnan(countdown[0]) and math.isnan(countdown[1])
+    assert countdown[2] == 0.0  # screened out before any sandbox call: still the candidate's own 0
+    assert all(math.isnan(t) for t in tests)
+    assert errors == 1 + 4  # one countdown batch, four verifications
