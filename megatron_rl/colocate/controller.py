@@ -70,12 +70,14 @@ class ColocationController:
 
     def log_memory_plan(self, kv_budget_bytes: Optional[int] = None) -> dict[str, int]:
         plan = self.trainer.memory_plan()
+        if self.engine is None:
+            engine = "no rollout engine in this process"
+        else:
+            engine = "engine weights = params in HF layout%s; KV cache budget %s" % (
+                " (kept between rollouts: only the LoRA adapters are synced)" if self.weight_sync == "adapters"
+                else "", "engine default" if kv_budget_bytes is None else f"{kv_budget_bytes / 1e6:.1f} MB")
         logger.info("memory plan: trainer params %.1f MB, grads %.1f MB, optimizer %.1f MB (offloaded during "
-                    "rollout); engine weights = params in HF layout%s; KV cache budget %s",
-                    plan["params"] / 1e6, plan["grads"] / 1e6, plan["optimizer"] / 1e6,
-                    " (kept between rollouts: only the LoRA adapters are synced)" if self.weight_sync == "adapters"
-                    else "",
-                    "engine default" if kv_budget_bytes is None else f"{kv_budget_bytes / 1e6:.1f} MB")
+                    "rollout); %s", plan["params"] / 1e6, plan["grads"] / 1e6, plan["optimizer"] / 1e6, engine)
         if self.critic is not None:
             own = self.critic.memory_plan()
             logger.info("memory plan: critic params %.1f MB, grads %.1f MB, optimizer %.1f MB (offloaded during "

@@ -84,3 +84,19 @@ def test_a_failing_release_does_not_hide_the_rollouts_error_nor_skip_the_onload(
     with pytest.raises(RuntimeError, match="release failed"):  # after a good rollout it is the error
         ctl.rollout(lambda: None)
     assert log[-1] == "trainer.onload" and ctl.version == 1
+
+
+def test_the_memory_plan_names_the_engine_only_where_there_is_one(caplog):
+    """A process without a rollout engine (disaggregated training without held-out prompts, ranks that own
+    none) logs no engine weights or KV budget."""
+    class Sized(_Trainer):
+        def memory_plan(self):
+            return {"params": 2e6, "grads": 2e6, "optimizer": 4e6}
+
+    caplog.set_level("INFO", logger=colocate.logger.name)
+    colocate.ColocationController(Sized([]), None).log_memory_plan()
+    colocate.ColocationController(Sized([]), _Engine([])).log_memory_plan(kv_budget_bytes=3_000_000)
+    plans = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan: trainer")]
+    assert len(plans) == 2 and all("params 2.0 MB, grads 2.0 MB, optimizer 4.0 MB" in p for p in plans)
+    assert "no rollout engine in this process" in plans[0] and "KV cache" not in plans[0]
+    assert "KV cache budget 3.0 MB" in plans[1] and "no rollout engine" not in plans[1]
