@@ -92,6 +92,12 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
     show_bar = rt.is_main and cfg.logging.progress
     bar = tqdm(range(trainer.step, cfg.num_steps), desc="sft", unit="step", disable=not show_bar,
                initial=trainer.step, total=cfg.num_steps)
+    rt.preemption.watch()  # from here SIGUSR1/SIGTERM mean: finish this step, checkpoint, stop
+    stopped = False
+
+    def state() -> dict:  # what a checkpoint holds besides model, optimizer and RNG
+        return {"sampler": sampler.state_dict(), "first_eval": first_eval}
+
     # The redirect would drop the console handler's level, so only rank 0's bar uses it.
     with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():
         for step in bar:
@@ -106,10 +112,14 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")
             if step % cfg.logging.log_every == 0 or step == cfg.num_steps - 1:
                 logger.info(format_step_summary(step, metrics, SUMMARY_KEYS))
-            checkpoints.after_step(step + 1, lambda: {"sampler": sampler.state_dict(), "first_eval": first_eval},
-                                   metrics)
+            checkpoints.after_step(step + 1, state, metrics)
+            if rt.preemption.stop_agreed(step + 1, cfg.num_steps):
+                rt.preemption.save_and_mark(checkpoints, step + 1, state, metrics)
+                stopped = True
+                break
     if rt.is_main:
         plot_metrics(rt.run_dir / "metrics.jsonl", rt.run_dir / "plots", ["loss", "grad_norm", "tokens_per_s"])
+    if rt.is_main and not stopped:
         logger.info("SFT done: train loss %.4f; held-out loss %.4f -> %.4f; run directory %s",
                     metrics.get("loss", float("nan")), first_eval, metrics.get("eval_loss", float("nan")),
                     rt.run_dir)

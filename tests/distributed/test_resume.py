@@ -1,12 +1,15 @@
-"""Exact resume: the main job killed with SIGKILL in the middle of a run and started again
-with the same command produces the same per-step metrics as a run that was never
-interrupted (deterministic CPU mode), and a metrics file without duplicates."""
+"""Exact resume: the main job killed with SIGKILL, or stopped by Slurm's SIGTERM, in the middle of
+a run and started again with the same command produces the same per-step metrics as a run that
+was never interrupted (deterministic CPU mode), and a metrics file without duplicates."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,9 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 
 
-def _args(run_dir: Path, extra=()):
+def _args(run_dir: Path, extra=(), save_every: int = 2):
     return [sys.executable, "-m", "megatron_rl.train", "mode=sft", f"num_steps={STEPS}", f"run_dir={run_dir}",
-            "checkpoint.save_every=2", "logging.progress=false", "global_batch_size=32", *extra]
+            f"checkpoint.save_every={save_every}", "logging.progress=false", "global_batch_size=32", *extra]
 
 
 def _env():
@@ -66,3 +69,33 @@ def test_killed_two_rank_run_resumes_with_identical_metrics(tmp_path):
     proc = subprocess.run(_args(run_dir, extra), env=_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _compare(read_metrics(run_dir), read_metrics(straight))
+
+
+def test_a_run_stopped_by_sigterm_checkpoints_and_resumes_with_identical_metrics(tmp_path, reference):
+    """SFT watches for the stop signals as RL does: SIGTERM, twice as Slurm sends it at the time limit,
+    ends the run after the current step with a checkpoint of that step (no periodic one is due) and
+    `preempted.json`; the same command resumes there."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_args(run_dir, save_every=100), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not read_metrics(run_dir):  # then five steps remain (~0.1 s each here)
+            assert proc.poll() is None and time.monotonic() < deadline, "no step"
+            time.sleep(0.02)
+        for _ in range(2):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    stopped = marker["steps_done"]
+    assert marker["signal"] == "SIGTERM" and 1 <= stopped < STEPS, marker
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(stopped))
+    rerun = subprocess.run(_args(run_dir, save_every=100), env=_env(), capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from" in rerun.stderr
+    _compare(read_metrics(run_dir), reference)
