@@ -399,15 +399,21 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     server_args = ["--address", f"0.0.0.0:{port}", "--advertise", f"{node}:{port}", "--runtime", args.runtime,
                    "--run-dir", str(run_dir), "--capacity", str(args.capacity), "--name", name]
     server_args += (["--allow-unisolated"] if args.allow_unisolated else []) + args.server_arg
+    # Slurm's SIGTERM at the job's end reaches this step too, while the trainer may still need rewards for the
+    # step it finishes: server and this process serve on; the batch step's STOP file (or SIGINT) ends them.
+    server_args.append("--ignore-sigterm")
     proc, info = spawn_server(server_args, run_dir / "logs" / f"sandbox-server-{node}.log")
     logger.info("sandbox server %s serving on %s (runtime %s, capacity %d)", name, info["address"], args.runtime,
                 args.capacity)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    served = 0
+    stop, terminated = threading.Event(), threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: terminated.set())
+    served, said = 0, False
     stop_file = run_dir / "sandbox" / STOP_FILE
     while not stop.wait(args.poll_s) and proc.poll() is None and not stop_file.exists():
+        if terminated.is_set() and not said:
+            said = True
+            logger.info("sandbox server %s got SIGTERM: serving on until training ends (the STOP file)", name)
         health = sandbox_health(info["address"])
         if health is not None and health.executions_finished != served:
             served = health.executions_finished
@@ -415,7 +421,7 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
                         health.running, health.queued)
     crashed = proc.poll() is not None
     if not crashed:
-        proc.terminate()  # drains running calls and removes its discovery file
+        proc.send_signal(signal.SIGINT)  # drains running calls and removes its discovery file
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -14,8 +14,10 @@
   live as long as the session that took them.
 - File I/O on workspaces runs in worker threads, never on the event loop: a workspace is
   written by untrusted code, and one slow or blocking file must not stall every other call.
-- SIGTERM drains: new calls are refused with UNAVAILABLE, running ones finish (up to
-  `drain_s`), then the server exits and removes its discovery file.
+- SIGTERM (and SIGINT) drains: new calls are refused with UNAVAILABLE, running ones finish (up
+  to `drain_s`), then the server exits and removes its discovery file. With `--ignore-sigterm`
+  only SIGINT does: for a server that a training job stops itself (Slurm sends SIGTERM to every
+  process at a job's end, while the trainer may still need rewards for the step it finishes).
 - With `--run-dir`, the address is written to `<run-dir>/sandbox/<name>.json` so that the
   job's ranks find the servers of their allocation.
 
@@ -467,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, help="write the discovery file into <run-dir>/sandbox/")
     p.add_argument("--name", default=None, help="server name in results and the discovery file")
     p.add_argument("--drain-s", type=float, default=30.0, help="grace period for running calls on SIGTERM")
+    p.add_argument("--ignore-sigterm", action="store_true",
+                   help="log SIGTERM and serve on; only SIGINT drains (a server the training job stops itself)")
     for field in dataclasses.fields(Limits):
         if field.name != "network":
             p.add_argument(f"--default-{field.name.replace('_', '-')}", type=type(field.default),
@@ -521,11 +525,15 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
     logger.info("sandbox server %s serving on %s (runtime %s, limiter %s, workspace quota %s, capacity %d, "
                 "classes %s)", name, service.address, runtime.name, limiter.name, pool.quota, args.capacity,
                 {c: dataclasses.asdict(p) for c, p in classes.items()})
-    print(json.dumps({"address": service.address, "name": name}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    if args.ignore_sigterm:
+        loop.add_signal_handler(signal.SIGTERM, lambda: logger.warning(
+            "got SIGTERM: serving on (--ignore-sigterm: the job that started this server stops it); SIGINT drains"))
+    else:
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    print(json.dumps({"address": service.address, "name": name}), flush=True)  # ready: signals handled too
     reaper = asyncio.ensure_future(_reap_every(service, args.session_idle_timeout_s / 4))
     if ready is not None:
         ready.set()

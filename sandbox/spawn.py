@@ -15,13 +15,14 @@ from typing import Optional
 def spawn_server(args: list[str], log_path: Path, timeout_s: float = 60.0,
                  env: Optional[dict] = None, die_with_parent: bool = False) -> tuple[subprocess.Popen, dict]:
     """`python -m megatron_rl_sandbox.server *args`; returns the process and its {"address", "name"}.
-    `die_with_parent`: the server gets SIGTERM (it drains, then removes its discovery file) when the
-    process that started it ends, however it ends (Linux's parent-death signal): a job killed before
-    it could stop its server leaves neither a server nor a discovery file naming a dead one."""
+    `die_with_parent`: the server gets SIGINT (it drains, then removes its discovery file, also with
+    `--ignore-sigterm`) when the process that started it ends, however it ends (Linux's parent-death
+    signal): a job killed before it could stop its server leaves neither a server nor a discovery file
+    naming a dead one."""
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "megatron_rl_sandbox.server", *args], stdout=subprocess.PIPE,
                             stderr=log, text=True, env=env,
-                            preexec_fn=_terminate_with_parent if die_with_parent else None)
+                            preexec_fn=_interrupt_with_parent if die_with_parent else None)
     deadline = time.monotonic() + timeout_s
     line = proc.stdout.readline()
     while not line.startswith("{"):
@@ -32,11 +33,11 @@ def spawn_server(args: list[str], log_path: Path, timeout_s: float = 60.0,
     return proc, json.loads(line)
 
 
-def _terminate_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG)."""
+def _interrupt_with_parent() -> None:
+    """In the child before exec: SIGINT when the parent dies (prctl PR_SET_PDEATHSIG)."""
     import ctypes
     import signal
 
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+    if libc.prctl(1, int(signal.SIGINT), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -44,10 +45,13 @@ async def _build(factory):
 
 def start_local_sandbox(run_dir: Path, runtime: str, allow_unisolated: bool, capacity: int = 2,
                         timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """Start a sandbox server for this run (discovery file under run_dir/sandbox/)."""
+    """Start a sandbox server for this run (discovery file under run_dir/sandbox/). It serves on through
+    SIGTERM (Slurm's end-of-job signal reaches every process while the ranks finish their step and
+    checkpoint); `stop_local_sandbox` or this process's end (SIGINT, the parent-death signal) drains it."""
     from megatron_rl_sandbox.spawn import spawn_server
 
-    args = ["--address", "127.0.0.1:0", "--runtime", runtime, "--run-dir", str(run_dir), "--capacity", str(capacity)]
+    args = ["--address", "127.0.0.1:0", "--runtime", runtime, "--run-dir", str(run_dir), "--capacity", str(capacity),
+            "--ignore-sigterm"]
     if allow_unisolated:
         args.append("--allow-unisolated")
     proc, info = spawn_server(args, Path(run_dir) / "logs" / "sandbox-server.log", timeout_s, die_with_parent=True)
@@ -57,7 +61,7 @@ def start_local_sandbox(run_dir: Path, runtime: str, allow_unisolated: bool, cap
 
 def stop_local_sandbox(proc: Optional[subprocess.Popen]) -> None:
     if proc is not None and proc.poll() is None:
-        proc.terminate()
+        proc.send_signal(signal.SIGINT)  # drains (it serves on through SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
