@@ -119,9 +119,17 @@ def children_block_stop_signals() -> Iterator[None]:
     A blocked mask, not an ignored disposition: both survive fork and exec, but nothing is lost in this
     process. A signal that arrives during the block (SGLang's start takes minutes) is acted on by another
     thread of the process, or by this one when the block ends, as without the block; an ignored one would
-    be dropped. Threads started inside the block keep the mask, so the signals reach the others."""
+    be dropped. Threads started inside the block keep the mask, so the signals reach the others.
+
+    multiprocessing's resource tracker is started here, under the mask: when 'spawn' starts it (with the first
+    process), CPython unblocks SIGINT and SIGTERM on the calling thread afterwards, and every process started
+    after it in the block would have had SIGTERM unblocked."""
+    from multiprocessing import resource_tracker
+
     before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)

@@ -400,14 +400,15 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
                    "--run-dir", str(run_dir), "--capacity", str(args.capacity), "--name", name]
     server_args += (["--allow-unisolated"] if args.allow_unisolated else []) + args.server_arg
     # Slurm's SIGTERM at the job's end reaches this step too, while the trainer may still need rewards for the
-    # step it finishes: server and this process serve on; the batch step's STOP file (or SIGINT) ends them.
+    # step it finishes: server and this process serve on; the batch step's STOP file (or SIGINT) ends them,
+    # and the server drains when this process dies (its parent-death signal).
     server_args.append("--ignore-sigterm")
-    proc, info = spawn_server(server_args, run_dir / "logs" / f"sandbox-server-{node}.log")
-    logger.info("sandbox server %s serving on %s (runtime %s, capacity %d)", name, info["address"], args.runtime,
-                args.capacity)
     stop, terminated = threading.Event(), threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())
+    proc, info = spawn_server(server_args, run_dir / "logs" / f"sandbox-server-{node}.log", die_with_parent=True)
+    logger.info("sandbox server %s serving on %s (runtime %s, capacity %d)", name, info["address"], args.runtime,
+                args.capacity)
     served, said = 0, False
     stop_file = run_dir / "sandbox" / STOP_FILE
     while not stop.wait(args.poll_s) and proc.poll() is None and not stop_file.exists():

@@ -468,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default=None, help="where workspaces live (default: a fresh temp dir)")
     p.add_argument("--run-dir", default=None, help="write the discovery file into <run-dir>/sandbox/")
     p.add_argument("--name", default=None, help="server name in results and the discovery file")
-    p.add_argument("--drain-s", type=float, default=30.0, help="grace period for running calls on SIGTERM")
+    p.add_argument("--drain-s", type=float, default=30.0,
+                   help="grace period for running calls when draining (SIGTERM or SIGINT)")
     p.add_argument("--ignore-sigterm", action="store_true",
                    help="log SIGTERM and serve on; only SIGINT drains (a server the training job stops itself)")
     for field in dataclasses.fields(Limits):

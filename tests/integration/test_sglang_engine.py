@@ -121,7 +121,7 @@ def test_the_offline_engines_processes_are_shielded_from_the_stop_signals(scenar
     checkpoints, and the rank keeps its own handlers through the engine's start and its generate calls
     (SGLang sets a SIGTERM handler of its own when its event loop runs on the main thread)."""
     run = scenarios("offline")
-    assert run["children_shielded"] and all(run["children_shielded"])
+    assert run["children_shielded"] and all(run["children_shielded"]) and run["tracker_started_with_the_engine"]
     assert run["parent_handled"] == ["SIGUSR1", "SIGTERM"]
     # signalled, SGLang's processes still generate (greedy: the same tokens as before the signals)
     assert [g["output_ids"] for g in run["greedy_after_stop_signals"]] == [g["output_ids"] for g in run["greedy_a"]]

@@ -179,6 +179,32 @@ def test_processes_started_in_the_block_outlive_both_stop_signals_and_this_one_l
             signal.signal(sig, handler)
 
 
+SPAWNER = """
+import multiprocessing, time
+from megatron_rl.preemption import children_block_stop_signals
+with children_block_stop_signals():  # the resource tracker is not running yet in this interpreter
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    child.start()
+print(child.pid, flush=True)
+child.join()
+"""
+
+
+def test_a_process_spawned_in_the_block_when_the_resource_tracker_starts_has_both_blocked():
+    """multiprocessing's 'spawn' starts its resource tracker with the first process, and CPython unblocks
+    SIGTERM on the calling thread once the tracker runs: the process the block starts next, as SGLang's
+    schedulers and the generators are started, had SIGTERM unblocked."""
+    proc = subprocess.Popen([sys.executable, "-c", SPAWNER], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    child = int(proc.stdout.readline())
+    try:
+        assert {signal.SIGUSR1, signal.SIGTERM} <= _shielded(child)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+
+
 HELPER = """
 import logging, os, signal, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")

@@ -275,7 +275,6 @@ def main() -> None:
         # a child process of this one that is not SGLang's (as a sandbox server or generator would be): the
         # engine's shutdown must leave it running
         bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])
-        resource_tracker.ensure_running()  # as a run's multiprocessing objects start it
         # with the checkpoint's tokenizer, for stop strings (token ids still go in and out)
         config = cpu_config(model_path=args.model_a, skip_tokenizer_init=False)
         config.server_args["tokenizer_path"] = args.model_a  # as the rollout factory passes it
@@ -286,9 +285,11 @@ def main() -> None:
     engine_start = time.perf_counter() - start
     try:
         result = run(engine, args)
-        ours = {getattr(resource_tracker._resource_tracker, "_pid", None), bystander and bystander.pid}
+        # SGLang's processes and multiprocessing's resource tracker, which the engine's start started (a
+        # tracker started there unblocked SIGTERM for the processes started after it)
         result["children_shielded"] = [_shielded_from_stop_signals(pid) for pid in _children(os.getpid())
-                                       if pid not in ours]
+                                       if pid != (bystander and bystander.pid)]
+        result["tracker_started_with_the_engine"] = _resource_tracker_alive()
         for sig in (signal.SIGUSR1, signal.SIGTERM):  # this process keeps its own handlers
             os.kill(os.getpid(), sig)
             time.sleep(0.1)
