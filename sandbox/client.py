@@ -6,9 +6,9 @@ always returns within its deadline; when no server could answer in time the resu
 so (termination TIMEOUT, or reward 0 with a message), so a late reward becomes a timeout
 reward, not a hung job.
 
-Guarantee: a retry reuses the idempotency key, so a server never runs one request twice;
-after a server dies mid-call the request runs on another server, and the caller gets
-exactly one result.
+Guarantee: a retry reuses the idempotency key, so a server never runs one request twice
+(except a one-shot command that a stop signal interrupted: server.py); after a server dies
+mid-call the request runs on another server, and the caller gets exactly one result.
 
 Scheduling: every call carries a priority class (the client's default unless given; session
 calls inherit the session's). `backpressure()` is the servers' queue fill, for a rollout

@@ -8,7 +8,7 @@
   bounds (`scheduler.py`). Health reports queue depth, waits and back-pressure per class.
 - Idempotency: the result of every mutating call is remembered under (method, key); a retry
   with the same key, even while the first is still running, gets the same result and the
-  command never runs twice. The most recent results are kept, up to `--remember-bytes` of
+  command never runs twice (except after a stop signal, below). The most recent results are kept, up to `--remember-bytes` of
   replies (outputs included) and 10,000 calls.
 - Sessions keep a workspace between calls for multi-turn agents; snapshots are tar files that
   live as long as the session that took them.
@@ -18,6 +18,11 @@
   to `drain_s`), then the server exits and removes its discovery file. With `--ignore-sigterm`
   only SIGINT does: for a server that a training job stops itself (Slurm sends SIGTERM to every
   process at a job's end, while the trainer may still need rewards for the step it finishes).
+- Slurm's signals reach the commands the server runs too (every process of the step). A
+  one-shot execution (Execute, Verify) that fails while a stop signal (SIGTERM, SIGINT, SIGUSR1)
+  reaches the server is no result: refused with UNAVAILABLE and not remembered, so the client's
+  retry (same key) runs it again, here or on another server, instead of scoring the signal as
+  the code's failure. Session calls are not replayed (their workspace may have changed).
 - With `--run-dir`, the address is written to `<run-dir>/sandbox/<name>.json` so that the
   job's ranks find the servers of their allocation.
 
@@ -34,6 +39,7 @@ import dataclasses
 import faulthandler
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -93,6 +99,11 @@ class _Busy(Exception):
     pass
 
 
+class _Interrupted(Exception):
+    """A one-shot execution that failed while a stop signal reached the server: Slurm signals every process of a
+    step (this server's commands too), so its outcome may be the signal's, not the code's."""
+
+
 def priority_class(value: int, default: str = DEFAULT_CLASS) -> str:
     """The scheduler's class name for a request's PriorityClass (unset -> `default`)."""
     if value == pb2.PRIORITY_CLASS_UNSPECIFIED:
@@ -126,6 +137,11 @@ class SandboxService(pb2_grpc.SandboxServicer):
         self.sessions: dict[str, Session] = {}
         self.session_idle_timeout_s = session_idle_timeout_s
         self.sessions_reaped = 0
+        self.stop_signal_at = -math.inf  # time.monotonic() of the last SIGTERM / SIGINT / SIGUSR1
+        self.interrupted = 0
+
+    def note_stop_signal(self) -> None:
+        self.stop_signal_at = time.monotonic()
 
     # -- admission and idempotency -----------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -191,6 +207,8 @@ class SandboxService(pb2_grpc.SandboxServicer):
             return await awaitable
         except _Busy as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except _Interrupted as exc:  # not remembered: the client's retry runs it again
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except WorkspaceStateError as exc:  # not retried: the same call fails the same way again
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:  # a bad request: a path, limits (WorkspaceError is one too)
@@ -222,12 +240,21 @@ class SandboxService(pb2_grpc.SandboxServicer):
             workspace = await asyncio.to_thread(self.pool.acquire, limits.disk_bytes, files)
         except WorkspaceError as exc:
             return Outcome(exit_code=-1, termination=SETUP_ERROR, message=str(exc))
+        start = time.monotonic()
         try:
-            return await self._run_in(workspace, image, argv, stdin, env, limits, cls)
+            outcome = await self._run_in(workspace, image, argv, stdin, env, limits, cls)
         finally:
             # run_confined has killed the run's processes by now; shielded so that a cancelled
             # call (its client went away) still empties or destroys its workspace
             await asyncio.shield(asyncio.to_thread(self.pool.release, workspace))
+        if outcome.termination != "EXITED" or outcome.exit_code != 0:
+            await asyncio.sleep(0.01)  # a stop signal that killed the command reaches this loop's handler now
+            if self.stop_signal_at >= start:
+                self.interrupted += 1
+                logger.info("a stop signal came while a command ran (%s): refused for a retry", outcome.termination)
+                raise _Interrupted(f"{self.name}: a stop signal came while the command ran ({outcome.termination}"
+                                   f"{f', {outcome.message}' if outcome.message else ''}); retry")
+        return outcome
 
     def _limits(self, msg, base: Optional[Limits] = None) -> Limits:
         return (base or self.defaults).merged(limits_from_proto(msg), self.maximum)
@@ -528,12 +555,18 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
                 {c: dataclasses.asdict(p) for c, p in classes.items()})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    if args.ignore_sigterm:
-        loop.add_signal_handler(signal.SIGTERM, lambda: logger.warning(
-            "got SIGTERM: serving on (--ignore-sigterm: the job that started this server stops it); SIGINT drains"))
-    else:
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
+
+    def on_signal(signum: int) -> None:
+        service.note_stop_signal()  # the commands running now may have got it too
+        if signum == signal.SIGTERM and args.ignore_sigterm:
+            logger.warning("got SIGTERM: serving on (--ignore-sigterm: the job that started this server stops it); "
+                           "SIGINT drains")
+        elif signum != signal.SIGUSR1:
+            stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        loop.add_signal_handler(sig, on_signal, sig)
+    faulthandler.register(signal.SIGUSR1, chain=True)  # `kill -USR1 <pid>` dumps every thread's stack to stderr
     print(json.dumps({"address": service.address, "name": name}), flush=True)  # ready: signals handled too
     reaper = asyncio.ensure_future(_reap_every(service, args.session_idle_timeout_s / 4))
     if ready is not None:
@@ -563,7 +596,6 @@ def _write_discovery(run_dir: str, name: str, address: str, runtime: str) -> Pat
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack to stderr
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
     try:
         asyncio.run(serve(args))

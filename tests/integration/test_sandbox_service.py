@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -185,6 +187,43 @@ def test_sigterm_drains_running_calls_and_removes_discovery(tmp_path):
     assert late.termination == pb2.TIMEOUT and late.server == "", "a draining server accepted new work"
     assert srv.proc.returncode == 0
     assert discover(tmp_path) == []
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *_descendants(int(child))]
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_command_killed_by_a_stop_signal_the_server_got_too_runs_again(sig):
+    """Slurm signals every process of a step, the commands a sandbox server runs too (SIGTERM at the job's end,
+    srun's forward of USR1 in the training step, where rank 0's server runs): the killed execution is no result
+    (its failure is the signal's, not the code's), and the client's retry with the same key runs it again."""
+    from megatron_rl_sandbox.client import pb2
+
+    srv = start_server("bwrap", "--ignore-sigterm")
+    try:
+        async def go():
+            async with _client(srv.address, deadline_s=60) as client:
+                task = asyncio.create_task(client.execute(["sh", "-c", "sleep 1.5; echo finished"]))
+                for _ in range(100):
+                    health = (await client.health())[srv.address]
+                    if isinstance(health, pb2.HealthReply) and health.running == 1:
+                        break
+                    await asyncio.sleep(0.05)
+                for pid in [srv.proc.pid, *_descendants(srv.proc.pid)]:  # as slurmstepd signals the step
+                    os.kill(pid, sig)
+                return await task
+        result = asyncio.run(go())
+        assert srv.proc.poll() is None, "the server stopped"
+    finally:
+        srv.kill(signal.SIGINT)
+        srv.proc.wait(timeout=60)
+    assert result.termination == pb2.EXITED and result.stdout == b"finished\n", result
+    assert "a stop signal came while a command ran" in srv.log.read_text()
 
 
 def test_late_reward_is_a_timeout_result_not_a_hang(server):
