@@ -8,8 +8,8 @@
   bounds (`scheduler.py`). Health reports queue depth, waits and back-pressure per class.
 - Idempotency: the result of every mutating call is remembered under (method, key); a retry
   with the same key, even while the first is still running, gets the same result and the
-  command never runs twice (except after a stop signal, below). The most recent results are kept, up to `--remember-bytes` of
-  replies (outputs included) and 10,000 calls.
+  command never runs twice (except after a stop signal, below). The most recent results are
+  kept, up to `--remember-bytes` of replies (outputs included) and 10,000 calls.
 - Sessions keep a workspace between calls for multi-turn agents; snapshots are tar files that
   live as long as the session that took them.
 - File I/O on workspaces runs in worker threads, never on the event loop: a workspace is
@@ -138,7 +138,6 @@ class SandboxService(pb2_grpc.SandboxServicer):
         self.session_idle_timeout_s = session_idle_timeout_s
         self.sessions_reaped = 0
         self.stop_signal_at = -math.inf  # time.monotonic() of the last SIGTERM / SIGINT / SIGUSR1
-        self.interrupted = 0
 
     def note_stop_signal(self) -> None:
         self.stop_signal_at = time.monotonic()
@@ -250,7 +249,6 @@ class SandboxService(pb2_grpc.SandboxServicer):
         if outcome.termination != "EXITED" or outcome.exit_code != 0:
             await asyncio.sleep(0.01)  # a stop signal that killed the command reaches this loop's handler now
             if self.stop_signal_at >= start:
-                self.interrupted += 1
                 logger.info("a stop signal came while a command ran (%s): refused for a retry", outcome.termination)
                 raise _Interrupted(f"{self.name}: a stop signal came while the command ran ({outcome.termination}"
                                    f"{f', {outcome.message}' if outcome.message else ''}); retry")
