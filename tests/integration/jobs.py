@@ -1,5 +1,6 @@
-"""Running the main job as a subprocess in tests: its environment, its metrics, and killing
-it (SIGKILL, the whole process group) once it has logged a given number of steps."""
+"""Running the main job as a subprocess in tests: its environment, its metrics, killing it
+(SIGKILL, the whole process group) once it has logged a given number of steps, and reading
+which signals a process is shielded from."""
 
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 def job_env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+def shielded_signals(pid: int) -> set[int]:
+    """The signals a process blocks (its main thread) or ignores (/proc/<pid>/status: SigBlk and SigIgn, bit
+    masks from signal 1)."""
+    mask = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("SigBlk", "SigIgn"):
+            mask |= int(value.split()[0], 16)
+    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -16,6 +16,7 @@ import pytest
 from megatron_rl.parallel.dist import dist_env_from
 from megatron_rl.preemption import STOP_SIGNALS, Preemption, children_block_stop_signals
 from megatron_rl.slurm_job import count_tasks, first_failure, job_layout, run_dir_for
+from tests.integration.jobs import shielded_signals
 
 # Batch-step variables of `sbatch --ntasks-per-node=2 --gpus-per-node=2 : --cpus-per-task=1 run.sh`.
 HET_BATCH = {"SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "megatron-rl", "SLURM_HET_SIZE": "2",
@@ -132,16 +133,6 @@ def test_the_steps_pass_the_allocations_cpus_per_task_on(tmp_path, monkeypatch):
     assert not any(a.startswith("--cpus-per-task") for a in step._srun_train())
 
 
-def _shielded(pid: int) -> set[int]:
-    """The signals a process blocks (its main thread) or ignores (/proc/<pid>/status: bit masks from signal 1)."""
-    mask = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("SigBlk", "SigIgn"):
-            mask |= int(value.split()[0], 16)
-    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
-
-
 def _still_running(proc: subprocess.Popen, after_s: float = 1.0) -> bool:
     try:
         proc.wait(timeout=after_s)
@@ -163,7 +154,7 @@ def test_processes_started_in_the_block_outlive_both_stop_signals_and_this_one_l
         time.sleep(0.1)
         assert got == [signal.SIGUSR1], "a signal that came during the block was lost"
         try:
-            assert {signal.SIGUSR1, signal.SIGTERM} <= _shielded(child.pid)
+            assert {signal.SIGUSR1, signal.SIGTERM} <= shielded_signals(child.pid)
             for sig in STOP_SIGNALS:
                 child.send_signal(sig)
             assert _still_running(child)
@@ -198,7 +189,7 @@ def test_a_process_spawned_in_the_block_when_the_resource_tracker_starts_has_bot
                             env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
     child = int(proc.stdout.readline())
     try:
-        assert {signal.SIGUSR1, signal.SIGTERM} <= _shielded(child)
+        assert {signal.SIGUSR1, signal.SIGTERM} <= shielded_signals(child)
     finally:
         os.kill(child, signal.SIGKILL)
         proc.wait(timeout=30)

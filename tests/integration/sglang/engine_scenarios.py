@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from megatron_rl.parallel.dist import free_port
 from megatron_rl.rollout.base import ALL_TAGS, TAG_KV_CACHE, TAG_WEIGHTS, SamplingParams
 from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, server_command
+from tests.integration.jobs import shielded_signals
 
 # Shared with the test module, which recomputes log-probs for these prompts and parameters.
 PROMPTS = [[1, 87, 73, 72, 72, 3], [5, 6, 7, 8, 9, 10, 11], [40, 41]]
@@ -244,18 +245,6 @@ def _resource_tracker_alive() -> bool:
     return pid is not None and pid in _children(os.getpid())
 
 
-def _shielded_from_stop_signals(pid: int) -> bool:
-    """SIGUSR1 and SIGTERM are blocked or ignored by the process (/proc/<pid>/status: SigBlk of its main
-    thread, SigIgn)."""
-    masks = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("SigBlk", "SigIgn"):
-            masks[key] = int(value.split()[0], 16)
-    either = masks.get("SigBlk", 0) | masks.get("SigIgn", 0)
-    return all(either >> (sig - 1) & 1 for sig in (signal.SIGUSR1, signal.SIGTERM))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("offline", "attach"), required=True)
@@ -287,8 +276,8 @@ def main() -> None:
         result = run(engine, args)
         # SGLang's processes and multiprocessing's resource tracker, which the engine's start started (a
         # tracker started there unblocked SIGTERM for the processes started after it)
-        result["children_shielded"] = [_shielded_from_stop_signals(pid) for pid in _children(os.getpid())
-                                       if pid != (bystander and bystander.pid)]
+        result["children_shielded"] = [{signal.SIGUSR1, signal.SIGTERM} <= shielded_signals(pid)
+                                       for pid in _children(os.getpid()) if pid != (bystander and bystander.pid)]
         result["tracker_started_with_the_engine"] = _resource_tracker_alive()
         for sig in (signal.SIGUSR1, signal.SIGTERM):  # this process keeps its own handlers
             os.kill(os.getpid(), sig)
