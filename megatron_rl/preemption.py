@@ -72,9 +72,9 @@ class Preemption:
         # SIGKILL follows after KillWait anyway.
         self.received.add(signum)
 
-    def stop_agreed(self, steps_done: int, total_steps: int) -> bool:
+    def stop_agreed(self, steps_done: int, total_steps: int, what: str = "step") -> bool:
         """True on every rank when any rank got a stop signal and steps remain (a collective:
-        call it on all ranks after the same step)."""
+        call it on all ranks after the same step); `what` the steps are, for the log."""
         from megatron_rl.parallel.dist import all_reduce_cpu_scalars
 
         self.watch()
@@ -84,8 +84,8 @@ class Preemption:
             return False
         # SIGTERM wins: the scheduler is ending the job; USR1 alone asks for a requeue.
         self.reason = signal.SIGTERM.name if counts[1] else signal.SIGUSR1.name
-        logger.warning("stop requested (%s on %d rank(s)): stopping after step %d of %d to checkpoint",
-                       self.reason, int(max(counts)), steps_done, total_steps)
+        logger.warning("stop requested (%s on %d rank(s)): stopping after %s %d of %d to checkpoint",
+                       self.reason, int(max(counts)), what, steps_done, total_steps)
         return True
 
     def save_and_mark(self, checkpoints: Any, steps_done: int, extra: Callable[[], dict[str, Any]],
@@ -96,13 +96,30 @@ class Preemption:
         latest = find_latest(checkpoints.root)
         if latest is None or latest != step_dir(checkpoints.root, steps_done):
             checkpoints.save(steps_done, extra(), metrics)
-        if self.is_main:
-            path = self.run_dir / MARKER
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"steps_done": steps_done, "signal": self.reason, "time": time.time()}))
-            os.replace(tmp, path)
-            logger.warning("checkpointed after step %d and stopped; run the same command (or let Slurm "
-                           "requeue the job) to resume from %s", steps_done, checkpoints.root)
+        self.mark(steps_done, checkpoints.root)
+
+    def mark(self, steps_done: int, checkpoints: Path, warm_start_steps: Optional[int] = None) -> None:
+        """Record the stop for the launcher (rank 0 writes `preempted.json`), after the checkpoint of
+        `steps_done` steps was written; `warm_start_steps`: the supervised warm start's steps done when it
+        was stopped (before RL step 1)."""
+        if not self.is_main:
+            return
+        record = {"steps_done": steps_done, "signal": self.reason, "time": time.time()}
+        if warm_start_steps is not None:
+            record["warm_start_steps"] = warm_start_steps
+        path = self.run_dir / MARKER
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+        logger.warning("checkpointed after %s and stopped; run the same command (or let Slurm requeue the job) "
+                       "to resume from %s", describe_stop(record), checkpoints)
+
+
+def describe_stop(record: dict[str, Any]) -> str:
+    """Where a stop record (`preempted.json`) says the run stopped: "step 3", "warm-start step 40"."""
+    if record.get("warm_start_steps") is not None:
+        return f"warm-start step {record['warm_start_steps']}"
+    return f"step {record['steps_done']}"
 
 
 @contextlib.contextmanager

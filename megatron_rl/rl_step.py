@@ -51,16 +51,22 @@ def _sampling(cfg, parts: dict, n: int, seed: int, evaluation: bool = False) -> 
                           return_routing=cfg.algorithm.routing_replay == "rollout" and not evaluation)
 
 
-def warm_start(rt, parts: dict) -> None:
+def warm_start(rt, parts: dict, stopped_at: Optional[dict] = None) -> bool:
     """Supervised steps on the task's reference answers (`task.sft_warmup_steps`); for agent
     tasks, on the verified reference episodes (`reference_episodes`); a joint run takes both,
-    each domain its own way."""
-    from megatron_rl.config.schema import OptimizerConfig
+    each domain its own way.
+
+    A stop signal (megatron_rl.preemption) ends it after the current step with a checkpoint of its
+    progress (RL step 0, meta.json "warm_start": steps done, its optimizer's state) and returns False;
+    `stopped_at` (the `extra` of that checkpoint, already loaded with the optimizer `begin_warm_start`
+    made) continues it there, with the same batches. True when the warm start is done."""
     from megatron_rl.sft import prompt_response_sample
 
     cfg = rt.cfg
-    if cfg.task.sft_warmup_steps == 0:
-        return
+    total = cfg.task.sft_warmup_steps
+    done = stopped_at["warm_start"]["steps_done"] if stopped_at else 0
+    if done >= total:
+        return True
     trainer, tok, task = parts["trainer"], parts["tokenizer"], parts["task"]
     if task.is_agent:
         samples = [e.sample({}) for e in reference_episodes(rt, parts, parts["train"], cfg.task,
@@ -73,15 +79,32 @@ def warm_start(rt, parts: dict) -> None:
             mine = [p for p in parts["train"] if p.meta["domain"] == name]
             samples += [e.sample({}) for e in reference_episodes(rt, parts, mine, task.tasks[name].cfg,
                                                                  parts["rewards"].verifier.verifiers[name], name)]
-    trainer.reset_optimizer(OptimizerConfig(lr=cfg.task.sft_warmup_lr), cfg.task.sft_warmup_steps)
     generator = torch.Generator().manual_seed(cfg.seed)
+    if stopped_at:
+        generator.set_state(torch.frombuffer(bytearray(stopped_at["warm_start"]["batches"]), dtype=torch.uint8))
+        logger.info("warm start: continuing after step %d of %d", done, total)
+    else:
+        begin_warm_start(rt, parts)
     start = time.perf_counter()
-    for step in range(cfg.task.sft_warmup_steps):
+    for step in range(done, total):
         index = torch.randint(len(samples), (cfg.global_batch_size,), generator=generator).tolist()
         metrics = trainer.train_step([samples[i] for i in index])
-        if step % 50 == 0 or step == cfg.task.sft_warmup_steps - 1:
-            logger.info("warm start %d/%d: loss %.3f", step + 1, cfg.task.sft_warmup_steps, metrics["loss"])
-    logger.info("warm start: %d supervised steps in %.0fs", cfg.task.sft_warmup_steps, time.perf_counter() - start)
+        if step % 50 == 0 or step == total - 1:
+            logger.info("warm start %d/%d: loss %.3f", step + 1, total, metrics["loss"])
+        if rt.preemption.stop_agreed(step + 1, total, what="warm-start step"):
+            state = {"steps_done": step + 1, "batches": generator.get_state().numpy().tobytes()}
+            parts["checkpoints"].save(0, {"warm_start": state}, meta={"warm_start": step + 1}, with_critic=False)
+            rt.preemption.mark(0, parts["checkpoints"].root, warm_start_steps=step + 1)
+            return False
+    logger.info("warm start: %d supervised steps in %.0fs", total - done, time.perf_counter() - start)
+    return True
+
+
+def begin_warm_start(rt, parts: dict) -> None:
+    """The warm start's own optimizer and LR schedule (task.sft_warmup_lr over task.sft_warmup_steps)."""
+    from megatron_rl.config.schema import OptimizerConfig
+
+    parts["trainer"].reset_optimizer(OptimizerConfig(lr=rt.cfg.task.sft_warmup_lr), rt.cfg.task.sft_warmup_steps)
 
 
 def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any, domain: str = "") -> list:

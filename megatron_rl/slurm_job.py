@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from megatron_rl.parallel.dist import expand_nodelist, free_port
-from megatron_rl.preemption import MARKER, read_marker
+from megatron_rl.preemption import MARKER, describe_stop, read_marker
 from megatron_rl.runtime import log_tail
 
 logger = logging.getLogger("megatron_rl.slurm_job")
@@ -340,9 +340,9 @@ class BatchStep:
             logger.info("training finished; run directory %s", self.run_dir)
             return 0
         if marker["signal"] == "SIGUSR1" and not self.terminating:
-            return self._requeue(f"stopped after step {marker['steps_done']} on SIGUSR1")
-        logger.warning("stopped after step %d on %s; the next start of this job (same run directory) resumes",
-                       marker["steps_done"], marker["signal"])
+            return self._requeue(f"stopped after {describe_stop(marker)} on SIGUSR1")
+        logger.warning("stopped after %s on %s; the next start of this job (same run directory) resumes",
+                       describe_stop(marker), marker["signal"])
         return 0
 
 

@@ -133,13 +133,22 @@ def run_rl(rt) -> dict[str, float]:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from megatron_rl.observability import format_step_summary
-    from megatron_rl.rl_step import evaluate, rl_step, warm_start
+    from megatron_rl.rl_step import begin_warm_start, evaluate, rl_step, warm_start
 
     cfg, parts = rt.cfg, build(rt)
+    saved = parts["checkpoints"].to_resume()
+    in_warm_start = saved is not None and saved.get("warm_start") is not None  # a warm start stopped by a signal
+    if in_warm_start:
+        begin_warm_start(rt, parts)  # its optimizer, into which the checkpoint loads
     resumed = parts["checkpoints"].resume()
-    if resumed is None:
-        parts["trainer"].initialize_weights()
-        warm_start(rt, parts)
+    rt.preemption.watch()  # from here SIGUSR1/SIGTERM mean: finish this step, checkpoint, stop
+    if resumed is None or in_warm_start:
+        if resumed is None:
+            parts["trainer"].initialize_weights()
+        if not warm_start(rt, parts, resumed):  # stopped by a signal (checkpointed)
+            close_rl(rt, parts)
+            return {}
+        resumed = None  # RL starts afresh after the warm start
         parts["trainer"].reset_optimizer(cfg.optimizer, cfg.num_steps * cfg.algorithm.num_inner_updates)
         rt.writer.rewind(0)  # a run started again before its first checkpoint logs its steps afresh
         start_step, history = 0, {"sft_eval": evaluate(rt, parts, step=0)}
@@ -174,7 +183,6 @@ def run_rl(rt) -> dict[str, float]:
     bar = tqdm(range(start_step, cfg.num_steps), desc="rl", unit="step", initial=start_step, total=cfg.num_steps,
                disable=not show)
     metrics: dict[str, float] = {}
-    rt.preemption.watch()  # from here SIGUSR1/SIGTERM mean: finish this step, checkpoint, stop
     with logging_redirect_tqdm() if show else contextlib.nullcontext():
         for step in bar:
             start = time.perf_counter()
@@ -206,13 +214,17 @@ def run_rl(rt) -> dict[str, float]:
     return metrics
 
 
+def close_rl(rt, parts) -> None:
+    parts["rewards"].close()
+    if rt.cfg.rollout.mode == "disaggregated":
+        parts["controller"].close()  # stops the generator processes
+
+
 def finish_rl(rt, parts, history) -> None:
     from megatron_rl.observability import read_metrics
     from megatron_rl.observability.plots import plot_metrics
 
-    parts["rewards"].close()
-    if rt.cfg.rollout.mode == "disaggregated":
-        parts["controller"].close()  # stops the generator processes
+    close_rl(rt, parts)
     if not rt.is_main:
         return
     rows = read_metrics(rt.run_dir / "metrics.jsonl")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_rl.checkpoint.hf import export_hf
-from megatron_rl.checkpoint.training import KeepBest, find_latest, load_checkpoint, save_checkpoint
+from megatron_rl.checkpoint.training import KeepBest, find_latest, load_checkpoint, read_meta, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,11 @@ class CheckpointManager:
         self.tokenizer = tokenizer
         self.critic: Any = None  # an RL run's value model (algorithm.critic), saved and resumed with the policy
 
+    def to_resume(self) -> Optional[dict[str, Any]]:
+        """meta.json of the checkpoint `resume()` would load (read before loading anything), or None."""
+        latest = find_latest(self.root) if self.cfg.resume else None
+        return None if latest is None else read_meta(latest)
+
     def resume(self) -> Optional[dict[str, Any]]:
         """Load the newest complete checkpoint when resuming is on; its `extra` state, or None."""
         if not self.cfg.resume:
@@ -44,13 +49,16 @@ class CheckpointManager:
     def _due(self, steps_done: int, every: int, at_end: bool) -> bool:
         return (every > 0 and steps_done % every == 0) or (at_end and steps_done == self.total_steps)
 
-    def save(self, steps_done: int, extra: dict[str, Any], metrics: Optional[dict[str, float]] = None) -> Path:
+    def save(self, steps_done: int, extra: dict[str, Any], metrics: Optional[dict[str, float]] = None,
+             meta: Optional[dict[str, Any]] = None, with_critic: bool = True) -> Path:
         """A training checkpoint after `steps_done` steps, with this run's retention; `metrics` (the step's)
-        are recorded for checkpoint.keep_best."""
+        are recorded for checkpoint.keep_best; `meta`: more meta.json fields (`to_resume`); `with_critic`
+        False leaves the critic out (one not trained yet)."""
         cfg = self.cfg
         keep_best = KeepBest(cfg.keep_best, cfg.best_metric, cfg.best_mode) if cfg.keep_best else None
         return save_checkpoint(self.trainer, self.root, steps_done, extra, self.run_config, keep_last=cfg.keep_last,
-                               keep_every=cfg.keep_every, keep_best=keep_best, metrics=metrics, critic=self.critic)
+                               keep_every=cfg.keep_every, keep_best=keep_best, metrics=metrics,
+                               critic=self.critic if with_critic else None, meta=meta)
 
     def after_step(self, steps_done: int, extra: Callable[[], dict[str, Any]],
                    metrics: Optional[dict[str, float]] = None) -> None:

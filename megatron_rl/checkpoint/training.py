@@ -168,13 +168,15 @@ class KeepBest:
 
 def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], config: dict[str, Any],
                     keep_last: int = 2, keep_every: Optional[int] = None, keep_best: Optional[KeepBest] = None,
-                    metrics: Optional[dict[str, float]] = None, critic: Any = None) -> Path:
+                    metrics: Optional[dict[str, float]] = None, critic: Any = None,
+                    meta: Optional[dict[str, Any]] = None) -> Path:
     """Save everything needed to resume after `step` optimizer steps; every rank calls this.
 
     `extra` holds small picklable state (data sampler position, ...); `config` is the run's
     config as plain data (stored in meta.json, checked on load); `metrics` (the last step's
     logged metrics) go into meta.json for `keep_best`; `critic` (a value-head Trainer) is saved
-    beside the policy under "critic." keys.
+    beside the policy under "critic." keys; `meta`: more meta.json fields, readable before loading
+    (`read_meta`).
     """
     from megatron.core import dist_checkpointing
 
@@ -201,14 +203,14 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     _barrier()
     if rank == 0:
-        meta = {"step": step, "layout": _layout(trainer.groups), "device": trainer.groups.device.type,
-                "config": config, "time": time.time(),
-                "distributed_optimizer": trainer.options.use_distributed_optimizer,
-                "reference": reference is not None, "critic": critic is not None,
-                "metrics": {k: float(v) for k, v in (metrics or {}).items()
-                            if isinstance(v, (int, float)) and math.isfinite(v)}}
+        written = {**(meta or {}), "step": step, "layout": _layout(trainer.groups),
+                   "device": trainer.groups.device.type, "config": config, "time": time.time(),
+                   "distributed_optimizer": trainer.options.use_distributed_optimizer,
+                   "reference": reference is not None, "critic": critic is not None,
+                   "metrics": {k: float(v) for k, v in (metrics or {}).items()
+                               if isinstance(v, (int, float)) and math.isfinite(v)}}
         with open(tmp / _META, "w") as f:
-            json.dump(meta, f, indent=2, default=str)
+            json.dump(written, f, indent=2, default=str)
             f.flush()
             os.fsync(f.fileno())
         if final.exists():
@@ -328,9 +330,14 @@ def _apply_retention(root: Path, keep_last: int, keep_every: Optional[int], save
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """meta.json of the checkpoint `path`."""
+    return json.loads((Path(path) / _META).read_text())
+
+
 def check_compatible(path: Path, model_cfg: Any) -> dict[str, Any]:
     """meta.json of `path`, after checking its architecture matches `model_cfg`."""
-    meta = json.loads((Path(path) / _META).read_text())
+    meta = read_meta(path)
     saved = meta.get("config", {}).get("model", {})
     current = dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg) else dict(model_cfg)
     for key in _ARCH_FIELDS:
