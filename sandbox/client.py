@@ -44,6 +44,12 @@ class SandboxUnavailable(Exception):
     """No server could serve a call that has no in-band way to report failure (sessions)."""
 
 
+class SessionInterrupted(SandboxUnavailable):
+    """A session's command failed while a stop signal reached its server (Slurm signals every process of a
+    step, the commands too): its result may be the signal's, and the workspace holds what the command did
+    before it. Not retried as is; rebuild the workspace (restore a snapshot, replay) and run it again."""
+
+
 def discover(run_dir: str | Path) -> list[str]:
     """Addresses of the servers that registered under `<run_dir>/sandbox/`."""
     directory = Path(run_dir) / "sandbox"
@@ -387,6 +393,10 @@ class Session:
             return await self.client._exec_call("Exec", request, deadline_s, cls, pinned=self.server)
         except asyncio.TimeoutError as exc:
             raise SandboxUnavailable(f"session {self.id} on {self.server.address}: {exc}") from None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.ABORTED:
+                raise SessionInterrupted(exc.details()) from None
+            raise
 
     async def read_file(self, path: str, max_bytes: int = 0, deadline_s: Optional[float] = None):
         return await self._call("ReadFile", pb2.ReadFileRequest(session_id=self.id, path=path, max_bytes=max_bytes),

@@ -22,7 +22,10 @@
   one-shot execution (Execute, Verify) that fails while a stop signal (SIGTERM, SIGINT, SIGUSR1)
   reaches the server is no result: refused with UNAVAILABLE and not remembered, so the client's
   retry (same key) runs it again, here or on another server, instead of scoring the signal as
-  the code's failure. Session calls are not replayed (their workspace may have changed).
+  the code's failure. A session's command is not run again (what it did to the workspace before
+  the signal stays): refused with ABORTED and not remembered; the client raises SessionInterrupted
+  and the environment rebuilds its workspace (restore a snapshot, replay its calls) before it
+  runs the command again.
 - With `--run-dir`, the address is written to `<run-dir>/sandbox/<name>.json` so that the
   job's ranks find the servers of their allocation.
 
@@ -102,6 +105,10 @@ class _Busy(Exception):
 class _Interrupted(Exception):
     """A one-shot execution that failed while a stop signal reached the server: Slurm signals every process of a
     step (this server's commands too), so its outcome may be the signal's, not the code's."""
+
+
+class _SessionInterrupted(Exception):
+    """`_Interrupted` in a session: the workspace holds what the command did before the signal."""
 
 
 def priority_class(value: int, default: str = DEFAULT_CLASS) -> str:
@@ -208,6 +215,8 @@ class SandboxService(pb2_grpc.SandboxServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except _Interrupted as exc:  # not remembered: the client's retry runs it again
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except _SessionInterrupted as exc:  # not remembered, not retried as is: the caller rebuilds the workspace
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         except WorkspaceStateError as exc:  # not retried: the same call fails the same way again
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:  # a bad request: a path, limits (WorkspaceError is one too)
@@ -246,13 +255,20 @@ class SandboxService(pb2_grpc.SandboxServicer):
             # run_confined has killed the run's processes by now; shielded so that a cancelled
             # call (its client went away) still empties or destroys its workspace
             await asyncio.shield(asyncio.to_thread(self.pool.release, workspace))
-        if outcome.termination != "EXITED" or outcome.exit_code != 0:
-            await asyncio.sleep(0.01)  # a stop signal that killed the command reaches this loop's handler now
-            if self.stop_signal_at >= start:
-                logger.info("a stop signal came while a command ran (%s): refused for a retry", outcome.termination)
-                raise _Interrupted(f"{self.name}: a stop signal came while the command ran ({outcome.termination}"
-                                   f"{f', {outcome.message}' if outcome.message else ''}); retry")
+        if await self._signalled(outcome, start):
+            raise _Interrupted(f"{self.name}: a stop signal came while the command ran ({_what(outcome)}); retry")
         return outcome
+
+    async def _signalled(self, outcome: Outcome, start: float) -> bool:
+        """Whether a command that started at `start` (time.monotonic()) failed while a stop signal reached the
+        server: its failure may be the signal's."""
+        if outcome.termination == "EXITED" and outcome.exit_code == 0:
+            return False
+        await asyncio.sleep(0.01)  # a stop signal that killed the command reaches this loop's handler now
+        if self.stop_signal_at < start:
+            return False
+        logger.info("a stop signal came while a command ran (%s): refused", _what(outcome))
+        return True
 
     def _limits(self, msg, base: Optional[Limits] = None) -> Limits:
         return (base or self.defaults).merged(limits_from_proto(msg), self.maximum)
@@ -310,9 +326,13 @@ class SandboxService(pb2_grpc.SandboxServicer):
             session = self._session(request.session_id)
             limits = self._limits(request.limits, session.limits)
             cls = priority_class(request.priority_class, session.priority_class)
+            start = time.monotonic()
             async with session.use():
                 outcome = await self._run_in(session.workspace, session.image, request.argv, request.stdin,
                                              request.env, limits, cls)
+            if await self._signalled(outcome, start):
+                raise _SessionInterrupted(f"{self.name}: a stop signal came while the command ran in session "
+                                          f"{session.id} ({_what(outcome)}); the workspace holds what it did")
             return self._result(outcome)
         return await self._once("Exec", request.idempotency_key, context, work)
 
@@ -424,6 +444,10 @@ async def _reap_every(service: SandboxService, seconds: float) -> None:
             await service.reap_idle_sessions()
         except Exception:  # whatever failed, later rounds still reap
             logger.exception("reaping idle sessions failed")
+
+
+def _what(outcome: Outcome) -> str:
+    return outcome.termination + (f", {outcome.message}" if outcome.message else "")
 
 
 async def _raise(exc: BaseException):

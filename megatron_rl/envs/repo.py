@@ -38,7 +38,9 @@ the sandbox's and go to recovery.
 Recovery: the session is snapshotted after `reset`; the environment keeps the log of the
 tool calls that changed the workspace. When the server stops answering, `recover()`
 opens a session on another server (the client fails over), rebuilds the start state and
-replays the log; only if that fails too does the call raise InfrastructureError.
+replays the log; only if that fails too does the call raise InfrastructureError. A command a
+stop signal interrupted (Slurm signals the server's commands too: `SessionInterrupted`) is
+recovered the same way, on the same server, and run again.
 """
 
 from __future__ import annotations

@@ -22,6 +22,28 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
 
+    def descendants(self) -> list[int]:
+        """Every process under the server (the commands it runs and their sandboxes)."""
+        return _descendants(self.proc.pid)
+
+    def runs(self, program: str) -> bool:
+        """Whether a process under the server runs `program` (its argv[0])."""
+        for pid in self.descendants():
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == program.encode():
+                    return True
+            except OSError:  # it ended
+                continue
+        return False
+
+    def signal_step(self, sig: int) -> None:
+        """`sig` to the server and every process under it, as slurmstepd signals a job step."""
+        for pid in [self.proc.pid, *self.descendants()]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
         try:
@@ -31,6 +53,17 @@ class ServerProcess:
             self.proc.wait()
         if getattr(self, "work_dir", None) and not os.path.ismount(self.work_dir):
             shutil.rmtree(self.work_dir, ignore_errors=True)  # the server unmounted its workspaces on SIGTERM
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                found += [int(child), *_descendants(int(child))]
+    except OSError:  # it ended
+        pass
+    return found
 
 
 def runtime_args(runtime: str) -> Optional[list[str]]:

@@ -10,6 +10,8 @@ tokenized exactly once, log-probs only where the model sampled."""
 from __future__ import annotations
 
 import platform
+import signal
+import threading
 
 import pytest
 import torch
@@ -371,6 +373,46 @@ def test_a_sandbox_server_killed_mid_episode_is_recovered_on_another(tokenizer):
     assert episode.infra_errors >= 1 and episode.info["infra_errors"] >= 1
     assert holders[1] != holders[0]  # the episode moved to the surviving server
     assert "tests: PASS" in tokenizer.decode(episode.output_ids)  # the replayed fix was there for `test`
+
+
+def test_a_command_killed_by_a_stop_signal_reruns_on_the_rebuilt_workspace(tokenizer):
+    """Slurm signals every process of the sandbox step, the episode's command too: the server refuses that
+    command's result (the signal's, not the model's), and the environment restores its start snapshot,
+    replays the calls before it and runs the command again, so its observation is the undisturbed one (what it
+    appended once, after the replayed append), not a killed command's or a rerun on the half-changed files.
+    Own server: this test signals it."""
+    if runtime_args("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    server = start_server("bwrap", "--ignore-sigterm")
+    task = Task(TaskConfig(type="agent", num_train=1, num_eval=0), tokenizer)
+    service = RewardService(task.verifier_factory([server.address]))
+
+    def signal_while_it_sleeps() -> None:
+        for _ in range(500):
+            if server.runs("sleep"):
+                server.signal_step(signal.SIGTERM)
+                return
+            threading.Event().wait(0.02)
+
+    def interrupted_run(conversation: str) -> str:
+        threading.Thread(target=signal_while_it_sleeps, daemon=True).start()
+        return call("run", command="echo second >> notes.txt; sleep 1.5; cat notes.txt")
+
+    fmt = TurnFormat(tokenizer, "Use the tools.")
+    turns = [call("run", command="echo first >> notes.txt"), interrupted_run, call("submit")]
+    policy = ScriptedPolicy(tokenizer, turns, end_of_turn=fmt.end_of_turn)
+    try:
+        [episode] = run_episodes(policy, [TASK], 1, SamplingParams(max_new_tokens=4096), service.verifier.make_env,
+                                 fmt, LIMITS, service.loop)
+        assert server.proc.poll() is None, "the server stopped"
+    finally:
+        service.close()
+        server.kill(signal.SIGINT)
+        server.proc.wait(timeout=60)
+    text = tokenizer.decode(episode.output_ids)
+    assert episode.status == "submitted" and episode.infra_errors >= 1, (episode.status, text)
+    assert "exit_code: 0\nstdout:\nfirst\nsecond\n" in text, text
+    assert "a stop signal came while a command ran" in server.log.read_text()
 
 
 def test_small_model_episodes_are_token_in_token_out(host, tokenizer):

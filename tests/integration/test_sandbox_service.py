@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import time
 import uuid
-from pathlib import Path
 
 import grpc
 import pytest
@@ -189,14 +187,6 @@ def test_sigterm_drains_running_calls_and_removes_discovery(tmp_path):
     assert discover(tmp_path) == []
 
 
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            found += [int(child), *_descendants(int(child))]
-    return found
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_command_killed_by_a_stop_signal_the_server_got_too_runs_again(sig):
     """Slurm signals every process of a step, the commands a sandbox server runs too (SIGTERM at the job's end,
@@ -214,8 +204,7 @@ def test_a_command_killed_by_a_stop_signal_the_server_got_too_runs_again(sig):
                     if isinstance(health, pb2.HealthReply) and health.running == 1:
                         break
                     await asyncio.sleep(0.05)
-                for pid in [srv.proc.pid, *_descendants(srv.proc.pid)]:  # as slurmstepd signals the step
-                    os.kill(pid, sig)
+                srv.signal_step(sig)
                 return await task
         result = asyncio.run(go())
         assert srv.proc.poll() is None, "the server stopped"
@@ -224,6 +213,41 @@ def test_a_command_killed_by_a_stop_signal_the_server_got_too_runs_again(sig):
         srv.proc.wait(timeout=60)
     assert result.termination == pb2.EXITED and result.stdout == b"finished\n", result
     assert "a stop signal came while a command ran" in srv.log.read_text()
+
+
+def test_a_session_command_killed_by_a_stop_signal_is_refused_with_the_workspace_as_it_left_it():
+    """In a session the killed command is not run again (it may have changed the workspace before the signal):
+    SessionInterrupted, nothing remembered; the workspace holds what the command did; restoring a snapshot
+    and running the command again gives the undisturbed result (what the repository environment does)."""
+    from megatron_rl_sandbox.client import SessionInterrupted, pb2
+
+    srv = start_server("bwrap", "--ignore-sigterm")
+    command = ["sh", "-c", "echo ran >> log.txt; sleep 1.5; cat log.txt"]
+    try:
+        async def go():
+            async with _client(srv.address, deadline_s=60) as client:
+                session = await client.open_session({"log.txt": ""})
+                snapshot = await session.snapshot()
+                task = asyncio.create_task(session.exec(command, key="the-command"))
+                for _ in range(200):  # until the command sleeps (after its echo)
+                    if srv.runs("sleep"):
+                        break
+                    await asyncio.sleep(0.02)
+                srv.signal_step(signal.SIGTERM)
+                with pytest.raises(SessionInterrupted, match="a stop signal came while the command ran"):
+                    await task
+                left = (await session.read_file("log.txt")).content
+                await session.restore(snapshot)
+                again = await session.exec(command, key="the-command")  # not remembered: it runs
+                await session.close()
+                return left, again
+        left, again = asyncio.run(go())
+        assert srv.proc.poll() is None, "the server stopped"
+    finally:
+        srv.kill(signal.SIGINT)
+        srv.proc.wait(timeout=60)
+    assert left == b"ran\n"
+    assert again.termination == pb2.EXITED and again.stdout == b"ran\n", again
 
 
 def test_late_reward_is_a_timeout_result_not_a_hang(server):
