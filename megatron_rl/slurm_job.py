@@ -409,12 +409,16 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     proc, info = spawn_server(server_args, run_dir / "logs" / f"sandbox-server-{node}.log", die_with_parent=True)
     logger.info("sandbox server %s serving on %s (runtime %s, capacity %d)", name, info["address"], args.runtime,
                 args.capacity)
-    served, said = 0, False
+    served, said, polled = 0, False, time.monotonic()
     stop_file = run_dir / "sandbox" / STOP_FILE
-    while not stop.wait(args.poll_s) and proc.poll() is None and not stop_file.exists():
+    # The STOP file is looked for often: at a job's end the batch step waits for this step within KillWait.
+    while not stop.wait(0.2) and proc.poll() is None and not stop_file.exists():
         if terminated.is_set() and not said:
             said = True
             logger.info("sandbox server %s got SIGTERM: serving on until training ends (the STOP file)", name)
+        if time.monotonic() - polled < args.poll_s:
+            continue
+        polled = time.monotonic()
         health = sandbox_health(info["address"])
         if health is not None and health.executions_finished != served:
             served = health.executions_finished

@@ -1,7 +1,8 @@
 """`sbatch slurm/run.sh <overrides>` on a real (single-host) Slurm cluster: a short RL run
 of the small model with 2 training ranks (gloo on CPU) and a het-job CPU component serving the
-sandbox rewards; a USR1 warning that makes the job checkpoint, requeue itself and resume; and a
-killed rank that brings the job down quickly with the rank named."""
+sandbox rewards; a USR1 warning that makes the job checkpoint, requeue itself and resume; `scancel`
+(SIGTERM to every step) that the ranks answer with a checkpoint within KillWait, resumed by a new job
+in the same run directory; and a killed rank that brings the job down quickly with the rank named."""
 
 from __future__ import annotations
 
@@ -193,6 +194,39 @@ def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_en
     rank0 = (job.run_dir / "logs" / "rank0.log").read_text()
     assert f"resumed from {job.run_dir}/checkpoints/step_{stopped:08d}" in rank0
     assert "training finished" in log and not (job.run_dir / "preempted.json").exists()
+
+
+def test_scancel_checkpoints_within_killwait_and_a_resubmission_resumes(slurm_env, tmp_path):
+    """`scancel <id>` (as a time limit or a preemption: SIGTERM to every process of every step, SIGKILL
+    KillWait seconds later, 5 s on this cluster): the ranks checkpoint the step they are in, the sandbox step
+    serves on until training ends, and the batch step outlives them to say so; the job is not requeued. A new
+    job with `run_dir=` the first one's resumes there and runs every step exactly once."""
+    steps = 6
+    overrides = [*TINY, f"num_steps={steps}", "checkpoint.save_every=100"]
+    job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT], overrides)
+    job.wait_for_steps(2)
+    subprocess.run(["scancel", job.job_id], env=slurm_env, check=True)
+    job.wait()
+    log = job.log()
+    assert job.state() == "CANCELLED", log[-6000:]
+    marker = json.loads((job.run_dir / "preempted.json").read_text())
+    stopped = marker["steps_done"]
+    assert marker["signal"] == "SIGTERM" and 2 <= stopped < steps, marker
+    assert f"stopped after step {stopped} on SIGTERM; the next start of this job" in log, log[-6000:]
+    assert "requeueing" not in log
+    assert (job.run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert [r["step"] for r in job.metrics()] == list(range(stopped))
+    sandbox = "".join(p.read_text() for p in (job.run_dir / "logs").glob("sandbox-c2*.log"))
+    assert "got SIGTERM: serving on" in sandbox, sandbox
+
+    (tmp_path / "again").mkdir()
+    again = Job(slurm_env, tmp_path / "again", "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
+                [*overrides, f"run_dir={job.run_dir}"])
+    assert again.wait() == 0, again.log()[-6000:]
+    rank0 = (job.run_dir / "logs" / "rank0.log").read_text()
+    assert f"resumed from {job.run_dir}/checkpoints/step_{stopped:08d}" in rank0
+    assert [r["step"] for r in job.metrics()] == list(range(steps)), "every step exactly once"
+    assert not (job.run_dir / "preempted.json").exists()
 
 
 def test_a_killed_rank_ends_the_job_quickly_and_is_named(slurm_env, tmp_path):
