@@ -389,7 +389,7 @@ def sandbox_health(address: str):
 def _cmd_sandbox(args: argparse.Namespace) -> int:
     """One sandbox server on this node, advertised under the node's Slurm name; logs how many
     executions it has served (the proof that this component computed the rewards)."""
-    from megatron_rl_sandbox.spawn import spawn_server
+    from megatron_rl_sandbox.spawn import spawn_server, stop_server
 
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     run_dir = Path(args.run_dir)
@@ -426,11 +426,7 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
                         health.running, health.queued)
     crashed = proc.poll() is not None
     if not crashed:
-        proc.send_signal(signal.SIGINT)  # drains running calls and removes its discovery file
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, timeout_s=60)  # drains running calls and removes its discovery file
     logger.info("sandbox server %s on %s stopped after serving %d executions", name, node, served)
     return (proc.returncode or 1) if crashed else 0
 

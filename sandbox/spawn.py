@@ -1,10 +1,11 @@
-"""Start a sandbox server as a child process and wait until it serves (used by the RL job
-for a local server and by the tests). The server prints one JSON line with its address
-once it is listening; its log goes to a file (an undrained pipe would block it)."""
+"""Start a sandbox server as a child process and wait until it serves, and stop it (used by the RL
+job for a local server, by the Slurm job's sandbox step and by the tests). The server prints one JSON
+line with its address once it is listening; its log goes to a file (an undrained pipe would block it)."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -33,10 +34,21 @@ def spawn_server(args: list[str], log_path: Path, timeout_s: float = 60.0,
     return proc, json.loads(line)
 
 
+def stop_server(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Drain a server started by `spawn_server` (SIGINT: running calls finish, its discovery file goes; also
+    with `--ignore-sigterm`), SIGKILL it if it has not ended within `timeout_s`; returns once it has ended."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _interrupt_with_parent() -> None:
     """In the child before exec: SIGINT when the parent dies (prctl PR_SET_PDEATHSIG)."""
     import ctypes
-    import signal
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(1, int(signal.SIGINT), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG

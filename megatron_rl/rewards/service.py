@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -60,9 +59,7 @@ def start_local_sandbox(run_dir: Path, runtime: str, allow_unisolated: bool, cap
 
 
 def stop_local_sandbox(proc: Optional[subprocess.Popen]) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # drains (it serves on through SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    from megatron_rl_sandbox.spawn import stop_server
+
+    if proc is not None:
+        stop_server(proc, timeout_s=30)

@@ -45,14 +45,11 @@ class ServerProcess:
                 pass
 
     def stop(self) -> None:
-        self.kill(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        from megatron_rl_sandbox.spawn import stop_server
+
+        stop_server(self.proc, timeout_s=30)
         if getattr(self, "work_dir", None) and not os.path.ismount(self.work_dir):
-            shutil.rmtree(self.work_dir, ignore_errors=True)  # the server unmounted its workspaces on SIGTERM
+            shutil.rmtree(self.work_dir, ignore_errors=True)  # the server unmounted its workspaces as it drained
 
 
 def _descendants(pid: int) -> list[int]:

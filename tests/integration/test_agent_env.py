@@ -407,8 +407,7 @@ def test_a_command_killed_by_a_stop_signal_reruns_on_the_rebuilt_workspace(token
         assert server.proc.poll() is None, "the server stopped"
     finally:
         service.close()
-        server.kill(signal.SIGINT)
-        server.proc.wait(timeout=60)
+        server.stop()
     text = tokenizer.decode(episode.output_ids)
     assert episode.status == "submitted" and episode.infra_errors >= 1, (episode.status, text)
     assert "exit_code: 0\nstdout:\nfirst\nsecond\n" in text, text

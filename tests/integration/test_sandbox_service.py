@@ -209,8 +209,7 @@ def test_a_command_killed_by_a_stop_signal_the_server_got_too_runs_again(sig):
         result = asyncio.run(go())
         assert srv.proc.poll() is None, "the server stopped"
     finally:
-        srv.kill(signal.SIGINT)
-        srv.proc.wait(timeout=60)
+        srv.stop()
     assert result.termination == pb2.EXITED and result.stdout == b"finished\n", result
     assert "a stop signal came while a command ran" in srv.log.read_text()
 
@@ -244,8 +243,7 @@ def test_a_session_command_killed_by_a_stop_signal_is_refused_with_the_workspace
         left, again = asyncio.run(go())
         assert srv.proc.poll() is None, "the server stopped"
     finally:
-        srv.kill(signal.SIGINT)
-        srv.proc.wait(timeout=60)
+        srv.stop()
     assert left == b"ran\n"
     assert again.termination == pb2.EXITED and again.stdout == b"ran\n", again
 
