@@ -51,7 +51,7 @@ _ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_a
                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                 "sliding_window", "sliding_window_layers", "swiglu_limit",
                 "rope_scaling_original_max_position_embeddings", "rope_scaling_beta_fast", "rope_scaling_beta_slow",
-                "rope_scaling_mscale", "rope_scaling_mscale_all_dim", "rope_scaling_truncate",
+                "rope_scaling_mscale", "rope_scaling_mscale_all_dim", "rope_scaling_truncate", "rope_scaling_type",
                 "lora_rank", "lora_alpha", "lora_targets")  # LoRA: the adapters' shapes and the merged model
 
 

@@ -96,8 +96,13 @@ class ModelConfig:
     """Llama 3.1 RoPE scaling (HF rope_scaling with rope_type llama3): frequencies whose wavelength exceeds
     rope_scaling_original_max_position_embeddings / rope_scaling_low_freq_factor are divided by this
     factor, those between that and the high-frequency bound interpolated; null means plain RoPE.
-    deepseek_v2, deepseek_v3, gpt_oss: the YaRN factor instead (HF rope_type yarn; see rope_scaling_beta_fast
+    With YaRN (rope_scaling_type): the YaRN factor instead (HF rope_type yarn; see rope_scaling_beta_fast
     and the fields after it)."""
+    rope_scaling_type: Optional[str] = None
+    """Which scaling rope_scaling_factor is: llama3 or yarn; null: the family's (yarn for deepseek_v2,
+    deepseek_v3 and gpt_oss, which have no other; llama3 for the rest). yarn on llama, qwen2, qwen3, mixtral,
+    qwen2_moe, qwen3_moe: the long-context scaling Qwen's model cards give (HF rope_scaling
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})."""
     rope_scaling_low_freq_factor: float = 1.0
     """Llama 3.1 RoPE scaling: HF low_freq_factor. Megatron-core fixes it at 1 (see _check_rope_scaling)."""
     rope_scaling_high_freq_factor: float = 4.0
@@ -106,7 +111,7 @@ class ModelConfig:
     """Llama 3.1 RoPE scaling: HF original_max_position_embeddings (the pre-training context). Megatron-core
     fixes it at 8192 for Llama 3.1 scaling; YaRN takes any value (DeepSeek-V3, gpt-oss: 4096)."""
     rope_scaling_beta_fast: float = 32.0
-    """YaRN (deepseek_v2, deepseek_v3, gpt_oss): HF beta_fast (frequencies turning more than this often over the
+    """YaRN: HF beta_fast (frequencies turning more than this often over the
     original context keep their value)."""
     rope_scaling_beta_slow: float = 1.0
     """YaRN: HF beta_slow (frequencies turning less often than this are divided by the factor)."""
@@ -241,6 +246,10 @@ class ModelConfig:
                                              "v_head_dim")
     # families whose rope_scaling_factor is YaRN's (Megatron's YarnRotaryEmbedding)
     YARN_FAMILIES: ClassVar[tuple[str, ...]] = ("deepseek_v2", "deepseek_v3", "gpt_oss")
+    # families that scale RoPE either way (model.rope_scaling_type): their HF converters read and write both
+    EITHER_SCALING_FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                                                          "qwen3_moe")
+    ROPE_SCALING_TYPES: ClassVar[tuple[str, ...]] = ("llama3", "yarn")
     # YaRN's parameters (YaRN families only), with HF's (and Megatron's) defaults
     YARN_ONLY: ClassVar[dict[str, Any]] = {
         "rope_scaling_beta_fast": 32.0, "rope_scaling_beta_slow": 1.0, "rope_scaling_mscale": 1.0,
@@ -378,14 +387,29 @@ class ModelConfig:
         return [t for t in self.lora_targets if t.startswith(("experts.", "shared_experts."))] if self.lora_rank \
             else []
 
+    @property
+    def yarn(self) -> bool:
+        """Whether RoPE is scaled with YaRN when rope_scaling_factor is set (rope_scaling_type, or the family's)."""
+        family_default = self.rope_scaling_type is None and self.family in self.YARN_FAMILIES
+        return self.rope_scaling_type == "yarn" or family_default
+
     def _check_rope_scaling(self) -> None:
-        if self.family in self.YARN_FAMILIES:
+        if self.rope_scaling_type is not None:
+            _check_choice("model.rope_scaling_type", self.rope_scaling_type, self.ROPE_SCALING_TYPES)
+            if self.family in self.YARN_FAMILIES and not self.yarn:
+                raise _invalid("model.rope_scaling_type", self.rope_scaling_type, f"{self.family} scales RoPE with "
+                               "YaRN only; set model.rope_scaling_type=yarn (or null)")
+            if self.yarn and self.family not in (*self.YARN_FAMILIES, *self.EITHER_SCALING_FAMILIES):
+                raise _invalid("model.rope_scaling_type", self.rope_scaling_type, f"model.family={self.family} has "
+                               "no YaRN scaling here; it is supported for "
+                               f"{', '.join(self.YARN_FAMILIES + self.EITHER_SCALING_FAMILIES)}")
+        if self.yarn:
             self._check_yarn()
             return
         for key, default in self.YARN_ONLY.items():
             if getattr(self, key) != default:
-                raise _invalid(f"model.{key}", getattr(self, key), "only YaRN scaling (model.family="
-                               f"{', '.join(self.YARN_FAMILIES)}) uses it; set model.{key}={format_value(default)}")
+                raise _invalid(f"model.{key}", getattr(self, key), "only YaRN scaling (model.rope_scaling_type=yarn) "
+                               f"uses it; set model.{key}={format_value(default)}")
         if self.rope_scaling_factor is None:
             for key, default in self.ROPE_SCALING_FIXED.items():
                 if getattr(self, key) != default:
@@ -402,8 +426,8 @@ class ModelConfig:
                                f"{format_value(fixed)} is supported")
 
     def _check_yarn(self) -> None:
-        """The rope_scaling_* fields of DeepSeek and gpt-oss: YaRN's, as Megatron-core's YarnRotaryEmbedding
-        takes them."""
+        """The rope_scaling_* fields with YaRN scaling: YaRN's, as Megatron-core's YarnRotaryEmbedding takes
+        them."""
         fixed = {k: v for k, v in self.ROPE_SCALING_FIXED.items()
                  if k != "rope_scaling_original_max_position_embeddings"}
         for key, default in fixed.items():

@@ -127,8 +127,7 @@ def _gpt_oss_fields(model_cfg: Any) -> dict[str, Any]:
 
 def _gpt_yarn(model_cfg: Any) -> bool:
     """Whether GPTModel's own rotary embedding is YaRN (multi-latent attention builds its own)."""
-    return (model_cfg.family in model_cfg.YARN_FAMILIES and model_cfg.rope_scaling_factor is not None
-            and not model_cfg.multi_latent_attention)
+    return model_cfg.yarn and model_cfg.rope_scaling_factor is not None and not model_cfg.multi_latent_attention
 
 
 def _set_yarn(config: Any, model_cfg: Any) -> None:
@@ -382,7 +381,7 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
         # Llama 3.1 scaling; its other parameters are Megatron's fixed ones, which ModelConfig enforces.
         # (multi-latent attention builds its own RoPE, YaRN-scaled or not: `_mla_fields`; gpt-oss's YaRN:
         # `_set_yarn`)
-        rope_scaling=model_cfg.rope_scaling_factor is not None and model_cfg.family not in model_cfg.YARN_FAMILIES,
+        rope_scaling=model_cfg.rope_scaling_factor is not None and not model_cfg.yarn,
         rope_scaling_factor=model_cfg.rope_scaling_factor or 8.0,
         rotary_percent=model_cfg.rotary_percent,
     )

@@ -45,6 +45,13 @@ def check_engine_config(cfg: Any, world_size: int, local_world_size: int) -> Non
                           f"serves a block of rollout.tp ranks of one node; valid rollout.tp values are "
                           f"{', '.join(map(str, valid))}")
     if r.backend == "sglang":
+        if cfg.model.family == "mixtral" and cfg.model.rope_scaling_factor is not None:
+            # sglang/srt/models/mixtral.py builds plain RoPE (measured with SGLang 0.5.23 on CPU, YaRN factor 4:
+            # its log-probs were 0.49 away from the trainer's; the other families' SGLang classes take the scaling)
+            kind = "YaRN" if cfg.model.yarn else "Llama 3.1"
+            raise ConfigError(f"model.rope_scaling_factor={cfg.model.rope_scaling_factor} ({kind} scaling) with "
+                              "model.family=mixtral: SGLang's Mixtral ignores rope scaling, so its samples would not "
+                              "be the trainer's policy; use rollout.backend=hf, or a model without rope scaling")
         if r.base_url is not None and world_size != r.tp:
             raise ConfigError(f"rollout.base_url={r.base_url} attaches one server to one block of rollout.tp="
                               f"{r.tp} ranks, but the job has {world_size} ranks: set rollout.tp={world_size} "

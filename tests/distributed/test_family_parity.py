@@ -1,8 +1,8 @@
-"""Mixtral, Qwen2-MoE, GLM-4.5 MoE, DeepSeek-V3 and Llama 3.1 (rope-scaled) checkpoints written by
-`transformers` itself: the architecture read from their config.json, loaded into Megatron (single process;
-Mixtral also at EP=2 and PP=2, Qwen2-MoE at EP=2 and at TP=2 with sequence parallelism, GLM-4.5 MoE at EP=2,
-PP=2 and TP=2 with sequence parallelism, DeepSeek-V3 at EP=2, PP=2, TP=2 with sequence parallelism and
-CP=2, the rope-scaled Llama at CP=2),
+"""Mixtral, Qwen2-MoE, GLM-4.5 MoE, DeepSeek-V3, Llama 3.1 (rope-scaled) and Qwen2 with YaRN checkpoints
+written by `transformers` itself: the architecture read from their config.json, loaded into Megatron (single
+process; Mixtral also at EP=2 and PP=2, Qwen2-MoE at EP=2 and at TP=2 with sequence parallelism, GLM-4.5 MoE
+at EP=2, PP=2 and TP=2 with sequence parallelism, DeepSeek-V3 at EP=2, PP=2, TP=2 with sequence parallelism
+and CP=2, the rope-scaled Llama and the YaRN Qwen2 at CP=2),
 gives the log-probs and entropies `transformers` computes, and the export loads back into
 `transformers` bit-exactly with the same config.
 
@@ -15,6 +15,10 @@ attention is then nearly uniform and blind to it. The checkpoint's Q and K proje
 therefore scaled by 8 (sharper attention), and a guard test checks that `transformers` without
 the scaling differs from it by far more than the tolerance: a Megatron run that ignored the
 scaling would fail the comparison.
+
+Qwen2 with YaRN as Qwen's model cards give it (factor 4, the original context shorter than the test's
+sequences, transformers' other defaults), Q and K scaled by 8 as for Llama 3.1; guarded by transformers
+without YaRN and with YaRN's frequencies but attention factor 1.
 
 Qwen2-MoE adds a shared expert scaled by sigmoid(x @ w_gate) and routes without renormalising the
 top-k weights; a guard test checks that fixing the gate at 0.5 or renormalising moves
@@ -56,6 +60,11 @@ CHECKPOINTS = {
                     moe_ffn_hidden_size=64, moe_router_topk=2),
     "llama3_1": dict(family="llama", num_layers=4, tie_word_embeddings=False, rope_theta=500000.0,
                      rope_scaling_factor=8.0, max_position_embeddings=16384),
+    # Qwen's long-context recipe (factor 4 over the original context, transformers' other YaRN defaults), at a
+    # scale the test's sequences exceed
+    "qwen2_yarn": dict(family="qwen2", num_layers=2, tie_word_embeddings=False, qkv_bias=True,
+                       rope_scaling_type="yarn", rope_scaling_factor=4.0, max_position_embeddings=512,
+                       rope_scaling_original_max_position_embeddings=128),
     "qwen2_moe": dict(family="qwen2_moe", num_layers=4, tie_word_embeddings=False, num_experts=4,
                       moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=96, moe_router_topk=2,
                       moe_norm_topk_prob=False),
@@ -86,6 +95,7 @@ LAYOUTS = {"tp1": dict(tp=1, pp=1, cp=1, ep=1), "ep2": dict(tp=1, pp=1, cp=1, ep
            "pp2": dict(tp=1, pp=2, cp=1, ep=1), "cp2": dict(tp=1, pp=1, cp=2, ep=1),
            "tp2_sp": dict(tp=2, pp=1, cp=1, ep=1)}  # Megatron-core runs MoE layers at TP > 1 only with SP
 CASES = [("mixtral", "tp1"), ("mixtral", "ep2"), ("mixtral", "pp2"), ("llama3_1", "tp1"), ("llama3_1", "cp2"),
+         ("qwen2_yarn", "tp1"), ("qwen2_yarn", "cp2"),
          ("qwen2_moe", "tp1"), ("qwen2_moe", "ep2"), ("qwen2_moe", "tp2_sp"),
          ("glm4_moe", "tp1"), ("glm4_moe", "ep2"), ("glm4_moe", "pp2"), ("glm4_moe", "tp2_sp"),
          ("deepseek_v3", "tp1"), ("deepseek_v3", "ep2"), ("deepseek_v3", "pp2"), ("deepseek_v3", "tp2_sp"),
@@ -133,7 +143,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     for name, fields in CHECKPOINTS.items():
         model = build_hf_model(ModelConfig(**fields), seed=21)
-        if name == "llama3_1":
+        if name in ("llama3_1", "qwen2_yarn"):
             with torch.no_grad():
                 for layer in model.model.layers:  # sharper attention: see the module docstring
                     layer.self_attn.q_proj.weight.mul_(8.0)
@@ -196,6 +206,19 @@ def test_rope_scaling_changes_the_reference(checkpoints):
     scaled = _hf_logprobs(checkpoints / "llama3_1")
     plain = _hf_logprobs(checkpoints / "llama3_1", rope_parameters={"rope_type": "default", "rope_theta": theta})
     assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(scaled, plain)) > 100 * TOL
+
+
+def test_qwen2_yarn_changes_the_reference(checkpoints):
+    """Guards the qwen2_yarn comparison: transformers without YaRN, or with YaRN's frequencies but no
+    attention factor (1 instead of 0.1 ln 4 + 1), is far from it."""
+    path = checkpoints / "qwen2_yarn"
+    rope = json.loads((path / "config.json").read_text())["rope_parameters"]
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0 and rope["original_max_position_embeddings"] == 128
+    reference = _hf_logprobs(path)
+    variants = [_hf_logprobs(path, rope_parameters={"rope_type": "default", "rope_theta": rope["rope_theta"]}),
+                _hf_logprobs(path, rope_parameters={**rope, "attention_factor": 1.0})]
+    for variant in variants:
+        assert max((a - b).abs().max().item() for (a, _), (b, _) in zip(reference, variant)) > 100 * TOL
 
 
 def test_shared_expert_gate_and_routing_change_the_reference(checkpoints, tmp_path):
@@ -276,7 +299,7 @@ def test_export_round_trip_is_bit_exact(checkpoints, results, name, layout):
         assert torch.equal(got[key], value), key
     assert arch_from_hf_config(exported) == arch_from_hf_config(checkpoints / name)
     written = json.loads((exported / "config.json").read_text())
-    if name == "llama3_1":
+    if name in ("llama3_1", "qwen2_yarn"):
         assert written["rope_parameters"] == json.loads((checkpoints / name / "config.json").read_text())[
             "rope_parameters"]
     elif name == "glm4_moe":

@@ -3,6 +3,10 @@
 random weights replaced by weight sync before every rollout), four GRPO steps of the tiny
 Qwen2 on the rule-rewarded math task, run as a user runs it (`python -m megatron_rl.train`)
 in the SGLang venv (tests/integration/sglang/setup.sh adds megatron-rl's requirements there).
+The model's RoPE is YaRN-scaled as Qwen's long-context setting has it (factor 4 over an original
+context of 32 positions, shorter than the samples): SGLang builds it from the config.json the engine
+writes, and its log-probs are the trainer's (a Mixtral with the same scaling, whose SGLang class
+ignores it, was 0.49 off: refused, rollout.md).
 
 What is judged, from the run's metrics and logs:
 - the first update of every step has importance ratio 1 (`ppo_kl_first_update == 0`: old
@@ -41,6 +45,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 LOGPROB_ATOL = 5e-5  # = test_sglang_engine.LOGPROB_ATOL (see the module docstring)
 PROJECT_DEPS_STAMP = ".megatron-rl-project-deps"  # written by setup.sh after requirements-project.txt
+YARN = ("model.rope_scaling_type=yarn", "model.rope_scaling_factor=4",
+        "model.rope_scaling_original_max_position_embeddings=32")
 
 
 def _sglang_python() -> Path:
@@ -81,7 +87,7 @@ def _train(run_dir: Path, *overrides: str, task: str = "task=math") -> list[dict
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("sglang_rl") / "run"
-    return run_dir, _train(run_dir)
+    return run_dir, _train(run_dir, *YARN)
 
 
 def test_the_loop_ran_with_sglang(run):
@@ -91,7 +97,8 @@ def test_the_loop_ran_with_sglang(run):
     assert "starting SGLang engine" in log and "'load_format': 'dummy'" in log
     # the job's own log survives SGLang's start-up (which reconfigures logging) up to the end
     assert "training reward: first 10% of steps" in log
-    assert (run_dir / "rollout_model_rank0" / "config.json").exists()
+    rope = json.loads((run_dir / "rollout_model_rank0" / "config.json").read_text())["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 32)
     assert all(r["reward/verifier_errors"] == 0 for r in rows)
 
 

@@ -129,9 +129,9 @@ def test_unsupported_family_names_the_file(tmp_path):
 
 def test_unsupported_rope_scaling_is_refused(tmp_path):
     cfg = get_converter("llama").config_dict(FAMILIES["llama"])
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="rope_scaling"):
+    with pytest.raises(ValueError, match=r"config.json: rope_scaling=.*dynamic.* is not supported"):
         arch_from_hf_config(tmp_path)
 
 
@@ -337,6 +337,52 @@ def test_llama_3_1_config_json_as_published(tmp_path):
     arch = arch_from_hf_config(tmp_path)
     assert (arch["rope_theta"], arch["rope_scaling_factor"]) == (500000.0, 8.0)
     ModelConfig(**arch)  # Megatron-core can build it
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
+def test_qwen_long_context_yarn_as_the_model_cards_give_it(tmp_path, family):
+    """The entry Qwen's model cards tell users to add to config.json for long inputs (the old `type` key,
+    transformers' defaults for the rest) reads as YaRN, validates, and is written back the same way."""
+    cfg = get_converter(family).config_dict(FAMILIES[family])
+    cfg.update(max_position_embeddings=32768, rope_scaling={"type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 32768})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = ModelConfig(**arch_from_hf_config(tmp_path))
+    assert (arch.rope_scaling_type, arch.yarn, arch.rope_scaling_factor) == ("yarn", True, 4.0)
+    assert (arch.rope_scaling_original_max_position_embeddings, arch.rope_scaling_beta_fast,
+            arch.rope_scaling_beta_slow, arch.rope_scaling_mscale, arch.rope_scaling_mscale_all_dim) == (
+        32768, 32.0, 1.0, 1.0, 0.0)
+    written = get_converter(family).config_dict(arch)["rope_scaling"]
+    assert written == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                       "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def test_yarn_without_factor_or_original_context_reads_as_transformers_defaults(tmp_path):
+    """transformers: the original context defaults to max_position_embeddings (or a top-level
+    original_max_position_embeddings), the factor to the ratio of the two."""
+    cfg = get_converter("qwen2").config_dict(FAMILIES["qwen2"])
+    cfg.update(max_position_embeddings=8192, original_max_position_embeddings=2048,
+               rope_scaling={"rope_type": "yarn"})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = arch_from_hf_config(tmp_path)
+    assert (arch["rope_scaling_factor"], arch["rope_scaling_original_max_position_embeddings"]) == (4.0, 2048)
+    del cfg["original_max_position_embeddings"]
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = arch_from_hf_config(tmp_path)
+    assert (arch["rope_scaling_factor"], arch["rope_scaling_original_max_position_embeddings"]) == (2.0, 8192)
+
+
+def test_a_checkpoint_without_yarn_resets_a_config_files_yarn(tmp_path):
+    """model.rope_scaling_type=yarn (and its fields) from the command line do not survive a checkpoint whose
+    config.json has Llama 3.1 scaling or none: the checkpoint's architecture wins, every rope field of it."""
+    from megatron_rl.runtime import load_validated
+
+    (tmp_path / "config.json").write_text(json.dumps(get_converter("llama").config_dict(LLAMA_3_1)))
+    yarn = ["model.rope_scaling_type=yarn", "model.rope_scaling_factor=4", "model.rope_scaling_beta_fast=16"]
+    model = load_validated(["model=tiny_llama", f"model.path={tmp_path}", *yarn], world_size=1).model
+    assert (model.rope_scaling_type, model.yarn, model.rope_scaling_factor, model.rope_scaling_beta_fast) == (
+        None, False, 8.0, 32.0)
 
 
 def test_rope_scaling_megatron_cannot_apply_is_refused_naming_file_and_field(tmp_path):

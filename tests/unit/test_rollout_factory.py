@@ -144,6 +144,20 @@ def test_attach_mode_serves_one_block():
                             local_world_size=4)
 
 
+def test_sglangs_mixtral_is_refused_with_rope_scaling():
+    """SGLang's Mixtral class builds plain RoPE whatever config.json says (rollout.md); the run stops before
+    any work. Without scaling, or with the hf engine, it runs."""
+    cfg = rl_config(backend="sglang")
+    cfg.model = ModelConfig(family="mixtral", num_experts=4, moe_ffn_hidden_size=64, ffn_hidden_size=64,
+                            rope_scaling_type="yarn", rope_scaling_factor=4.0,
+                            rope_scaling_original_max_position_embeddings=128)
+    with pytest.raises(ConfigError, match=r"model.rope_scaling_factor=4.0 \(YaRN scaling\) with model.family=mixtral: "
+                                          "SGLang's Mixtral ignores rope scaling"):
+        check_engine_config(cfg, world_size=1, local_world_size=1)
+    cfg.rollout = RolloutConfig(backend="hf")
+    check_engine_config(cfg, world_size=1, local_world_size=1)
+
+
 @pytest.mark.skipif(HAVE_SGLANG, reason="sglang is installed in this venv")
 def test_without_sglang_the_run_stops_before_any_work():
     from megatron_rl.runtime import load_validated

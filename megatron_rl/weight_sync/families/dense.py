@@ -1,6 +1,7 @@
 """The dense decoder layout shared by Llama, Qwen2 and Qwen3: HF <-> Megatron tensor mapping,
-HF config <-> architecture fields (RoPE: default, or Llama 3.1's `llama3` scaling; others are
-refused). Families subclass it and change only what differs.
+HF config <-> architecture fields (RoPE: default, Llama 3.1's `llama3` scaling, or YaRN, which Qwen's
+model cards give for long contexts; others are refused). Families subclass it and change only what
+differs.
 
 Megatron fuses Q, K and V into one `linear_qkv` whose rows are grouped per KV group:
 [q (heads_per_group * head_dim), k (head_dim), v (head_dim)] x groups; and SwiGLU's gate and
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
+
+from megatron_rl.weight_sync.families.yarn import NO_YARN, yarn_fields, yarn_rope_parameters
 
 Tensor = torch.Tensor
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -81,6 +84,8 @@ class DenseDecoderConverter:
         """HF's `rope_scaling` entry (the pre-5.0 spelling, which transformers 5 still reads)."""
         if arch.rope_scaling_factor is None:
             return {}
+        if getattr(arch, "rope_scaling_type", None) == "yarn":
+            return {"rope_scaling": yarn_rope_parameters(arch)}
         return {"rope_scaling": {
             "rope_type": "llama3", "factor": arch.rope_scaling_factor,
             "low_freq_factor": arch.rope_scaling_low_freq_factor,
@@ -89,16 +94,26 @@ class DenseDecoderConverter:
 
     @staticmethod
     def _rope_scaling_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:
-        """ModelConfig's rope_scaling_* fields from `rope_scaling` (transformers < 5) or
-        `rope_parameters` (transformers >= 5, which also holds rope_theta there)."""
-        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        """ModelConfig's rope fields (all of them: a config file's values never survive a checkpoint without
+        them) from `rope_scaling` (transformers < 5) or `rope_parameters` (transformers >= 5, which also holds
+        rope_theta there). YaRN's missing original context and factor are transformers' defaults:
+        max_position_embeddings (or a top-level original_max_position_embeddings), and the ratio of the two."""
+        rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        plain = {"rope_scaling_type": None, **NO_YARN, "rope_scaling_low_freq_factor": 1.0,
+                 "rope_scaling_high_freq_factor": 4.0}
         if rope_type == "default":
-            return {"rope_scaling_factor": None}
+            return plain
+        if rope_type == "yarn":
+            context = hf.get("max_position_embeddings", 4096)
+            rope.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings", context))
+            if rope.get("factor") is None:
+                rope["factor"] = context / rope["original_max_position_embeddings"]
+            return {**plain, **yarn_fields(rope, where), "rope_scaling_type": "yarn"}
         if rope_type != "llama3":
-            raise ValueError(f"{where}: rope_scaling={rope} is not supported (only default RoPE and "
-                             "rope_type=llama3, Llama 3.1's scaling)")
-        return {"rope_scaling_factor": float(rope["factor"]),
+            raise ValueError(f"{where}: rope_scaling={rope} is not supported (only default RoPE, rope_type=llama3 "
+                             "(Llama 3.1's scaling) and rope_type=yarn)")
+        return {**plain, "rope_scaling_factor": float(rope["factor"]),
                 "rope_scaling_low_freq_factor": float(rope["low_freq_factor"]),
                 "rope_scaling_high_freq_factor": float(rope["high_freq_factor"]),
                 "rope_scaling_original_max_position_embeddings": int(rope["original_max_position_embeddings"])}
