@@ -8,6 +8,8 @@
 #   - as root with apt: Debian's Slurm (slurmctld, slurmd, slurm-client; ~25 s the first time)
 #     for the Slurm tier, whose session fixture starts a two-node single-host cluster and stops
 #     it at the end (tests/integration/slurm/); set MEGATRON_RL_SKIP_SLURM=1 to skip it.
+#   - MEGATRON_RL_SLOW_TESTS=1 also runs the few cases left out of the suite for time (each says so
+#     in its skip reason).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup_env.sh

@@ -186,13 +186,17 @@ def test_disaggregated_generators_run_sglang(tmp_path):
     assert sizes[1] < sizes[0] / 10, sizes  # the adapters alone after the whole model
 
 
-@pytest.mark.parametrize("scheduler", ["lockstep", "async"])
+@pytest.mark.parametrize("scheduler", [
+    "async", pytest.param("lockstep", marks=pytest.mark.skipif(
+        os.environ.get("MEGATRON_RL_SLOW_TESTS") != "1",
+        reason="for time (76 s on the CI box): MEGATRON_RL_SLOW_TESTS=1 runs it"))])
 def test_agent_episodes_match_the_trainer(tmp_path, scheduler):
     """Multi-turn episodes through SGLang (the countdown agent experiment: the environment answers each
-    expression in-process), with either scheduler (async: turns of concurrent episodes batched by a front end on
-    a worker thread): every episode's model turns, fed back token-in/token-out with the environment's answers
+    expression in-process), with the async scheduler (turns of concurrent episodes batched by a front end on a
+    worker thread): every episode's model turns, fed back token-in/token-out with the environment's answers
     between them, have SGLang's log-probs equal to the trainer's, before and after an update that moved the
-    policy."""
+    policy. The lockstep scheduler drives the engine through the batched `generate` of single-turn rollouts
+    (the main run here); its case runs with MEGATRON_RL_SLOW_TESTS=1 only (it passed, 76 s on the CI box)."""
     rows = _train(tmp_path / "run", "num_steps=2", "task.sft_warmup_steps=60", "task.num_eval=0",
                   "rollout.n_samples_per_prompt=4", f"rollout.agent_scheduler={scheduler}",
                   "algorithm.entropy_coef=0.1", task="+experiment=demo_agent_countdown")
