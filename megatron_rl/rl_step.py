@@ -100,11 +100,13 @@ def warm_start(rt, parts: dict, stopped_at: Optional[dict] = None) -> bool:
     return True
 
 
-def begin_warm_start(rt, parts: dict) -> None:
-    """The warm start's own optimizer and LR schedule (task.sft_warmup_lr over task.sft_warmup_steps)."""
+def begin_warm_start(rt, parts: dict, steps_done: int = 0) -> None:
+    """The warm start's own optimizer and LR schedule (task.sft_warmup_lr over task.sft_warmup_steps, or
+    over `steps_done` when a stopped warm start had done more than this run's config asks for)."""
     from megatron_rl.config.schema import OptimizerConfig
 
-    parts["trainer"].reset_optimizer(OptimizerConfig(lr=rt.cfg.task.sft_warmup_lr), rt.cfg.task.sft_warmup_steps)
+    total = max(rt.cfg.task.sft_warmup_steps, steps_done)
+    parts["trainer"].reset_optimizer(OptimizerConfig(lr=rt.cfg.task.sft_warmup_lr), total)
 
 
 def reference_episodes(rt, parts: dict, prompts: list, task_cfg: Any, host: Any, domain: str = "") -> list:

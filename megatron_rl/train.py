@@ -139,7 +139,7 @@ def run_rl(rt) -> dict[str, float]:
     saved = parts["checkpoints"].to_resume()
     in_warm_start = saved is not None and saved.get("warm_start") is not None  # a warm start stopped by a signal
     if in_warm_start:
-        begin_warm_start(rt, parts)  # its optimizer, into which the checkpoint loads
+        begin_warm_start(rt, parts, saved["warm_start"])  # its optimizer, into which the checkpoint loads
     resumed = parts["checkpoints"].resume()
     rt.preemption.watch()  # from here SIGUSR1/SIGTERM mean: finish this step, checkpoint, stop
     if resumed is None or in_warm_start:
