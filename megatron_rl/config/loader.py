@@ -131,6 +131,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"valid parallel.pp values divide {model.num_layers} ({_divisors(model.num_layers)})"
         )
     _validate_experts(cfg, world_size)
+    if model.transformer_impl == "local" and cfg.cluster.device == "cuda":
+        problem = model.local_spec_gpu_problem(par.sequence_parallel)
+        if problem:
+            raise ConfigError(f"model.transformer_impl=local cannot run {problem} on a GPU (cluster.device=cuda): "
+                              "Megatron-core's local paths for it assume Transformer Engine; use "
+                              "model.transformer_impl=auto with TE installed")
     if par.cp > 1 and model.attention_sinks:
         raise ConfigError(
             f"parallel.cp={par.cp} is not supported with model.family={model.family}: its attention (sinks, "

@@ -210,6 +210,11 @@ class ModelConfig:
     (recompute whole transformer layers: keeps only each layer's input; see recompute_num_layers)."""
     recompute_num_layers: int = 1
     """recompute=full: layers per recomputed block (Megatron's uniform recompute_method)."""
+    transformer_impl: str = "auto"
+    """Layer spec (Megatron's --transformer-impl): auto (Transformer Engine's on a GPU, where it is required; the
+    local spec on CPU), transformer_engine (required: a GPU and TE), or local (Megatron's local spec and this
+    project's core attention on any device: on a GPU without TE for dense models, slower; refused there for
+    mixtures of experts, multi-latent attention and sequence parallelism, whose local paths assume TE)."""
 
     lora_rank: int = 0
     """LoRA (models/lora.py): rank of the low-rank adapters trained in place of the model's weights, which
@@ -226,6 +231,7 @@ class ModelConfig:
     FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
                                            "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
     RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
+    TRANSFORMER_IMPLS: ClassVar[tuple[str, ...]] = ("auto", "transformer_engine", "local")
     MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2",
                                                "deepseek_v3", "gpt_oss")
     SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
@@ -269,6 +275,7 @@ class ModelConfig:
         _check_choice("model.family", self.family, self.FAMILIES)
         _check_choice("model.dtype", self.dtype, self.DTYPES)
         _check_choice("model.recompute", self.recompute, self.RECOMPUTE)
+        _check_choice("model.transformer_impl", self.transformer_impl, self.TRANSFORMER_IMPLS)
         _check_min("model.recompute_num_layers", self.recompute_num_layers, 1)
         if not self.tokenizer:
             raise _invalid("model.tokenizer", self.tokenizer, "must be builtin:char or a HF tokenizer directory")
@@ -392,6 +399,18 @@ class ModelConfig:
         """Whether RoPE is scaled with YaRN when rope_scaling_factor is set (rope_scaling_type, or the family's)."""
         family_default = self.rope_scaling_type is None and self.family in self.YARN_FAMILIES
         return self.rope_scaling_type == "yarn" or family_default
+
+    def local_spec_gpu_problem(self, sequence_parallel: bool) -> Optional[str]:
+        """Why model.transformer_impl=local cannot run this model on a GPU, or None: Megatron-core's local paths
+        assume Transformer Engine for the MoE router's fp32 GEMM and its all-to-all dispatcher, multi-latent
+        attention and sequence parallelism's norms (the CPU compatibility layer stands in for them on CPU only)."""
+        if self.is_moe:
+            return "a mixture of experts"
+        if self.multi_latent_attention:
+            return "multi-latent attention"
+        if sequence_parallel:
+            return "sequence parallelism"
+        return None
 
     def _check_rope_scaling(self) -> None:
         if self.rope_scaling_type is not None:

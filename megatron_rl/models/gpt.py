@@ -333,9 +333,13 @@ def te_sink_attention_problem(te_version: str, cudnn_version: int, head_dim: int
     return None
 
 
-def uses_te(groups: ParallelGroups) -> bool:
-    """Whether `build_model` picks the Transformer Engine spec by default."""
-    return groups.device.type != "cpu" and te_available()
+def uses_te(groups: ParallelGroups, model_cfg: Any = None) -> bool:
+    """Whether `build_model` builds on the Transformer Engine spec: model.transformer_impl=transformer_engine,
+    or auto on a GPU where TE is importable (auto on a GPU without it is refused by `build_model`)."""
+    impl = getattr(model_cfg, "transformer_impl", "auto")
+    if impl == "local":
+        return False
+    return impl == "transformer_engine" or (groups.device.type != "cpu" and te_available())
 
 
 def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool = False,
@@ -346,14 +350,25 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
     """
     from megatron.core.models.gpt import GPTModel
 
+    impl = model_cfg.transformer_impl
     if use_te is None:
-        use_te = uses_te(groups)
+        use_te = uses_te(groups, model_cfg)
+    if use_te and not (groups.device.type != "cpu" and te_available()):
+        raise RuntimeError(f"model.transformer_impl={impl} needs Transformer Engine on a GPU, but "
+                           + ("the device is the CPU" if groups.device.type == "cpu" else
+                              "`import transformer_engine` fails: pip install -e '.[gpu]' (docs/install.md)"))
     if groups.device.type != "cpu" and not use_te:
-        # The local spec on a GPU runs Megatron-core paths that assume Transformer Engine elsewhere (the MoE
-        # router's fp32 GEMM, MLA, sequence parallelism's norms): the CPU compatibility layer covers them on
-        # CPU only. Refused rather than left to fail inside Megatron.
-        raise RuntimeError("Transformer Engine is required on GPU (the layer spec of megatron_rl's GPU path), but "
-                           "`import transformer_engine` fails: pip install -e '.[gpu]' (docs/install.md)")
+        # The local spec on a GPU runs Megatron-core paths that assume Transformer Engine for some models
+        # (ModelConfig.local_spec_gpu_problem): refused rather than left to fail inside Megatron. Otherwise
+        # only when asked for, since TE's fused kernels are the GPU path.
+        if impl != "local":
+            raise RuntimeError("Transformer Engine is required on GPU (the layer spec of megatron_rl's GPU path), "
+                               "but `import transformer_engine` fails: pip install -e '.[gpu]' (docs/install.md); "
+                               "or, for a dense model, model.transformer_impl=local (Megatron's local spec, slower)")
+        problem = model_cfg.local_spec_gpu_problem(groups.sequence_parallel)
+        if problem:
+            raise RuntimeError(f"model.transformer_impl=local cannot run {problem} on a GPU (Megatron-core's local "
+                               "paths for it assume Transformer Engine): install TE (pip install -e '.[gpu]')")
     if use_te and deterministic:
         # Megatron-core's TE attention refuses deterministic_mode unless TE may only pick deterministic
         # algorithms (transformer_engine.py: NVTE_ALLOW_NONDETERMINISTIC_ALGO must be 0); a value the user set

@@ -107,7 +107,7 @@ class Trainer:
         if head == "value":  # the value head replaces the output layer: nothing to tie it to; all weights train
             model_cfg = dataclasses.replace(model_cfg, tie_word_embeddings=False, lora_rank=0)
         self.model_cfg = model_cfg
-        self.use_te = uses_te(groups)
+        self.use_te = uses_te(groups, model_cfg)
         # THD rows (cu_seqlens, no dense mask): TE's attention, context parallelism, the CPU path's PackedAttention
         self.thd = self.use_te or groups.cp_size > 1 or uses_packed_attention(model_cfg, self.use_te, groups.cp_size)
         module = build_model(model_cfg, groups, deterministic=options.deterministic, use_te=self.use_te)
