@@ -12,14 +12,16 @@ Across tensor-parallel ranks the statistics are combined exactly as Megatron's
 `vocab_parallel_cross_entropy` combines them: all-reduce MAX of m, then all-reduce SUM of
 the rescaled sums and of the target logit (only the owning rank contributes it).
 The backward recomputes each block's logits from the saved [T] log-normaliser and entropy and
-accumulates grad_hidden [T, H] and grad_weight [V_local, H] block by block, in fp32.
+accumulates grad_hidden [T, H] and grad_weight [V_local, H] block by block in fp32, from GEMMs in the
+inputs' dtype (as the naive path's autograd).
 Peak extra memory is a few [chunk_tokens, chunk_vocab] fp32 blocks plus O(T + T*H + chunk_vocab*H).
 
 Numerics: each block's logits come from the same GEMM as the model's output layer, rounded to
 `logits_dtype` (default: the input dtype) and divided by the temperature in that dtype, as
-`output_layer(hidden) / temperature` does in the naive path; everything after that (softmax
-statistics, gradients, accumulation over chunks) is fp32, whatever the input dtype. In fp32
-the result equals the naive path up to summation order.
+`output_layer(hidden) / temperature` does in the naive path; the softmax statistics, the gradient
+of each block's logits and the accumulation over chunks are fp32, whatever the input dtype; the
+block's logit gradient is rounded to the input dtype for the two backward GEMMs, as autograd does
+in the naive path. In fp32 the result equals the naive path up to summation order.
 
 Tensor parallelism: like Megatron's vocab-parallel cross entropy, the backward returns this
 rank's contribution to grad_hidden (from its vocabulary shard). The caller feeds `hidden`
@@ -199,7 +201,6 @@ class _FusedLogprobs(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_w else None
         for v0, v1 in _chunks(num_vocab, chunk_vocab):
             w = weight[v0:v1]
-            w32 = w.float()
             grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
             for t0, t1 in _chunks(num_tokens, chunk_tokens):
                 h = hidden[t0:t1]
@@ -207,12 +208,15 @@ class _FusedLogprobs(torch.autograd.Function):
                 g = ops.grad(z, local_targets[t0:t1] - v0, temperature, logz[t0:t1],
                              None if entropy is None else entropy[t0:t1],
                              None if grad_logprobs is None else grad_logprobs[t0:t1],
-                             None if grad_entropy is None else grad_entropy[t0:t1]).float()
+                             None if grad_entropy is None else grad_entropy[t0:t1]).to(hidden.dtype)
                 del z
+                # The two gradient GEMMs in the inputs' dtype, as autograd runs the naive path's (bf16 on a GPU:
+                # fp32 GEMMs made the backward 5x slower than the naive path's on an H200), each product
+                # accumulated into the fp32 sums over chunks.
                 if need_h:
-                    grad_hidden[t0:t1] += g @ w32
+                    grad_hidden[t0:t1] += g @ w
                 if need_w:
-                    grad_w += g.T @ h.float()
+                    grad_w += g.T @ h
             if need_w:
                 grad_weight[v0:v1] = grad_w
         if need_h:
