@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -46,6 +47,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=None, help="override the model's hidden size (ffn = 3x)")
     p.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
     p.add_argument("--lora-rank", type=int, default=16, help="the LoRA variant's rank (0: no LoRA variant)")
+    p.add_argument("--transformer-impl", default="auto", choices=["auto", "transformer_engine", "local"],
+                   help="model.transformer_impl (local: Megatron's local spec, also on a GPU without TE)")
     args = p.parse_args()
 
     from megatron_rl.algorithms.objective import make_policy_loss_fn
@@ -58,7 +61,8 @@ def main() -> None:
 
     # the architecture of conf/model/<model>.yaml with random weights: no checkpoint, no tokenizer files
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    overrides = [f"model={args.model}", "model.path=null", "model.tokenizer=builtin:char", f"model.dtype={dtype}"]
+    overrides = [f"model={args.model}", "model.path=null", "model.tokenizer=builtin:char", f"model.dtype={dtype}",
+                 f"model.transformer_impl={args.transformer_impl}"]
     if args.hidden:
         overrides += [f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={3 * args.hidden}"]
     if args.layers:
@@ -97,6 +101,7 @@ def main() -> None:
                               TrainerOptions(micro_batch_tokens=args.micro_batch_tokens))
         trainer.initialize_weights()
         params, active = parameter_counts(trainer.module, cfg)
+        use_te = trainer.use_te
         trainer.train_step(samples, loss_fn)  # warm-up
         times = []
         for _ in range(args.steps):
@@ -114,16 +119,20 @@ def main() -> None:
         results[name] = (step, tokens / step, flops_per_param * active * tokens / step / (args.peak_tflops * 1e12),
                          (plan["grads"] + plan["optimizer"]) / 2**20)
         del trainer
-    print(f"{args.model}: {params / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token), "
-          f"{args.samples} x {args.length} tokens per step, "
-          f"device {args.device}, {base.dtype}, median of {args.steps} steps")
-    base_tps = next(iter(results.values()))[1]
-    for name, (step, tps, mfu, state_mb) in results.items():
+        gc.collect()  # the next variant's model and optimizer take the device memory this one held
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if len(results) == 1:  # each line as soon as it is known: a run cut short keeps what it measured
+            print(f"{args.model}: {params / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token), "
+                  f"{args.samples} x {args.length} tokens per step, device {args.device}, {base.dtype}, "
+                  f"{'TE' if use_te else 'local'} spec, median of {args.steps} steps", flush=True)
+        base_tps = next(iter(results.values()))[1]
+        step, tps, mfu, state_mb = results[name]
         line = (f"{name:34s} {step * 1e3:9.1f} ms/step {tps:11.0f} tokens/s  x{tps / base_tps:.2f}"
                 f"  grads+optim {state_mb:9.1f} MB")
         if device.type == "cuda":
             line += f"  MFU {mfu:.1%}"
-        print(line)
+        print(line, flush=True)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 the same bytes in the same run.
 
     .venv/bin/python benchmarks/weight_sync.py [--model qwen2_5_0_5b] [--bucket-mb 256] [--repeats 3]
+        [--device cpu|cuda] [--dtype float32|bfloat16] [--transformer-impl auto|local]
 
 The model is built from the architecture in conf/model/<model>.yaml with random weights
 (Megatron's own initialisation; nothing is downloaded). Prints sync seconds and GB/s, the
@@ -35,6 +36,10 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lora-rank", type=int, default=0, help="compare merged and adapter-only syncs")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="trainer's and engine's device")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--transformer-impl", default="auto", choices=["auto", "transformer_engine", "local"],
+                        help="model.transformer_impl (local: Megatron's local spec, also on a GPU without TE)")
     args = parser.parse_args()
 
     from megatron_rl.config import ConfigError, load_config
@@ -44,18 +49,20 @@ def main() -> None:
     from megatron_rl.rollout.hf_engine import HFEngine
     from megatron_rl.weight_sync.stream import sync_weights
 
-    # the architecture of conf/model/<model>.yaml with random weights; float32: the CPU path trains
-    # in fp32, so engine and trainer agree
+    # the architecture of conf/model/<model>.yaml with random weights; engine and trainer in one dtype (the
+    # CPU path trains in fp32), so weight sync copies without converting
     try:
         model_cfg = load_config([f"model={args.model}", "model.path=null", "model.tokenizer=builtin:char",
-                                 "model.dtype=float32", f"model.lora_rank={args.lora_rank}"], world_size=1).model
+                                 f"model.dtype={args.dtype}", f"model.lora_rank={args.lora_rank}",
+                                 f"model.transformer_impl={args.transformer_impl}"], world_size=1).model
     except ConfigError as exc:
         parser.error(str(exc))
-    mdist.init_distributed(mdist.dist_env_from({}), torch.device("cpu"))
-    groups = state.initialize(1, 1)
+    device = torch.device(args.device)
+    mdist.init_distributed(mdist.dist_env_from({}), device)
+    groups = state.initialize(1, 1, device=device)
     start = time.perf_counter()
     model = build_model(model_cfg, groups)
-    engine = HFEngine(model_cfg)
+    engine = HFEngine(model_cfg, device=device)
     params = sum(p.numel() for p in model.parameters())
     print(f"model {args.model}: {params / 1e9:.3f} B parameters (built in {time.perf_counter() - start:.0f}s), "
           f"threads {torch.get_num_threads()}")
@@ -68,9 +75,11 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in targets)
     copy_times, sync_times, sync_bytes = [], [], 0
     for i in range(args.repeats):
+        _synchronize(device)
         t0 = time.perf_counter()
         for dst, src in zip(targets, sources):
             dst.copy_(src)
+        _synchronize(device)
         copy_times.append(time.perf_counter() - t0)
         stats = sync_weights(model, groups, model_cfg, engine, version=i + 1, bucket_bytes=args.bucket_mb * 2**20)
         sync_times.append(stats.seconds)
@@ -81,6 +90,11 @@ def main() -> None:
     print(f"weight sync: {sync_bytes / 1e9:.2f} GB in {statistics.median(sync_times):.3f}s = {sync_gbs:.2f} GB/s "
           f"({args.bucket_mb} MB buckets)")
     print(f"ratio sync / plain copy: {sync_gbs / copy_gbs:.2f} (target >= 0.5)")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def compare_lora(model, groups, model_cfg, engine, args) -> None:

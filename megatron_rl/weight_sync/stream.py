@@ -137,6 +137,11 @@ def _broadcast_bucket(bucket: Optional[list[tuple[str, Tensor]]], src: int,
     return unpack_bucket(meta[0], flat)
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
 def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engine: Any, version: int,
                  bucket_bytes: int = 256 * 2**20, merged: bool = True) -> SyncStats:
@@ -145,6 +150,7 @@ def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engi
 
     Every rank of the model-parallel group must call this (it contains collectives).
     """
+    _synchronize(groups.device)  # the step's kernels still in flight are not the sync's time
     start = time.perf_counter()
     num_tensors = num_bytes = num_buckets = 0
 
@@ -172,6 +178,7 @@ def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engi
             pending = bucket
     if pending is not None:
         deliver(pending, last=True)
+    _synchronize(groups.device)  # the engine's copies are queued on the GPU: the time is when they are done
     stats = SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
     logger.info("weight sync v%d: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s)", version,
                 stats.num_tensors, stats.num_bytes / 1e6, stats.num_buckets, stats.seconds, stats.gb_per_s)
@@ -185,6 +192,7 @@ def sync_adapters(model: torch.nn.Module, groups: ParallelGroups, arch: Any, eng
     family's converter names them (linear_qkv's adapter becomes q_proj's, k_proj's and v_proj's, each with the
     whole A and its rows of B), scaled by alpha / r; `version` takes effect. Every rank of the model-parallel
     group must call this (the adapters are gathered over TP and PP)."""
+    _synchronize(groups.device)
     start = time.perf_counter()
     converter = get_converter(arch.family)
     adapters = {module: pair for weight, (a, b) in gather_adapters(model, groups).items()
@@ -194,6 +202,7 @@ def sync_adapters(model: torch.nn.Module, groups: ParallelGroups, arch: Any, eng
     if engine is not None:
         engine.update_adapters(adapters, arch.lora_alpha / arch.lora_rank, version)
     num_bytes = sum(t.numel() * t.element_size() for pair in adapters.values() for t in pair)
+    _synchronize(groups.device)
     stats = SyncStats(version, 2 * len(adapters), num_bytes, 1, time.perf_counter() - start)
     logger.info("adapter sync v%d: %d modules, %.3f MB, %.3fs", version, len(adapters), num_bytes / 1e6,
                 stats.seconds)
