@@ -52,7 +52,7 @@ part() {  # name, timeout seconds, command...; PARTS="name ..." runs only those
   grep -v "Warning\|warnings.warn" "$OUT/$name.log" | tail -n 14 | tee -a "$OUT/summary.txt"
   echo "-- $name: rc=$rc, $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
 }
-part kernel_tests 75 "$PY" -m pytest tests/gpu/test_fused_logprobs_gpu.py -q -s -p no:cacheprovider
+part kernel_tests 75 "$PY" -m pytest tests/gpu/test_fused_logprobs_gpu.py -q -s -p no:cacheprovider -p no:warnings
 part kernel_bench 110 "$PY" benchmarks/logprob_kernel.py --device cuda --dtype bfloat16 --threads 16 \
   --sizes 8192x150000x4096 16384x152064x2048 --max-naive-gb 60
 # ~1.4B parameters: Llama-3 attention layout (32 heads, 8 KV groups, 128k vocabulary), 2048 hidden, 16 layers.
@@ -60,8 +60,8 @@ part train_step 150 "$PY" benchmarks/train_step.py --model llama3_8b --device cu
   --micro-batch-tokens 8192 --steps 5 --hidden 2048 --layers 16 --peak-tflops 989 --transformer-impl $IMPL
 part weight_sync 60 "$PY" benchmarks/weight_sync.py --model qwen2_5_0_5b --device cuda --dtype bfloat16 \
   --repeats 5 --transformer-impl $IMPL
-part colocation 80 "$PY" -m pytest tests/gpu/test_colocation_gpu.py -q -s -p no:cacheprovider
+part colocation 80 "$PY" -m pytest tests/gpu/test_colocation_gpu.py -q -s -p no:cacheprovider -p no:warnings
 # Packed rows on the Transformer Engine spec (THD attention keeps samples apart); LoRA with its fused norms.
 part packed_attention 60 "$PY" -m pytest tests/gpu/test_packed_attention_gpu.py tests/gpu/test_lora_gpu.py -q -s \
-  -p no:cacheprovider
+  -p no:cacheprovider -p no:warnings
 echo "results in $OUT/summary.txt"
