@@ -405,7 +405,19 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
     _routers_without_padding(model)
     if groups.etp_size != groups.tp_size:
         _experts_reduced_over_expert_data_parallel(model)
+    if not use_te:
+        _norms_in_model_dtype(model, torch_dtype(model_cfg.dtype))
     return model.to(groups.device)
+
+
+def _norms_in_model_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The local spec's norms (Megatron's WrappedTorchNorm: torch.nn.RMSNorm / LayerNorm) are built in fp32
+    whatever params_dtype is (Megatron-LM casts them with its Float16Module wrapper, which this project does
+    not use); TE's norms and transformers' take the model's dtype. A bf16 model's fp32 norm weights made
+    torch fall back from its fused RMSNorm kernel on the GPU ("Mismatch dtype between input and weight")."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(dtype)
 
 
 def _experts_reduced_over_expert_data_parallel(model: torch.nn.Module) -> None:
