@@ -62,22 +62,3 @@ def test_the_config_refuses_the_local_spec_on_cuda_for_a_mixture_of_experts_befo
     load_config(moe[:2], world_size=1)  # auto: TE's spec
     load_config(["cluster.device=cuda", "model.transformer_impl=local"], world_size=1)  # dense
 
-
-def test_a_bf16_local_spec_model_holds_every_weight_in_bf16_norms_included():
-    """Megatron's local norms are built in fp32 whatever params_dtype is; build_model casts them, so that
-    on a GPU torch's fused RMSNorm kernel serves (it falls back for bf16 input with an fp32 weight)."""
-    import warnings
-
-    from megatron_rl.parallel import dist as mdist
-    from megatron_rl.parallel import state
-
-    mdist.init_distributed(mdist.dist_env_from({}), torch.device("cpu"))
-    groups = state.initialize(1, 1)
-    model = build_model(ModelConfig(family="qwen3", num_layers=2, dtype="bfloat16"), groups)  # QK norms too
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
-    assert len(norms) == 2 * 4 + 1  # per layer: input, pre-MLP, query, key; the final norm
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # torch's "Mismatch dtype between input and weight" warning
-        out = norms[0](torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16))
-    assert out.dtype == torch.bfloat16
