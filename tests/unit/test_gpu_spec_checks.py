@@ -61,4 +61,3 @@ def test_the_config_refuses_the_local_spec_on_cuda_for_a_mixture_of_experts_befo
         load_config(moe, world_size=1)
     load_config(moe[:2], world_size=1)  # auto: TE's spec
     load_config(["cluster.device=cuda", "model.transformer_impl=local"], world_size=1)  # dense
-
