@@ -131,6 +131,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"valid parallel.pp values divide {model.num_layers} ({_divisors(model.num_layers)})"
         )
     _validate_experts(cfg, world_size)
+    if model.transformer_impl == "transformer_engine" and cfg.cluster.device == "cpu":
+        raise ConfigError("model.transformer_impl=transformer_engine needs a GPU, but cluster.device=cpu: use "
+                          "model.transformer_impl=auto (the local spec on CPU)")
     if model.transformer_impl == "local" and cfg.cluster.device == "cuda":
         problem = model.local_spec_gpu_problem(par.sequence_parallel)
         if problem:

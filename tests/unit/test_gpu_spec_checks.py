@@ -61,3 +61,5 @@ def test_the_config_refuses_the_local_spec_on_cuda_for_a_mixture_of_experts_befo
         load_config(moe, world_size=1)
     load_config(moe[:2], world_size=1)  # auto: TE's spec
     load_config(["cluster.device=cuda", "model.transformer_impl=local"], world_size=1)  # dense
+    with pytest.raises(ConfigError, match="transformer_impl=transformer_engine needs a GPU, but cluster.device=cpu"):
+        load_config(["cluster.device=cpu", "model.transformer_impl=transformer_engine"], world_size=1)
