@@ -327,10 +327,14 @@ class BatchStep:
             if lay.generator_nodes:
                 self._start_generators()
             code = self._run_training()
+            marker = read_marker(self.run_dir)
+            said = code == 0 and self.terminating and marker is not None
+            if said:  # SIGTERM: KillWait is running, and stopping the sandbox step takes part of it (under load
+                # the batch step was killed before it said how training ended): say it first
+                self._say_stopped(marker)
         finally:
             self._stop_generators()
             self._stop_sandboxes()
-        marker = read_marker(self.run_dir)
         if code != 0:
             self._report_failure(code)
             if self.usr1 and not self.terminating:  # e.g. the signal came before the RL loop watched for it
@@ -341,9 +345,14 @@ class BatchStep:
             return 0
         if marker["signal"] == "SIGUSR1" and not self.terminating:
             return self._requeue(f"stopped after {describe_stop(marker)} on SIGUSR1")
+        if not said:
+            self._say_stopped(marker)
+        return 0
+
+    @staticmethod
+    def _say_stopped(marker: dict) -> None:
         logger.warning("stopped after %s on %s; the next start of this job (same run directory) resumes",
                        describe_stop(marker), marker["signal"])
-        return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
