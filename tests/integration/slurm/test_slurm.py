@@ -196,6 +196,8 @@ def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_en
     assert "training finished" in log and not (job.run_dir / "preempted.json").exists()
 
 
+@pytest.mark.serial  # bounds a wall-clock wait (KillWait): in the parallel pass, under the other tests' load, the
+# ranks' exit (checkpoint, plots) took more than its 5 s twice and the batch step died before its last line
 def test_scancel_checkpoints_within_killwait_and_a_resubmission_resumes(slurm_env, tmp_path):
     """`scancel <id>` (as a time limit or a preemption: SIGTERM to every process of every step, SIGKILL
     KillWait seconds later, 5 s on this cluster): the ranks checkpoint the step they are in, the sandbox step
