@@ -13,7 +13,11 @@
 # hydra-core, omegaconf, antlr4-python3-runtime)> PYTHON=python3 installs those into /tmp/site and maps the
 # checkout's packages there. Without Transformer Engine the model parts run Megatron's local spec
 # (model.transformer_impl=local; the TE-only tests skip) and every figure says which spec it came from.
-# PARTS="kernel_bench train_step" runs only the parts named.
+# PARTS="kernel_bench train_step" runs only the parts named. The wheels for a Python 3.12 machine, made where pip
+# works (antlr4-python3-runtime is published as source only, hence `pip wheel`):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1 hydra-core==1.3.8 omegaconf==2.3.1
+#   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
