@@ -333,10 +333,10 @@ def te_sink_attention_problem(te_version: str, cudnn_version: int, head_dim: int
     return None
 
 
-def uses_te(groups: ParallelGroups, model_cfg: Any = None) -> bool:
+def uses_te(groups: ParallelGroups, model_cfg: Any) -> bool:
     """Whether `build_model` builds on the Transformer Engine spec: model.transformer_impl=transformer_engine,
     or auto on a GPU where TE is importable (auto on a GPU without it is refused by `build_model`)."""
-    impl = getattr(model_cfg, "transformer_impl", "auto")
+    impl = model_cfg.transformer_impl
     if impl == "local":
         return False
     return impl == "transformer_engine" or (groups.device.type != "cpu" and te_available())

@@ -59,7 +59,7 @@ part() {  # name, timeout seconds, command...; PARTS="name ..." runs only those
 part kernel_tests 75 "$PY" -m pytest tests/gpu/test_fused_logprobs_gpu.py -q -s -p no:cacheprovider -p no:warnings
 part kernel_bench 110 "$PY" benchmarks/logprob_kernel.py --device cuda --dtype bfloat16 --threads 16 \
   --sizes 8192x150000x4096 16384x152064x2048 --max-naive-gb 60
-# ~1.4B parameters: Llama-3 attention layout (32 heads, 8 KV groups, 128k vocabulary), 2048 hidden, 16 layers.
+# ~1.3B parameters: Llama-3 attention layout (32 heads, 8 KV groups, 128k vocabulary), 2048 hidden, 16 layers.
 part train_step 150 "$PY" benchmarks/train_step.py --model llama3_8b --device cuda --samples 16 --length 2048 \
   --micro-batch-tokens 8192 --steps 5 --hidden 2048 --layers 16 --peak-tflops 989 --transformer-impl $IMPL
 part weight_sync 60 "$PY" benchmarks/weight_sync.py --model qwen2_5_0_5b --device cuda --dtype bfloat16 \
