@@ -15,6 +15,10 @@ so its order can be checked by hand; `SlotGate` is the asyncio adapter the serve
 - Quota: at most `quota` executions of a class run at once (0 = no quota beyond capacity).
 - Admission control: an execution that cannot start at once is refused (`Refused`, naming the
   class) when its class already has `max_queue` waiting, or the server `max_queue` in total.
+- A request of several executions (a Verify's tests) is admitted as a whole (`submit_many`): all
+  of them start or wait, or none does; one that could never fit (more than the class's slots and
+  queue together) is refused for good (ValueError). Admitting one test at a time let some tests
+  run and the rest be refused, and the client's retry ran the first ones again.
 - With a single class this is the previous behaviour: FIFO, refused when all slots are busy
   and `max_queue` are waiting.
 """
@@ -71,6 +75,7 @@ class Ticket:
     seq: int
     arrived: float
     started: Optional[float] = None
+    held: bool = False  # entered `SlotGate.hold`, which gives it back however it ends
 
     @property
     def wait_s(self) -> float:
@@ -122,20 +127,35 @@ class FairScheduler:
 
     def submit(self, cls: str) -> Ticket:
         """Admit one execution of class `cls`; raises `Refused` when it can neither start nor wait."""
+        return self.submit_many(cls, 1)[0]
+
+    def submit_many(self, cls: str, count: int) -> list[Ticket]:
+        """Admit `count` executions of class `cls` together, or none: raises `Refused` when they cannot
+        all start or wait now, and ValueError when they never could."""
         state = self._classes[check_class(cls)]
+        slots = min(self.capacity, self._quota(state))
+        room = min(self._class_max_queue(state), self.max_queue)
+        if count > slots + room:
+            raise ValueError(f"{count} executions in one request can never be admitted: class {cls} has "
+                             f"{slots} slots and room for {room} waiting on this server")
+        startable = 0 if state.queue else max(0, min(self.capacity - self.running, self._quota(state) - state.running))
+        waiting = max(0, count - startable)
+        limit = self._class_max_queue(state)
+        if waiting and (len(state.queue) + waiting > limit or self.queued + waiting > self.max_queue):
+            state.refused += count
+            raise Refused(f"class {cls}: {state.running} running and {len(state.queue)} waiting (max {limit}); "
+                          f"{self.running} running and {self.queued} waiting on the server "
+                          f"(capacity {self.capacity}, max queue {self.max_queue}); {count} more asked for")
+        return [self._admit(cls, state) for _ in range(count)]
+
+    def _admit(self, cls: str, state: _ClassState) -> Ticket:
         tag = max(self.vtime, state.finish_tag)
         ticket = Ticket(cls, tag, self._seq, self.clock())
         # Invariant: after every change nothing that could start is left waiting, so a class with
         # an empty queue, a free slot and room in its quota starts at once without jumping anyone.
         if not state.queue and self.running < self.capacity and state.running < self._quota(state):
             self._start(ticket, state)
-        else:
-            waiting, limit = len(state.queue), self._class_max_queue(state)
-            if waiting >= limit or self.queued >= self.max_queue:
-                state.refused += 1
-                raise Refused(f"class {cls}: {state.running} running and {waiting} waiting (max {limit}); "
-                              f"{self.running} running and {self.queued} waiting on the server "
-                              f"(capacity {self.capacity}, max queue {self.max_queue})")
+        else:  # room was checked by submit_many
             state.queue.append(ticket)
             self.queued += 1
         self._seq += 1
@@ -224,6 +244,22 @@ class SlotGate:
     @contextlib.asynccontextmanager
     async def slot(self, cls: str) -> AsyncIterator[Ticket]:
         ticket = self.scheduler.submit(cls)  # Refused propagates to the caller
+        async with self.hold(ticket):
+            yield ticket
+
+    def admit(self, cls: str, count: int) -> list[Ticket]:
+        """Admit `count` executions at once (see `FairScheduler.submit_many`); each is then run
+        under `hold(ticket)`, which every admitted ticket must enter (or `drop`)."""
+        return self.scheduler.submit_many(cls, count)
+
+    def drop(self, ticket: Ticket) -> None:
+        """Give an admitted ticket up without running it."""
+        self._wake(self.scheduler.cancel(ticket))
+
+    @contextlib.asynccontextmanager
+    async def hold(self, ticket: Ticket) -> AsyncIterator[Ticket]:
+        """Wait until `ticket` has started, then hold its slot for the body."""
+        ticket.held = True
         if ticket.started is None:
             future = asyncio.get_running_loop().create_future()
             self._waiters[ticket] = future
@@ -240,6 +276,6 @@ class SlotGate:
 
     def _wake(self, tickets: list[Ticket]) -> None:
         for ticket in tickets:
-            future = self._waiters.pop(ticket)
-            if not future.done():
+            future = self._waiters.pop(ticket, None)  # None: admitted, not yet held (it sees `started`)
+            if future is not None and not future.done():
                 future.set_result(None)

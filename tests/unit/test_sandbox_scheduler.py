@@ -199,3 +199,33 @@ def test_slot_gate_serves_in_scheduler_order_and_drops_cancelled_waiters():
 
     # tags: B1 1, Q0 0, T0 0, E0 0 -> T0, E0, Q0 (tie order), then B1
     assert asyncio.run(go()) == ["B0", "T0", "E0", "Q0", "B1"]
+
+
+def test_a_request_of_several_executions_is_admitted_whole_or_not_at_all():
+    """Capacity 2, room for 3 waiting, 1 running: 4 more can start or wait (1 + 3), 5 cannot, and a refusal
+    admits none of them; more than slots + room (5) can never be admitted."""
+    sched = FairScheduler(capacity=2, max_queue=3, clock=Clock())
+    sched.submit("training")
+    with pytest.raises(Refused):
+        sched.submit_many("training", 5)
+    assert (sched.running, sched.queued) == (1, 0)  # nothing of the refused request stayed
+    tickets = sched.submit_many("training", 4)
+    assert [t.started is not None for t in tickets] == [True, False, False, False]
+    assert (sched.running, sched.queued) == (2, 3)
+    with pytest.raises(ValueError, match="can never be admitted"):
+        FairScheduler(capacity=2, max_queue=3, clock=Clock()).submit_many("training", 6)
+
+
+def test_an_admitted_ticket_started_before_it_is_held_runs_and_a_dropped_one_frees_its_place():
+    async def go():
+        sched = FairScheduler(capacity=1, max_queue=2)
+        gate = SlotGate(sched)
+        first, second, third = gate.admit("training", 3)
+        gate.drop(third)  # never ran (its workspace could not be made): out of the queue
+        async with gate.hold(first):
+            pass  # its release starts `second` before anyone holds it
+        assert second.started is not None
+        async with gate.hold(second):
+            pass
+        return sched.running, sched.queued
+    assert asyncio.run(go()) == (0, 0)
