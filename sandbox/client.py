@@ -8,7 +8,15 @@ reward, not a hung job.
 
 Guarantee: a retry reuses the idempotency key, so a server never runs one request twice
 (except a one-shot command that a stop signal interrupted: server.py); after a server dies
-mid-call the request runs on another server, and the caller gets exactly one result.
+mid-call the request runs on another server, and the caller gets exactly one result. Only a
+call that provably did not run is retried: refused at admission (RESOURCE_EXHAUSTED) or not
+served (UNAVAILABLE: unreachable, draining, dead, or interrupted by a stop signal). Any other
+error is final: INVALID_ARGUMENT and the like raise; a server's own fault (INTERNAL, UNKNOWN), a
+timed-out attempt, or a reply over the message limit come back in band as "no verdict" (TIMEOUT
+or SETUP_ERROR with no `server`), never as a second run.
+
+Messages: `max_message_bytes` (default the server's, 256 MiB) bounds requests and replies on
+this side; a request over it is refused here at once with RESOURCE_EXHAUSTED naming the limit.
 
 Scheduling: every call carries a priority class (the client's default unless given; session
 calls inherit the session's). `backpressure()` is the servers' queue fill, for a rollout
@@ -30,14 +38,30 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import grpc
 
+from megatron_rl_sandbox.proto import DEFAULT_MESSAGE_BYTES
 from megatron_rl_sandbox.proto import load as load_proto
 from megatron_rl_sandbox.scheduler import CLASSES, DEFAULT_CLASS, check_class
 
 pb2, pb2_grpc = load_proto()
 logger = logging.getLogger(__name__)
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+# The codes that prove the call did not run: refused at admission, or not served at all.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Final, and not the request's fault: reported in band (no verdict) by execute / verify.
+_NO_VERDICT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
+               grpc.StatusCode.DATA_LOSS}
+
+
+def _too_large(exc: grpc.aio.AioRpcError) -> bool:
+    """RESOURCE_EXHAUSTED from gRPC's message-size check (a reply or request over a limit): final, unlike
+    the server's admission refusals, since the same message is too large again."""
+    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (exc.details() or "")
+
+
+def _reply_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """A reply this client could not take (over its message limit; the server ran the call), as opposed to
+    a request the server's gRPC refused ("SERVER: Received message larger than max ...": it ran nothing)."""
+    return _too_large(exc) and not (exc.details() or "").startswith("SERVER")
 
 
 class SandboxUnavailable(Exception):
@@ -135,9 +159,11 @@ class _ClassWaits:
 
 
 class _Server:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)])
         self.stub = pb2_grpc.SandboxStub(self.channel)
         self.healthy = True
         self.load = 0.0
@@ -152,10 +178,12 @@ class SandboxClient:
     PINNED_UNREACHABLE_ATTEMPTS = 5
 
     def __init__(self, addresses: Sequence[str], deadline_s: float = 120.0, attempt_timeout_s: Optional[float] = None,
-                 health_interval_s: float = 2.0, priority_class: str = DEFAULT_CLASS) -> None:
+                 health_interval_s: float = 2.0, priority_class: str = DEFAULT_CLASS,
+                 max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
         if not addresses:
             raise ValueError("SandboxClient needs at least one server address")
-        self.servers = [_Server(a) for a in addresses]
+        self.max_message_bytes = max_message_bytes
+        self.servers = [_Server(a, max_message_bytes) for a in addresses]
         self.deadline_s = deadline_s
         self.attempt_timeout_s = attempt_timeout_s
         self.health_interval_s = health_interval_s
@@ -207,6 +235,12 @@ class SandboxClient:
     async def _call(self, method: str, request, deadline_s: Optional[float], pinned: Optional[_Server] = None,
                     cls: str = DEFAULT_CLASS):
         """Try servers in order of health and load until one answers or the deadline passes."""
+        size = request.ByteSize()
+        if size > self.max_message_bytes:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       f"{method}: the request is {size} bytes, larger than the message limit of "
+                                       f"{self.max_message_bytes} bytes (max_message_bytes; the server's "
+                                       f"--max-message-bytes)")
         deadline = time.monotonic() + (deadline_s or self.deadline_s)
         last_error: Optional[BaseException] = None
         attempt = unreachable = 0
@@ -226,16 +260,18 @@ class SandboxClient:
                 except grpc.aio.AioRpcError as exc:
                     last_error = exc
                     code = exc.code()
-                    if code not in _RETRYABLE:
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # it may be running still: not tried again
+                        raise asyncio.TimeoutError(f"{method} on {server.address}: no reply within the "
+                                                   f"deadline") from None
+                    if code not in _RETRYABLE or _too_large(exc):
                         raise
                     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         self._waits[cls].refused += 1
-                    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-                                grpc.StatusCode.CANCELLED):
+                    if code == grpc.StatusCode.UNAVAILABLE:
                         server.healthy = False
                         server.down_until = time.monotonic() + 1.0
                         server.checked = 0.0
-                        if pinned is not None and code == grpc.StatusCode.UNAVAILABLE:
+                        if pinned is not None:
                             unreachable += 1
                     logger.debug("%s on %s failed (%s); trying the next server", method, server.address, code)
             attempt += 1
@@ -273,6 +309,13 @@ class SandboxClient:
             return await self._exec_call("Execute", request, deadline_s, cls)
         except asyncio.TimeoutError as exc:
             return pb2.ExecResult(exit_code=-1, termination=pb2.TIMEOUT, message=str(exc))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _NO_VERDICT and not _reply_lost(exc):
+                raise
+            logger.warning("Execute failed for good, not retried (it may have run): %s: %s", exc.code().name,
+                           exc.details())
+            return pb2.ExecResult(exit_code=-1, termination=pb2.SETUP_ERROR,
+                                  message=f"no verdict: {exc.code().name}: {exc.details()}")
 
     async def verify(self, files: Mapping[str, bytes | str] | Iterable[Any], tests: Sequence[Any], *,
                      image: str = "", limits: Optional[Mapping[str, Any]] = None, key: Optional[str] = None,
@@ -287,6 +330,13 @@ class SandboxClient:
         try:
             result = (await self._call("Verify", request, deadline_s, cls=cls))[0]
         except asyncio.TimeoutError:
+            self._waits[cls].record(time.monotonic() - start, None, None)
+            return pb2.VerifyResult(reward=0.0, passed=0, total=len(tests))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _NO_VERDICT and not _reply_lost(exc):
+                raise
+            logger.warning("Verify failed for good, not retried (it may have run): %s: %s", exc.code().name,
+                           exc.details())
             self._waits[cls].record(time.monotonic() - start, None, None)
             return pb2.VerifyResult(reward=0.0, passed=0, total=len(tests))
         self._waits[cls].record(time.monotonic() - start,
@@ -379,6 +429,11 @@ class Session:
                                             cls=self.priority_class))[0]
         except asyncio.TimeoutError as exc:
             raise SandboxUnavailable(f"session {self.id} on {self.server.address}: {exc}") from None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _NO_VERDICT or _reply_lost(exc):  # it may have changed the workspace: rebuild it
+                raise SessionInterrupted(f"session {self.id}: {method} failed ({exc.code().name}: "
+                                         f"{exc.details()}); the workspace's state is unknown") from None
+            raise
 
     async def exec(self, argv: Sequence[str], *, stdin: bytes = b"", env: Optional[Mapping[str, str]] = None,
                    limits: Optional[Mapping[str, Any]] = None, key: Optional[str] = None,
@@ -394,8 +449,8 @@ class Session:
         except asyncio.TimeoutError as exc:
             raise SandboxUnavailable(f"session {self.id} on {self.server.address}: {exc}") from None
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.ABORTED:
-                raise SessionInterrupted(exc.details()) from None
+            if exc.code() == grpc.StatusCode.ABORTED or exc.code() in _NO_VERDICT or _reply_lost(exc):
+                raise SessionInterrupted(f"session {self.id}: {exc.code().name}: {exc.details()}") from None
             raise
 
     async def read_file(self, path: str, max_bytes: int = 0, deadline_s: Optional[float] = None):

@@ -89,19 +89,21 @@ class Limiter:
     def create(self, limits: Limits) -> "Group":
         return Group(self, None, limits)
 
-    def prlimit_args(self, limits: Limits, pid_1: bool = False) -> list[str]:
+    def prlimit_args(self, limits: Limits, pid_1: bool = False, uid: Optional[int] = None) -> list[str]:
         """`pid_1`: the command is PID 1 of its PID namespace, for which the kernel drops SIGXCPU at
         the soft limit; the hard limit (SIGKILL) is then the limit itself, not one second past it, and no
-        process of the run gets SIGXCPU (a handler of it for a clean shutdown is never called)."""
+        process of the run gets SIGXCPU (a handler of it for a clean shutdown is never called).
+        RLIMIT_CPU bounds each process; the run's total is bounded by `Group.cpu_time_s` (executor).
+        `uid`: the user the run's processes run as (RLIMIT_NPROC counts that user's processes)."""
         cpu = max(1, int(limits.cpu_time_s + 0.999))
         args = [f"--cpu={cpu}:{cpu if pid_1 else cpu + 1}", f"--fsize={limits.disk_bytes}", "--core=0"]
         if self.name == "rlimit":
-            args += [f"--as={limits.memory_bytes}", f"--nproc={limits.max_processes + _user_processes()}"]
+            args += [f"--as={limits.memory_bytes}",
+                     f"--nproc={limits.max_processes + _user_processes(os.getuid() if uid is None else uid)}"]
         return args
 
 
-def _user_processes() -> int:
-    uid = os.getuid()
+def _user_processes(uid: int) -> int:
     count = 0
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -218,6 +220,22 @@ class Group:
         else:
             logger.error("processes of %s survived SIGKILL for %.0fs", self.paths, timeout_s)
 
+    def cpu_time_s(self, root_pid: int) -> float:
+        """CPU time used so far by the whole run, all of its processes together (cgroup usage; without
+        cgroups, the sum over `root_pid` and its descendants of their own and their reaped children's
+        time, from /proc)."""
+        if self.paths:
+            try:
+                if "unified" in self.paths:
+                    for line in (self.paths["unified"] / "cpu.stat").read_text().splitlines():
+                        if line.startswith("usage_usec "):
+                            return int(line.split()[1]) / 1e6
+                    return 0.0
+                return int((self.paths["cpuacct"] / "cpuacct.usage").read_text()) / 1e9
+            except (OSError, ValueError):
+                return 0.0
+        return _tree_cpu_time_s(root_pid)
+
     def accounting(self) -> Accounting:
         acc = Accounting()
         if not self.paths:
@@ -260,6 +278,26 @@ class Group:
                         logger.error("could not remove cgroup %s", path)
                         break
                     time.sleep(0.01)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu_time_s(pid: int) -> float:
+    """utime + stime + cutime + cstime of `pid` and every descendant (/proc/<pid>/stat fields 14-17):
+    a process's reaped children are in its c-times, the living ones are visited."""
+    total, stack = 0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            total += sum(int(x) for x in fields[11:15])
+            for task in Path(f"/proc/{current}/task").iterdir():
+                stack.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, ValueError):  # it ended meanwhile
+            continue
+    return total / _CLOCK_TICKS
 
 
 def _write(path: Path, value: str) -> None:

@@ -14,6 +14,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+# The largest request or reply either side accepts unless configured (server --max-message-bytes,
+# SandboxClient(max_message_bytes=)): both sides must agree, or a reply the server sends is lost at
+# the client (gRPC's own client default is 4 MiB).
+DEFAULT_MESSAGE_BYTES = 256 * 2**20
+
 PROTO = Path(__file__).resolve().parent / "sandbox.proto"
 GENERATED = Path(__file__).resolve().parent / "_generated"
 _MODULES = ("sandbox_pb2.py", "sandbox_pb2_grpc.py", "sandbox_pb2.pyi")

@@ -7,9 +7,18 @@
   free slots go by weighted fair queueing across classes, with per-class quotas and queue
   bounds (`scheduler.py`). Health reports queue depth, waits and back-pressure per class.
 - Idempotency: the result of every mutating call is remembered under (method, key); a retry
-  with the same key, even while the first is still running, gets the same result and the
-  command never runs twice (except after a stop signal, below). The most recent results are
-  kept, up to `--remember-bytes` of replies (outputs included) and 10,000 calls.
+  with the same key, even while the first is still running, gets the same result (or the same
+  error) and the command never runs twice (except after a stop signal, below). Only what
+  provably did not start is forgotten: a refusal at admission (RESOURCE_EXHAUSTED) or while
+  draining. The most recent results are kept, up to `--remember-bytes` of replies (outputs
+  included) and 10,000 calls.
+- Root: a server running as root runs every command as an unprivileged user (`--sandbox-uid`,
+  `--sandbox-gid`, default 65534, nobody) that owns the workspaces; sandboxed code never runs
+  under host uid 0 (executor.py).
+- Messages: requests and replies are bounded by `--max-message-bytes` (the client uses the same
+  default); a reply's outputs are cut to fit it (`*_truncated`, with the sizes the run wrote),
+  and an oversized request is refused by gRPC with RESOURCE_EXHAUSTED naming the limit.
+  Malformed fields get INVALID_ARGUMENT (validate.py).
 - Sessions keep a workspace between calls for multi-turn agents; snapshots are tar files that
   live as long as the session that took them.
 - File I/O on workspaces runs in worker threads, never on the event loop: a workspace is
@@ -44,6 +53,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -54,12 +64,14 @@ from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 
-from megatron_rl_sandbox.executor import SETUP_ERROR, Outcome, run_confined
+from megatron_rl_sandbox import validate
+from megatron_rl_sandbox.executor import SETUP_ERROR, Outcome, RunAs, run_confined
 from megatron_rl_sandbox.limits import Limiter, Limits, detect_limiter
+from megatron_rl_sandbox.options import build_parser, class_policies, parse_images
+from megatron_rl_sandbox.proto import DEFAULT_MESSAGE_BYTES
 from megatron_rl_sandbox.proto import load as load_proto
 from megatron_rl_sandbox.runtimes import Runtime, RuntimeError_, make_runtime
-from megatron_rl_sandbox.scheduler import (CLASSES, DEFAULT_CLASS, DEFAULT_WEIGHTS, ClassPolicy, FairScheduler,
-                                           Refused, SlotGate)
+from megatron_rl_sandbox.scheduler import CLASSES, DEFAULT_CLASS, ClassPolicy, FairScheduler, Refused, SlotGate, Ticket
 from megatron_rl_sandbox.workspace import Workspace, WorkspaceError, WorkspacePool, WorkspaceStateError
 
 pb2, pb2_grpc = load_proto()
@@ -124,7 +136,8 @@ class SandboxService(pb2_grpc.SandboxServicer):
     def __init__(self, runtime: Runtime, limiter: Limiter, pool: WorkspacePool, defaults: Limits,
                  maximum: Limits, capacity: int, max_queue: int, max_sessions: int, name: str,
                  snapshot_dir: Path, remembered: int = 10000, remembered_bytes: int = 256 * 2**20,
-                 classes: Optional[dict[str, ClassPolicy]] = None, session_idle_timeout_s: float = 0.0) -> None:
+                 classes: Optional[dict[str, ClassPolicy]] = None, session_idle_timeout_s: float = 0.0,
+                 run_as: Optional[RunAs] = None, max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
         self.runtime, self.limiter, self.pool = runtime, limiter, pool
         self.defaults, self.maximum = defaults, maximum
         self.capacity, self.max_queue, self.max_sessions = capacity, max_queue, max_sessions
@@ -145,30 +158,48 @@ class SandboxService(pb2_grpc.SandboxServicer):
         self.session_idle_timeout_s = session_idle_timeout_s
         self.sessions_reaped = 0
         self.stop_signal_at = -math.inf  # time.monotonic() of the last SIGTERM / SIGINT / SIGUSR1
+        self.run_as = run_as
+        # what a reply's outputs may take: the message limit less room for everything else in it
+        self.reply_output_bytes = max(2**16, max_message_bytes - 2**20)
 
     def note_stop_signal(self) -> None:
         self.stop_signal_at = time.monotonic()
 
     # -- admission and idempotency -----------------------------------------------------------
+    def _admit(self, cls: str, count: int = 1) -> list[Ticket]:
+        """Admit `count` executions of class `cls` together, or none (_Busy; ValueError when they never fit)."""
+        try:
+            return self._gate.admit(cls, count)
+        except Refused as exc:
+            raise _Busy(f"{self.name}: {exc}") from None
+
     @contextlib.asynccontextmanager
-    async def _slot(self, cls: str):
-        """Wait for a slot of class `cls`; yields the ticket (its wait_s is the queue wait)."""
-        async with contextlib.AsyncExitStack() as stack:
-            try:
-                ticket = await stack.enter_async_context(self._gate.slot(cls))
-            except Refused as exc:
-                raise _Busy(f"{self.name}: {exc}") from None
+    async def _held(self, ticket: Ticket):
+        """Wait for `ticket`'s slot and hold it (its wait_s is the queue wait)."""
+        async with self._gate.hold(ticket):
             self.started += 1
             try:
                 yield ticket
             finally:
                 self.finished += 1
 
+    def _drop(self, tickets: list[Ticket]) -> None:
+        """Give back the admitted tickets that never ran (a test that could not start, a cancelled call)."""
+        for ticket in tickets:
+            if not ticket.held:
+                self._gate.drop(ticket)
+
     async def _once(self, method: str, key: str, context, work: Callable[[], Awaitable[Any]]):
-        """Run `work` once per (method, key); duplicates (also concurrent ones) share its result.
-        Refusals and errors are not remembered: a retry may succeed."""
+        """Run `work` once per (method, key); duplicates (also concurrent ones) share its result, or its
+        error: a call that failed after its command may have started is never run again under its key.
+        Forgotten, so that a retry runs it: a refusal before anything started (_Busy), a stop signal's
+        interruption (see the module doc) and a cancellation (the client went away; its run was killed)."""
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining")
+        try:
+            validate.check_key(key)
+        except ValueError as exc:
+            return await self._mapped(_raise(exc), context)
         slot = (method, key)
         if key and slot in self._results:
             self._results.move_to_end(slot)
@@ -181,8 +212,13 @@ class SandboxService(pb2_grpc.SandboxServicer):
             result = await work()
         except BaseException as exc:
             if future is not None:
-                if self._results.get(slot) is future:
+                forget = isinstance(exc, (_Busy, _Interrupted, _SessionInterrupted, asyncio.CancelledError))
+                if forget and self._results.get(slot) is future:
                     del self._results[slot]
+                elif self._results.get(slot) is future:  # remembered: a retry gets this error, never a rerun
+                    self._result_bytes[slot] = 1024
+                    self._result_bytes_total += 1024
+                    self._forget_oldest()
                 future.set_exception(exc)
                 future.exception()  # marks it retrieved
             return await self._mapped(_raise(exc), context)
@@ -223,34 +259,63 @@ class SandboxService(pb2_grpc.SandboxServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc).strip("'\""))
+        except Exception as exc:  # the server's own fault: final (it may have run), never the request echoed
+            logger.exception("internal error in a call")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error on the sandbox server: "
+                                                          f"{type(exc).__name__}")
 
     # -- executions --------------------------------------------------------------------------
     def _result(self, outcome: Outcome):
         return pb2.ExecResult(
             exit_code=outcome.exit_code, signal=outcome.signal, termination=_TERMINATION[outcome.termination],
             stdout=outcome.stdout, stderr=outcome.stderr, stdout_truncated=outcome.stdout_truncated,
-            stderr_truncated=outcome.stderr_truncated, message=outcome.message, server=self.name,
+            stderr_truncated=outcome.stderr_truncated, stdout_size=outcome.stdout_size,
+            stderr_size=outcome.stderr_size, message=outcome.message, server=self.name,
             usage=pb2.ResourceUsage(wall_time_s=outcome.wall_time_s, cpu_time_s=outcome.cpu_time_s,
                                     max_rss_bytes=outcome.max_rss_bytes), queue_wait_s=outcome.queue_wait_s)
 
+    def _fit(self, results: list) -> None:
+        """Cut the outputs of `results` (ExecResults of one reply) so that together they take at most
+        `reply_output_bytes`: the largest streams are cut first, each to the same length (water-filling);
+        a cut stream is flagged `*_truncated` and keeps its size in `*_size`."""
+        streams = [(r, name) for r in results for name in ("stdout", "stderr")]
+        sizes = sorted(len(getattr(r, name)) for r, name in streams)
+        if sum(sizes) <= self.reply_output_bytes:
+            return
+        budget, cap = self.reply_output_bytes, 0
+        for i, size in enumerate(sizes):  # the largest cap at which the streams still fit
+            share = budget // (len(sizes) - i)
+            if size > share:
+                cap = share
+                break
+            budget -= size
+        for r, name in streams:
+            if len(getattr(r, name)) > cap:
+                setattr(r, name, getattr(r, name)[:cap])
+                setattr(r, f"{name}_truncated", True)
+
     async def _run_in(self, workspace: Workspace, image: str, argv, stdin: bytes, env, limits: Limits,
-                      cls: str) -> Outcome:
+                      cls: str, ticket: Optional[Ticket] = None) -> Outcome:
+        """Run argv in `workspace` in a slot of class `cls` (or of the admitted `ticket`)."""
         try:
             command = self.runtime.command(image, list(argv), workspace.path, limits, dict(env))
         except RuntimeError_ as exc:
             return Outcome(exit_code=-1, termination=SETUP_ERROR, message=str(exc))
-        async with self._slot(cls) as ticket:
-            outcome = await run_confined(command, limits, self.limiter, stdin)
+        if ticket is None:
+            ticket = self._admit(cls)[0]
+        async with self._held(ticket):
+            outcome = await run_confined(command, limits, self.limiter, stdin, self.run_as, workspace.full)
         return dataclasses.replace(outcome, queue_wait_s=ticket.wait_s)
 
-    async def _one_shot(self, image: str, files, argv, stdin: bytes, env, limits: Limits, cls: str) -> Outcome:
+    async def _one_shot(self, image: str, files, argv, stdin: bytes, env, limits: Limits, cls: str,
+                        ticket: Optional[Ticket] = None) -> Outcome:
         try:
             workspace = await asyncio.to_thread(self.pool.acquire, limits.disk_bytes, files)
         except WorkspaceError as exc:
             return Outcome(exit_code=-1, termination=SETUP_ERROR, message=str(exc))
         start = time.monotonic()
         try:
-            outcome = await self._run_in(workspace, image, argv, stdin, env, limits, cls)
+            outcome = await self._run_in(workspace, image, argv, stdin, env, limits, cls, ticket)
         finally:
             # run_confined has killed the run's processes by now; shielded so that a cancelled
             # call (its client went away) still empties or destroys its workspace
@@ -276,22 +341,43 @@ class SandboxService(pb2_grpc.SandboxServicer):
     async def Execute(self, request, context):
         async def work():
             limits, cls = self._limits(request.limits), priority_class(request.priority_class)
-            return self._result(await self._one_shot(request.image, request.files, request.argv, request.stdin,
-                                                     request.env, limits, cls))
+            validate.check_image(request.image)
+            validate.check_files(request.files)
+            validate.check_command(request.argv, request.env)
+            result = self._result(await self._one_shot(request.image, request.files, request.argv, request.stdin,
+                                                       request.env, limits, cls))
+            self._fit([result])
+            return result
         return await self._once("Execute", request.idempotency_key, context, work)
 
     async def Verify(self, request, context):
+        """The tests are admitted as a whole (all run or wait, or the call is refused before any ran)
+        and each runs once."""
         async def work():
             limits, cls = self._limits(request.limits), priority_class(request.priority_class)
+            validate.check_image(request.image)
+            validate.check_files(request.files)
+            for test in request.tests:
+                validate.check_command(test.argv, {})
+            tickets = self._admit(cls, len(request.tests)) if request.tests else []
 
-            async def one(test):
-                outcome = await self._one_shot(request.image, request.files, test.argv, b"", {}, limits, cls)
+            async def one(test, ticket):
+                outcome = await self._one_shot(request.image, request.files, test.argv, b"", {}, limits, cls,
+                                               ticket)
                 passed = outcome.termination == "EXITED" and outcome.exit_code == test.expected_exit_code
                 if passed and test.check_stdout:
                     passed = outcome.stdout.rstrip() == test.expected_stdout.rstrip()
                 return pb2.TestOutcome(name=test.name, passed=passed, result=self._result(outcome))
 
-            outcomes = await asyncio.gather(*(one(t) for t in request.tests))
+            try:  # every test ends before the call does: no test is left running (or waiting) behind it
+                outcomes = await asyncio.gather(*(one(t, k) for t, k in zip(request.tests, tickets)),
+                                                return_exceptions=True)
+            finally:
+                self._drop(tickets)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            if failed:
+                raise failed[0]
+            self._fit([o.result for o in outcomes])
             passed = sum(o.passed for o in outcomes)
             total = len(outcomes)
             return pb2.VerifyResult(reward=passed / total if total else 0.0, passed=passed, total=total,
@@ -300,7 +386,7 @@ class SandboxService(pb2_grpc.SandboxServicer):
 
     # -- sessions ----------------------------------------------------------------------------
     def _session(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
+        session = self.sessions.get(validate.check_id(session_id, "session_id"))
         if session is None:
             raise KeyError(f"session {session_id!r} is not open on {self.name}")
         session.last_used = time.monotonic()
@@ -311,6 +397,8 @@ class SandboxService(pb2_grpc.SandboxServicer):
             if len(self.sessions) >= self.max_sessions:
                 raise _Busy(f"{self.name}: {len(self.sessions)} sessions open (max {self.max_sessions})")
             limits, cls = self._limits(request.limits), priority_class(request.priority_class)
+            validate.check_image(request.image)
+            validate.check_files(request.files)
             image = request.image or self.runtime.default_image()
             if image not in self.runtime.images():
                 raise WorkspaceError(f"image {image!r} is not available; available: "
@@ -326,6 +414,7 @@ class SandboxService(pb2_grpc.SandboxServicer):
             session = self._session(request.session_id)
             limits = self._limits(request.limits, session.limits)
             cls = priority_class(request.priority_class, session.priority_class)
+            validate.check_command(request.argv, request.env)
             start = time.monotonic()
             async with session.use():
                 outcome = await self._run_in(session.workspace, session.image, request.argv, request.stdin,
@@ -333,13 +422,18 @@ class SandboxService(pb2_grpc.SandboxServicer):
             if await self._signalled(outcome, start):
                 raise _SessionInterrupted(f"{self.name}: a stop signal came while the command ran in session "
                                           f"{session.id} ({_what(outcome)}); the workspace holds what it did")
-            return self._result(outcome)
+            result = self._result(outcome)
+            self._fit([result])
+            return result
         return await self._once("Exec", request.idempotency_key, context, work)
 
     async def ReadFile(self, request, context):
         async def work():
             session = self._session(request.session_id)
-            limit = min(request.max_bytes or self.defaults.output_bytes, self.maximum.output_bytes)
+            if request.max_bytes < 0:
+                raise ValueError(f"max_bytes {request.max_bytes} must be >= 0 (0: the server's default)")
+            limit = min(request.max_bytes or self.defaults.output_bytes, self.maximum.output_bytes,
+                        self.reply_output_bytes)
             async with session.use():
                 data, truncated, exists = await asyncio.to_thread(session.workspace.read, request.path, limit)
             return pb2.FileContent(content=data, truncated=truncated, exists=exists)
@@ -358,31 +452,28 @@ class SandboxService(pb2_grpc.SandboxServicer):
         async def work():
             session = self._session(request.session_id)
             async with session.use():
-                data = await asyncio.to_thread(session.workspace.snapshot)
                 snapshot_id = uuid.uuid4().hex
                 path = self.snapshot_dir / f"{snapshot_id}.tar"
-                await asyncio.to_thread(path.write_bytes, data)
+                size = await asyncio.to_thread(session.workspace.snapshot, path)
                 session.snapshots.append(path)
-            return pb2.SnapshotInfo(snapshot_id=snapshot_id, size_bytes=len(data))
+            return pb2.SnapshotInfo(snapshot_id=snapshot_id, size_bytes=size)
         return await self._once("Snapshot", request.idempotency_key, context, work)
 
     async def Restore(self, request, context):
         async def work():
             session = self._session(request.session_id)
-            path = self.snapshot_dir / f"{Path(request.snapshot_id).name}.tar"
+            path = self.snapshot_dir / f"{validate.check_id(request.snapshot_id, 'snapshot_id')}.tar"
             async with session.use():
-                try:
-                    data = await asyncio.to_thread(path.read_bytes)
-                except FileNotFoundError:
+                if not path.exists():
                     raise KeyError(f"snapshot {request.snapshot_id!r} does not exist on {self.name} (a snapshot "
-                                   f"is deleted when the session that took it closes)") from None
-                await asyncio.to_thread(session.workspace.restore, data)
+                                   f"is deleted when the session that took it closes)")
+                await asyncio.to_thread(session.workspace.restore, path)
             return pb2.SessionInfo(session_id=session.id, server=self.name)
         return await self._once("Restore", request.idempotency_key, context, work)
 
     async def Close(self, request, context):
         async def work():
-            session = self.sessions.pop(request.session_id, None)
+            session = self.sessions.pop(validate.check_id(request.session_id, "session_id"), None)
             if session is not None:
                 async with session.lock:
                     await asyncio.to_thread(self._discard, session)
@@ -454,80 +545,6 @@ async def _raise(exc: BaseException):
     raise exc
 
 
-def _parse_images(values: list[str]) -> dict[str, str]:
-    images = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--image expects name=/path, got {value!r}")
-        images[name] = path
-    return images
-
-
-def parse_class_values(text: str, cast: type, option: str) -> dict:
-    """`training=4,build=1` -> {"training": 4.0, "build": 1.0}; names must be priority classes."""
-    out = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name not in CLASSES:
-            raise SystemExit(f"{option} expects class=value pairs with classes from {', '.join(CLASSES)}, "
-                             f"got {item!r}")
-        try:
-            out[name] = cast(value)
-        except ValueError:
-            raise SystemExit(f"{option}: {name}={value!r} is not a {cast.__name__}") from None
-    return out
-
-
-def class_policies(weights: str, quotas: str, max_queues: str) -> dict[str, ClassPolicy]:
-    """Per-class scheduling policy from the --class-* options (unset: default weight, no own limits)."""
-    w = {**DEFAULT_WEIGHTS, **parse_class_values(weights, float, "--class-weights")}
-    q = parse_class_values(quotas, int, "--class-quota")
-    m = parse_class_values(max_queues, int, "--class-max-queue")
-    try:
-        return {c: ClassPolicy(weight=w[c], quota=q.get(c, 0), max_queue=m.get(c, 0)) for c in CLASSES}
-    except ValueError as exc:
-        raise SystemExit(f"sandbox server: {exc}") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_rl_sandbox.server", description=__doc__.split("\n\n")[0])
-    p.add_argument("--address", default="127.0.0.1:0", help="host:port or unix:/path (port 0 picks one)")
-    p.add_argument("--advertise", default=None, help="address written to the discovery file (default: host:port)")
-    p.add_argument("--runtime", default="bwrap", choices=["bwrap", "apptainer", "process"])
-    p.add_argument("--image", action="append", default=[], help="name=/path (rootfs dir, SIF or sandbox dir)")
-    p.add_argument("--apptainer-cmd", default="apptainer")
-    p.add_argument("--allow-unisolated", action="store_true", help="required for --runtime process")
-    p.add_argument("--allow-network", action="store_true", help="let requests turn the network on")
-    p.add_argument("--limiter", default="auto", choices=["auto", "cgroup-v1", "cgroup-v2", "rlimit"])
-    p.add_argument("--capacity", type=int, default=os.cpu_count() or 1, help="concurrent executions")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting executions before refusing")
-    p.add_argument("--class-weights", default=",".join(f"{c}={w:g}" for c, w in DEFAULT_WEIGHTS.items()),
-                   help="weighted fair queueing weights per priority class (unset classes keep their default)")
-    p.add_argument("--class-quota", default="", help="most running executions per class, e.g. build=1,quality=1")
-    p.add_argument("--class-max-queue", default="",
-                   help="most waiting executions per class before refusing (default: --max-queue), e.g. build=64")
-    p.add_argument("--max-sessions", type=int, default=512)
-    p.add_argument("--session-idle-timeout-s", type=float, default=1800.0,
-                   help="close sessions no call has used this long (a client that died never closes its "
-                        "own); 0 keeps them until closed")
-    p.add_argument("--prewarm", type=int, default=8, help="ready workspaces kept mounted")
-    p.add_argument("--remember-bytes", type=int, default=256 * 2**20,
-                   help="most bytes of replies kept for idempotent retries (the oldest are forgotten first)")
-    p.add_argument("--work-dir", default=None, help="where workspaces live (default: a fresh temp dir)")
-    p.add_argument("--run-dir", default=None, help="write the discovery file into <run-dir>/sandbox/")
-    p.add_argument("--name", default=None, help="server name in results and the discovery file")
-    p.add_argument("--drain-s", type=float, default=30.0,
-                   help="grace period for running calls when draining (SIGTERM or SIGINT)")
-    p.add_argument("--ignore-sigterm", action="store_true",
-                   help="log SIGTERM and serve on; only SIGINT drains (a server the training job stops itself)")
-    for field in dataclasses.fields(Limits):
-        if field.name != "network":
-            p.add_argument(f"--default-{field.name.replace('_', '-')}", type=type(field.default),
-                           default=field.default)
-    return p
-
-
 async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None) -> None:
     classes = class_policies(args.class_weights, args.class_quota, args.class_max_queue)
     if args.session_idle_timeout_s < 0:
@@ -535,9 +552,9 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
     if args.runtime == "process":
         runtime = make_runtime("process", allow_unisolated=args.allow_unisolated)
     elif args.runtime == "apptainer":
-        runtime = make_runtime("apptainer", images=_parse_images(args.image), apptainer_cmd=args.apptainer_cmd)
+        runtime = make_runtime("apptainer", images=parse_images(args.image), apptainer_cmd=args.apptainer_cmd)
     else:
-        runtime = make_runtime("bwrap", images=_parse_images(args.image))
+        runtime = make_runtime("bwrap", images=parse_images(args.image))
     try:
         defaults = Limits(**{f.name: getattr(args, f"default_{f.name}") for f in dataclasses.fields(Limits)
                              if f.name != "network"})
@@ -550,18 +567,35 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
                        "ends (outside a PID namespace: runtime process), and CPU time and peak memory are not "
                        "measured")
     maximum = dataclasses.replace(MAXIMUM, network=args.allow_network)
+    if args.max_message_bytes < 2**20:
+        raise SystemExit(f"sandbox server: --max-message-bytes {args.max_message_bytes} must be at least 1 MiB")
+    run_as = None
+    if os.geteuid() == 0:  # never run sandboxed code as host root (see executor.py)
+        try:
+            run_as = RunAs(args.sandbox_uid, args.sandbox_gid)
+        except ValueError as exc:
+            raise SystemExit(f"sandbox server: --sandbox-uid/--sandbox-gid: {exc}") from None
+        if shutil.which("setpriv") is None:
+            raise SystemExit("sandbox server: running as root needs `setpriv` (util-linux) to drop commands to "
+                             "--sandbox-uid")
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="megatron-rl-sandbox-"))
-    pool = WorkspacePool(work_dir / "workspaces", defaults.disk_bytes, prewarm=args.prewarm)
+    if run_as is not None and not args.work_dir:
+        os.chmod(work_dir, 0o711)  # mkdtemp's 0700 would keep the sandbox's user from its workspaces
+    try:
+        pool = WorkspacePool(work_dir / "workspaces", defaults.disk_bytes, prewarm=args.prewarm,
+                             owner=(run_as.uid, run_as.gid) if run_as is not None else None)
+    except RuntimeError as exc:
+        raise SystemExit(f"sandbox server: {exc}") from None
     if not pool.use_tmpfs:
         logger.warning("workspaces are plain directories (not root: no tmpfs mount): the disk limit is NOT enforced "
                        "per workspace, only per file (RLIMIT_FSIZE)")
     name = args.name or f"{socket.gethostname()}-{os.getpid()}"
     service = SandboxService(runtime, limiter, pool, defaults, maximum, args.capacity, args.max_queue,
                              args.max_sessions, name, work_dir / "snapshots", remembered_bytes=args.remember_bytes,
-                             classes=classes,
-                             session_idle_timeout_s=args.session_idle_timeout_s)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 2**20),
-                                      ("grpc.max_send_message_length", 256 * 2**20)])
+                             classes=classes, session_idle_timeout_s=args.session_idle_timeout_s, run_as=run_as,
+                             max_message_bytes=args.max_message_bytes)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", args.max_message_bytes),
+                                      ("grpc.max_send_message_length", args.max_message_bytes)])
     pb2_grpc.add_SandboxServicer_to_server(service, server)
     port = server.add_insecure_port(args.address)
     if args.address.startswith("unix:"):
@@ -573,7 +607,8 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
     await server.start()
     discovery = _write_discovery(args.run_dir, name, service.address, runtime.name) if args.run_dir else None
     logger.info("sandbox server %s serving on %s (runtime %s, limiter %s, workspace quota %s, capacity %d, "
-                "classes %s)", name, service.address, runtime.name, limiter.name, pool.quota, args.capacity,
+                "commands run as %s, classes %s)", name, service.address, runtime.name, limiter.name, pool.quota,
+                args.capacity, f"uid {run_as.uid}" if run_as else f"this server's uid {os.geteuid()}",
                 {c: dataclasses.asdict(p) for c, p in classes.items()})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

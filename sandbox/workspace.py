@@ -1,11 +1,17 @@
 """Workspaces: the per-execution (or per-session) directory mounted at /workspace.
 
-Each workspace starts empty and is filled with the request's files, so every task starts
-from the same state. As root the directory is its own tmpfs of `disk_bytes`: a hard quota
-the sandboxed code cannot exceed (writes fail with ENOSPC). Without root it is a plain
-directory and the disk limit is enforced per file (RLIMIT_FSIZE) plus a size check after
-each run. A pool of ready workspaces of the default size is kept warm so that a request
-does not wait for a mount.
+Each workspace is new for every execution (a session keeps one for its life) and is filled
+with the request's files, so every task starts from the same state: nothing a run left on the
+directory itself (extended attributes, mode, times, ownership, inode flags) can reach the next
+one, because a used workspace is never emptied and reused but unmounted and removed. As root
+the directory is its own tmpfs of `disk_bytes`: a hard quota the sandboxed code cannot exceed
+(writes fail with ENOSPC); it and every file the server writes into it belong to the
+unprivileged user the server runs code as (`owner`). Without root it is a plain directory and
+the disk limit is enforced per file (RLIMIT_FSIZE). A pool of fresh workspaces of the default
+size is kept ready so that a request does not wait for a mount.
+
+Snapshots are GNU tar archives written by `tar --sparse` straight to a file: a sparse file
+keeps its holes (its allocated size is what counts), and the server holds none of it in memory.
 
 Paths in requests are confined to the workspace: absolute paths, `..` and writes through
 symlinks are refused. The sandboxed code owns the workspace's content, so the server opens
@@ -16,7 +22,8 @@ workspace that still is not empty is destroyed instead of reused.
 
 from __future__ import annotations
 
-import io
+import ctypes
+import ctypes.util
 import logging
 import os
 import shutil
@@ -41,52 +48,96 @@ class WorkspaceStateError(WorkspaceError):
     FIFO, restoring a snapshot that cannot be unpacked)."""
 
 
+FULL_BELOW_BYTES = 64 * 2**10  # a tmpfs workspace with less room left than this is full
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_MNT_DETACH = 2
+
+
 def _mountable() -> bool:
-    return os.geteuid() == 0 and shutil.which("mount") is not None and shutil.which("umount") is not None
+    return os.geteuid() == 0
+
+
+def _mount_tmpfs(path: Path, options: str) -> None:
+    """mount(2) directly: a `mount` process per workspace cost more than the rest of a short run."""
+    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mounting a tmpfs on {path}: {os.strerror(err)}")
+
+
+def _unmount(path: Path) -> None:
+    if _libc.umount2(os.fsencode(path), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err != 22:  # EINVAL: not a mount point (already gone)
+            logger.error("could not unmount workspace %s: %s", path, os.strerror(err))
 
 
 class Workspace:
-    def __init__(self, path: Path, disk_bytes: int, tmpfs: bool) -> None:
+    def __init__(self, path: Path, disk_bytes: int, tmpfs: bool, owner: Optional[tuple[int, int]] = None) -> None:
         self.path = path
         self.disk_bytes = disk_bytes
         self.tmpfs = tmpfs
+        self.owner = owner  # (uid, gid) of the sandboxed code, when the server is root
 
     def usage(self) -> int:
+        """Bytes allocated in the workspace (a sparse file counts by its allocated blocks)."""
         if self.tmpfs:
             st = os.statvfs(self.path)
             return (st.f_blocks - st.f_bfree) * st.f_frsize
-        total = 0
+        return _tree_bytes(self.path)
+
+    def full(self) -> bool:
+        """Whether a run filled the workspace: less than FULL_BELOW_BYTES left of the quota, or a
+        file at the per-file limit (RLIMIT_FSIZE = the disk limit). Measured, never read from output."""
+        if self.tmpfs:
+            st = os.statvfs(self.path)
+            if st.f_bavail * st.f_frsize < min(FULL_BELOW_BYTES, self.disk_bytes // 16):
+                return True
+        elif self.usage() >= self.disk_bytes:
+            return True
         for root, _, files in os.walk(self.path):
             for name in files:
                 try:
-                    total += os.lstat(os.path.join(root, name)).st_size
+                    if os.lstat(os.path.join(root, name)).st_size >= self.disk_bytes:
+                        return True
                 except OSError:
-                    pass
-        return total
+                    continue
+        return False
+
+    def _give(self, path: Path) -> None:
+        """Hand `path` (not following a symlink) to the sandboxed code's user."""
+        if self.owner is not None:
+            os.lchown(path, *self.owner)
+
+    def _makedirs(self, directory: Path) -> None:
+        missing = []
+        while not directory.exists() and directory != self.path:
+            missing.append(directory)
+            directory = directory.parent
+        for path in reversed(missing):
+            path.mkdir()
+            self._give(path)
 
     def resolve(self, rel: str) -> Path:
         """`rel` inside the workspace; refuses escapes (absolute, .., symlinks on the way)."""
-        if not rel or rel.startswith("/") or "\x00" in rel:
-            raise WorkspaceError(f"path {rel!r} must be relative to the workspace")
+        check_path(rel)
         parts = Path(rel).parts
-        if ".." in parts:
-            raise WorkspaceError(f"path {rel!r} may not contain '..'")
         current = self.path
         for part in parts[:-1]:
             current = current / part
             if current.is_symlink():
-                raise WorkspaceError(f"path {rel!r} goes through a symlink")
+                raise WorkspaceError(f"path {shown(rel)} goes through a symlink")
         target = self.path.joinpath(*parts)
         if target.is_symlink():
-            raise WorkspaceError(f"path {rel!r} is a symlink")
+            raise WorkspaceError(f"path {shown(rel)} is a symlink")
         return target
 
     def write(self, rel: str, content: bytes, executable: bool = False) -> int:
         target = self.resolve(rel)
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
+            self._makedirs(target.parent)
             if self.tmpfs and self.usage() + len(content) > self.disk_bytes:
-                raise WorkspaceError(f"writing {rel!r} ({len(content)} bytes) exceeds the disk limit")
+                raise WorkspaceError(f"writing {shown(rel)} ({len(content)} bytes) exceeds the disk limit")
             fd = _open_regular(target, rel, os.O_WRONLY | os.O_CREAT)
             try:
                 os.ftruncate(fd, 0)
@@ -94,10 +145,12 @@ class Workspace:
                 while view:
                     view = view[os.write(fd, view):]
                 os.fchmod(fd, 0o755 if executable else 0o644)
+                if self.owner is not None:
+                    os.fchown(fd, *self.owner)
             finally:
                 os.close(fd)
         except OSError as exc:  # e.g. a directory or a file where the path needs a directory
-            raise WorkspaceStateError(f"cannot write {rel!r}: {exc.strerror or exc}") from None
+            raise WorkspaceStateError(f"cannot write {shown(rel)}: {exc.strerror or exc}") from None
         return len(content)
 
     def read(self, rel: str, max_bytes: int) -> tuple[bytes, bool, bool]:
@@ -107,7 +160,7 @@ class Workspace:
         except (FileNotFoundError, NotADirectoryError):
             return b"", False, False
         except OSError as exc:
-            raise WorkspaceStateError(f"cannot read {rel!r}: {exc.strerror or exc}") from None
+            raise WorkspaceStateError(f"cannot read {shown(rel)}: {exc.strerror or exc}") from None
         with os.fdopen(fd, "rb") as f:
             data = f.read(max_bytes + 1)
         return data[:max_bytes], len(data) > max_bytes, True
@@ -126,22 +179,32 @@ class Workspace:
             raise OSError(f"workspace {self.path} still holds {left[:5]} after clearing")
         os.chmod(self.path, 0o755)  # the run may have changed the mode of /workspace itself
 
-    def snapshot(self) -> bytes:
-        buf = io.BytesIO()
-        try:
-            with tarfile.open(fileobj=buf, mode="w") as tar:
-                tar.add(str(self.path), arcname=".")
-        except OSError as exc:  # e.g. a file the run made unreadable
-            raise WorkspaceStateError(f"cannot snapshot the workspace: {exc}") from None
-        return buf.getvalue()
+    def snapshot(self, dest: Path) -> int:
+        """Write the workspace's content to the tar file `dest` (holes of sparse files kept); returns
+        its size in bytes."""
+        tmp = dest.with_name(dest.name + ".part")
+        done = subprocess.run(["tar", "--sparse", "--format=gnu", "--numeric-owner", "-cf", str(tmp), "-C",
+                               str(self.path), "."], capture_output=True)
+        if done.returncode != 0:  # e.g. a file the run made unreadable (server not root)
+            tmp.unlink(missing_ok=True)
+            why = done.stderr.decode(errors="replace").strip().splitlines()
+            raise WorkspaceStateError(f"cannot snapshot the workspace: {why[-1] if why else done.returncode}")
+        os.replace(tmp, dest)
+        return dest.stat().st_size
 
-    def restore(self, snapshot: bytes) -> None:
-        """Replace the workspace's content by `snapshot`'s. The snapshot is unpacked next to the
-        workspace first, so a snapshot that cannot be unpacked leaves the workspace as it was."""
+    def restore(self, snapshot: Path) -> None:
+        """Replace the workspace's content by that of the tar file `snapshot`. It is unpacked next to
+        the workspace first, so a snapshot that cannot be unpacked leaves the workspace as it was;
+        sparse files stay sparse (tarfile seeks over holes, `cp --sparse=always` copies into the tmpfs)."""
+        # tarfile stops quietly at a damaged header after the first: GNU tar's listing fails on any
+        listing = subprocess.run(["tar", "-tf", str(snapshot)], capture_output=True)
+        if listing.returncode != 0:
+            why = listing.stderr.decode(errors="replace").strip().splitlines()
+            raise WorkspaceStateError(f"cannot restore the snapshot: {why[-1] if why else 'damaged archive'}")
         staging = Path(tempfile.mkdtemp(prefix=f"{self.path.name}.restore-", dir=self.path.parent))
         try:
             try:
-                with tarfile.open(fileobj=io.BytesIO(snapshot), mode="r") as tar:
+                with tarfile.open(snapshot, mode="r") as tar:
                     tar.extractall(staging, filter=_snapshot_filter)
             except (tarfile.TarError, OSError) as exc:
                 raise WorkspaceStateError(f"cannot restore the snapshot: {exc}") from None
@@ -149,14 +212,45 @@ class Workspace:
             if size > self.disk_bytes:
                 raise WorkspaceStateError(f"the snapshot holds {size} bytes, more than this workspace's disk "
                                           f"limit of {self.disk_bytes}")
+            if self.owner is not None:
+                for root, dirs, files in os.walk(staging):
+                    for name in dirs + files:
+                        os.lchown(os.path.join(root, name), *self.owner)
             try:
                 self.clear()
-                for entry in os.scandir(staging):
-                    shutil.move(entry.path, self.path / entry.name)  # a rename, or a copy into a tmpfs
+                if os.listdir(staging):
+                    done = subprocess.run(["cp", "-a", "--sparse=always", "--", f"{staging}/.", f"{self.path}/"],
+                                          capture_output=True)
+                    if done.returncode != 0:
+                        raise OSError(done.stderr.decode(errors="replace").strip())
+                    os.chmod(self.path, 0o755)  # `cp -a` gave it the staging directory's mode and owner
+                    self._give(self.path)
             except OSError as exc:
                 raise WorkspaceStateError(f"restoring the snapshot failed halfway: {exc}") from None
         finally:
             _remove_tree(staging)
+
+
+MAX_PATH_BYTES = 4096  # PATH_MAX
+MAX_NAME_BYTES = 255  # NAME_MAX
+
+
+def check_path(rel: str) -> None:
+    """Refuse (WorkspaceError: INVALID_ARGUMENT, final) a request path that cannot name a file in
+    the workspace: empty, absolute, with `..`, a NUL or another control character, longer than
+    PATH_MAX or with a component longer than NAME_MAX (the file system's own ENAMETOOLONG came back
+    as a server error)."""
+    if not rel or rel.startswith("/"):
+        raise WorkspaceError(f"path {shown(rel)} must be relative to the workspace")
+    if any(ord(c) < 32 or ord(c) == 127 for c in rel):
+        raise WorkspaceError(f"path {shown(rel)} contains a control character")
+    if len(os.fsencode(rel)) > MAX_PATH_BYTES:
+        raise WorkspaceError(f"path of {len(os.fsencode(rel))} bytes is longer than {MAX_PATH_BYTES}")
+    parts = Path(rel).parts
+    if ".." in parts:
+        raise WorkspaceError(f"path {shown(rel)} may not contain '..'")
+    if any(len(os.fsencode(p)) > MAX_NAME_BYTES for p in parts):
+        raise WorkspaceError(f"path {shown(rel)} has a component longer than {MAX_NAME_BYTES} bytes")
 
 
 def _open_regular(target: Path, rel: str, flags: int) -> int:
@@ -168,13 +262,27 @@ def _open_regular(target: Path, rel: str, flags: int) -> int:
     except FileNotFoundError:
         kind = None  # created below (O_CREAT) or reported missing
     if kind is not None:
-        raise WorkspaceStateError(f"{rel!r} is {kind}, not a regular file")
+        raise WorkspaceStateError(f"{shown(rel)} is {kind}, not a regular file")
     fd = os.open(target, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the check and the open
         os.close(fd)
-        raise WorkspaceStateError(f"{rel!r} is not a regular file")
+        raise WorkspaceStateError(f"{shown(rel)} is not a regular file")
     os.set_blocking(fd, True)
     return fd
+
+
+def _check_traversable(path: Path, owner: tuple[int, int]) -> None:
+    """Refuse a workspace root that the sandboxed code's user cannot reach (every directory above it
+    must let it search): otherwise every run would fail to mount its workspace."""
+    for directory in [path, *path.resolve().parents]:
+        st = directory.stat()
+        mode = st.st_mode
+        if mode & stat.S_IXOTH or (st.st_uid == owner[0] and mode & stat.S_IXUSR) or (
+                st.st_gid == owner[1] and mode & stat.S_IXGRP):
+            continue
+        raise RuntimeError(f"the sandbox's user (uid {owner[0]}) cannot reach workspaces under {path}: "
+                           f"{directory} (mode {stat.S_IMODE(mode):o}) does not let it search; choose a --work-dir "
+                           f"below directories that others may search (mode o+x), e.g. /var/tmp")
 
 
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
@@ -195,10 +303,22 @@ def _snapshot_filter(member: tarfile.TarInfo, dest: str) -> Optional[tarfile.Tar
 
 
 def _tree_bytes(path: Path) -> int:
+    """Bytes allocated to the regular files under `path` (a sparse file counts by its blocks)."""
     total = 0
     for root, _, files in os.walk(path):
-        total += sum(os.lstat(os.path.join(root, name)).st_size for name in files)
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                continue
     return total
+
+
+def shown(value: str, limit: int = 80) -> str:
+    """`value` for an error message: repr'd and cut to `limit` characters (error details travel in
+    gRPC metadata, which must stay small; never echo a client's input whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(value)} characters)"
 
 
 def _make_removable(path: Path) -> None:
@@ -226,11 +346,18 @@ def _remove_tree(path: Path) -> bool:
 
 
 class WorkspacePool:
-    """Creates, recycles and destroys workspaces under `root`."""
+    """Creates and destroys workspaces under `root`, keeping `prewarm` fresh ones of the default
+    size ready. `owner`: the (uid, gid) that sandboxed code runs as (a root server's); workspaces
+    belong to it, and `root` is made traversable (mode 711) for it."""
 
-    def __init__(self, root: Path, default_disk_bytes: int, prewarm: int = 4, use_tmpfs: Optional[bool] = None):
+    def __init__(self, root: Path, default_disk_bytes: int, prewarm: int = 4, use_tmpfs: Optional[bool] = None,
+                 owner: Optional[tuple[int, int]] = None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.owner = owner
+        if owner is not None:
+            os.chmod(self.root, 0o711)
+            _check_traversable(self.root, owner)
         self.default_disk_bytes = default_disk_bytes
         self.use_tmpfs = _mountable() if use_tmpfs is None else use_tmpfs
         self.prewarm = prewarm
@@ -247,9 +374,11 @@ class WorkspacePool:
         path = self.root / f"ws-{uuid.uuid4().hex[:12]}"
         path.mkdir(mode=0o755)
         if self.use_tmpfs:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={disk_bytes},mode=0755", "tmpfs", str(path)],
-                           check=True, capture_output=True)
-        return Workspace(path, disk_bytes, self.use_tmpfs)
+            owner = f",uid={self.owner[0]},gid={self.owner[1]}" if self.owner is not None else ""
+            _mount_tmpfs(path, f"size={disk_bytes},mode=0755{owner}")
+        elif self.owner is not None:
+            os.chown(path, *self.owner)
+        return Workspace(path, disk_bytes, self.use_tmpfs, self.owner)
 
     def acquire(self, disk_bytes: int, files: Iterable = ()) -> Workspace:
         ws = None
@@ -267,21 +396,19 @@ class WorkspacePool:
         return ws
 
     def release(self, ws: Workspace) -> None:
-        """Return a default-size workspace to the pool (emptied) or destroy it."""
-        if ws.disk_bytes == self.default_disk_bytes:
-            with self._lock:
-                if len(self._ready) < self.prewarm:
-                    try:
-                        ws.clear()
-                        self._ready.append(ws)
-                        return
-                    except OSError as exc:  # never hand a workspace with leftovers to the next run
-                        logger.warning("destroying workspace %s instead of reusing it: %s", ws.path, exc)
+        """Destroy a used workspace (never reused: see the module doc) and top the pool of fresh
+        ones up again."""
         self.destroy(ws)
+        with self._lock:
+            missing = self.prewarm - len(self._ready)
+        for _ in range(max(0, missing)):
+            fresh = self._create(self.default_disk_bytes)
+            with self._lock:
+                self._ready.append(fresh)
 
     def destroy(self, ws: Workspace) -> None:
         if ws.tmpfs:
-            subprocess.run(["umount", "-l", str(ws.path)], capture_output=True)
+            _unmount(ws.path)  # the tmpfs and all it held go at once
         if not _remove_tree(ws.path):
             logger.error("could not remove workspace %s", ws.path)
 

@@ -1,5 +1,11 @@
-"""Apptainer runtime (rootless; no daemon): `apptainer exec --containall --no-init --no-home
---net --network none --bind <workspace>:/workspace --pwd /workspace <image> argv`.
+"""Apptainer runtime (rootless; no daemon): `apptainer exec --containall --no-init --home
+<workspace>:/workspace --net --network none --bind <workspace>:/workspace --pwd /workspace <image>
+argv`.
+
+A root server runs apptainer itself as its unprivileged `--sandbox-uid` (executor.py), so the
+container's user namespace maps that uid alone: nothing inside holds host uid 0, and the kernel
+knobs under /proc/sys are not writable by it (binding them read-only, as the bwrap runtime does,
+makes Apptainer's own /proc mount fail in a user namespace).
 
 `--no-init`: the command is PID 1 of the container's PID namespace, not Apptainer's shim init
 (`appinit`), a process of the same user that code run by the command could write into through
@@ -49,14 +55,17 @@ class ApptainerRuntime(Runtime):
         image = self._check_image(image)
         if Path(self._images[image]).is_dir():
             self._check_command_in_root(argv[0], Path(self._images[image]), image)
-        args = [*self.cmd, "exec", "--containall", "--no-init", "--no-home", "--cleanenv", "--no-privs", "--bind",
-                f"{workspace}:{WORKSPACE}", "--pwd", WORKSPACE]
+        # HOME through --home, the workspace itself: `--env HOME=...` made Apptainer print a warning into
+        # every run's stderr, which is what the model and the verifier read.
+        args = [*self.cmd, "exec", "--containall", "--no-init", "--home", f"{workspace}:{WORKSPACE}", "--cleanenv",
+                "--no-privs", "--bind", f"{workspace}:{WORKSPACE}", "--pwd", WORKSPACE]
         if not limits.network:
             args += ["--net", "--network", "none"]
         if os.geteuid() == 0:
             args.append("--userns")
         for key, value in {**BASE_ENV, **env}.items():
-            args += ["--env", f"{key}={value}"]
+            if key != "HOME":
+                args += ["--env", f"{key}={value}"]
         return Command(argv=[*args, self._images[image], *argv], env={"PATH": os.environ.get("PATH", "")},
                        cwd="/", signal_from_exit_code=True, setup_failure=(255, b"FATAL:"),
                        pid_1=True)

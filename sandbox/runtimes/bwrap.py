@@ -1,7 +1,8 @@
 """bubblewrap runtime: new user, PID, network, IPC, UTS and mount namespaces; the image
 read-only at /, the workspace read-write at /workspace, a private /tmp of at most the disk
-limit, no capabilities, an unprivileged uid inside, and the whole namespace killed with its
-parent.
+limit, no capabilities, an unprivileged uid inside (and outside: a root server starts bwrap
+as --sandbox-uid, executor.py), the kernel knobs under /proc (`PROC_KNOBS`) read-only, and the
+whole namespace killed with its parent.
 
 The command is PID 1 of its PID namespace (`--as-pid-1`): bubblewrap's own reaper would
 otherwise be PID 1 there, a process of the same user, dumpable, that holds the command's
@@ -24,6 +25,11 @@ from pathlib import Path
 
 from megatron_rl_sandbox.limits import Limits
 from megatron_rl_sandbox.runtimes.base import BASE_ENV, WORKSPACE, Command, Runtime
+
+# Kernel knobs under /proc, bound read-only over the sandbox's procfs. bubblewrap covers these itself only
+# when the sandbox's user could write them (it tests access(W_OK) as that user), so a server whose uid maps
+# to host root with no capability left got them writable: /proc/sys/kernel/core_pattern is run as root.
+PROC_KNOBS = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
 _HOST_LINKS = {"bin": "usr/bin", "lib": "usr/lib", "lib64": "usr/lib64", "sbin": "usr/sbin"}
 
@@ -68,7 +74,10 @@ class BwrapRuntime(Runtime):
         if limits.network:
             args.append("--share-net")
         args += root_args
-        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.disk_bytes), "--tmpfs", "/tmp",
+        args += ["--proc", "/proc"]
+        for knob in PROC_KNOBS:  # read-only whatever the uid: bwrap covers them only where it could write them
+            args += ["--ro-bind-try", f"/proc/{knob}", f"/proc/{knob}"]
+        args += ["--dev", "/dev", "--size", str(limits.disk_bytes), "--tmpfs", "/tmp",
                  "--bind", str(workspace), WORKSPACE, "--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
         for key, value in {**BASE_ENV, **env}.items():
             args += ["--setenv", key, value]

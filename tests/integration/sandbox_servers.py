@@ -87,6 +87,7 @@ def start_server(runtime: str, *extra: str, run_dir: Optional[Path] = None, time
     work_dir = None
     if runtime == "apptainer":  # workspaces outside /tmp: the wrapper binds host /tmp recursively (apptainer/setup.sh)
         work_dir = tempfile.mkdtemp(prefix="megatron-rl-sandbox-", dir="/var/tmp")
+        os.chmod(work_dir, 0o711)  # a root server's commands run as nobody, who must reach the workspaces
         args += ["--work-dir", work_dir]
     if run_dir is not None:
         args += ["--run-dir", str(run_dir)]

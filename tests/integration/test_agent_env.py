@@ -9,6 +9,7 @@ tokenized exactly once, log-probs only where the model sampled."""
 
 from __future__ import annotations
 
+import os
 import platform
 import signal
 import threading
@@ -235,7 +236,10 @@ def test_the_test_process_is_out_of_the_codes_reach_through_proc(host, tokenizer
     [episode] = _play(host, tokenizer, turns, task=FUNCTION_TASK, limits=EpisodeLimits(max_turns=6, max_tokens=8192))
     text = tokenizer.decode(episode.output_ids)
     assert "sealed ['fd/1', 'denied', 'mem', 'denied']" in text, text[-2000:]
-    assert "open ['fd/1', 'opened', 'mem', 'opened']" in text, text[-2000:]
+    # Under a root server the test process's stdout is a pipe of host root's (mode 0600), which the
+    # sandbox's unprivileged user cannot reopen through /proc at all; its memory shows the check is real.
+    reopened = "denied" if os.geteuid() == 0 else "opened"
+    assert f"open ['fd/1', '{reopened}', 'mem', 'opened']" in text, text[-2000:]
 
 
 # Code under test that takes over the sandbox's PID 1 when PID 1 is a process of the same user it

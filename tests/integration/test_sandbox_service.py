@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import signal
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -371,7 +375,10 @@ def test_snapshots_go_with_their_session(tmp_path):
     server; recovery on another server starts from the task's files)."""
     from megatron_rl_sandbox.client import SandboxUnavailable
 
-    work_dir = tmp_path / "work"
+    # a work dir that a root server's sandbox user (nobody) can reach: pytest's tmp_path is under a 0700 directory
+    base = Path(tempfile.mkdtemp(prefix="megatron-rl-sandbox-", dir="/var/tmp"))
+    os.chmod(base, 0o711)
+    work_dir = base / "work"
     srv = start_server("bwrap", "--work-dir", str(work_dir), "--session-idle-timeout-s", "1")
     snapshots = work_dir / "snapshots"
 
@@ -396,6 +403,7 @@ def test_snapshots_go_with_their_session(tmp_path):
         taken, after_close, restored, after_reap = asyncio.run(go())
     finally:
         srv.stop()
+        shutil.rmtree(base, ignore_errors=True)
     assert (taken, after_close, restored, after_reap) == (2, 1, False, 0)
 
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from megatron_rl_sandbox.limits import CgroupV1Limiter, Limits
-from megatron_rl_sandbox.workspace import Workspace, WorkspaceStateError
+from megatron_rl_sandbox.workspace import Workspace, WorkspaceError, WorkspaceStateError
 
 
 @pytest.mark.parametrize("field,value", [("memory_bytes", -1), ("disk_bytes", -1), ("max_processes", -5),
@@ -128,16 +128,61 @@ def test_a_snapshot_with_an_absolute_symlink_restores_and_a_broken_one_changes_n
     workspace.write("keep.txt", b"keep")
     os.symlink("/usr/bin/python3", workspace.path / "py")  # as `python -m venv` makes
     os.mkfifo(workspace.path / "pipe")
-    snapshot = workspace.snapshot()
+    snapshots = tmp_path / "snapshots"
+    snapshots.mkdir()
+    snapshot = snapshots / "a.tar"
+    workspace.snapshot(snapshot)
     workspace.write("later.txt", b"later")
     workspace.restore(snapshot)
     assert sorted(os.listdir(workspace.path)) == ["keep.txt", "py"]  # the FIFO is not restored
     assert os.readlink(workspace.path / "py") == "/usr/bin/python3"
     workspace.write("later.txt", b"later")
+    broken = snapshots / "broken.tar"
+    broken.write_bytes(snapshot.read_bytes()[:700] + b"\xff" * 600)  # a corrupt archive
     with pytest.raises(WorkspaceStateError, match="cannot restore"):
-        workspace.restore(snapshot[:700] + b"\xff" * 600)  # a corrupt archive
+        workspace.restore(broken)
     assert sorted(os.listdir(workspace.path)) == ["keep.txt", "later.txt", "py"]
-    assert sorted(os.listdir(tmp_path)) == ["ws"]  # no staging directory left
+    assert sorted(os.listdir(tmp_path)) == ["snapshots", "ws"]  # no staging directory left
+
+
+def test_a_sparse_file_is_snapshotted_by_its_allocated_size_and_restored_sparse(tmp_path):
+    """A 1 GiB file with 4 KiB of data: the snapshot on disk holds the data, not 1 GiB of zeros (it was
+    built in server memory at its apparent size), and the restored file is sparse again and equal."""
+    workspace = Workspace(tmp_path / "ws", disk_bytes=2**20, tmpfs=False)
+    workspace.path.mkdir()
+    with open(workspace.path / "sparse", "wb") as f:
+        f.seek(2**30)
+        f.write(b"x" * 4096)
+    snapshot = tmp_path / "s.tar"
+    size = workspace.snapshot(snapshot)
+    assert size == snapshot.stat().st_size < 2**20
+    (workspace.path / "sparse").unlink()
+    workspace.restore(snapshot)
+    restored = workspace.path / "sparse"
+    assert restored.stat().st_size == 2**30 + 4096
+    assert restored.stat().st_blocks * 512 < 2**20  # holes kept
+    with open(restored, "rb") as f:
+        f.seek(2**30 - 1)
+        assert f.read() == b"\0" + b"x" * 4096
+
+
+def test_the_disk_limit_is_read_from_the_workspace_not_from_what_the_run_printed(tmp_path):
+    workspace = Workspace(tmp_path / "ws", disk_bytes=2**16, tmpfs=False)
+    workspace.path.mkdir()
+    workspace.write("small", b"x" * 100)
+    assert not workspace.full()
+    workspace.write("big", b"x" * 2**16)  # a file at the per-file limit (RLIMIT_FSIZE = the disk limit)
+    assert workspace.full()
+
+
+@pytest.mark.parametrize("path,why", [
+    ("a" * 256, "component longer"), ("a/" * 2100, "longer than 4096"), ("a\nb", "control character"),
+    ("/etc/passwd", "relative"), ("../x", "'..'"), ("", "relative")])
+def test_malformed_paths_are_refused_by_name_without_echoing_them(tmp_path, path, why):
+    workspace = Workspace(tmp_path, disk_bytes=2**20, tmpfs=False)
+    with pytest.raises(WorkspaceError, match=why) as info:
+        workspace.write(path, b"x")
+    assert len(str(info.value)) < 200
 
 
 def test_a_pid_1_command_gets_the_cpu_limit_as_its_hard_limit():
@@ -161,7 +206,7 @@ def test_without_cgroups_a_sigkill_is_read_as_the_cpu_limit_only_for_a_pid_1_com
     limits = Limits(cpu_time_s=2)
 
     def classify(cpu_s, limiter, pid_1):
-        return _classify(False, False, False, signal.SIGKILL, 137, cpu_s, b"", limits, limiter, pid_1)
+        return _classify(False, False, False, signal.SIGKILL, 137, cpu_s, limits, limiter, pid_1)
 
     termination, message = classify(0.0, "rlimit", True)
     assert termination == CPU_LIMIT and "inferred" in message

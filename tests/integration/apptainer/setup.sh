@@ -18,6 +18,10 @@ write_wrapper() {
   # servers keep their workspaces outside /tmp (sandbox_servers.py): a recursive bind of /tmp
   # copies every mount below it, and a workspace (its own tmpfs) unmounted meanwhile made bwrap
   # fail ("Can't bind mount ... No such file or directory") as a setup error of another execution.
+  # A root server runs the wrapper as nobody (--sandbox-uid), whose bwrap cannot make mount
+  # points in the root-owned rootfs: the image's mount point is made here, and workspaces (under
+  # host /var/tmp) are reached through a bind of /var/tmp, which rootfs has.
+  (umask 022 && mkdir -p "$ROOT/rootfs$ROOT/image")
   cat > "$ROOT/apptainer" <<WRAP
 #!/usr/bin/env bash
 # apptainer from $ROOT/rootfs, entered with bubblewrap; host /tmp, the directories apptainer
@@ -25,11 +29,11 @@ write_wrapper() {
 binds=()
 prev=
 for arg in "\$@"; do
-  if [[ \$prev == --bind ]]; then src=\${arg%%:*}; binds+=(--bind "\$src" "\$src"); fi
+  if [[ \$prev == --bind ]]; then src=\${arg%%:*}; [[ \$src == /var/tmp/* ]] || binds+=(--bind "\$src" "\$src"); fi
   prev=\$arg
 done
 exec bwrap --bind "$ROOT/rootfs" / --dev-bind /dev /dev --dev-bind /proc /proc --bind /sys /sys \\
-  --bind /tmp /tmp "\${binds[@]}" --tmpfs /run --ro-bind "$ROOT/image" "$ROOT/image" \\
+  --bind /tmp /tmp --bind /var/tmp /var/tmp "\${binds[@]}" --tmpfs /run --ro-bind "$ROOT/image" "$ROOT/image" \\
   --ro-bind /etc/resolv.conf /etc/resolv.conf --die-with-parent /usr/bin/apptainer "\$@"
 WRAP
   chmod +x "$ROOT/apptainer"
