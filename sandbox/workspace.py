@@ -375,7 +375,11 @@ class WorkspacePool:
         path.mkdir(mode=0o755)
         if self.use_tmpfs:
             owner = f",uid={self.owner[0]},gid={self.owner[1]}" if self.owner is not None else ""
-            _mount_tmpfs(path, f"size={disk_bytes},mode=0755{owner}")
+            try:
+                _mount_tmpfs(path, f"size={disk_bytes},mode=0755{owner}")
+            except OSError:
+                path.rmdir()
+                raise
         elif self.owner is not None:
             os.chown(path, *self.owner)
         return Workspace(path, disk_bytes, self.use_tmpfs, self.owner)
@@ -402,7 +406,11 @@ class WorkspacePool:
         with self._lock:
             missing = self.prewarm - len(self._ready)
         for _ in range(max(0, missing)):
-            fresh = self._create(self.default_disk_bytes)
+            try:
+                fresh = self._create(self.default_disk_bytes)
+            except OSError as exc:  # the call that released is done; the next acquire makes its own
+                logger.warning("could not prepare a fresh workspace: %s", exc)
+                return
             with self._lock:
                 self._ready.append(fresh)
 
