@@ -59,9 +59,11 @@ def _too_large(exc: grpc.aio.AioRpcError) -> bool:
 
 
 def _reply_lost(exc: grpc.aio.AioRpcError) -> bool:
-    """A reply this client could not take (over its message limit; the server ran the call), as opposed to
-    a request the server's gRPC refused ("SERVER: Received message larger than max ...": it ran nothing)."""
-    return _too_large(exc) and not (exc.details() or "").startswith("SERVER")
+    """A reply over a message limit (the server ran the call: "Sent message larger than max" on the server,
+    or this client's receive limit), as opposed to a request the server's gRPC refused ("SERVER: Received
+    message larger than max ...": nothing ran)."""
+    details = exc.details() or ""
+    return _too_large(exc) and ("Sent message" in details or not details.startswith("SERVER"))
 
 
 class SandboxUnavailable(Exception):

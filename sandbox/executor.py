@@ -58,6 +58,7 @@ class RunAs:
                 "--bounding-set=-all", "--no-new-privs", "--"]
 
 
+ROOT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"  # where a root server's chain finds prlimit, setpriv and env
 CPU_POLL_S = 0.05  # how often a run's total CPU time is read: the limit is overshot by at most this per core
 
 
@@ -156,10 +157,17 @@ async def _cpu_watch(group: Group, pid: int, limit_s: float) -> float:
 async def _run_in_group(command: Command, limits: Limits, limiter: Limiter, group: Group, stdin: bytes,
                         run_as: Optional[RunAs], disk_full: Optional[Callable[[], bool]]) -> Outcome:
     script = group.join_command() + 'exec "$@"'
-    uid = run_as.uid if run_as is not None else None
-    argv = ["/bin/sh", "-c", script, "sh", "prlimit", *limiter.prlimit_args(limits, command.pid_1, uid), "--",
-            *(run_as.argv() if run_as is not None else []), *command.argv]
-    env = command.env or {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    if run_as is None:
+        env = command.env or {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        argv = ["/bin/sh", "-c", script, "sh", "prlimit", *limiter.prlimit_args(limits, command.pid_1), "--",
+                *command.argv]
+    else:
+        # The part that runs as root (sh, prlimit, setpriv) gets a fixed environment: the request's (LD_PRELOAD
+        # of a file it sent, say) applies only after the drop, through env -i.
+        env = {"PATH": ROOT_PATH}
+        user_env = ["/usr/bin/env", "-i", *(f"{k}={v}" for k, v in command.env.items())] if command.env else []
+        argv = ["/bin/sh", "-c", script, "sh", "prlimit", *limiter.prlimit_args(limits, command.pid_1, run_as.uid),
+                "--", *run_as.argv(), *user_env, *command.argv]
     start = time.monotonic()
     try:
         proc, exited = await _start(argv, env, command.cwd)
@@ -209,6 +217,9 @@ async def _run_in_group(command: Command, limits: Limits, limiter: Limiter, grou
     if failure is not None and code == failure[0] and outcome.stderr.lstrip().startswith(failure[1]):
         outcome.termination, outcome.message = SETUP_ERROR, outcome.stderr.decode(errors="replace").strip()
         return outcome
+    # Also a run whose processes died of their own RLIMIT_CPU (SIGXCPU) before a late poll saw the total pass
+    # the limit: what counts is the total it measured.
+    cpu_exceeded = cpu_exceeded or (not timed_out and not overflow.is_set() and acc.cpu_time_s >= limits.cpu_time_s)
     if cpu_exceeded:
         outcome.termination = CPU_LIMIT
         outcome.message = (f"killed at the CPU-time limit of {limits.cpu_time_s:g}s (all of the run's processes "

@@ -159,8 +159,8 @@ class SandboxService(pb2_grpc.SandboxServicer):
         self.sessions_reaped = 0
         self.stop_signal_at = -math.inf  # time.monotonic() of the last SIGTERM / SIGINT / SIGUSR1
         self.run_as = run_as
-        # what a reply's outputs may take: the message limit less room for everything else in it
-        self.reply_output_bytes = max(2**16, max_message_bytes - 2**20)
+        # what a reply may take: the message limit less room for its framing
+        self.reply_output_bytes = max(2**16, max_message_bytes - 2**16)
 
     def note_stop_signal(self) -> None:
         self.stop_signal_at = time.monotonic()
@@ -270,19 +270,21 @@ class SandboxService(pb2_grpc.SandboxServicer):
             exit_code=outcome.exit_code, signal=outcome.signal, termination=_TERMINATION[outcome.termination],
             stdout=outcome.stdout, stderr=outcome.stderr, stdout_truncated=outcome.stdout_truncated,
             stderr_truncated=outcome.stderr_truncated, stdout_size=outcome.stdout_size,
-            stderr_size=outcome.stderr_size, message=outcome.message, server=self.name,
+            stderr_size=outcome.stderr_size, message=_capped(outcome.message), server=self.name,
             usage=pb2.ResourceUsage(wall_time_s=outcome.wall_time_s, cpu_time_s=outcome.cpu_time_s,
                                     max_rss_bytes=outcome.max_rss_bytes), queue_wait_s=outcome.queue_wait_s)
 
     def _fit(self, results: list) -> None:
-        """Cut the outputs of `results` (ExecResults of one reply) so that together they take at most
+        """Cut the outputs of `results` (ExecResults of one reply) so that the reply fits
         `reply_output_bytes`: the largest streams are cut first, each to the same length (water-filling);
         a cut stream is flagged `*_truncated` and keeps its size in `*_size`."""
         streams = [(r, name) for r in results for name in ("stdout", "stderr")]
         sizes = sorted(len(getattr(r, name)) for r, name in streams)
-        if sum(sizes) <= self.reply_output_bytes:
+        # everything else in the reply (messages, usage, names, framing), with room for the per-field overhead
+        other = sum(r.ByteSize() for r in results) - sum(sizes) + 64 * len(results)
+        if sum(sizes) + other <= self.reply_output_bytes:
             return
-        budget, cap = self.reply_output_bytes, 0
+        budget, cap = max(0, self.reply_output_bytes - other), 0
         for i, size in enumerate(sizes):  # the largest cap at which the streams still fit
             share = budget // (len(sizes) - i)
             if size > share:
@@ -307,11 +309,23 @@ class SandboxService(pb2_grpc.SandboxServicer):
             outcome = await run_confined(command, limits, self.limiter, stdin, self.run_as, workspace.full)
         return dataclasses.replace(outcome, queue_wait_s=ticket.wait_s)
 
+    async def _acquire(self, disk_bytes: int, files) -> Workspace:
+        """A new workspace with `files`; one made for a call that was cancelled meanwhile is released."""
+        making = asyncio.ensure_future(asyncio.to_thread(self.pool.acquire, disk_bytes, files))
+        try:
+            return await asyncio.shield(making)
+        except asyncio.CancelledError:
+            def release(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    asyncio.ensure_future(asyncio.to_thread(self.pool.release, done.result()))
+            making.add_done_callback(release)
+            raise
+
     async def _one_shot(self, image: str, files, argv, stdin: bytes, env, limits: Limits, cls: str,
                         ticket: Optional[Ticket] = None) -> Outcome:
         try:
-            workspace = await asyncio.to_thread(self.pool.acquire, limits.disk_bytes, files)
-        except WorkspaceError as exc:
+            workspace = await self._acquire(limits.disk_bytes, files)
+        except (WorkspaceError, OSError) as exc:
             return Outcome(exit_code=-1, termination=SETUP_ERROR, message=str(exc))
         start = time.monotonic()
         try:
@@ -362,8 +376,13 @@ class SandboxService(pb2_grpc.SandboxServicer):
             tickets = self._admit(cls, len(request.tests)) if request.tests else []
 
             async def one(test, ticket):
-                outcome = await self._one_shot(request.image, request.files, test.argv, b"", {}, limits, cls,
-                                               ticket)
+                try:
+                    outcome = await self._one_shot(request.image, request.files, test.argv, b"", {}, limits, cls,
+                                                   ticket)
+                finally:  # a test that ended without taking its slot (it could not start) gives it back now
+                    if not ticket.held:
+                        ticket.held = True
+                        self._gate.drop(ticket)
                 passed = outcome.termination == "EXITED" and outcome.exit_code == test.expected_exit_code
                 if passed and test.check_stdout:
                     passed = outcome.stdout.rstrip() == test.expected_stdout.rstrip()
@@ -403,7 +422,7 @@ class SandboxService(pb2_grpc.SandboxServicer):
             if image not in self.runtime.images():
                 raise WorkspaceError(f"image {image!r} is not available; available: "
                                      f"{', '.join(self.runtime.images())}")
-            workspace = await asyncio.to_thread(self.pool.acquire, limits.disk_bytes, request.files)
+            workspace = await self._acquire(limits.disk_bytes, request.files)
             session = Session(uuid.uuid4().hex, workspace, image, limits, cls)
             self.sessions[session.id] = session
             return pb2.SessionInfo(session_id=session.id, server=self.name)
@@ -535,6 +554,11 @@ async def _reap_every(service: SandboxService, seconds: float) -> None:
             await service.reap_idle_sessions()
         except Exception:  # whatever failed, later rounds still reap
             logger.exception("reaping idle sessions failed")
+
+
+def _capped(message: str, limit: int = 4096) -> str:
+    """A result's message at most `limit` characters (a setup error's message is the runtime's stderr)."""
+    return message if len(message) <= limit else message[:limit] + f"... ({len(message)} characters)"
 
 
 def _what(outcome: Outcome) -> str:

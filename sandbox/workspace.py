@@ -52,6 +52,7 @@ FULL_BELOW_BYTES = 64 * 2**10  # a tmpfs workspace with less room left than this
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _MNT_DETACH = 2
+_MS_NOSUID, _MS_NODEV = 2, 4
 
 
 def _mountable() -> bool:
@@ -60,7 +61,7 @@ def _mountable() -> bool:
 
 def _mount_tmpfs(path: Path, options: str) -> None:
     """mount(2) directly: a `mount` process per workspace cost more than the rest of a short run."""
-    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", 0, options.encode()) != 0:
+    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, options.encode()) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mounting a tmpfs on {path}: {os.strerror(err)}")
 
@@ -362,6 +363,7 @@ class WorkspacePool:
         self.use_tmpfs = _mountable() if use_tmpfs is None else use_tmpfs
         self.prewarm = prewarm
         self._ready: list[Workspace] = []
+        self._making = 0
         self._lock = threading.Lock()
         for _ in range(prewarm):
             self._ready.append(self._create(default_disk_bytes))
@@ -403,16 +405,20 @@ class WorkspacePool:
         """Destroy a used workspace (never reused: see the module doc) and top the pool of fresh
         ones up again."""
         self.destroy(ws)
-        with self._lock:
-            missing = self.prewarm - len(self._ready)
-        for _ in range(max(0, missing)):
+        with self._lock:  # counted with those being made, so that concurrent releases do not overfill the pool
+            missing = max(0, self.prewarm - len(self._ready) - self._making)
+            self._making += missing
+        for made in range(missing):
             try:
                 fresh = self._create(self.default_disk_bytes)
             except OSError as exc:  # the call that released is done; the next acquire makes its own
                 logger.warning("could not prepare a fresh workspace: %s", exc)
+                with self._lock:
+                    self._making -= missing - made
                 return
             with self._lock:
                 self._ready.append(fresh)
+                self._making -= 1
 
     def destroy(self, ws: Workspace) -> None:
         if ws.tmpfs:

@@ -100,9 +100,17 @@ class TestsVerifier:
         async def one(task: dict, completion: str) -> float:
             files = dict(task.get("files", {}))
             files[task.get("solution_path", "solution.py")] = completion
+            import grpc
+
             async with self.semaphore:
-                result = await self.client.verify(files, task["tests"], limits=self.limits,
-                                                  deadline_s=self.deadline_s)
+                try:
+                    result = await self.client.verify(files, task["tests"], limits=self.limits,
+                                                      deadline_s=self.deadline_s)
+                except grpc.aio.AioRpcError as exc:  # refused for good: e.g. more tests than a server can admit
+                    self.errors += 1
+                    logger.error("verification refused (%s: %s): the sample is left unscored", exc.code().name,
+                                 exc.details())
+                    return NO_VERDICT
             if not result.server or result.total == 0:  # no server answered in time, or the task has no tests
                 self.errors += 1
                 return NO_VERDICT
