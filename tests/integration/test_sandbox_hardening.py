@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -355,3 +356,27 @@ def test_a_verify_is_admitted_whole_and_runs_each_test_once():
 def test_a_silent_program_has_an_empty_stderr(server):
     r = _python(server, "pass")
     assert (r.exit_code, r.stdout, r.stderr) == (0, b"", b""), r
+
+
+@root_only
+@pytest.mark.skipif(not shutil.which("cc"), reason="needs a C compiler to build the preloaded library")
+def test_the_requests_environment_never_reaches_the_root_part_of_a_start(tmp_path):
+    """LD_PRELOAD of a library the request sent: before, the request's environment was that of the
+    root-side chain (sh, prlimit, setpriv) too, which loaded it as uid 0 (the process runtime passes the
+    request's environment on). The library appends the uid of every process that loads it to ./uids."""
+    source = tmp_path / "spy.c"
+    source.write_text('#include <stdio.h>\n#include <unistd.h>\n__attribute__((constructor)) static void spy(void) '
+                      '{ FILE *f = fopen("uids", "a"); if (f) { fprintf(f, "%d\\n", (int)getuid()); fclose(f); } }\n')
+    library = tmp_path / "spy.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    srv = start_server("process")
+    try:
+        async def go():
+            async with _client(srv.address) as client:
+                return await client.execute(["sh", "-c", "cat uids"], {"spy.so": library.read_bytes()},
+                                            env={"LD_PRELOAD": "./spy.so"})
+        r = asyncio.run(go())
+    finally:
+        srv.stop()
+    uids = [int(x) for x in r.stdout.split()]
+    assert uids and 0 not in uids, (uids, r.stderr)
