@@ -235,7 +235,9 @@ async def _run_in_group(command: Command, limits: Limits, limiter: Limiter, grou
 def _classify(timed_out: bool, overflowed: bool, oom: bool, sig: int, code: int, cpu_s: float,
               limits: Limits, limiter: str, pid_1: bool = False, disk_full: bool = False) -> tuple[str, str]:
     """From what was measured, never from what the run printed: a program that prints "No space left
-    on device" or "MemoryError" has not hit a limit for saying so. Without cgroups (`rlimit`) CPU time is not measured. A command that is PID 1 of its namespace cannot
+    on device" or "MemoryError" has not hit a limit for saying so.
+
+    Without cgroups (`rlimit`) CPU time is not measured. A command that is PID 1 of its namespace cannot
     be SIGKILLed from inside it, so a SIGKILL the executor did not send is most likely the kernel's at the
     hard CPU limit; but an exit status of 137 reads the same through the runtime (and the host's OOM
     killer is not seen), so the message says the cause is inferred."""
