@@ -6,7 +6,8 @@ non-finite limit is refused (ValueError): cgroup v1 reads a memory limit of -1 a
 
 Enforcement, per execution:
 - wall time: the server's own timer, then the whole process tree is killed;
-- CPU time, file size: RLIMIT_CPU / RLIMIT_FSIZE set by `prlimit` before exec;
+- CPU time: the run's total (all of its processes), read by `Group.cpu_time_s` and enforced by the
+  executor; RLIMIT_CPU per process as a backstop. File size: RLIMIT_FSIZE. Both set by `prlimit`;
 - memory, number of processes, CPU accounting and "kill every descendant": a fresh cgroup
   (v2 if a writable delegated subtree exists, else v1 memory+pids+cpuacct controllers);
   without writable cgroups, RLIMIT_AS and RLIMIT_NPROC instead (weaker: NPROC counts all of
