@@ -171,6 +171,7 @@ class BatchStep:
         self.generators: Optional[subprocess.Popen] = None
         self.usr1 = False
         self.terminating = False
+        self.said_stop = False  # the "stopped after step N" line was logged
         self.srun_errors: list[str] = []
 
     # -- signals -----------------------------------------------------------------------------
@@ -285,7 +286,15 @@ class BatchStep:
         self.train = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
         reader = threading.Thread(target=self._pump_stderr, daemon=True)
         reader.start()
-        code = self.train.wait()
+        while True:
+            try:
+                code = self.train.wait(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                # SIGTERM: KillWait is running and the ranks' exit (plots, process-group teardown) may outlast
+                # it, taking this step with them; say how training stopped as soon as the checkpoint is marked
+                if self.terminating and not self.said_stop and (marker := read_marker(self.run_dir)) is not None:
+                    self._say_stopped(marker)
         reader.join(timeout=10)
         return code
 
@@ -328,9 +337,8 @@ class BatchStep:
                 self._start_generators()
             code = self._run_training()
             marker = read_marker(self.run_dir)
-            said = code == 0 and self.terminating and marker is not None
-            if said:  # SIGTERM: KillWait is running, and stopping the sandbox step takes part of it (under load
-                # the batch step was killed before it said how training ended): say it first
+            if self.terminating and marker is not None and not self.said_stop:
+                # KillWait is running, and stopping the sandbox step takes part of it: say it first
                 self._say_stopped(marker)
         finally:
             self._stop_generators()
@@ -345,12 +353,12 @@ class BatchStep:
             return 0
         if marker["signal"] == "SIGUSR1" and not self.terminating:
             return self._requeue(f"stopped after {describe_stop(marker)} on SIGUSR1")
-        if not said:
+        if not self.said_stop:
             self._say_stopped(marker)
         return 0
 
-    @staticmethod
-    def _say_stopped(marker: dict) -> None:
+    def _say_stopped(self, marker: dict) -> None:
+        self.said_stop = True
         logger.warning("stopped after %s on %s; the next start of this job (same run directory) resumes",
                        describe_stop(marker), marker["signal"])
 

@@ -133,6 +133,43 @@ def test_the_steps_pass_the_allocations_cpus_per_task_on(tmp_path, monkeypatch):
     assert not any(a.startswith("--cpus-per-task") for a in step._srun_train())
 
 
+def test_after_sigterm_the_stop_is_said_once_the_checkpoint_is_marked_not_when_the_ranks_exit(
+        tmp_path, monkeypatch, caplog):
+    """Under `scancel` Slurm SIGKILLs every step KillWait seconds after its SIGTERM; ranks whose exit (plots,
+    teardown) outlasts that took the batch step down before it said where training stopped. The batch step says
+    it when `preempted.json` appears, while the training step still runs, and says it once."""
+    import json
+    import logging
+    import threading
+
+    from megatron_rl.config import load_config
+    from megatron_rl.preemption import MARKER
+    from megatron_rl.slurm_job import BatchStep
+
+    cfg = load_config(["cluster=slurm"], world_size=16)
+    step = BatchStep(job_layout(HET_BATCH), tmp_path, [], cfg, sandbox=False, sandbox_wait_s=1)
+    marker = tmp_path / MARKER
+    record = json.dumps({"signal": "SIGTERM", "steps_done": 3})
+    ranks = (f"import pathlib, time; time.sleep(0.5); pathlib.Path({str(marker)!r}).write_text({record!r}); "
+             "time.sleep(60)")  # a checkpointed rank that is slow to exit
+    monkeypatch.setattr(step, "_srun_train", lambda: [sys.executable, "-c", ranks])
+    step.terminating = True
+    caplog.set_level(logging.INFO, logger="megatron_rl.slurm_job")
+    runner = threading.Thread(target=step._run_training, daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not step.said_stop and time.monotonic() < deadline:
+            time.sleep(0.05)
+        said = [r.getMessage() for r in caplog.records if "stopped after" in r.getMessage()]
+        assert said == ["stopped after step 3 on SIGTERM; the next start of this job (same run directory) resumes"]
+        assert step.train.poll() is None  # said while the ranks were still exiting
+    finally:
+        step.train.kill()
+        runner.join(timeout=10)
+    assert len([r for r in caplog.records if "stopped after" in r.getMessage()]) == 1
+
+
 def _still_running(proc: subprocess.Popen, after_s: float = 1.0) -> bool:
     try:
         proc.wait(timeout=after_s)
