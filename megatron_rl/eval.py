@@ -16,7 +16,8 @@ summary.json, comparison.json/.md, report.md, accuracy.png). `--pool` takes the 
 directories of such evaluations, one per run (runs trained alike with different seeds), and
 writes the mean over runs with its interval (and, with `--against`, the Welch comparison of the
 two groups) to DIR (default ./pooled): pooled.json, pooled.md. Logic in megatron_rl/evaluation/;
-see docs/evaluation.md.
+see docs/evaluation.md. A damaged training checkpoint (a file missing, truncated or changed since the
+save: checked against its manifest) is refused, naming the file (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from megatron_rl.checkpoint.integrity import refuse_damaged
     from megatron_rl.config import ConfigError
     from megatron_rl.evaluation.runner import (
         EvalSpec,
@@ -95,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise ConfigError(f"--pass-k {' '.join(map(str, ks))} is invalid with task.eval_samples={n}: each k "
                               f"must be in 1..{n}; draw more samples with task.eval_samples=N")
         checkpoints = resolve_checkpoints(args.run, args.checkpoints)
+        for ckpt in checkpoints:  # names and sizes against the manifest; the digests when the ranks load it
+            if ckpt.kind == "train":
+                refuse_damaged(Path(ckpt.path), checksums=False)
         regression = regression_sets(args.regression)
     except ValueError as exc:  # ConfigError is one
         print(f"config error: {exc}", file=sys.stderr)

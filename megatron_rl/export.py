@@ -10,7 +10,9 @@ training (config.json, safetensors shards, the tokenizer), by default under RUN_
 name>; logs go to RUN_DIR/export/<timestamp>/. A LoRA run (model.lora_rank > 0) exports its adapters merged
 into the weights, or with --adapter alone as a PEFT adapter (adapter_config.json, adapter_model.safetensors;
 by default under RUN_DIR/peft/<checkpoint name>) whose base is the run's model.path, or, for a model built
-from its config, the frozen base weights written beside it as an HF checkpoint (<out>/base).
+from its config, the frozen base weights written beside it as an HF checkpoint (<out>/base). A damaged
+checkpoint (a file missing, truncated or changed since the save: checked against its manifest) is refused,
+naming the file (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from megatron_rl.checkpoint.integrity import refuse_damaged
     from megatron_rl.evaluation.runner import load_run_config, resolve_checkpoints
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -49,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         found = resolve_checkpoints(args.run, [args.checkpoint])
         if found[0].kind != "train":
             raise ValueError(f"--checkpoint {args.checkpoint} is an HF directory already ({found[0].path})")
+        refuse_damaged(Path(found[0].path), checksums=False)  # the digests: when the ranks load it
         logs = Path(args.run) / "export" / time.strftime("%Y%m%d-%H%M%S")
         cfg = load_run_config(args.run, logs, args.overrides, needs_held_out=False)
         if args.adapter and not cfg.model.lora_rank:

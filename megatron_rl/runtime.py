@@ -93,7 +93,7 @@ def load_validated(overrides: Sequence[str], world_size: int | Callable[[Any], i
     cfg = to_typed(compose(overrides))
     path = cfg.model.path
     if path and (Path(path) / "config.json").is_file():
-        from megatron_rl.checkpoint.hf import arch_from_hf_config
+        from megatron_rl.checkpoint.hf import arch_from_hf_config, check_tensor_names
 
         try:
             arch = arch_from_hf_config(path)
@@ -107,6 +107,10 @@ def load_validated(overrides: Sequence[str], world_size: int | Callable[[Any], i
             cfg.model = dataclasses.replace(cfg.model, **arch)
         except ValueError as exc:  # an architecture this build cannot run (e.g. rope scaling Megatron fixes)
             raise ConfigError(f"model.path={path}: {Path(path) / 'config.json'}: {exc}") from None
+        try:  # every tensor read or ignored by name, none missing: found before a run directory exists
+            check_tensor_names(path, cfg.model)
+        except ValueError as exc:
+            raise ConfigError(f"model.path={path}: {exc}") from None
     validate(cfg, world_size(cfg) if callable(world_size) else world_size)
     if check is not None:
         check(cfg)

@@ -1,6 +1,9 @@
 """Hugging Face checkpoints in and out of the Megatron model.
 
-In: each rank reads from the safetensors files (single file, or the shards listed in
+In: the config.json is read into ModelConfig fields, each of its keys mapped, ignored by name or refused
+(`weight_sync.families.fields`), and every tensor of the checkpoint must be one the architecture reads or
+one its family ignores by name (`check_tensor_names`: a rotary cache, a tied output layer, prediction
+layers nobody runs); each rank then reads from the safetensors files (single file, or the shards listed in
 `model.safetensors.index.json`) only the tensors its pipeline stage needs (of a mixture of
 experts, only its expert-parallel rank's experts), checks them
 against the architecture, converts them with the family's converter and keeps its
@@ -9,7 +12,9 @@ converted back, and rank 0 writes safetensors shards, an index, `config.json` an
 tokenizer files into a temporary directory that is renamed into place when complete. A LoRA run's
 adapters go out merged into the weights (`export_hf`) or alone as a PEFT adapter (`export_peft_adapter`).
 
-Errors name the file and the mismatch (wrong family, missing shard or tensor, wrong shape).
+Errors name the file and the mismatch (wrong family, missing shard, every missing or unaccounted tensor, every
+refused config.json key, wrong shape, a shard shorter or longer than its header declares: `check_weight_files`,
+which config validation runs too).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import struct
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,7 +46,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 
 def arch_from_hf_config(path: str | Path) -> dict[str, Any]:
-    """ModelConfig field values (family included) from an HF checkpoint's config.json."""
+    """ModelConfig field values (family included) from an HF checkpoint's config.json; raises ValueError
+    naming every key the family neither maps nor ignores (`DenseDecoderConverter.check_config`)."""
     hf = read_config(path)
     where = Path(path) / "config.json"
     try:
@@ -53,25 +61,107 @@ def arch_from_hf_config(path: str | Path) -> dict[str, Any]:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not supported: the "
                          "weights must be dequantised to bf16 or fp32 first (and quantization_config removed)")
+    converter.check_config(hf, where)
     try:
         return converter.arch_from_config(hf, where)
     except KeyError as exc:
         raise ValueError(f"{where}: missing key {exc}") from None
 
 
+def describe_names(names: Any) -> str:
+    """Tensor names for an error message, all of them; names that differ only in their layer number are
+    written once: 'model.layers.{0,1,5}.self_attn.o_proj.bias'."""
+    layers: dict[str, list[str]] = {}
+    for name in sorted(names):
+        match = re.match(r"^(.*?\.layers\.)(\d+)(\..*)$", name)
+        key = match.group(1) + "{}" + match.group(3) if match else name
+        layers.setdefault(key, []).append(match.group(2) if match else "")
+    parts = []
+    for key, numbers in layers.items():
+        numbers = sorted(numbers, key=lambda n: int(n or 0))
+        parts.append(repr(key.replace("{}", numbers[0] if len(numbers) == 1 else "{" + ",".join(numbers) + "}")))
+    return ", ".join(parts)
+
+
+def check_tensor_names(path: str | Path, arch: Any, files: Optional[dict[str, Path]] = None) -> None:
+    """Every tensor of the HF checkpoint at `path` is one `arch` reads or one its family ignores by name
+    (`ignored_hf_tensor`), and none it reads is missing; raises ValueError naming all the others. Only names
+    are read (the index, the safetensors headers); `files` is the tensor -> file map when already resolved."""
+    path = Path(path)
+    converter = get_converter(arch.family)
+    files = files if files is not None else _tensor_files(path)
+    needed = converter.hf_names(arch, range(arch.num_layers), True, True)
+    unread = [n for n in files if n not in needed and converter.ignored_hf_tensor(n, arch) is None]
+    missing = needed - set(files)
+    problems = []
+    if unread:
+        problems.append(f"{len(unread)} tensor(s) that model.family={arch.family} with this config.json does not "
+                        f"read, and would drop: {describe_names(unread)}")
+    if missing:
+        problems.append(f"no tensor {describe_names(missing)} ({len(missing)} missing)")
+    if problems:
+        raise ValueError(f"{path}: the checkpoint has " + "; and ".join(problems) + " (does config.json describe "
+                         "these weights?)")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}, not an object")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{index}: unreadable index ({type(exc).__name__}: {exc}): restore it from the "
+                         "checkpoint's source") from None
+    return weight_map
+
+
+def _shard_problem(fpath: Path) -> Optional[str]:
+    """What is wrong with the safetensors file `fpath`, judged from its header alone (None: nothing): no
+    header, or a size other than the header's length plus the data length its tensors' offsets declare
+    (a truncated download, a copy cut short, a zeroed file)."""
+    size = fpath.stat().st_size
+    with open(fpath, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"truncated: {size} bytes, shorter than a safetensors header"
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            return f"truncated or not safetensors: {size} bytes, its first 8 bytes declare a {length}-byte header"
+        try:
+            header = json.loads(f.read(length))
+            ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+            expected = 8 + length + max(ends, default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            return f"not safetensors (zeroed or overwritten?): its header does not parse ({type(exc).__name__})"
+    if size != expected:
+        return (f"{'truncated' if size < expected else 'longer than its header declares'}: {size} bytes, its "
+                f"header declares {expected}")
+    return None
+
+
+def check_weight_files(path: str | Path) -> None:
+    """Check, from the index and the safetensors headers alone (no tensor is read), that the HF checkpoint
+    directory `path` holds its weights whole: `model.safetensors`, or an index whose every shard is present;
+    each file as long as its header declares. Raises ValueError naming the file."""
+    _tensor_files(Path(path))
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> file holding it."""
+    """Tensor name -> file holding it; every file checked against its header (`_shard_problem`)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = {name: path / fname for name, fname in weight_map.items()}
+        files = {name: path / fname for name, fname in _weight_map(index).items()}
         for fpath in sorted(set(files.values())):
             if not fpath.exists():
                 raise ValueError(f"{fpath}: shard listed in {index} is missing")
+            if problem := _shard_problem(fpath):
+                raise ValueError(f"{fpath}: shard listed in {index} is {problem}")
         return files
     single = path / "model.safetensors"
     if not single.exists():
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    if problem := _shard_problem(single):
+        raise ValueError(f"{single}: {problem}")
     from safetensors import safe_open
 
     with safe_open(str(single), framework="pt") as f:
@@ -88,10 +178,9 @@ def read_tensors(path: str | Path, names: Optional[set[str]] = None,
     path = Path(path)
     files = files if files is not None else _tensor_files(path)
     wanted = set(files) if names is None else names
-    missing = sorted(wanted - set(files))
+    missing = wanted - set(files)
     if missing:
-        raise ValueError(f"{path}: checkpoint has no tensor {missing[0]!r}"
-                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise ValueError(f"{path}: checkpoint has no tensor {describe_names(missing)} ({len(missing)} missing)")
     by_file: dict[Path, list[str]] = {}
     for name in sorted(wanted):
         by_file.setdefault(files[name], []).append(name)
@@ -123,9 +212,17 @@ def stage_tensors(path: str | Path, arch: Any, layers: range, first_stage: bool,
     converter = get_converter(arch.family)
     names = converter.hf_names(arch, layers, first_stage, last_stage, experts)
     files = _tensor_files(path)
+    check_tensor_names(path, arch, files)
     stacked = converter.stacked_expert_names(names)
     rows = {name: experts for name in stacked} if experts is not None else {}
     tensors = read_tensors(path, names, files, rows)
+    if arch.tie_word_embeddings and "lm_head.weight" in files and "model.embed_tokens.weight" in tensors:
+        # transformers (>= 5) uses a stored output layer that differs from the embedding, tied or not
+        head = read_tensors(path, {"lm_head.weight"}, files)["lm_head.weight"]
+        if not torch.equal(head, tensors["model.embed_tokens.weight"]):
+            raise ValueError(f"{files['lm_head.weight']}: tensor 'lm_head.weight' differs from "
+                             "'model.embed_tokens.weight', but config.json says tie_word_embeddings=true: transformers "
+                             "computes with the stored output layer (an untied model); set tie_word_embeddings=false")
     sizes = f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size}, ffn_hidden_size={arch.ffn_hidden_size}"
     if arch.is_moe:
         sizes += f", num_experts={arch.num_experts}, moe_ffn_hidden_size={arch.moe_ffn_hidden_size}"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_rl.checkpoint.hf import export_hf
-from megatron_rl.checkpoint.training import KeepBest, find_latest, load_checkpoint, read_meta, save_checkpoint
+from megatron_rl.checkpoint.training import KeepBest, find_intact, load_checkpoint, read_meta, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -29,21 +29,30 @@ class CheckpointManager:
         self.total_steps = total_steps
         self.tokenizer = tokenizer
         self.critic: Any = None  # an RL run's value model (algorithm.critic), saved and resumed with the policy
+        self._looked = False  # find_intact reads every file of the checkpoint: asked once
+        self._chosen: Optional[Path] = None
+
+    def _to_load(self) -> Optional[Path]:
+        """The checkpoint `resume()` loads: the newest intact one (every rank calls this: collective)."""
+        if not self.cfg.resume:
+            return None
+        if not self._looked:
+            self._chosen, self._looked = find_intact(self.root), True
+        return self._chosen
 
     def to_resume(self) -> Optional[dict[str, Any]]:
         """meta.json of the checkpoint `resume()` would load (read before loading anything), or None."""
-        latest = find_latest(self.root) if self.cfg.resume else None
-        return None if latest is None else read_meta(latest)
+        path = self._to_load()
+        return None if path is None else read_meta(path)
 
     def resume(self) -> Optional[dict[str, Any]]:
-        """Load the newest complete checkpoint when resuming is on; its `extra` state, or None."""
-        if not self.cfg.resume:
+        """Load the newest intact checkpoint when resuming is on (damaged ones are skipped, naming their
+        files: `find_intact`); its `extra` state, or None."""
+        path = self._to_load()
+        if path is None:
             return None
-        latest = find_latest(self.root)
-        if latest is None:
-            return None
-        extra = load_checkpoint(self.trainer, latest, critic=self.critic)
-        logger.info("resumed from %s: continuing after step %d", latest, self.trainer.step)
+        extra = load_checkpoint(self.trainer, path, critic=self.critic, verify=False)
+        logger.info("resumed from %s: continuing after step %d", path, self.trainer.step)
         return extra
 
     def _due(self, steps_done: int, every: int, at_end: bool) -> bool:

@@ -5,15 +5,19 @@ Layout under `<run_dir>/checkpoints/`:
 
     step_00000010/          one complete checkpoint (Megatron `dist_checkpointing`, torch_dist)
         meta.json           written last: step, layout, config; its presence marks completeness
+        manifest.json       size and SHA-256 of every other file, written before meta.json
         rng/rank{r}.pt      every rank's RNG states
     latest                  the name of the newest complete checkpoint (replaced atomically)
     best                    with checkpoint.keep_best: the one with the best checkpoint.best_metric
 
 A save writes into `step_N.tmp/` and renames it only after every rank has finished and
-`meta.json` is on disk, then swaps `latest`; a crash at any point leaves the previous
-checkpoint as the one `find_latest` returns. Model and optimizer state are saved in
-Megatron's reshardable formats, so a checkpoint loads at a different TP/PP/CP/DP layout (RNG
-states are restored only at the layout that wrote them).
+`manifest.json` and `meta.json` are on disk, then swaps `latest`; a crash at any point leaves the
+previous checkpoint as the one `find_latest` returns. A checkpoint damaged afterwards (a file
+truncated, zeroed, changed or deleted) is found against its manifest (`integrity`): resuming skips it
+for the newest intact one (`find_intact`), loading refuses it (`load_weights`, `load_checkpoint`), both
+naming the file and the damage. Model and optimizer state are saved in Megatron's reshardable formats, so a
+checkpoint loads at a different TP/PP/CP/DP layout (RNG states are restored only at the layout
+that wrote them).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.checkpoint.integrity import (MANIFEST, DamagedCheckpoint, damage_over_ranks, refuse_damaged,
+                                              write_manifest)
+
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -44,7 +51,7 @@ _META = "meta.json"
 _CRITIC = "critic."  # the critic's keys in a checkpoint (algorithm.critic)
 # Architecture fields a checkpoint must agree on with the run that loads it.
 _ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "num_query_groups", "head_dim", "vocab_size", "tie_word_embeddings", "qkv_bias",
+                "num_query_groups", "head_dim", "vocab_size", "tie_word_embeddings", "qkv_bias", "mlp_bias",
                 "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_norm_topk_prob",
                 "moe_shared_expert_intermediate_size", "moe_dense_layers", "rope_scaling_factor", "rotary_percent",
                 "moe_router_num_groups", "moe_router_group_topk", "moe_routed_scaling_factor",
@@ -90,6 +97,30 @@ def find_best(root: Path) -> Optional[Path]:
         return None
     candidate = Path(root) / pointer.read_text().strip()
     return candidate if _complete(candidate) else None
+
+
+def find_intact(root: Path) -> Optional[Path]:
+    """The checkpoint to resume from: `find_latest`'s, or when that is damaged the newest intact one
+    (each damaged one logged with its files and skipped); None when there is none. Collective when
+    distributed (the ranks share the reading). Raises DamagedCheckpoint when every checkpoint is damaged:
+    starting afresh beside them would be silent."""
+    root = Path(root)
+    newest = find_latest(root)
+    if newest is None:
+        return None
+    damaged: dict[Path, list[str]] = {}
+    for path in [newest] + [p for _, p in reversed(list_checkpoints(root)) if p != newest]:
+        problems = damage_over_ranks(path)
+        if not problems:
+            if damaged:
+                logger.warning("resuming from %s, the newest intact checkpoint (skipped as damaged: %s)", path,
+                               ", ".join(p.name for p in damaged))
+            return path
+        logger.warning("checkpoint %s is damaged and is skipped: %s", path, "; ".join(problems))
+        damaged[path] = problems
+    every = [f"{p.name}/{problem}" for p, problems in damaged.items() for problem in problems]
+    raise DamagedCheckpoint(root, every, f"every checkpoint under {root} is damaged ({'; '.join(every)}): restore "
+                                         "them, or move them away to start afresh")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -202,8 +233,11 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     _barrier()
+    hash_start = time.perf_counter()
+    write_manifest(tmp, rank)
+    hashing = time.perf_counter() - hash_start
     if rank == 0:
-        written = {**(meta or {}), "step": step, "layout": _layout(trainer.groups),
+        written = {**(meta or {}), "step": step, "layout": _layout(trainer.groups), "manifest": MANIFEST,
                    "device": trainer.groups.device.type, "config": config, "time": time.time(),
                    "distributed_optimizer": trainer.options.use_distributed_optimizer,
                    "reference": reference is not None, "critic": critic is not None,
@@ -219,7 +253,7 @@ def save_checkpoint(trainer, root: Path, step: int, extra: dict[str, Any], confi
         _write_latest(root, final.name)
         _apply_retention(root, keep_last, keep_every, saved=step, keep_best=keep_best)
     _barrier()
-    logger.info("saved checkpoint %s (%.2fs)", final, time.perf_counter() - start)
+    logger.info("saved checkpoint %s (%.2fs, of which %.2fs hashing)", final, time.perf_counter() - start, hashing)
     return final
 
 
@@ -378,10 +412,12 @@ def load_weights(trainer, path: Path) -> int:
     """Only the model's weights of a training checkpoint, into a trainer at any layout (TP, PP, EP, CP and
     the optimizer's kind may all differ from the saving run's: Megatron-core's sharded model state
     reshards; the optimizer state, which does not across EP, is not read). For evaluation and export,
-    never for resuming. Returns the checkpoint's step."""
+    never for resuming. Returns the checkpoint's step; a damaged checkpoint is refused (DamagedCheckpoint,
+    naming the file: the ranks check it against its manifest first)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    refuse_damaged(path)
     meta = check_compatible(path, trainer.model_cfg)
     state = dist_checkpointing.load({"model": trainer.module.sharded_state_dict()}, str(path))
     trainer.module.load_state_dict(state["model"])
@@ -411,12 +447,16 @@ def _restore(trainer, state: dict[str, Any], path: Path, prefix: str = "") -> No
     _restore_adam_steps(trainer.optimizer, trainer.optimizer_step)
 
 
-def load_checkpoint(trainer, path: Path, critic: Any = None) -> dict[str, Any]:
+def load_checkpoint(trainer, path: Path, critic: Any = None, verify: bool = True) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, step (and RNG at the same layout); returns `extra`, with
-    "critic": True when `critic` (a value-head Trainer) was restored too (absent: the checkpoint has none)."""
+    "critic": True when `critic` (a value-head Trainer) was restored too (absent: the checkpoint has none).
+    A damaged checkpoint is refused (DamagedCheckpoint); `verify` False skips that check, for a checkpoint
+    `find_intact` just chose."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    if verify:
+        refuse_damaged(path)
     meta = check_compatible(path, trainer.model_cfg)
     saved_layout = saved_layout_of(meta)
     current = _layout(trainer.groups)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -152,6 +153,11 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"global_batch_size={cfg.global_batch_size} is not divisible by the data-parallel size {dp} "
             f"(world_size={world_size} / (tp*pp*cp={par.model_parallel_size})): use a multiple of {dp}"
         )
+    if model.mlp_bias and cfg.rollout.backend == "sglang":
+        # sglang/srt/models/llama.py: LlamaMLP builds gate_up_proj and down_proj with bias=False, and its weight
+        # loader skips bias tensors it has no parameter for: the engine would sample from another model
+        raise ConfigError("model.mlp_bias=true is not supported with rollout.backend=sglang: SGLang's Llama has no "
+                          "MLP biases and would drop them; use rollout.backend=hf")
     if world_size % cfg.rollout.tp != 0:
         raise ConfigError(
             f"rollout.tp={cfg.rollout.tp} does not divide world_size={world_size}: "
@@ -247,11 +253,20 @@ def _validate_paths(cfg: TrainConfig) -> None:
             raise ConfigError(f"model.path={model.path} does not exist: {fix}")
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path={model.path} has no config.json: {fix}")
+        from megatron_rl.checkpoint.hf import check_weight_files
+
+        try:  # the index, every shard present and as long as its header says: found now, not after a run dir exists
+            check_weight_files(path)
+        except ValueError as exc:
+            raise ConfigError(f"model.path={model.path}: {exc}") from None
     if model.tokenizer not in BUILTIN_TOKENIZERS and not Path(model.tokenizer).expanduser().exists():
         raise ConfigError(
             f"model.tokenizer={model.tokenizer} does not exist: give a HF tokenizer directory "
             f"or one of {', '.join(BUILTIN_TOKENIZERS)}"
         )
+    problem = None if model.tokenizer in BUILTIN_TOKENIZERS else _tokenizer_problem(Path(model.tokenizer).expanduser())
+    if problem:
+        raise ConfigError(f"model.tokenizer={model.tokenizer}: {problem}")
     if cfg.logging.wandb:
         import importlib.util
 
@@ -270,6 +285,28 @@ def _validate_paths(cfg: TrainConfig) -> None:
                 detect_format(value)
             except ValueError as err:
                 raise ConfigError(f"task.{key}={format_value(value)}: {err}") from None
+
+
+# A tokenizer directory holds at least one vocabulary: tokenizers' tokenizer.json, a SentencePiece or
+# TikToken model (tokenizer.model, spiece.model, tiktoken.model), or a BPE / WordPiece vocab.json / vocab.txt.
+_TOKENIZER_VOCABULARIES = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
+
+
+def _tokenizer_problem(path: Path) -> Optional[str]:
+    """What keeps the tokenizer directory `path` from loading, found from its files (None: nothing seen):
+    no vocabulary file, or a JSON file of it that does not parse (an empty or cut-short copy)."""
+    if not path.is_dir():
+        return None
+    if not any(next(path.glob(pattern), None) for pattern in _TOKENIZER_VOCABULARIES):
+        return (f"{path} holds no tokenizer files (none of {', '.join(_TOKENIZER_VOCABULARIES)}): give the "
+                "directory the checkpoint's tokenizer was saved in")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        try:
+            if (path / name).is_file():
+                json.loads((path / name).read_text())
+        except (OSError, ValueError) as exc:
+            return f"{path / name} is unreadable ({type(exc).__name__}: {exc}): restore it from the checkpoint's source"
+    return None
 
 
 def _divisors(n: int) -> str:

@@ -133,7 +133,11 @@ class ModelConfig:
     qkv_bias: Optional[bool] = None
     """Bias on the Q/K/V projections; null means the family default (qwen2, glm4_moe: true, others: false;
     mixtral: never; qwen2_moe, gpt_oss: always; gpt_oss also has biases on the attention output, router and
-    experts)."""
+    experts). llama, qwen3, qwen3_moe: also on the attention output projection (HF attention_bias puts one on
+    q_proj, k_proj, v_proj and o_proj alike; see attention_output_bias)."""
+    mlp_bias: bool = False
+    """llama: bias on the dense MLP's gate, up and down projections (HF mlp_bias); false for the other families,
+    whose MLPs have none in transformers."""
     qk_layernorm: Optional[bool] = None
     """RMSNorm on queries and keys per head; null means the family default (qwen3, qwen3_moe: true, others: false;
     mixtral, qwen2_moe, gpt_oss: never)."""
@@ -263,6 +267,8 @@ class ModelConfig:
     # gpt-oss's own fields (attention sinks, biases everywhere, the clamped SwiGLU come with the family)
     GPT_OSS_ONLY: ClassVar[dict[str, Any]] = {"sliding_window": None, "sliding_window_layers": [],
                                               "swiglu_limit": None}
+    # families whose HF attention_bias is a bias on all of q, k, v and o_proj (qkv_bias sets both here)
+    ATTENTION_BIAS_FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen3", "qwen3_moe")
     DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
     # Megatron-core's GPTModel passes only the factor on to RotaryEmbedding._apply_scaling, whose
     # other parameters keep Llama 3.1's values (megatron/core/models/common/embeddings/
@@ -321,6 +327,9 @@ class ModelConfig:
                            "only the sigmoid routers with a selection bias (model.family="
                            f"{', '.join(self.SIGMOID_ROUTER_FAMILIES)}) have a bias to update; set it to 0")
         self._check_gpt_oss()
+        if self.mlp_bias and self.family != "llama":
+            raise _invalid("model.mlp_bias", True, f"only model.family=llama has MLP biases (HF mlp_bias); "
+                           f"{self.family}'s MLPs have none: set model.mlp_bias=false")
         if self.family not in self.GROUPED_ROUTER_FAMILIES:
             for key, default in self.GROUPED_ROUTER_ONLY.items():
                 if getattr(self, key) != default:
@@ -694,6 +703,12 @@ class ModelConfig:
         """Whether every attention head has a learned sink logit in its softmax (gpt-oss; Megatron's
         softmax_type "learnable")."""
         return self.family == "gpt_oss"
+
+    @property
+    def attention_output_bias(self) -> bool:
+        """Whether the attention's output projection (Megatron linear_proj, HF o_proj) has a bias: gpt_oss's always,
+        llama's, qwen3's and qwen3_moe's with their Q/K/V bias (HF attention_bias covers all four)."""
+        return self.linear_bias or (self.family in self.ATTENTION_BIAS_FAMILIES and self.resolved_qkv_bias)
 
     @property
     def linear_bias(self) -> bool:

@@ -2,9 +2,10 @@
 GLM-4.5 MoE / DeepSeek-V2 / DeepSeek-V3 / gpt-oss families.
 
 One architecture description (`ModelConfig`: RMSNorm, SwiGLU, RoPE theta and Llama 3.1 scaling,
-GQA, Qwen2 QKV bias, Qwen3 QK-norm, tied or untied embeddings, optionally a mixture of SwiGLU
-experts, with Qwen2-MoE's gated shared expert; or DeepSeek's multi-latent attention with YaRN; or gpt-oss's
-attention sinks, sliding windows, biases and clamped SwiGLU experts)
+GQA, Qwen2 QKV bias, Llama and Qwen3 attention (and Llama MLP) biases, Qwen3 QK-norm, tied or untied
+embeddings, optionally a mixture of SwiGLU experts, with Qwen2-MoE's gated shared expert; or DeepSeek's
+multi-latent attention with YaRN; or gpt-oss's attention sinks, sliding windows, biases and clamped SwiGLU
+experts)
 becomes a Megatron `TransformerConfig` (`MLATransformerConfig`) and a `GPTModel` stage for this
 rank's pipeline position. The local layer spec is used on CPU; the Transformer Engine spec when TE
 is importable and the device is a GPU (`uses_te`).
@@ -272,7 +273,78 @@ def layer_spec(model_cfg: Any, use_te: bool, cp_size: int = 1, sparse: bool = Tr
         spec.submodules.self_attention.submodules.core_attention = PackedAttention
     if mla:
         _replicated_mla_down_projections(spec.submodules.self_attention.submodules)
+        _latent_norms_at_fixed_eps(spec.submodules.self_attention.submodules, model_cfg, use_te)
+    _biases_of_their_own(spec, model_cfg, sparse)
     return spec
+
+
+MLA_LATENT_NORM_EPS = 1e-6
+
+
+def _latent_norms_at_fixed_eps(attention: Any, model_cfg: Any, use_te: bool) -> None:
+    """Multi-latent attention's latent norms (HF q_a_layernorm, kv_a_layernorm) with transformers' epsilon,
+    1e-6 whatever rms_norm_eps says (modeling_deepseek_v3.py: DeepseekV3RMSNorm(config.kv_lora_rank), as in
+    DeepSeek's and Moonlight's own code), where Megatron-core gives them layernorm_epsilon
+    (multi_latent_attention.py:498-510; TE's spec fuses them into the up projections, which read it from their
+    config). Only Moonlight (rms_norm_eps 1e-5) among the shipped models needs it."""
+    if model_cfg.norm_eps == MLA_LATENT_NORM_EPS:
+        return
+    names = ("linear_q_up_proj", "linear_kv_up_proj") if use_te else ("q_layernorm", "kv_layernorm")
+    for name in names:
+        setattr(attention, name, _with_norm_eps(getattr(attention, name), MLA_LATENT_NORM_EPS))
+
+
+def _with_norm_eps(module: type, eps: float) -> type:
+    """A subclass of `module` (a norm, or a linear with its input norm fused) built with norm epsilon `eps`: the
+    `eps` argument and the config's layernorm_epsilon replaced. (Megatron's WrappedTorchNorm builds in __new__.)"""
+    import copy
+
+    def with_eps(kwargs: dict[str, Any]) -> dict[str, Any]:
+        if "eps" in kwargs:
+            kwargs["eps"] = eps
+        if "config" in kwargs:
+            kwargs["config"] = copy.copy(kwargs["config"])
+            kwargs["config"].layernorm_epsilon = eps
+        return kwargs
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if module.__new__ is object.__new__:
+            return object.__new__(cls)
+        return module.__new__(cls, *args, **with_eps(kwargs))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        module.__init__(self, *args, **with_eps(kwargs))
+
+    return type(f"{module.__name__}Eps", (module,), {"__new__": __new__, "__init__": __init__})
+
+
+def _biases_of_their_own(spec: Any, model_cfg: Any, sparse: bool) -> None:
+    """The attention output's and the dense MLP's biases one by one, as HF Llama and Qwen3 have them (attention_bias:
+    q, k, v and o_proj; mlp_bias: gate, up and down_proj). Megatron-core gives linear_proj and the MLP's linear_fc1
+    and linear_fc2 a bias all together or not at all (TransformerConfig.add_bias_linear: attention.py:355,
+    mlp.py:128, 147; Q, K and V have add_qkv_bias of their own), so these layers are built from subclasses that
+    always take one; nothing else about them changes (gpt-oss, biased everywhere, keeps add_bias_linear)."""
+    if model_cfg.linear_bias:
+        return
+    if model_cfg.attention_output_bias:
+        attention = spec.submodules.self_attention.submodules
+        attention.linear_proj = _biased(attention.linear_proj)
+    if model_cfg.mlp_bias and not (model_cfg.is_moe and sparse):
+        mlp = spec.submodules.mlp.submodules
+        mlp.linear_fc1, mlp.linear_fc2 = _biased(mlp.linear_fc1), _biased(mlp.linear_fc2)
+
+
+_BIASED: dict[type, type] = {}
+
+
+def _biased(linear: type) -> type:
+    """A subclass of the Megatron linear layer `linear` built with a bias whatever it is asked for."""
+    if linear not in _BIASED:
+        def __init__(self, *args: Any, bias: bool = False, **kwargs: Any) -> None:
+            linear.__init__(self, *args, bias=True, **kwargs)
+
+        _BIASED[linear] = type(f"Biased{linear.__name__}", (linear,), {"__init__": __init__})
+    return _BIASED[linear]
 
 
 def _replicated_mla_down_projections(attention: Any) -> None:

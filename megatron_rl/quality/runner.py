@@ -196,12 +196,15 @@ def policy_engine(path: str, tokenizer: Any) -> Any:
     model_type of a supported architecture (Kimi-K2's kimi_k2) loads without running its code."""
     import dataclasses
 
-    from megatron_rl.checkpoint.hf import arch_from_hf_config, read_tensors
+    from megatron_rl.checkpoint.hf import arch_from_hf_config, check_tensor_names, read_tensors
     from megatron_rl.config import ModelConfig
     from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.weight_sync.families import get_converter
 
     cfg = dataclasses.replace(ModelConfig(), **arch_from_hf_config(path))
+    check_tensor_names(path, cfg)  # every tensor read or ignored by name (e.g. a rotary cache, not sent)
     engine = HFEngine(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                       tokenizer=tokenizer)
-    engine.update_weights(read_tensors(path).items(), version=1)
+    names = get_converter(cfg.family).hf_names(cfg, range(cfg.num_layers), True, True)
+    engine.update_weights(read_tensors(path, names).items(), version=1)
     return engine

@@ -52,6 +52,34 @@ def test_invalid_settings_fail_fast_and_write_nothing(tmp_path, override, words)
     assert list(tmp_path.iterdir()) == [], "nothing may be written for a bad config"
 
 
+@pytest.mark.parametrize("weights", ["none", "truncated shard"])
+def test_a_model_path_without_whole_weights_fails_before_the_run_directory_exists(tmp_path, weights):
+    """A directory with config.json but no weights, or a shard cut short, is refused at config time, naming
+    what is wrong (it used to surface only once the run directory, its logs and a sandbox server existed)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.weight_sync.families import get_converter
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(get_converter("qwen2").config_dict(ModelConfig(family="qwen2"))))
+    if weights == "truncated shard":
+        shard = ckpt / "model-00001-of-00001.safetensors"
+        save_file({"model.norm.weight": np.ones(128, np.float32)}, str(shard))
+        shard.write_bytes(shard.read_bytes()[:-100])
+        index = {"weight_map": {"model.norm.weight": shard.name}}
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    proc, _ = _run(["model=tiny_qwen2", f"model.path={ckpt}", f"run_dir={tmp_path}/run"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
+    expected = ("no model.safetensors or model.safetensors.index.json" if weights == "none"
+                else f"{shard}: shard listed in {ckpt / 'model.safetensors.index.json'} is truncated: ")
+    assert line.startswith(f"config error: model.path={ckpt}: ") and expected in line, line
+    assert not (tmp_path / "run").exists()
+
+
 def test_cfg_job_prints_the_composed_config(tmp_path):
     proc, _ = _run(["--cfg", "job", "parallel.tp=2", "optimizer.lr=1e-6"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

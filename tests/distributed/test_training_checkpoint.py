@@ -4,6 +4,7 @@ the one resume picks; retention and mismatch errors."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -89,6 +90,15 @@ def test_checkpoint_directory_is_complete(resharded):
     meta = json.loads((root / "step_00000002" / "meta.json").read_text())
     assert meta["step"] == 2 and meta["layout"]["tp"] == 2
     assert sorted(p.name for p in (root / "step_00000002" / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
+    # the manifest covers both ranks' files (each rank hashed its own, rank 0 the common ones), digests by hashlib
+    ckpt = root / "step_00000002"
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    on_disk = {p.relative_to(ckpt).as_posix(): p for p in ckpt.rglob("*") if p.is_file()}
+    assert set(files) == set(on_disk) - {"meta.json", "manifest.json"}
+    assert {"__0_0.distcp", "__1_0.distcp", "rng/rank0.pt", "rng/rank1.pt", "common.pt", ".metadata"} <= set(files)
+    for name, entry in files.items():
+        data = on_disk[name].read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
 
 
 @pytest.mark.parametrize("layout", ["tp1", "pp2"])

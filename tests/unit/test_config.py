@@ -36,11 +36,24 @@ ALL_YAMLS = sorted(CONF_DIR.rglob("*.yaml"))
 
 @pytest.fixture
 def hf_checkpoint(tmp_path: Path) -> Path:
-    """A directory that passes the model.path check (config.json present)."""
+    """A directory that passes the model.path checks: config.json, whole weights (a safetensors file as long
+    as its header says) and a tokenizer file; the contents are not read at config time."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
     ckpt = tmp_path / "hf_ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    save_file({"a": np.zeros(3, np.float32), "b": np.ones(5, np.float32)}, str(ckpt / "model.safetensors"))
+    (ckpt / "tokenizer.json").write_text("{}")
     return ckpt
+
+
+def _shard(ckpt: Path, name: str) -> Path:
+    """The checkpoint's weights moved into the shard `name` of an index."""
+    (ckpt / "model.safetensors").rename(ckpt / name)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": name, "b": name}}))
+    return ckpt / name
 
 
 def _selecting(yaml_path: Path) -> tuple[str, list[str], str]:
@@ -501,6 +514,49 @@ def test_model_path_without_config_json(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model.path=.*has no config.json") as info:
         load_config([f"model.path={tmp_path}"], world_size=1)
     assert str(tmp_path) in str(info.value)
+
+
+def _refused(ckpt: Path, *extra: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(["model=qwen2_5_7b", f"model.path={ckpt}", "parallel.tp=4", *extra], world_size=8)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_model_path_without_weights_is_refused_at_config_time(hf_checkpoint: Path) -> None:
+    (hf_checkpoint / "model.safetensors").unlink()
+    assert _refused(hf_checkpoint) == (f"model.path={hf_checkpoint}: {hf_checkpoint}: no model.safetensors or "
+                                       "model.safetensors.index.json")
+
+
+def test_model_path_with_a_missing_or_truncated_shard_is_refused_naming_it(hf_checkpoint: Path) -> None:
+    shard = _shard(hf_checkpoint, "model-00001-of-00001.safetensors")
+    data = shard.read_bytes()  # 8-byte length, JSON header, 3 + 5 float32 = 32 bytes of data
+    assert len(data) == 8 + int.from_bytes(data[:8], "little") + 32
+    shard.write_bytes(data[:-4])
+    assert _refused(hf_checkpoint) == (f"model.path={hf_checkpoint}: {shard}: shard listed in "
+                                       f"{hf_checkpoint / 'model.safetensors.index.json'} is truncated: "
+                                       f"{len(data) - 4} bytes, its header declares {len(data)}")
+    shard.unlink()
+    assert _refused(hf_checkpoint).endswith(f"{shard}: shard listed in "
+                                            f"{hf_checkpoint / 'model.safetensors.index.json'} is missing")
+
+
+def test_model_path_with_a_zeroed_single_file_is_refused_naming_it(hf_checkpoint: Path) -> None:
+    weights = hf_checkpoint / "model.safetensors"
+    weights.write_bytes(bytes(weights.stat().st_size))
+    assert f"{weights}: not safetensors (zeroed or overwritten?)" in _refused(hf_checkpoint)
+
+
+def test_tokenizer_directory_without_tokenizer_files_is_refused(hf_checkpoint: Path) -> None:
+    (hf_checkpoint / "tokenizer.json").write_text('{"model": ')  # a copy cut short
+    assert _refused(hf_checkpoint).startswith(f"model.tokenizer={hf_checkpoint}: {hf_checkpoint / 'tokenizer.json'} "
+                                              "is unreadable (JSONDecodeError")
+    (hf_checkpoint / "tokenizer.json").unlink()
+    assert _refused(hf_checkpoint).startswith(f"model.tokenizer={hf_checkpoint}: {hf_checkpoint} holds no tokenizer "
+                                              "files (none of tokenizer.json, *.model")
+    (hf_checkpoint / "tokenizer.model").write_bytes(b"sentencepiece")  # a SentencePiece vocabulary will do
+    load_config(["model=qwen2_5_7b", f"model.path={hf_checkpoint}", "parallel.tp=4"], world_size=8)
 
 
 def test_unisolated_sandbox_needs_explicit_opt_in() -> None:

@@ -1,4 +1,5 @@
-"""A corrupt or mismatched HF checkpoint fails with a message naming the file and the mismatch."""
+"""A corrupt or mismatched HF checkpoint fails with a message naming the file and the mismatch (a shard
+missing, truncated or zeroed, an unreadable index: found from the headers, before any tensor is read)."""
 
 import dataclasses
 import json
@@ -36,6 +37,44 @@ def test_missing_shard(sharded):
     victim = sorted(set(index["weight_map"].values()))[-1]
     (sharded / victim).unlink()
     with pytest.raises(ValueError, match=rf"{victim}: shard listed in .*index.json is missing"):
+        _all(sharded)
+
+
+def _last_shard(path):
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    return path / sorted(set(index["weight_map"].values()))[-1]
+
+
+@pytest.mark.parametrize("cut, damage", [
+    (0.5, r"is truncated: (\d+) bytes, its header declares (\d+)"),  # tensor data cut short
+    (20, r"is truncated or not safetensors: 20 bytes, its first 8 bytes declare a \d+-byte header"),  # the header
+    (None, r"is not safetensors \(zeroed or overwritten\?\): its header does not parse"),  # zeroed
+])
+def test_damaged_shard_is_named(sharded, cut, damage):
+    shard = _last_shard(sharded)
+    data = shard.read_bytes()
+    shard.write_bytes(bytes(len(data)) if cut is None else data[: int(len(data) * cut) if cut < 1 else cut])
+    with pytest.raises(ValueError, match=rf"{shard.name}: shard listed in .*index.json {damage}") as info:
+        _all(sharded)
+    if cut == 0.5:  # the sizes: the file's, and 8 + header + the data its offsets end at (safetensors' layout)
+        header_length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8: 8 + header_length])
+        declared = 8 + header_length + max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+        assert f"{len(data) // 2} bytes, its header declares {declared}" in str(info.value)
+        assert declared == len(data)
+
+
+def test_truncated_single_file_is_named(tmp_path):
+    build_hf_model(ARCH, seed=0).save_pretrained(tmp_path)
+    single = tmp_path / "model.safetensors"
+    single.write_bytes(single.read_bytes()[:-1])
+    with pytest.raises(ValueError, match=r"model.safetensors: truncated: \d+ bytes, its header declares \d+"):
+        _all(tmp_path)
+
+
+def test_unreadable_index_is_named(sharded):
+    (sharded / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: unreadable index \(JSONDecodeError"):
         _all(sharded)
 
 

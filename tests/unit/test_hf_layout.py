@@ -378,7 +378,11 @@ def test_a_checkpoint_without_yarn_resets_a_config_files_yarn(tmp_path):
     config.json has Llama 3.1 scaling or none: the checkpoint's architecture wins, every rope field of it."""
     from megatron_rl.runtime import load_validated
 
+    from safetensors.torch import save_file
+
     (tmp_path / "config.json").write_text(json.dumps(get_converter("llama").config_dict(LLAMA_3_1)))
+    # config validation wants the weights config.json describes, each of them
+    save_file(hub_state_dict(build_hf_model(LLAMA_3_1, seed=0)), str(tmp_path / "model.safetensors"))
     yarn = ["model.rope_scaling_type=yarn", "model.rope_scaling_factor=4", "model.rope_scaling_beta_fast=16"]
     model = load_validated(["model=tiny_llama", f"model.path={tmp_path}", *yarn], world_size=1).model
     assert (model.rope_scaling_type, model.yarn, model.rope_scaling_factor, model.rope_scaling_beta_fast) == (

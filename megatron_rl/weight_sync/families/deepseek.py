@@ -22,18 +22,19 @@ no-RoPE part; value], and both store the rotated dimensions interleaved in pairs
 interleaved, V3 and Megatron-core de-interleave them, the same permutation for queries and keys, so the
 scores are equal), so nothing is permuted. The Transformer Engine spec fuses the latent norms
 into the up projections (`linear_q_up_proj.layer_norm_weight`); `weight_sync.sharding.canonical_name`
-maps them back. Multi-token-prediction layers (`num_nextn_predict_layers`) are not read: transformers
-does not run them either, and an export writes none.
+maps them back. Multi-token-prediction layers (`num_nextn_predict_layers`; on disk the layers after the
+decoder's) are not read: transformers does not run them either, and an export writes none.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from megatron_rl.weight_sync.families import register
-from megatron_rl.weight_sync.families.dense import DenseDecoderConverter, Tensor
-from megatron_rl.weight_sync.families.moe import SparseMoeLayout
+from megatron_rl.weight_sync.families.dense import DenseDecoderConverter, Tensor, hf_rope
+from megatron_rl.weight_sync.families.glm4_moe import GROUPED_MOE_FIELDS
+from megatron_rl.weight_sync.families.moe import SparseMoeLayout, prediction_layer_tensor
 from megatron_rl.weight_sync.families.yarn import YarnRope, rope_fields
 
 # (HF name under self_attn., Megatron name under self_attention.) of the attention's tensors besides o_proj
@@ -55,6 +56,16 @@ class MlaMoeConverter(YarnRope, SparseMoeLayout, DenseDecoderConverter):
 
     name = ""
     defaults: dict[str, Any] = {}
+    hf_fields = DenseDecoderConverter.hf_fields.but(**GROUPED_MOE_FIELDS).but(
+        mapped=("attention_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "scoring_func", "topk_method", "rope_interleave", "head_dim"),
+        ignored={"qk_head_dim": "transformers derives it: qk_nope_head_dim + qk_rope_head_dim",
+                 "aux_loss_alpha": "the weight of DeepSeek's load-balancing loss (training only)",
+                 "seq_aux": "DeepSeek's per-sequence load-balancing loss (training only)",
+                 "ep_size": "the expert-parallel size of DeepSeek's own code (a layout, not the model)"},
+        fixed={"moe_layer_freq": (1, "experts in every moe_layer_freq-th layer after the dense ones (DeepSeek's "
+                                     "code and SGLang read it)"),
+               "mlp_bias": (False, "biases on the MLPs")})
 
     # -- config.json ----------------------------------------------------------------------------
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
@@ -83,8 +94,7 @@ class MlaMoeConverter(YarnRope, SparseMoeLayout, DenseDecoderConverter):
         raise NotImplementedError
 
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
-        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-        rope_scaling = rope_fields(rope, where)
+        rope_scaling = rope_fields(hf_rope(hf), where)
         if hf.get("attention_bias", False):
             raise ValueError(f"{where}: attention_bias=true is not supported (Megatron-core's multi-latent "
                              "attention has no bias; DeepSeek's checkpoints have none)")
@@ -99,7 +109,12 @@ class MlaMoeConverter(YarnRope, SparseMoeLayout, DenseDecoderConverter):
         if not 0 <= first_dense < layers:
             raise ValueError(f"{where}: first_k_dense_replace={first_dense} leaves no layer with experts "
                              f"(num_hidden_layers={layers})")
-        hf = {**hf, "head_dim": None}  # transformers writes qk_rope_head_dim there; MLA's widths are below
+        if hf.get("head_dim") not in (None, hf["qk_rope_head_dim"]):
+            # transformers writes qk_rope_head_dim there, and its DeepSeek-V3 sizes RoPE from it
+            raise ValueError(f"{where}: head_dim={hf['head_dim']} is not supported: multi-latent attention rotates "
+                             f"qk_rope_head_dim={hf['qk_rope_head_dim']} dimensions of each head (head_dim must "
+                             "equal it, or be absent)")
+        hf = {**hf, "head_dim": None}  # MLA's widths are below
         arch = super().arch_from_config(hf, where)
         width = hf["moe_intermediate_size"]
         arch.update(
@@ -118,6 +133,9 @@ class MlaMoeConverter(YarnRope, SparseMoeLayout, DenseDecoderConverter):
                              "attention rounds YaRN's correction range)")
         arch.update(rope_scaling)
         return arch
+
+    def ignored_hf_tensor(self, name: str, arch: Any) -> Optional[str]:
+        return super().ignored_hf_tensor(name, arch) or prediction_layer_tensor(name, arch)
 
     # -- attention --------------------------------------------------------------------------------
     def attention_hf_names(self, arch: Any, prefix: str) -> set[str]:

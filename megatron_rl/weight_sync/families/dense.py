@@ -1,7 +1,8 @@
 """The dense decoder layout shared by Llama, Qwen2 and Qwen3: HF <-> Megatron tensor mapping,
 HF config <-> architecture fields (RoPE: default, Llama 3.1's `llama3` scaling, or YaRN, which Qwen's
 model cards give for long contexts; others are refused). Families subclass it and change only what
-differs.
+differs, the config.json keys they read or ignore (`hf_fields`, `fields.py`) and the checkpoint tensors they
+ignore (`ignored_hf_tensor`) included.
 
 Megatron fuses Q, K and V into one `linear_qkv` whose rows are grouped per KV group:
 [q (heads_per_group * head_dim), k (head_dim), v (head_dim)] x groups; and SwiGLU's gate and
@@ -18,6 +19,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megatron_rl.weight_sync.families.fields import BASE_FIELDS, HFFields, check_config_keys
 from megatron_rl.weight_sync.families.yarn import NO_YARN, yarn_fields, yarn_rope_parameters
 
 Tensor = torch.Tensor
@@ -46,6 +48,29 @@ def _layers(names: Iterable[str], pattern: re.Pattern) -> list[int]:
     return sorted({int(m.group(1)) for n in names if (m := pattern.match(n))})
 
 
+def hf_rope(hf: dict[str, Any], default: Optional[dict[str, Any]] = None,
+            default_theta: float = 10000.0) -> dict[str, Any]:
+    """The RoPE entry of a config.json as transformers (>= 5) reads it: `rope_scaling` if there is one, else
+    `rope_parameters` (else `default`), with `rope_theta` and `partial_rotary_factor` from the top level where the
+    entry has none, and for scaled RoPE (llama3, yarn) the top-level `original_max_position_embeddings` in place
+    of the entry's, or else max_position_embeddings (modeling_rope_utils.py: convert_rope_params_to_dict,
+    standardize_rope_params)."""
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or default or {})
+    rope.setdefault("rope_theta", hf.get("rope_theta", default_theta))
+    if hf.get("partial_rotary_factor") is not None:
+        rope.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    if rope.get("rope_type", rope.get("type", "default")) in ("llama3", "yarn"):
+        if "original_max_position_embeddings" in hf:
+            rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
+    return rope
+
+
+# Tensors a checkpoint may hold that no family reads: (pattern, why)
+IGNORED_TENSORS = ((re.compile(r"(^|\.)rotary_emb\.inv_freq$"),
+                    "RoPE's frequency cache (older transformers saved it): recomputed from the config"),)
+
+
 class DenseDecoderConverter:
     """HF <-> Megatron for a pre-norm RMSNorm / SwiGLU / RoPE / GQA decoder."""
 
@@ -53,6 +78,11 @@ class DenseDecoderConverter:
     model_type = ""
     model_type_aliases: tuple[str, ...] = ()  # other config.json model_type values of the same architecture
     architecture = ""
+    hf_fields: HFFields = BASE_FIELDS.but(mapped=(
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+        "original_max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "hidden_act", "layer_types"))
+    """What this family does with each config.json key (`fields.py`); `arch_from_config` reads the mapped ones."""
 
     # -- architecture <-> config.json ---------------------------------------------------------
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
@@ -95,20 +125,17 @@ class DenseDecoderConverter:
     @staticmethod
     def _rope_scaling_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:
         """ModelConfig's rope fields (all of them: a config file's values never survive a checkpoint without
-        them) from `rope_scaling` (transformers < 5) or `rope_parameters` (transformers >= 5, which also holds
-        rope_theta there). YaRN's missing original context and factor are transformers' defaults:
-        max_position_embeddings (or a top-level original_max_position_embeddings), and the ratio of the two."""
-        rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+        them) from the RoPE entry (`hf_rope`: `rope_scaling`, transformers < 5, or `rope_parameters`, >= 5).
+        YaRN's missing factor is transformers' default: max_position_embeddings over the original context."""
+        rope = hf_rope(hf)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         plain = {"rope_scaling_type": None, **NO_YARN, "rope_scaling_low_freq_factor": 1.0,
                  "rope_scaling_high_freq_factor": 4.0}
         if rope_type == "default":
             return plain
         if rope_type == "yarn":
-            context = hf.get("max_position_embeddings", 4096)
-            rope.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings", context))
             if rope.get("factor") is None:
-                rope["factor"] = context / rope["original_max_position_embeddings"]
+                rope["factor"] = hf.get("max_position_embeddings", 4096) / rope["original_max_position_embeddings"]
             return {**plain, **yarn_fields(rope, where), "rope_scaling_type": "yarn"}
         if rope_type != "llama3":
             raise ValueError(f"{where}: rope_scaling={rope} is not supported (only default RoPE, rope_type=llama3 "
@@ -122,8 +149,9 @@ class DenseDecoderConverter:
         """ModelConfig field values from a config.json (`where` names it in errors)."""
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (only silu)")
+        self._check_layer_types(hf, where)
         heads = hf["num_attention_heads"]
-        theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        theta = hf_rope(hf)["rope_theta"]
         return {
             "family": self.family,
             "num_layers": hf["num_hidden_layers"],
@@ -142,6 +170,25 @@ class DenseDecoderConverter:
             "qk_layernorm": False,
         }
 
+    def _check_layer_types(self, hf: dict[str, Any], where: Path) -> None:
+        """Refuse per-layer attention types other than full attention (transformers' layer_types)."""
+        types = hf.get("layer_types") or []
+        if any(t != "full_attention" for t in types):
+            raise ValueError(f"{where}: layer_types={types} is not supported: model.family={self.family} attends "
+                             "to the whole context in every layer (only \"full_attention\" entries)")
+
+    def check_config(self, hf: dict[str, Any], where: Path) -> None:
+        """Refuse, naming them all, the config.json keys this family neither maps nor ignores (`fields.py`)."""
+        check_config_keys(hf, self.hf_fields, where)
+
+    def ignored_hf_tensor(self, name: str, arch: Any) -> Optional[str]:
+        """Why the checkpoint tensor `name`, which `hf_names` does not list, may be left unread; None: it may not."""
+        if name == "lm_head.weight" and arch.tie_word_embeddings:
+            # a copy of the embedding; `checkpoint.hf.stage_tensors` refuses one that differs (transformers would
+            # compute with it)
+            return "tied embeddings: a copy of the input embedding"
+        return next((why for pattern, why in IGNORED_TENSORS if pattern.search(name)), None)
+
     # -- which HF tensors a pipeline stage needs ----------------------------------------------
     def hf_names(self, arch: Any, layers: Iterable[int], first_stage: bool, last_stage: bool,
                  experts: Optional[Iterable[int]] = None) -> set[str]:
@@ -158,6 +205,8 @@ class DenseDecoderConverter:
             h = f"model.layers.{i}."
             names |= {h + "input_layernorm.weight", h + "post_attention_layernorm.weight",
                       h + "self_attn.o_proj.weight"}
+            if arch.attention_output_bias:
+                names.add(h + "self_attn.o_proj.bias")
             names |= self.mlp_hf_names(arch, h, experts)
             names |= self.attention_hf_names(arch, h)
         return names
@@ -173,7 +222,8 @@ class DenseDecoderConverter:
 
     def mlp_hf_names(self, arch: Any, prefix: str, experts: Optional[Iterable[int]] = None) -> set[str]:
         """HF names of one layer's MLP (`prefix` = "model.layers.{i}."); `experts`: see hf_names."""
-        return {prefix + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        kinds = ("weight", "bias") if arch.mlp_bias else ("weight",)
+        return {prefix + f"mlp.{p}_proj.{kind}" for p in ("gate", "up", "down") for kind in kinds}
 
     def stacked_expert_names(self, names: Iterable[str]) -> set[str]:
         """Those of `names` that hold every expert of a layer stacked along dim 0 (gpt-oss's
@@ -197,6 +247,8 @@ class DenseDecoderConverter:
             out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
             out.update(self.attention_to_megatron(hf, h + "self_attn.", m + "self_attention.", arch))
             out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
+            if arch.attention_output_bias:
+                out[m + "self_attention.linear_proj.bias"] = hf[h + "self_attn.o_proj.bias"]
             out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
             out.update(self.mlp_to_megatron(hf, h, m, arch))
         return out
@@ -217,8 +269,12 @@ class DenseDecoderConverter:
 
     def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
         """One layer's MLP: HF names under `h` -> Megatron names under `m`."""
-        fc1 = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], dim=0)
-        return {m + "mlp.linear_fc1.weight": fc1, m + "mlp.linear_fc2.weight": hf[h + "mlp.down_proj.weight"]}
+        out = {}
+        for kind in ("weight", "bias") if arch.mlp_bias else ("weight",):
+            out[m + f"mlp.linear_fc1.{kind}"] = torch.cat([hf[h + f"mlp.gate_proj.{kind}"],
+                                                           hf[h + f"mlp.up_proj.{kind}"]], dim=0)
+            out[m + f"mlp.linear_fc2.{kind}"] = hf[h + f"mlp.down_proj.{kind}"]
+        return out
 
     def megatron_to_hf(self, meg: dict[str, Tensor], arch: Any) -> dict[str, Tensor]:
         """HF tensors for whatever (full, unsharded) Megatron tensors `meg` holds."""
@@ -236,6 +292,8 @@ class DenseDecoderConverter:
             out[h + "input_layernorm.weight"] = meg[m + "input_layernorm.weight"]
             out.update(self.attention_to_hf(meg, h + "self_attn.", m + "self_attention.", arch))
             out[h + "self_attn.o_proj.weight"] = meg[m + "self_attention.linear_proj.weight"]
+            if arch.attention_output_bias:
+                out[h + "self_attn.o_proj.bias"] = meg[m + "self_attention.linear_proj.bias"]
             out[h + "post_attention_layernorm.weight"] = meg[m + "pre_mlp_layernorm.weight"]
             out.update(self.mlp_to_hf(meg, h, m, arch))
         return out
@@ -256,9 +314,12 @@ class DenseDecoderConverter:
 
     def mlp_to_hf(self, meg: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
         """One layer's MLP: Megatron names under `m` -> HF names under `h`."""
-        gate, up = meg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        return {h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
-                h + "mlp.down_proj.weight": meg[m + "mlp.linear_fc2.weight"]}
+        out = {}
+        for kind in ("weight", "bias") if arch.mlp_bias else ("weight",):
+            gate, up = meg[m + f"mlp.linear_fc1.{kind}"].chunk(2)
+            out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = gate, up
+            out[h + f"mlp.down_proj.{kind}"] = meg[m + f"mlp.linear_fc2.{kind}"]
+        return out
 
     def adapter_to_hf(self, weight: str, a: Tensor, b: Tensor, arch: Any) -> dict[str, tuple[Tensor, Tensor]]:
         """A LoRA adapter of the Megatron weight `weight` (global name, e.g. "decoder.layers.3.mlp.linear_fc1.weight";
@@ -308,6 +369,10 @@ class DenseDecoderConverter:
                 shapes[n] = (q_out,)
             elif n.endswith(("k_proj.bias", "v_proj.bias")):
                 shapes[n] = (kv_out,)
+            elif n.endswith(("o_proj.bias", "down_proj.bias")):
+                shapes[n] = (hidden,)
+            elif n.endswith(("gate_proj.bias", "up_proj.bias")):
+                shapes[n] = (arch.ffn_hidden_size,)
             elif n.endswith("o_proj.weight"):
                 shapes[n] = (hidden, q_out)
             elif n.endswith(("gate_proj.weight", "up_proj.weight")):

@@ -14,18 +14,26 @@ carries it with the parameters) and `SharedExpertMLP` without a gate
 Routing (sigmoid scores; experts chosen by score + bias, from the `topk_group` best of `n_group`
 groups; weights the chosen unbiased scores renormalised, times `routed_scaling_factor`) is
 Megatron's sigmoid router; see `models/gpt.py:_moe_fields` and ModelConfig._check_glm4_moe for the
-settings both sides express alike. Multi-token-prediction layers (`num_nextn_predict_layers`) are not
-read: transformers does not run them either, and an export writes none.
+settings both sides express alike. Multi-token-prediction layers (`num_nextn_predict_layers`; on disk the layers
+after the decoder's) are not read: transformers does not run them either, and an export writes none.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
-from megatron_rl.weight_sync.families.moe import SparseMoeLayout
+from megatron_rl.weight_sync.families.moe import MOE_LOSS_FIELDS, SparseMoeLayout, prediction_layer_tensor
+
+# GLM-4.5's and DeepSeek's expert keys, which their `arch_from_config` reads
+GROUPED_MOE_FIELDS = dict(
+    mapped=("n_routed_experts", "num_local_experts", "n_shared_experts", "first_k_dense_replace",
+            "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob", "routed_scaling_factor", "n_group",
+            "topk_group"),
+    ignored={**MOE_LOSS_FIELDS, "num_nextn_predict_layers": "multi-token-prediction layers, which transformers "
+                                                            "does not run (their tensors are ignored)"})
 
 
 @register
@@ -33,6 +41,8 @@ class Glm4MoeConverter(SparseMoeLayout, DenseDecoderConverter):
     family = "glm4_moe"
     model_type = "glm4_moe"
     architecture = "Glm4MoeForCausalLM"
+    hf_fields = DenseDecoderConverter.hf_fields.but(**GROUPED_MOE_FIELDS).but(
+        mapped=("attention_bias", "use_qk_norm", "partial_rotary_factor"))
 
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
         cfg = super().config_dict(arch, eos_token_id)
@@ -73,6 +83,9 @@ class Glm4MoeConverter(SparseMoeLayout, DenseDecoderConverter):
             moe_routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             moe_router_num_groups=hf.get("n_group") or 1, moe_router_group_topk=hf.get("topk_group") or 1)
         return arch
+
+    def ignored_hf_tensor(self, name: str, arch: Any) -> Optional[str]:
+        return super().ignored_hf_tensor(name, arch) or prediction_layer_tensor(name, arch)
 
     # -- a sparse layer's MLP: routed and shared experts (SparseMoeLayout), the router's bias -------
     hf_shared_expert = "mlp.shared_experts."

@@ -31,7 +31,8 @@ from typing import Any, Iterable, Optional
 import torch
 
 from megatron_rl.weight_sync.families import register
-from megatron_rl.weight_sync.families.dense import DenseDecoderConverter, Tensor
+from megatron_rl.weight_sync.families.dense import DenseDecoderConverter, Tensor, hf_rope
+from megatron_rl.weight_sync.families.moe import MOE_LOSS_FIELDS
 from megatron_rl.weight_sync.families.yarn import YarnRope, rope_fields
 
 _STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj",
@@ -57,6 +58,13 @@ class GptOssConverter(YarnRope, DenseDecoderConverter):
     family = "gpt_oss"
     model_type = "gpt_oss"
     architecture = "GptOssForCausalLM"
+    hf_fields = DenseDecoderConverter.hf_fields.but(
+        mapped=("attention_bias", "swiglu_alpha", "swiglu_limit", "num_local_experts", "num_experts",
+                "num_experts_per_tok", "sliding_window"),
+        ignored={**MOE_LOSS_FIELDS,
+                 "experts_per_token": "the original release's copy of num_experts_per_tok, which transformers reads",
+                 "initial_context_length": "the original release's pre-training context; transformers reads the "
+                                           "RoPE entry's original_max_position_embeddings"})
 
     # -- config.json ----------------------------------------------------------------------------
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
@@ -76,9 +84,8 @@ class GptOssConverter(YarnRope, DenseDecoderConverter):
 
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
         # no rope entry at all: transformers' default for gpt-oss, YaRN (an entry without a type is plain RoPE)
-        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or dict(_DEFAULT_ROPE)
-        if "rope_theta" not in hf and "rope_theta" not in rope:
-            hf = {**hf, "rope_theta": _DEFAULT_THETA}
+        rope = hf_rope(hf, _DEFAULT_ROPE, _DEFAULT_THETA)
+        hf = {**hf, "rope_theta": rope["rope_theta"]}
         rope_scaling = rope_fields(rope, where)
         if not hf.get("attention_bias", True):
             raise ValueError(f"{where}: attention_bias=false is not supported (Megatron-core gives every linear "
@@ -108,19 +115,20 @@ class GptOssConverter(YarnRope, DenseDecoderConverter):
         arch.update(rope_scaling)
         return arch
 
-    # -- attention: the dense layout plus the output projection's bias and the sinks ---------------
+    def _check_layer_types(self, hf: dict[str, Any], where: Path) -> None:
+        pass  # sliding and full attention per layer: arch_from_config reads them
+
+    # -- attention: the dense layout (with the output projection's bias) plus the sinks ---------------
     def attention_hf_names(self, arch: Any, prefix: str) -> set[str]:
-        return super().attention_hf_names(arch, prefix) | {prefix + "self_attn.o_proj.bias", prefix + "self_attn.sinks"}
+        return super().attention_hf_names(arch, prefix) | {prefix + "self_attn.sinks"}
 
     def attention_to_megatron(self, hf: dict[str, Tensor], att: str, m: str, arch: Any) -> dict[str, Tensor]:
         out = super().attention_to_megatron(hf, att, m, arch)
-        out[m + "linear_proj.bias"] = hf[att + "o_proj.bias"]
         out[m + "core_attention.softmax_offset"] = hf[att + "sinks"]
         return out
 
     def attention_to_hf(self, meg: dict[str, Tensor], att: str, m: str, arch: Any) -> dict[str, Tensor]:
         out = super().attention_to_hf(meg, att, m, arch)
-        out[att + "o_proj.bias"] = meg[m + "linear_proj.bias"]
         out[att + "sinks"] = meg[m + "core_attention.softmax_offset"]
         return out
 

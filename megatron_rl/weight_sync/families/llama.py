@@ -1,6 +1,6 @@
-"""Llama (2, 3, and 3.1 with its rope scaling, read by `dense.py` for every family): optional
-attention bias from `attention_bias`; MLP bias is refused (no checkpoint of interest uses it and
-Megatron's SwiGLU here has none)."""
+"""Llama (2, 3, and 3.1 with its rope scaling, read by `dense.py` for every family): optional biases,
+`attention_bias` on the q, k, v and o projections, `mlp_bias` on the gate, up and down projections (each
+maps to ModelConfig: qkv_bias, which brings the output projection's along, and mlp_bias)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ class LlamaConverter(DenseDecoderConverter):
     family = "llama"
     model_type = "llama"
     architecture = "LlamaForCausalLM"
+    hf_fields = DenseDecoderConverter.hf_fields.but(mapped=("attention_bias", "mlp_bias"))
 
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
         cfg = super().config_dict(arch, eos_token_id)
-        cfg.update(attention_bias=arch.resolved_qkv_bias, mlp_bias=False)
+        cfg.update(attention_bias=arch.resolved_qkv_bias, mlp_bias=arch.mlp_bias)
         return cfg
 
     def arch_from_config(self, hf: dict[str, Any], where: Path) -> dict[str, Any]:
-        if hf.get("mlp_bias"):
-            raise ValueError(f"{where}: mlp_bias=true is not supported")
-        return super().arch_from_config(hf, where)
+        arch = super().arch_from_config(hf, where)
+        arch["mlp_bias"] = bool(hf.get("mlp_bias", False))
+        return arch

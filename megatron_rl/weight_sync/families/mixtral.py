@@ -19,7 +19,7 @@ from typing import Any
 
 from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
-from megatron_rl.weight_sync.families.moe import SparseMoeLayout
+from megatron_rl.weight_sync.families.moe import MOE_LOSS_FIELDS, SparseMoeLayout
 
 
 @register
@@ -29,6 +29,9 @@ class MixtralConverter(SparseMoeLayout, DenseDecoderConverter):
     architecture = "MixtralForCausalLM"
     hf_moe_block = "block_sparse_moe."
     hf_expert_projections = ("w1", "w3", "w2")
+    hf_fields = DenseDecoderConverter.hf_fields.but(
+        mapped=("num_local_experts", "num_experts_per_tok", "router_jitter_noise", "sliding_window"),
+        ignored=MOE_LOSS_FIELDS)
 
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
         cfg = super().config_dict(arch, eos_token_id)

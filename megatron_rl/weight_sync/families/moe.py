@@ -31,6 +31,25 @@ def _experts(names: Iterable[str], prefix: str, pattern: re.Pattern) -> list[int
     return sorted({int(m.group(1)) for n in names if n.startswith(prefix) and (m := pattern.match(n, len(prefix)))})
 
 
+# What a mixture of experts' config.json says about training alone: transformers' load-balancing loss
+MOE_LOSS_FIELDS = {"output_router_logits": "returns the router logits for transformers' load-balancing loss",
+                   "router_aux_loss_coef": "the weight of transformers' load-balancing loss (model.moe_aux_loss_coeff "
+                                           "sets the trainer's)"}
+# The expert keys of a Qwen-style MoE config.json (Qwen2-MoE, Qwen3-MoE), which `qwen_moe_arch` reads
+QWEN_MOE_FIELDS = dict(mapped=("num_experts", "num_local_experts", "moe_intermediate_size", "num_experts_per_tok",
+                               "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
+                       ignored=MOE_LOSS_FIELDS)
+
+
+def prediction_layer_tensor(name: str, arch: Any) -> Optional[str]:
+    """Why a GLM-4.5 or DeepSeek checkpoint tensor may be left unread: it belongs to a multi-token-prediction
+    layer (`num_nextn_predict_layers`), stored as the layers after the decoder's; None otherwise."""
+    match = re.match(r"^model\.layers\.(\d+)\.", name)
+    if match and int(match.group(1)) >= arch.num_layers:
+        return "a multi-token-prediction layer (num_nextn_predict_layers), which transformers does not run"
+    return None
+
+
 def qwen_moe_config(arch: Any) -> dict[str, Any]:
     """The config.json keys of a Qwen-style MoE (Qwen2-MoE, Qwen3-MoE); dense layers are written as
     `mlp_only_layers` with `decoder_sparse_step=1`, which means the same as any other spelling."""

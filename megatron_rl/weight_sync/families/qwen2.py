@@ -1,5 +1,6 @@
-"""Qwen2 / Qwen2.5: Q, K and V projections always carry a bias; sliding-window attention is
-refused (the released dense models do not enable it)."""
+"""Qwen2 / Qwen2.5: Q, K and V projections always carry a bias (the output projection never);
+sliding-window attention is refused (the released dense models do not enable it, and with
+`use_sliding_window` false transformers ignores `sliding_window` and `max_window_layers`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,20 @@ from typing import Any
 from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
 
+# The keys of Qwen's sliding-window attention, which every Qwen family refuses: transformers applies a window
+# only with use_sliding_window (configuration_qwen2.py: sliding_window is None otherwise)
+QWEN_WINDOW_FIELDS = dict(
+    mapped=("use_sliding_window",),
+    ignored={"sliding_window": "a window width, used only with use_sliding_window (refused)",
+             "max_window_layers": "where windows start, used only with use_sliding_window (refused)"})
+
 
 @register
 class Qwen2Converter(DenseDecoderConverter):
     family = "qwen2"
     model_type = "qwen2"
     architecture = "Qwen2ForCausalLM"
+    hf_fields = DenseDecoderConverter.hf_fields.but(**QWEN_WINDOW_FIELDS)
 
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
         cfg = super().config_dict(arch, eos_token_id)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.weight_sync.families import register
-from megatron_rl.weight_sync.families.moe import SparseMoeLayout, qwen_moe_arch, qwen_moe_config
+from megatron_rl.weight_sync.families.moe import QWEN_MOE_FIELDS, SparseMoeLayout, qwen_moe_arch, qwen_moe_config
 from megatron_rl.weight_sync.families.qwen2 import Qwen2Converter
 
 
@@ -34,6 +34,8 @@ class Qwen2MoeConverter(SparseMoeLayout, Qwen2Converter):
     family = "qwen2_moe"
     model_type = "qwen2_moe"
     architecture = "Qwen2MoeForCausalLM"
+    hf_fields = Qwen2Converter.hf_fields.but(**QWEN_MOE_FIELDS).but(
+        mapped=("qkv_bias", "shared_expert_intermediate_size"))
 
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
         cfg = super().config_dict(arch, eos_token_id)

@@ -1,5 +1,8 @@
 """Qwen3 (dense): RMSNorm on each query and key head (`q_norm`, `k_norm`), an explicit
-`head_dim` that may differ from hidden / heads, bias per `attention_bias`."""
+`head_dim` that may differ from hidden / heads, `attention_bias` on the q, k, v and o projections
+(ModelConfig qkv_bias, which brings the output projection's along). The MLP has no bias in
+transformers' Qwen3 (an `mlp_bias` key is refused, as every key it does not read). Sliding-window
+attention is refused as for Qwen2."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from typing import Any
 
 from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
+from megatron_rl.weight_sync.families.qwen2 import QWEN_WINDOW_FIELDS
 
 
 @register
@@ -15,6 +19,7 @@ class Qwen3Converter(DenseDecoderConverter):
     family = "qwen3"
     model_type = "qwen3"
     architecture = "Qwen3ForCausalLM"
+    hf_fields = DenseDecoderConverter.hf_fields.but(**QWEN_WINDOW_FIELDS).but(mapped=("attention_bias",))
 
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
         cfg = super().config_dict(arch, eos_token_id)

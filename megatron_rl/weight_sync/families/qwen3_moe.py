@@ -8,7 +8,8 @@ Routing (softmax over all experts, top-k, renormalised when `norm_topk_prob`) is
 `moe_router_score_function="softmax"` with `moe_router_pre_softmax=not norm_topk_prob`.
 Dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step` > 1) are plain SwiGLU
 MLPs of width `intermediate_size` (`model.moe_dense_layers`).
-Refused: shared experts, which Qwen3-MoE checkpoints do not have.
+Refused: shared experts, which Qwen3-MoE checkpoints do not have. Attention as Qwen3's (`attention_bias`
+on the q, k, v and o projections).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.weight_sync.families import register
-from megatron_rl.weight_sync.families.moe import SparseMoeLayout, qwen_moe_arch, qwen_moe_config
+from megatron_rl.weight_sync.families.moe import QWEN_MOE_FIELDS, SparseMoeLayout, qwen_moe_arch, qwen_moe_config
 from megatron_rl.weight_sync.families.qwen3 import Qwen3Converter
 
 
@@ -26,6 +27,7 @@ class Qwen3MoeConverter(SparseMoeLayout, Qwen3Converter):
     family = "qwen3_moe"
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
+    hf_fields = Qwen3Converter.hf_fields.but(**QWEN_MOE_FIELDS).but(mapped=("shared_expert_intermediate_size",))
 
     def config_dict(self, arch: Any, eos_token_id: int = 0) -> dict[str, Any]:
         cfg = super().config_dict(arch, eos_token_id)
