@@ -311,7 +311,8 @@ def token_advantages(algo, rewards: torch.Tensor, rollouts: list[Rollout],
                      ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
     """Per response token advantages [len(output_ids)] of each rollout, from rewards [N] of the SCORED
     rollouts given (lost ones must be left out by the caller). Group estimators broadcast one value per
-    sample; gae puts each reward on the sample's last model token and runs the recursion over the model
+    sample (reinforce_pp whitens over the batch's model tokens: each sample weighs its number of model
+    tokens); gae puts each reward on the sample's last model token and runs the recursion over the model
     tokens with algorithm.gae_gamma / gae_lambda and the critic's `values` (per rollout [len(output_ids)];
     None: no critic, values 0), whitened over the batch.
     penalties (algorithm.kl_in_reward): per rollout, what each response token's reward loses [len(output_ids)];
@@ -327,7 +328,10 @@ def token_advantages(algo, rewards: torch.Tensor, rollouts: list[Rollout],
         if penalties is not None:
             rewards = rewards - torch.stack([p.sum() for p in penalties]).to(rewards.dtype)
         group_ids = torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long)
-        per_sample = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)(rewards, group_ids)
+        options: dict[str, torch.Tensor] = {}
+        if algo.advantage_estimator == "reinforce_pp":  # whitened over the model's tokens, as verl and OpenRLHF do
+            options["token_counts"] = torch.tensor([float(sum(_model_tokens(r))) for r in rollouts])
+        per_sample = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)(rewards, group_ids, **options)
         return [torch.full((len(r.output_ids),), float(a)) for r, a in zip(rollouts, per_sample)], None
     width = max((len(r.output_ids) for r in rollouts), default=0)
     mask = torch.zeros(len(rollouts), width)
@@ -488,7 +492,7 @@ def reward_kl(cfg, parts: dict, rollouts: list[Rollout]) -> tuple[list[Optional[
     for r, s in zip(scored, samples):
         model = torch.tensor(_model_tokens(r), dtype=torch.float)
         kl = kl_estimate(r.response_part(s.extras["old_logprobs"]), r.response_part(s.extras["ref_logprobs"]),
-                         cfg.algorithm.kl_estimator) * model
+                         cfg.algorithm.kl_estimator, clamp=cfg.algorithm.kl_clamp) * model
         kls.append(float(kl.sum() / model.sum().clamp(min=1)))
         found[id(r)] = {"old_logprobs": s.extras["old_logprobs"], "ref_logprobs": s.extras["ref_logprobs"],
                         "penalty": coef * kl}

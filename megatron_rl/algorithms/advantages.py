@@ -9,6 +9,12 @@ in `Sample.extras`, which packing broadcasts). `gae` works on padded token grids
 A group of one sample has nothing to be compared with: the group estimators give it
 advantage 0 (it contributes no gradient), rather than treating its raw reward as the
 advantage.
+
+A group whose rewards are all equal (max == min, compared in the input dtype) gets advantage
+exactly 0 from every group estimator, in any dtype. The group statistics are computed in
+float64 as well: in float32 the mean of eight rewards of 0.7 is one ulp off, and GRPO divided
+that ulp by std + eps = 1e-6 into an advantage of +0.056 (bf16: +0.93) for a group that carries
+no signal. `masked_whiten` (gae) likewise gives exactly 0 when all its values are equal.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.algorithms.filters import zero_variance_groups
 from megatron_rl.algorithms.registry import ADVANTAGE_ESTIMATORS
 
 Tensor = torch.Tensor
+_STATS = torch.float64  # dtype of all group and batch statistics
 
 
 def _check_group_inputs(rewards: Tensor, group_ids: Tensor) -> Tensor:
@@ -45,11 +53,18 @@ class _Groups:
 
 
 def group_mean_count(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Each sample's group mean reward and group size, both [N]."""
-    rewards = _check_group_inputs(rewards, group_ids)
+    """Each sample's group mean reward and group size, both [N], in float64."""
+    rewards = _check_group_inputs(rewards, group_ids).to(_STATS)
     groups = _Groups(group_ids)
     count = groups.sum(torch.ones_like(rewards))
     return groups.sum(rewards) / count, count
+
+
+def _zero_constant_groups(advantages: Tensor, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """advantages [N] with every sample of an all-equal group (singletons included) set to exactly 0,
+    cast back to the rewards' dtype."""
+    informative = zero_variance_groups(rewards, group_ids)
+    return torch.where(informative, advantages, torch.zeros_like(advantages)).to(rewards.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -62,14 +77,12 @@ def grpo(rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: fl
     advantage 0. rewards, group_ids: [N] -> [N].
     """
     rewards = _check_group_inputs(rewards, group_ids)
-    groups = _Groups(group_ids)
-    count = groups.sum(torch.ones_like(rewards))
-    centred = rewards - groups.sum(rewards) / count
-    if not normalize_std:
-        return centred
-    std = torch.sqrt(groups.sum(centred * centred) / (count - 1).clamp(min=1))
-    # A zero-std group is centred to exactly 0; keep it 0 rather than 0/0 when eps = 0.
-    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    mean, count = group_mean_count(rewards, group_ids)
+    centred = rewards.to(_STATS) - mean
+    if normalize_std:
+        std = torch.sqrt(_Groups(group_ids).sum(centred * centred) / (count - 1).clamp(min=1))
+        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))  # no 0/0 at eps = 0
+    return _zero_constant_groups(centred, rewards, group_ids)
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
@@ -91,44 +104,55 @@ def rloo(rewards: Tensor, group_ids: Tensor) -> Tensor:
     i.e. n_g / (n_g - 1) * (r_i - mean_g). Singletons get 0. rewards, group_ids: [N] -> [N]."""
     rewards = _check_group_inputs(rewards, group_ids)
     mean, count = group_mean_count(rewards, group_ids)
-    others_mean = (mean * count - rewards) / (count - 1).clamp(min=1)
-    return torch.where(count > 1, rewards - others_mean, torch.zeros_like(rewards))
+    r = rewards.to(_STATS)
+    return _zero_constant_groups(r - (mean * count - r) / (count - 1).clamp(min=1), rewards, group_ids)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp")
 def reinforce_pp(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6,
                  token_counts: Optional[Tensor] = None) -> Tensor:
     """REINFORCE++ with baseline (Hu et al. 2025, "REINFORCE++-Baseline"; OpenRLHF's
-    `reinforce_baseline`): subtract the group mean, then normalise globally over the batch:
+    `reinforce_baseline`, verl's `reinforce_plus_plus_baseline`): subtract the group mean, then
+    normalise globally over the batch:
 
         a_i = r_i - mean_g;   A_i = (a_i - mean_B(a)) / (std_B(a) + eps)
 
-    std_B is the population (biased) standard deviation over the batch. OpenRLHF takes the
-    batch statistics over response tokens (each sample weighted by its length): pass
-    `token_counts: [N]` (response tokens per sample) for that; without it every sample
-    weighs 1. rewards, group_ids: [N] -> [N].
+    std_B is the population (biased) standard deviation over the batch, as OpenRLHF's (verl's
+    is Bessel-corrected over the tokens; docs/rl.md, "Conventions"). Both peers take the batch
+    statistics over response tokens, each sample weighted by its length: pass `token_counts: [N]`
+    (response tokens per sample; the RL loop does, `rl_step.token_advantages`); without it every
+    sample weighs 1. With unequal weights mean_B(a) is not 0, and the peers give an all-equal
+    group -mean_B / std_B; here it gets 0, like every group estimator (the module docstring).
+    rewards, group_ids: [N] -> [N].
     """
     rewards = _check_group_inputs(rewards, group_ids)
     mean, _ = group_mean_count(rewards, group_ids)
-    centred = rewards - mean
-    weights = torch.ones_like(centred) if token_counts is None else token_counts.to(centred.dtype)
+    centred = rewards.to(_STATS) - mean
+    weights = torch.ones_like(centred) if token_counts is None else token_counts.to(_STATS)
     if weights.shape != centred.shape:
         raise ValueError(f"token_counts must have shape [N]={tuple(centred.shape)}, got {tuple(weights.shape)}")
     total = weights.sum().clamp(min=1e-12)
     batch_mean = (weights * centred).sum() / total
     batch_std = torch.sqrt((weights * (centred - batch_mean) ** 2).sum() / total)
     normalised = (centred - batch_mean) / (batch_std + eps)
-    return torch.where(batch_std > 0, normalised, torch.zeros_like(normalised))
+    normalised = torch.where(batch_std > 0, normalised, torch.zeros_like(normalised))
+    return _zero_constant_groups(normalised, rewards, group_ids)
 
 
 def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """(x - mean) / sqrt(var + eps) over the tokens where mask is 1 (population variance),
-    zero elsewhere. values, mask: [N, T] (any equal shapes)."""
-    mask = mask.to(values.dtype)
-    count = mask.sum().clamp(min=1)
-    mean = (values * mask).sum() / count
-    var = (((values - mean) * mask) ** 2).sum() / count
-    return (values - mean) * torch.rsqrt(var + eps) * mask
+    zero elsewhere, computed in float64; values that are all equal on the mask whiten to
+    exactly 0. values, mask: [N, T] (any equal shapes) -> values' dtype."""
+    if values.numel() == 0:
+        return torch.zeros_like(values)
+    weights, x = mask.to(_STATS), values.to(_STATS)
+    count = weights.sum().clamp(min=1)
+    mean = (x * weights).sum() / count
+    var = (((x - mean) * weights) ** 2).sum() / count
+    whitened = (x - mean) * torch.rsqrt(var + eps) * weights
+    on = mask > 0
+    constant = (torch.where(on, x, -torch.inf).amax() == torch.where(on, x, torch.inf).amin())
+    return torch.where(constant, torch.zeros_like(whitened), whitened).to(values.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")

@@ -61,7 +61,9 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
     """Build the RL loss from an object with `AlgorithmConfig`'s fields (`policy_loss`,
     `eps_clip`, `eps_clip_high`, `kl_coef`, `kl_estimator`, `entropy_coef`, `loss_agg_mode`),
     plus optional attributes read with getattr: `kl_in_reward` (default False; True: no KL loss term, the
-    KL is in the rewards), `eps_clip_c` (dual-clip bound, default None: off),
+    KL is in the rewards), `kl_clamp` (default 10.0: each token's KL estimate is clamped to
+    [-kl_clamp, kl_clamp], as verl's low_var_kl; None: unbounded), `eps_clip_c` (dual-clip bound,
+    default None: off),
     the rollout correction's `tis_cap` (default 2.0),
     `rollout_is` ("token"), `rollout_mask` ("none"), `rollout_mask_low` / `rollout_mask_high`
     (0.5 / 2.0), and `loss_norm_len` (norm_len of `seq_mean_token_sum_norm`, default None).
@@ -76,13 +78,16 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
 
         loss = agg(pg_loss_t * tis_t) + kl_coef * agg(kl_t) - entropy_coef * agg(entropy_t)
 
-    with agg = `aggregate(..., mode=loss_agg_mode)`. Dual clip (Ye et al. 2020, `eps_clip_c` = c):
-    where A < 0, pg_loss_t = min(pg_loss_t, -A c), so that a token whose ratio ran far above 1 cannot
+    with agg = `aggregate(..., mode=loss_agg_mode)` and kl_t the clamped estimate: a token whose estimate
+    is beyond the bound contributes the bound and no gradient (otherwise one token the reference finds
+    e^20 times likelier than the policy adds k3 = 5e8 to the sum). Dual clip (Ye et al. 2020,
+    `eps_clip_c` = c): where A < 0, pg_loss_t = min(pg_loss_t, -A c), so that a token whose ratio ran far above 1 cannot
     push the loss (and its gradient) without bound; "dual_clip_frac" counts those tokens. ppo_clip clips the ratio to
     [1 - eps_clip, 1 + eps_clip]; clip_higher, gspo and cispo use [1 - eps_clip, 1 + eps_clip_high].
     Metrics (contributions to global sums): "loss" and "pg_loss" in the aggregation mode;
-    "clip_frac", "ratio", "ppo_kl" (approx KL(old || current)), "kl" (policy vs reference,
-    when ref_logprobs are given), "entropy" (when given), "tis_weight" and "tis_clip_frac"
+    "clip_frac", "ratio", "ppo_kl" (approx KL(old || current)), "kl" (policy vs reference, clamped,
+    when ref_logprobs are given), "kl_clamp_frac" (share of tokens at the clamp, then too), "entropy"
+    (when given), "tis_weight" and "tis_clip_frac"
     (when rollout_logprobs are given: the mean weight, the share of tokens the cap changed),
     "rollout_kept" (share of tokens the rollout mask kept), "mismatch_k1" / "mismatch_k3" (estimates
     of KL(engine || trainer) from the sampled tokens), all token means over the global batch's
@@ -99,6 +104,10 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
     # only reports it.
     kl_coef = 0.0 if getattr(cfg, "kl_in_reward", False) else float(cfg.kl_coef)
     kl_estimator = cfg.kl_estimator
+    kl_clamp = getattr(cfg, "kl_clamp", 10.0)
+    if kl_clamp is not None and kl_clamp <= 0:
+        raise ValueError(f"algorithm.kl_clamp={kl_clamp} is invalid: must be > 0 (verl's bound is 10), or null for "
+                         "an unbounded KL estimate")
     entropy_coef = float(cfg.entropy_coef)
     clip_c = getattr(cfg, "eps_clip_c", None)
     if clip_c is not None:
@@ -151,8 +160,10 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
         pg_loss = agg(per_token)
         loss = pg_loss
         if "ref_logprobs" in inp.extras:
-            kl = kl_estimate(inp.logprobs, inp.extras["ref_logprobs"], kl_estimator)
+            kl = kl_estimate(inp.logprobs, inp.extras["ref_logprobs"], kl_estimator, clamp=kl_clamp)
             metrics["kl"] = token_mean(kl)
+            if kl_clamp is not None:
+                metrics["kl_clamp_frac"] = token_mean(kl.abs() >= kl_clamp)
             if kl_coef > 0:
                 loss = loss + kl_coef * agg(kl)
         elif kl_coef > 0:

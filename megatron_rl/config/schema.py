@@ -1080,6 +1080,10 @@ class AlgorithmConfig:
     anchors to a recent policy instead of the start); 0: the reference stays the policy RL started from."""
     kl_estimator: str = "k3"
     """KL estimator: k1, k2 or k3 (Schulman's approximations)."""
+    kl_clamp: Optional[float] = 10.0
+    """Bound of each token's KL estimate, clamped to [-kl_clamp, kl_clamp] in the KL loss and in the reward's KL
+    penalty (verl clamps its k3, low_var_kl, at 10); a clamped token adds the bound and no gradient. null: unbounded
+    (TRL's k3; one token at a log-ratio of 20 then adds 5e8)."""
     kl_in_reward: bool = False
     """Apply kl_coef as a per-token penalty in the reward, r_t - kl_coef * kl_t (PPO-RLHF, REINFORCE++; verl's
     use_kl_in_reward), instead of as a KL loss. kl_t: kl_estimator of the policy's log-probs before the update
@@ -1187,6 +1191,8 @@ class AlgorithmConfig:
                                "needs algorithm.kl_in_reward=true")
             _check_min("algorithm.kl_target", self.kl_target, 0, strict=True)
         _check_min("algorithm.kl_horizon", self.kl_horizon, 1)
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise _invalid("algorithm.kl_clamp", self.kl_clamp, "must be > 0 (verl: 10.0), or null for no bound")
         if self.critic and self.advantage_estimator != "gae":
             raise _invalid("algorithm.critic", self.critic, "a value model is used by advantage_estimator=gae only, "
                            f"not {self.advantage_estimator}: set algorithm.advantage_estimator=gae (algorithm=ppo)")

@@ -80,3 +80,13 @@ def test_the_adaptive_controller_follows_ziegler_et_al():
     for bad in ({"coef": 0.0}, {"coef": 0.1, "target": 0.0}, {"coef": 0.1, "horizon": 0}):
         with pytest.raises(ValueError, match="KL controller needs"):
             KLController(**bad)
+
+
+def test_k3_of_a_wild_token_is_clamped_to_the_bound():
+    """The helper the objective calls: k3 at a log-ratio of 30 is e^20 - 21 = 4.85e8 unclamped (its
+    log-ratio is bounded at 20 only), 10 with clamp=10; ordinary tokens are unchanged."""
+    logp, ref = torch.tensor([-31.0, -1.0], dtype=torch.float64), torch.tensor([-1.0, -1.5], dtype=torch.float64)
+    ordinary = math.exp(-0.5) + 0.5 - 1
+    expected = torch.tensor([math.exp(20) - 21, ordinary], dtype=torch.float64)
+    assert torch.allclose(kl_estimate(logp, ref, "k3"), expected)
+    assert torch.allclose(kl_estimate(logp, ref, "k3", clamp=10.0), torch.tensor([10.0, ordinary], dtype=torch.float64))

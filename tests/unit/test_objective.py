@@ -242,3 +242,41 @@ def test_value_loss_clips_against_the_old_values():
     assert math.isclose(float(unclipped), 0.5 * 1.8 / 5, rel_tol=1e-12)
     with pytest.raises(ValueError, match="value loss needs extras"):
         make_value_loss_fn(None)(_inputs(values, [1, 1, 1, 0], [0, 0, 1, 1], num_tokens=5, num_samples=3))
+
+
+def test_the_kl_loss_is_bounded_by_default():
+    """One wild token (the reference finds it e^30 times likelier than the policy) among two ordinary ones:
+    k3 = e^20 - 21 = 4.85e8 before (the log-ratio was clamped at 20 only); the default algorithm.kl_clamp=10
+    bounds it at 10 and takes its gradient away, as verl's low_var_kl does."""
+    from megatron_rl.config.schema import AlgorithmConfig
+
+    old = [-1.0, -1.0, -31.0]
+    ref = [-1.0, -1.5, -1.0]
+    inp_args = dict(advantages=[0.0, 0.0, 0.0], old_logprobs=old, ref_logprobs=ref)
+    x = -0.5  # token 1: ref - logp
+    ordinary = math.exp(x) - x - 1
+    logp = torch.tensor(old, dtype=D, requires_grad=True)
+    cfg = AlgorithmConfig(kl_coef=0.1)
+    assert cfg.kl_clamp == 10.0 and cfg.kl_estimator == "k3"
+    loss, metrics = make_policy_loss_fn(cfg)(_inputs(logp, [1, 1, 1], [0, 0, 1], 3, 2, **inp_args))
+    assert math.isclose(float(metrics["kl"]), (0.0 + ordinary + 10.0) / 3, rel_tol=1e-12)
+    assert math.isclose(float(loss.detach()), 0.1 * (ordinary + 10.0) / 3, rel_tol=1e-12)
+    assert math.isclose(float(metrics["kl_clamp_frac"]), 1 / 3, rel_tol=1e-12)
+    loss.backward()
+    # d k3 / d logp = 1 - exp(ref - logp): token 1 keeps its gradient, the clamped token 2 has none.
+    assert torch.allclose(logp.grad, torch.tensor([0.0, 0.1 * (1 - math.exp(x)) / 3, 0.0], dtype=D))
+
+    unbounded = make_policy_loss_fn(AlgorithmConfig(kl_coef=0.1, kl_clamp=None))
+    _, metrics = unbounded(_inputs(torch.tensor(old, dtype=D), [1, 1, 1], [0, 0, 1], 3, 2, **inp_args))
+    assert math.isclose(float(metrics["kl"]), (ordinary + math.exp(20) - 21) / 3, rel_tol=1e-9)
+    assert "kl_clamp_frac" not in metrics
+
+
+def test_kl_clamp_must_be_positive_or_null():
+    from megatron_rl.config.schema import AlgorithmConfig
+
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="algorithm.kl_clamp"):
+            AlgorithmConfig(kl_clamp=bad)
+        with pytest.raises(ValueError, match="algorithm.kl_clamp"):
+            make_policy_loss_fn(_cfg(kl_clamp=bad))

@@ -165,6 +165,29 @@ def test_gae_without_a_critic():
     assert advantages[2] is None
 
 
+def test_reinforce_pp_in_the_step_whitens_over_model_tokens():
+    """verl and OpenRLHF whiten REINFORCE++-baseline's centred rewards over the batch's response tokens, so
+    each sample weighs its number of model tokens (an episode's tool output does not count). Groups:
+    0: rewards 1, 0 with 2 and 6 tokens; 1: an episode of 3 + 1 model tokens (2 tool tokens between) with
+    reward 1, and 0 with 4 tokens; 2: 0.5, 0.5 with 3 and 5 tokens (no variance).
+    Centred a = 1/2, -1/2, 1/2, -1/2, 0, 0; weights 2, 6, 4, 4, 3, 5 (24 tokens).
+    Token mean m = (1 - 3 + 2 - 2) / 24 = -1/12; a - m = 7/12, -5/12, 7/12, -5/12, 1/12, 1/12;
+    population variance (2*49 + 6*25 + 4*49 + 4*25 + 3 + 5) / 144 / 24 = 23/144, std = sqrt(23)/12.
+    A = 7/sqrt(23), -5/sqrt(23) on the varied groups; group 2 gets 0 (the peers would give it 1/sqrt(23))."""
+    from megatron_rl.rl_step import step_advantages
+
+    cfg = _cfg("algorithm.advantage_estimator=reinforce_pp")
+    episode = _episode(1, 1.0, "submitted", turns=((3, 2), (1, 0)))
+    rollouts = [*_rollouts([1, 0], [2, 6], ["stop"] * 2, [0, 0]), episode, *_rollouts([0], [4], ["stop"], [1]),
+                *_rollouts([0.5, 0.5], [3, 5], ["stop"] * 2, [2, 2])]
+    advantages, returns = step_advantages(cfg, rollouts, shaped_rewards(cfg, rollouts))
+    high, low = 7 / 23 ** 0.5, -5 / 23 ** 0.5
+    expected = [[high] * 2, [low] * 6, [high] * 6, [low] * 4, [0.0] * 3, [0.0] * 5]  # broadcast over output_ids
+    assert returns is None
+    for got, want in zip(advantages, expected):
+        assert torch.allclose(got, torch.tensor(want), rtol=1e-5, atol=0), (got, want)
+
+
 def test_every_advantage_estimator_runs_in_the_step():
     """Each estimator the config accepts gives finite per-token advantages through step_advantages."""
     from megatron_rl.config import AlgorithmConfig
