@@ -8,8 +8,8 @@ Each mode is the main job (`python -m megatron_rl.train mode=rl ...`) in a subpr
 figures come from what every run writes: `metrics.jsonl` (the colocation controller times
 each phase: offload, weight sync, generate, release, onload; the step times training) and, in
 disaggregated mode, the process timelines `timeline/*.jsonl` (the trainer waiting for groups,
-training, publishing; the generators generating). Step 0 (start-up) and the last step (it
-runs the final evaluation) are left out.
+training, publishing; the generators generating). The first step (start-up) and the last one
+(it runs the final evaluation) are left out: steps 2 to N-1, numbered as in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def _run(run_dir: Path, common: list[str], *extra: str) -> list[dict]:
     if proc.returncode:
         sys.exit(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows[1:-1]
+    trained = [r for r in rows if r["step"] > 0]  # row 0: the evaluation before any update
+    return trained[1:-1]
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -73,7 +74,7 @@ def main() -> None:
 
     step = _mean(colocated, "time/step")
     print(f"settings: {' '.join(common)}")
-    print(f"\ncolocated, mean of steps 1-{args.steps - 2}: {step:.3f} s/step")
+    print(f"\ncolocated, mean of steps 2-{args.steps - 1}: {step:.3f} s/step")
     accounted = 0.0
     for phase in PHASES:
         seconds = _mean(colocated, f"time/{phase}")
@@ -90,20 +91,21 @@ def main() -> None:
     d_step = _mean(disagg, "time/step")
     trainer = events.get("trainer", [])
     takes = {e["step"]: e for e in trainer if e["event"] == "take"}
-    first, last = takes[1]["start"], takes[args.steps - 1]["start"]  # steps 1 .. steps-2, as above
+    # the timeline counts the steps done before: steps 2 .. steps-1, as above
+    first, last = takes[1]["start"], takes[args.steps - 1]["start"]
     window = [e for e in trainer if first <= e["start"] < last]
     span = last - first
 
     def per_step(name: str) -> float:
         return sum(e["end"] - e["start"] for e in window if e["event"] == name) / (args.steps - 2)
 
-    print(f"\ndisaggregated (max_staleness={args.staleness}), mean of steps 1-{args.steps - 2}: {d_step:.3f} s/step")
+    print(f"\ndisaggregated (max_staleness={args.staleness}), mean of steps 2-{args.steps - 1}: {d_step:.3f} s/step")
     print(f"  trainer: waiting for groups {per_step('take'):.3f} s, training {per_step('train'):.3f} s, "
           f"publishing weights {per_step('publish'):.3f} s per step")
     for name, log in sorted(events.items()):
         if name.startswith("generator") and span > 0:
             spans = [(max(e["start"], first), min(e["end"], last)) for e in log if e["event"] == "generate"]
-            print(f"  {name}: generating {_union(spans) / span:.1%} of the trainer's steps 1-{args.steps - 2}")
+            print(f"  {name}: generating {_union(spans) / span:.1%} of the trainer's steps 2-{args.steps - 1}")
     print(f"\nstep time disaggregated / colocated: x{d_step / step:.2f} (the disaggregated run adds a "
           f"generator process: on a machine with fewer cores than processes they compete)")
 

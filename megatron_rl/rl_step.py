@@ -444,7 +444,7 @@ def generate_groups(rt, parts: dict, step: int) -> tuple[list[Rollout], dict[str
         timing.update({f"dynamic_sampling/{k}": v for k, v in rounds.stats().items()})
         if rounds.exhausted:
             logger.warning("step %d: dynamic sampling kept %d/%d groups in %d rounds; training on the short batch",
-                           step, rounds.num_kept, num_groups, rounds.num_rounds)
+                           step + 1, rounds.num_kept, num_groups, rounds.num_rounds)
     rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group]
     return rollouts, timing
 
@@ -528,8 +528,11 @@ def select_samples(cfg, rollouts: list[Rollout], rewards: torch.Tensor) -> tuple
 
 
 def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
+    """One RL step after `step` others (its sampling seeds and schedules count from 0); the step's number in
+    the log, in metrics.jsonl and in the files it writes is step + 1, the updates done once it ends
+    (docs/rl.md, "Metrics"). Returns its metrics, those each rank counts on its own summed over the ranks."""
     from megatron_rl.algorithms.filters import zero_variance_groups
-
+    from megatron_rl.observability.reduce import reduce_over_ranks
     from megatron_rl.observability.timeline import Timeline
 
     cfg = rt.cfg
@@ -539,7 +542,7 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     if cfg.rollout.replay_dir is not None:  # debugging: a dumped run's samples, nothing generated
         from megatron_rl.rollout.dump import read_rollouts
 
-        rollouts, timing = read_rollouts(cfg.rollout.replay_dir, step), {}
+        rollouts, timing = read_rollouts(cfg.rollout.replay_dir, step + 1), {}
     elif cfg.rollout.mode == "disaggregated":  # groups from the generators' experience buffer (megatron_rl/disagg/)
         rollouts, timing = controller.step_rollouts(rt, parts, step)
     else:
@@ -549,7 +552,7 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
         from megatron_rl.rollout.dump import write_rollouts
 
         tokenizer = parts["tokenizer"]
-        write_rollouts(rt.run_dir / "rollouts", step, rollouts, lambda ids: tokenizer.decode(ids))
+        write_rollouts(rt.run_dir / "rollouts", step + 1, rollouts, lambda ids: tokenizer.decode(ids))
     rewards = shaped_rewards(cfg, rollouts)
     joint = parts.get("domains")  # multi-domain runs: per-domain calibration before the advantages
     penalised, kl_metrics = (reward_kl(cfg, parts, rollouts) if cfg.algorithm.kl_in_reward
@@ -573,7 +576,7 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
         with timeline.span("train", "phases"):
             metrics = _update(cfg, parts, samples)
     elif not samples:
-        logger.warning("step %d: every sample was filtered out; no update this step", step)
+        logger.warning("step %d: every sample was filtered out; no update this step", step + 1)
     train_time = time.perf_counter() - start
     if samples and critic is not None:
         start = time.perf_counter()
@@ -608,8 +611,8 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
         metrics["sched/step_engine_busy"] = timeline.busy("engine") / max(time.perf_counter() - timeline.origin, 1e-9)
     metrics.update(_sandbox_metrics(parts))
     if cfg.logging.trace_every and step % cfg.logging.trace_every == 0 and rt.is_main:
-        timeline.to_chrome_trace(rt.run_dir / "traces" / f"step_{step:08d}.json")
-    return metrics
+        timeline.to_chrome_trace(rt.run_dir / "traces" / f"step_{step + 1:08d}.json")
+    return reduce_over_ranks(metrics)
 
 
 def _sandbox_client(parts: dict) -> Any:
@@ -640,12 +643,13 @@ def _maintain(rt, parts: dict, step: int, rollouts: list[Rollout]) -> dict[str, 
             if is_scored(r):  # a lost episode's 0 is no verdict (it made good tasks look flaky)
                 pool.observe(r.source_index, r.reward, str(hash(tuple(r.output_ids))))
         if (step + 1) % cfg.task.pool_refresh_every == 0:
-            pool.gc_and_refresh(step)
+            pool.gc_and_refresh(step + 1)
         out.update(pool.metrics())
     if cfg.logging.audit_every and step % cfg.logging.audit_every == 0 and rt.is_main:
         from megatron_rl.quality.audit import audit
 
-        out.update(audit(step, rollouts, _decode(parts["tokenizer"]), rt.run_dir / "audit", cfg.logging.audit_samples))
+        out.update(audit(step + 1, rollouts, _decode(parts["tokenizer"]), rt.run_dir / "audit",
+                         cfg.logging.audit_samples))
     return out
 
 
@@ -677,8 +681,15 @@ def _old_and_reference_logprobs(cfg, parts: dict, samples: list, record_routing:
             s.extras["ref_logprobs"] = lp
 
 
+# The policy loss's KL terms (algorithms/objective.py) by what they compare, as metrics.jsonl names them
+KL_METRICS = {"ppo_kl": "kl/policy_old_new", "kl": "kl/ref"}
+
+
 def _update(cfg, parts: dict, samples: list) -> dict[str, float]:
-    """Old (and reference) log-probs, then the policy update(s) on `samples`; with
+    """Old (and reference) log-probs, then the policy update(s) on `samples`; the last update's metrics,
+    with `kl/policy_old_new` (the approximate KL(old || updated policy) of the last update's tokens),
+    `kl/policy_old_new_first_update` (the first's: 0 when the old log-probs are the trainer's own) and,
+    with reference log-probs, `kl/ref` (the policy's KL to the reference, algorithm.kl_estimator). With
     algorithm.routing_replay every update routes as the old forward (old) or the engine (rollout) did
     (routing/drift: the share of expert choices the last update's routers would have made differently)."""
     from megatron_rl.trainer.routing_replay import ENGINE
@@ -690,10 +701,11 @@ def _update(cfg, parts: dict, samples: list) -> dict[str, float]:
     mismatch = max((float((s.extras["old_logprobs"] - s.extras["rollout_logprobs"])[s.loss_mask.bool()].abs().max())
                     for s in samples if s.loss_mask.any()), default=0.0)
     for update in range(cfg.algorithm.num_inner_updates):
-        metrics = trainer.train_step(samples, parts["loss_fn"], with_entropy=True, routing=routing)
+        found = trainer.train_step(samples, parts["loss_fn"], with_entropy=True, routing=routing)
+        metrics = {KL_METRICS.get(name, name): value for name, value in found.items()}
         if update == 0:  # nothing changed yet: the importance ratio must be 1
-            first_kl = metrics.get("ppo_kl", 0.0)
-    metrics.update({"rollout/logprob_mismatch": mismatch, "ppo_kl_first_update": first_kl})
+            first_kl = metrics.get("kl/policy_old_new", 0.0)
+    metrics.update({"rollout/logprob_mismatch": mismatch, "kl/policy_old_new_first_update": first_kl})
     if routing is not None:
         metrics["routing/drift"] = metrics.pop("routing_drift")
     return metrics

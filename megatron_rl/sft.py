@@ -77,22 +77,24 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
     sampler = EpochSampler(len(train), cfg.seed)
     checkpoints = CheckpointManager(cfg.checkpoint, rt.run_dir, trainer, cfg, cfg.num_steps, tokenizer)
     resumed = checkpoints.resume()
+    rt.preemption.watch()  # from here SIGUSR1/SIGTERM mean: finish this step, checkpoint, stop
     if resumed is None:
         trainer.initialize_weights()
         rt.writer.rewind(0)  # a run started again before its first checkpoint logs its steps afresh
         first_eval = eval_loss(trainer, held_out)
+        rt.writer.log(0, {"eval_loss": first_eval})  # before any update: step 0 (docs/rl.md, "Metrics")
     else:
         sampler.load_state_dict(resumed["sampler"])
         first_eval = resumed["first_eval"]
-        rt.writer.rewind(trainer.step)
+        rt.writer.rewind(trainer.step + 1)  # the steps after the checkpoint's are logged again
     logger.info("SFT: %d train / %d held-out samples; held-out loss before: %.4f",
                 len(train), len(held_out), first_eval)
 
     metrics: dict[str, float] = {}
     show_bar = rt.is_main and cfg.logging.progress
-    bar = tqdm(range(trainer.step, cfg.num_steps), desc="sft", unit="step", disable=not show_bar,
+    # a step's number is the updates done once it ends: its metrics.jsonl row, log line and checkpoint
+    bar = tqdm(range(trainer.step + 1, cfg.num_steps + 1), desc="sft", unit="step", disable=not show_bar,
                initial=trainer.step, total=cfg.num_steps)
-    rt.preemption.watch()  # from here SIGUSR1/SIGTERM mean: finish this step, checkpoint, stop
     stopped = False
 
     def state() -> dict:  # what a checkpoint holds besides model, optimizer and RNG
@@ -106,15 +108,15 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
             metrics = trainer.train_step(batch)
             metrics["step_time_s"] = time.perf_counter() - start
             metrics["tokens_per_s"] = sum(s.tokens.numel() for s in batch) / metrics["step_time_s"]
-            if step == cfg.num_steps - 1:
+            if step == cfg.num_steps:
                 metrics["eval_loss"] = eval_loss(trainer, held_out)
             rt.writer.log(step, metrics)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-            if step % cfg.logging.log_every == 0 or step == cfg.num_steps - 1:
+            if step == 1 or step % cfg.logging.log_every == 0 or step == cfg.num_steps:
                 logger.info(format_step_summary(step, metrics, SUMMARY_KEYS))
-            checkpoints.after_step(step + 1, state, metrics)
-            if rt.preemption.stop_agreed(step + 1, cfg.num_steps):
-                rt.preemption.save_and_mark(checkpoints, step + 1, state, metrics)
+            checkpoints.after_step(step, state, metrics)
+            if rt.preemption.stop_agreed(step, cfg.num_steps):
+                rt.preemption.save_and_mark(checkpoints, step, state, metrics)
                 stopped = True
                 break
     if rt.is_main:

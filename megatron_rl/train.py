@@ -18,9 +18,11 @@ from typing import Optional, Sequence
 from megatron_rl import runtime
 
 logger = logging.getLogger(__name__)
-SUMMARY = {"reward/mean": "reward", "eval/accuracy": "eval", "ppo_kl": "kl", "entropy": "ent",
-           "clip_frac": "clip", "critic/value_loss": "vloss", "response_length/mean": "len", "tokens_per_s": "tok/s",
-           "time/step": "time"}
+SUMMARY = {"reward/mean": "reward", "eval/accuracy": "eval", "kl/policy_old_new": "kl_old_new", "kl/ref": "kl_ref",
+           "entropy": "ent", "clip_frac": "clip", "critic/value_loss": "vloss", "response_length/mean": "len",
+           "tokens_per_s": "tok/s", "time/step": "time"}
+PLOTS = ["reward/mean", "eval/accuracy", "eval/pass@k", "kl/policy_old_new", "kl/ref", "entropy", "tokens_per_s",
+         "time/step", "critic/value_loss", "critic/explained_variance"]
 
 
 def check_train_config(cfg) -> None:
@@ -151,7 +153,9 @@ def run_rl(rt) -> dict[str, float]:
         resumed = None  # RL starts afresh after the warm start
         parts["trainer"].reset_optimizer(cfg.optimizer, cfg.num_steps * cfg.algorithm.num_inner_updates)
         rt.writer.rewind(0)  # a run started again before its first checkpoint logs its steps afresh
-        start_step, history = 0, {"sft_eval": evaluate(rt, parts, step=0)}
+        start_step, first_eval = 0, evaluate(rt, parts, step=0)
+        if first_eval:  # the policy RL starts from: metrics.jsonl's step 0
+            rt.writer.log(0, first_eval)
     else:
         parts["sampler"].load_state_dict(resumed["sampler"])
         if parts["domains"]:
@@ -161,8 +165,8 @@ def run_rl(rt) -> dict[str, float]:
         parts["controller"].version = resumed.get("weight_version", 0)
         if cfg.rollout.mode == "disaggregated":
             parts["controller"].load_state_dict(resumed.get("disaggregated"))
-        start_step, history = resumed["rl_step"], resumed["history"]
-        rt.writer.rewind(start_step)
+        start_step = resumed["rl_step"]
+        rt.writer.rewind(start_step + 1)  # the steps after the checkpoint's are logged again
     if "critic" in parts:
         start_critic(parts, resumed)
     if cfg.algorithm.kl_coef > 0:  # reference = the policy RL started from (kept in host memory)
@@ -180,37 +184,38 @@ def run_rl(rt) -> dict[str, float]:
         if resumed is not None and resumed.get("kl_ctl") and algo.kl_target is not None:
             parts["kl_ctl"].load_state_dict(resumed["kl_ctl"])  # else: fixed, or switched on now: kl_coef
     show = rt.is_main and cfg.logging.progress
-    bar = tqdm(range(start_step, cfg.num_steps), desc="rl", unit="step", initial=start_step, total=cfg.num_steps,
-               disable=not show)
+    # A step's number is the updates done once it ends: its metrics.jsonl row, log lines and checkpoint
+    bar = tqdm(range(start_step + 1, cfg.num_steps + 1), desc="rl", unit="step", initial=start_step,
+               total=cfg.num_steps, disable=not show)
     metrics: dict[str, float] = {}
     with logging_redirect_tqdm() if show else contextlib.nullcontext():
         for step in bar:
             start = time.perf_counter()
-            metrics = rl_step(rt, parts, step)
+            metrics = rl_step(rt, parts, step - 1)  # which counts the steps before it
             every = cfg.algorithm.ref_update_every
-            if every and "reference" in parts and (step + 1) % every == 0:  # the KL anchor moves to the policy
+            if every and "reference" in parts and step % every == 0:  # the KL anchor moves to the policy
                 parts["reference"] = parts["trainer"].snapshot_weights()
-            if (cfg.task.eval_every and (step + 1) % cfg.task.eval_every == 0) or step == cfg.num_steps - 1:
-                metrics.update(evaluate(rt, parts, step=step + 1))
+            if (cfg.task.eval_every and step % cfg.task.eval_every == 0) or step == cfg.num_steps:
+                metrics.update(evaluate(rt, parts, step=step))
             metrics["time/step"] = time.perf_counter() - start
             rt.writer.log(step, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-            if step % cfg.logging.log_every == 0 or step == cfg.num_steps - 1:
+            if step == 1 or step % cfg.logging.log_every == 0 or step == cfg.num_steps:
                 logger.info(format_step_summary(step, metrics, SUMMARY))
 
             def state() -> dict:  # what a checkpoint holds besides model, optimizer and RNG
-                return {"sampler": parts["sampler"].state_dict(), "rl_step": step + 1, "history": history,
+                return {"sampler": parts["sampler"].state_dict(), "rl_step": step,
                         "reference": parts.get("reference"), "weight_version": parts["controller"].version,
                         "domains": parts["domains"] and parts["domains"].state_dict(),
                         "env_pool": parts["env_pool"] and parts["env_pool"].state_dict(),
                         "kl_ctl": "kl_ctl" in parts and parts["kl_ctl"].state_dict(),
                         "disaggregated": cfg.rollout.mode == "disaggregated" and parts["controller"].state_dict()}
 
-            parts["checkpoints"].after_step(step + 1, state, metrics)
-            if rt.preemption.stop_agreed(step + 1, cfg.num_steps):
-                rt.preemption.save_and_mark(parts["checkpoints"], step + 1, state, metrics)
+            parts["checkpoints"].after_step(step, state, metrics)
+            if rt.preemption.stop_agreed(step, cfg.num_steps):
+                rt.preemption.save_and_mark(parts["checkpoints"], step, state, metrics)
                 break
-    finish_rl(rt, parts, history)
+    finish_rl(rt, parts)
     return metrics
 
 
@@ -220,27 +225,19 @@ def close_rl(rt, parts) -> None:
         parts["controller"].close()  # stops the generator processes
 
 
-def finish_rl(rt, parts, history) -> None:
+def finish_rl(rt, parts) -> None:
     from megatron_rl.observability import read_metrics
     from megatron_rl.observability.plots import plot_metrics
+    from megatron_rl.observability.summary import rl_summary
 
     close_rl(rt, parts)
     if not rt.is_main:
         return
-    rows = read_metrics(rt.run_dir / "metrics.jsonl")
-    plot_metrics(rt.run_dir / "metrics.jsonl", rt.run_dir / "plots",
-                 ["reward/mean", "eval/accuracy", "eval/pass@k", "ppo_kl", "entropy", "tokens_per_s", "time/step",
-                  *(["critic/value_loss", "critic/explained_variance"] if "critic" in parts else [])])
-    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
-    if rewards:
-        k = max(1, len(rewards) // 10)
-        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-        final_eval = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-        ratio = f" (x{last / first:.2f})" if first > 0 else ""  # no ratio from a zero start
-        logger.info("training reward: first 10%% of steps %.3f -> last 10%% %.3f%s; held-out accuracy: "
-                    "after warm start %.3f -> after RL %.3f; run directory %s", first, last,
-                    ratio, history["sft_eval"].get("eval/accuracy", float("nan")),
-                    final_eval[-1] if final_eval else float("nan"), rt.run_dir)
+    rows = read_metrics(rt.run_dir / "metrics.jsonl")  # every step's, also those of a resumed run's earlier jobs
+    plot_metrics(rt.run_dir / "metrics.jsonl", rt.run_dir / "plots", [k for k in PLOTS if any(k in r for r in rows)])
+    summary = rl_summary(rows, rt.cfg.task.sft_warmup_steps)
+    if summary:
+        logger.info("%s; run directory %s", summary, rt.run_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

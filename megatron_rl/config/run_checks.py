@@ -131,7 +131,7 @@ def _check_replay(cfg) -> None:
         raise ConfigError(f"rollout.replay_dir={where} replays rollouts in colocated mode: set "
                           "rollout.mode=colocated (the generators would have nothing to do)")
     steps = dumped_steps(where) if Path(where).is_dir() else []
-    missing = sorted(set(range(cfg.num_steps)) - set(steps))
+    missing = sorted(set(range(1, cfg.num_steps + 1)) - set(steps))  # step k's dump: step_<k>.jsonl
     if missing:
         have = f"steps {steps[0]}..{steps[-1]}" if steps else "no step_<k>.jsonl files"
         raise ConfigError(f"rollout.replay_dir={where} has no rollouts of step {missing[0]} (it holds {have}): "

@@ -1483,7 +1483,8 @@ class LoggingConfig:
     wandb_name: Optional[str] = None
     """W&B run name; null: the run directory's name."""
     log_every: int = 10
-    """Optimizer steps between metric logs."""
+    """Steps between the one-line console summaries (the first and the last step always have one);
+    metrics.jsonl and TensorBoard get every step."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     audit_every: int = 0

@@ -1,4 +1,5 @@
-"""Observability: rank-aware logging setup, metric sinks (JSONL + TensorBoard), PNG plots.
+"""Observability: rank-aware logging setup, metric sinks (JSONL + TensorBoard), PNG plots, the
+combination of rank-local metrics over ranks (`reduce`) and the end-of-run summary (`summary`).
 
 Importing this package is cheap; TensorBoard and matplotlib are imported only when used.
 """

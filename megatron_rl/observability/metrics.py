@@ -2,11 +2,14 @@
 (each optional).
 
 `run_dir/metrics.jsonl` holds one JSON object per logged step, `{"step": int, <name>: float,
-...}`, flushed line by line so a killed job loses at most the line being written. It is
-the source of truth for plots (`megatron_rl.observability.plots`) and for tests; TensorBoard
-under `run_dir/tensorboard/` is a view of the same numbers. Only rank 0 writes; on other
-ranks `MetricsWriter` is a no-op so callers need no rank checks. Reducing metrics across
-ranks is the caller's job.
+...}`, flushed line by line so a killed job loses at most the line being written. The entry
+points log `step` = the optimizer updates done when the row is written: 0 for the evaluation
+before any update, k for the k-th update's row (and the evaluation after it), as in their log
+lines and in the name of the checkpoint written after it (`step_<k>`). It is the source of truth
+for plots (`megatron_rl.observability.plots`) and for tests; TensorBoard under
+`run_dir/tensorboard/` is a view of the same numbers, at the same steps. Only rank 0 writes; on
+other ranks `MetricsWriter` is a no-op so callers need no rank checks. Reducing metrics across
+ranks is the caller's job (`megatron_rl.observability.reduce`).
 
 W&B (`logging.wandb=true`): one W&B run per run directory (its id is kept in
 `run_dir/wandb_run_id`, so a resumed or requeued job continues the same W&B run); offline

@@ -55,7 +55,7 @@ def plot_metrics(metrics_jsonl: PathLike, out_dir: PathLike, keys: Sequence[str]
         FigureCanvasAgg(figure)
         axes = figure.add_subplot()
         axes.plot(steps, values, marker="." if len(points) < 50 else None)
-        axes.set_xlabel("step")
+        axes.set_xlabel("step (optimizer updates done)")  # metrics.jsonl's `step`
         axes.set_ylabel(key)
         axes.set_title(key)
         axes.grid(True, alpha=0.3)

@@ -106,16 +106,18 @@ def test_main_job_writes_a_complete_run_directory(single_run):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "plots" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(12))
+    assert [m["step"] for m in metrics] == list(range(13))  # 0: the held-out loss before any update
+    assert set(metrics[0]) == {"step", "eval_loss"}
     assert "SFT done" in proc.stderr
 
 
 def test_main_job_loss_falls(single_run):
     metrics = _metrics(single_run[0])
-    first = sum(m["loss"] for m in metrics[:3]) / 3
-    last = sum(m["loss"] for m in metrics[-3:]) / 3
+    trained = [m for m in metrics if "loss" in m]
+    first = sum(m["loss"] for m in trained[:3]) / 3
+    last = sum(m["loss"] for m in trained[-3:]) / 3
     assert last < 0.8 * first, (first, last)
-    assert metrics[-1]["eval_loss"] < metrics[0]["loss"]
+    assert metrics[-1]["eval_loss"] < metrics[0]["eval_loss"]
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2"]],
@@ -126,7 +128,7 @@ def test_two_ranks_reproduce_single_process_metrics(single_run, tmp_path, layout
                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "logs" / "rank1.log").is_file()
-    for got, want in zip(_metrics(run_dir), _metrics(single_run[0]), strict=True):
+    for got, want in zip(_metrics(run_dir)[1:], _metrics(single_run[0])[1:], strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
 
@@ -140,10 +142,10 @@ def _two_rl_steps_keep_the_engines_logprobs(tmp_path, *layout: str) -> list[dict
                     "cluster.nproc=2", *layout, f"run_dir={run_dir}", "logging.progress=false"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == [0, 1]
+    assert [m["step"] for m in metrics] == [1, 2]  # no held-out prompts: no evaluation at step 0
     for m in metrics:
         assert m["rollout/logprob_mismatch"] < 1e-4, m["rollout/logprob_mismatch"]
-        assert m["ppo_kl_first_update"] == pytest.approx(0.0, abs=1e-6)
+        assert m["kl/policy_old_new_first_update"] == pytest.approx(0.0, abs=1e-6)
     return metrics
 
 
@@ -190,7 +192,7 @@ def test_rl_loop_with_lora(tmp_path):
         "optimizer.lr=1e-2", "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.1",
         "algorithm.filter_zero_variance=false")
     assert all(m["grad_norm"] > 0 for m in metrics)
-    assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["kl"] > 1e-3
+    assert metrics[0]["kl/ref"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["kl/ref"] > 1e-3
     _the_peft_adapter_equals_the_merged_export(tmp_path / "run", rank=4, alpha=32)
 
 

@@ -40,7 +40,7 @@ def test_usr1_stops_both_ranks_after_the_same_step_and_the_rerun_resumes(tmp_pat
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.Popen(_args(run_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while len(_steps(run_dir)) < 2:
+    while len(_steps(run_dir)) < 3:  # step 0's evaluation and two steps
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -56,12 +56,12 @@ def test_usr1_stops_both_ranks_after_the_same_step_and_the_rerun_resumes(tmp_pat
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()
         assert re.search(rf"stop requested \(SIGUSR1 on [12] rank\(s\)\): stopping after step {stopped} of", log), rank
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
-    assert _steps(run_dir) == list(range(stopped))
+    assert _steps(run_dir) == list(range(stopped + 1))
 
     rerun = subprocess.run(_args(run_dir), env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resumed from {run_dir}/checkpoints/step_{stopped:08d}" in rerun.stderr
-    assert _steps(run_dir) == list(range(STEPS))
+    assert _steps(run_dir) == list(range(STEPS + 1))
     assert not (run_dir / "preempted.json").exists()
 
 
@@ -107,7 +107,7 @@ def test_a_stop_during_the_warm_start_checkpoints_it_and_the_rerun_continues_it(
                  if "warm start 60/60" in line]
     assert len(last_warm) == 2 and last_warm[0] == last_warm[1], last_warm
     got, want = read_metrics(run_dir), read_metrics(straight)
-    assert [m["step"] for m in got] == [0, 1]
+    assert [m["step"] for m in got] == [0, 1, 2]
     for row, ref in zip(got, want, strict=True):
         assert {k: v for k, v in row.items() if not _timing(k)} == {k: v for k, v in ref.items() if not _timing(k)}
     assert not (run_dir / "preempted.json").exists()

@@ -35,8 +35,9 @@ def _kill_after(run_dir: Path, min_lines: int, extra=()) -> None:
 
 
 def _compare(resumed: list[dict], reference: list[dict]) -> None:
-    assert [m["step"] for m in resumed] == list(range(STEPS))
-    for got, want in zip(resumed, reference, strict=True):
+    assert [m["step"] for m in resumed] == list(range(STEPS + 1))  # 0: the held-out loss before any update
+    assert resumed[0] == reference[0]
+    for got, want in zip(resumed[1:], reference[1:], strict=True):
         for key in ("loss", "grad_norm", "lr", "num_tokens"):
             assert got[key] == want[key], (got["step"], key, got[key], want[key])
     assert resumed[-1]["eval_loss"] == reference[-1]["eval_loss"]
@@ -51,9 +52,9 @@ def reference(tmp_path_factory):
 
 def test_killed_run_resumes_with_identical_metrics(tmp_path, reference):
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, min_lines=3)
+    _kill_after(run_dir, min_lines=4)  # row 0 and steps 1-3: checkpoint 2 is written
     killed_at = len(read_metrics(run_dir))
-    assert killed_at < STEPS
+    assert killed_at <= STEPS  # of rows 0..STEPS
     proc = subprocess.run(_args(run_dir), env=_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr
@@ -65,7 +66,7 @@ def test_killed_two_rank_run_resumes_with_identical_metrics(tmp_path):
     straight = tmp_path / "straight"
     subprocess.run(_args(straight, extra), env=_env(), check=True, capture_output=True)
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, min_lines=3, extra=extra)
+    _kill_after(run_dir, min_lines=4, extra=extra)
     proc = subprocess.run(_args(run_dir, extra), env=_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _compare(read_metrics(run_dir), read_metrics(straight))
@@ -80,7 +81,7 @@ def test_a_run_stopped_by_sigterm_checkpoints_and_resumes_with_identical_metrics
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not read_metrics(run_dir):  # then five steps remain (~0.1 s each here)
+        while not read_metrics(run_dir):  # row 0 (before any update): all six steps remain (~0.1 s each here)
             assert proc.poll() is None and time.monotonic() < deadline, "no step"
             time.sleep(0.02)
         for _ in range(2):
@@ -94,7 +95,7 @@ def test_a_run_stopped_by_sigterm_checkpoints_and_resumes_with_identical_metrics
     stopped = marker["steps_done"]
     assert marker["signal"] == "SIGTERM" and 1 <= stopped < STEPS, marker
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
-    assert [m["step"] for m in read_metrics(run_dir)] == list(range(stopped))
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(stopped + 1))
     rerun = subprocess.run(_args(run_dir, save_every=100), env=_env(), capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed from" in rerun.stderr

@@ -520,7 +520,8 @@ def test_rl_loop_on_agent_tasks(tmp_path):
     run_dir = tmp_path / "run"
     _agent_job(run_dir, "task.sft_warmup_steps=0", "task.max_turns=3", "num_steps=2", "rollout.max_new_tokens=24")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # 0: the evaluation before any update
+    rows = rows[1:]
     for r in rows:
         assert _ended(r) == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
         assert 1 <= r["agent/turns_mean"] <= 3 and r["num_tokens"] > 0
@@ -540,7 +541,8 @@ def test_sandboxed_episodes_from_a_disaggregated_generator(tmp_path):
     _agent_job(run_dir, "task.sft_warmup_steps=0", "task.max_turns=3", "num_steps=2", "rollout.max_new_tokens=24",
                "rollout.mode=disaggregated", "rollout.agent_scheduler=async")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # 0: the evaluation before any update
+    rows = rows[1:]
     for r in rows:
         assert _ended(r) == 8 and r["agent/dropped"] == 0 and r["agent/infra_errors"] == 0
         assert r["agent/env/fail_to_pass_total"] == 1 and 1 <= r["agent/turns_mean"] <= 3
@@ -578,7 +580,8 @@ def test_countdown_with_feedback_runs_without_a_sandbox_over_several_turns(tmp_p
     assert "warm start: 16 of 16 reference episodes verified (episode ends: submitted 16" in proc.stderr
     assert "local sandbox server" not in proc.stderr and not (run_dir / "logs" / "sandbox-server.log").exists()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # 0: the evaluation before any update
+    rows = rows[1:]
     for r in rows:
         assert _ended(r) == 16 and r["agent/dropped"] == 0
         assert 1 < r["agent/turns_mean"] <= 3 and r["agent/max_turns"] > 0
@@ -608,7 +611,8 @@ def test_an_agent_domain_trains_beside_a_single_turn_domain(tmp_path):
     found = re.search(r"warm start: (\d+) of 8 reference episodes verified in domain code", proc.stderr)
     assert found and int(found.group(1)) >= 6, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # 0: the evaluation before any update
+    rows = rows[1:]
     for r in rows:
         assert r["domain/math/count"] == r["domain/code/count"] == 8  # 2 groups of 4 each
         assert _ended(r, "domain/code/agent/") == 8 and r["domain/code/agent/dropped"] == 0
@@ -637,7 +641,8 @@ def test_oversampling_in_a_joint_run_keeps_each_domains_share(tmp_path):
                      "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=16", "checkpoint.save_every=0",
                      experiment="demo_agent_countdown")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1], proc.stderr[-3000:]
+    assert [r["step"] for r in rows] == [0, 1, 2], proc.stderr[-3000:]  # 0: the evaluation before any update
+    rows = rows[1:]
     for r in rows:
         assert r["domain/math/count"] == r["domain/count/count"] == 8  # 2 groups of 4 each
         assert r["sched/groups_cut"] == 1  # the agent domain's third group; math's third was never generated
@@ -656,7 +661,8 @@ def test_agent_episodes_on_an_engine_shared_by_two_ranks(tmp_path, layout):
     _agent_job(run_dir, "cluster.nproc=2", "rollout.tp=2", *layout, "task.sft_warmup_steps=0", "task.max_turns=2",
                "num_steps=2", "rollout.max_new_tokens=24", "checkpoint.save_every=0", "checkpoint.save_at_end=false")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # 0: the evaluation before any update
+    rows = rows[1:]
     for r in rows:
         assert _ended(r) == 8 and r["reward/verifier_calls"] == 8 and r["agent/dropped"] == 0
         assert r["num_tokens"] > 0 and 0 < r["sched/engine_busy"] < 1  # the leader's engine, the block's only one

@@ -53,7 +53,8 @@ def _run(run_dir: Path, *extra: str) -> tuple[list[dict], float]:
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows, time.monotonic() - start
+    assert rows[0]["step"] == 0 and "reward/mean" not in rows[0]  # the evaluation before any update
+    return rows[1:], time.monotonic() - start
 
 
 def _spans(events: list[dict], name: str) -> list[tuple[float, float]]:
@@ -90,7 +91,7 @@ def test_every_trained_group_obeys_the_staleness_bound(one_step_off):
     for g in groups:
         assert g["staleness"] == g["step"] - g["version"] == g["step"] - min(g["versions"])
         assert 0 <= g["staleness"] <= 1
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for r in rows:
         assert r["async/staleness_max"] <= 1 and r["buffer/dropped_stale"] == 0
         for key in ("async/wait_s", "buffer/size", "time/publish", "sync/seconds", "reward/mean", "tis_weight"):
@@ -114,7 +115,7 @@ def test_partial_rollouts_span_two_versions_and_are_importance_weighted(one_step
     assert spanning, "no group was generated across a weight update"
     assert all(g["versions"][1] == g["versions"][0] + 1 for g in spanning)
     assert sum(r["async/partial_groups"] for r in rows) == len(spanning)
-    # step 0 trains on version-0 groups: the generator's log-probs are the trainer's (same weights)
+    # step 1 trains on version-0 groups: the generator's log-probs are the trainer's (same weights)
     assert rows[0]["rollout/logprob_mismatch"] <= 1e-4 and rows[0]["async/staleness_max"] == 0
     # later steps train on older weights: old log-probs (recomputed) differ from the engine's, and
     # the truncated-IS weight (tis_cap) is applied to the loss
@@ -191,8 +192,8 @@ def test_a_resumed_run_asks_again_for_the_prompts_in_flight(one_step_off, resume
                 out.setdefault(e["step"], []).append(e["source"])
         return {step: sorted(found) for step, found in out.items()}
 
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
-    expected = sources(reference_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    expected = sources(reference_dir)  # by the timeline's step: the steps done before the one that took them
     assert sorted(expected) == [0, 1, 2, 3, 4] and all(len(v) == 8 for v in expected.values())
     assert sources(run_dir) == expected
     assert rows[stopped]["async/staleness_max"] == 0
@@ -233,7 +234,7 @@ def test_two_generators_with_two_steps_of_staleness(tmp_path):
     groups = [e for e in read_events(run_dir / "timeline" / "trainer.jsonl") if e["event"] == "group"]
     assert len(groups) == 4 * 8 and all(0 <= g["staleness"] <= 2 for g in groups)
     assert {g["generator"] for g in groups} == {0, 1}
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for i in (0, 1):
         weights = [e["version"] for e in read_events(run_dir / "timeline" / f"generator{i}.jsonl")
                    if e["event"] == "weights"]
@@ -247,7 +248,7 @@ def test_tensor_parallel_trainer_publishes_the_gathered_weights(tmp_path):
     run_dir = tmp_path / "run"
     rows, _ = _run(run_dir, "num_steps=3", "cluster.nproc=2", "parallel.tp=2", "rollout.max_new_tokens=24",
                    "rollout.partial_rollout_tokens=4", "task.sft_warmup_steps=5")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["async/staleness_max"] == 0 and rows[0]["rollout/logprob_mismatch"] <= 1e-4
     assert all(r["async/staleness_max"] <= 1 for r in rows)
     assert max(r["rollout/logprob_mismatch"] for r in rows[1:]) > 1e-3
@@ -266,7 +267,7 @@ def test_a_lora_run_publishes_the_base_once_and_then_the_adapters_alone(tmp_path
     run_dir = tmp_path / "run"
     rows, _ = _run(run_dir, "num_steps=3", "model.lora_rank=4", "rollout.weight_sync=adapters", "optimizer.lr=1e-2",
                    "algorithm.max_staleness=0", "rollout.max_new_tokens=16", "task.sft_warmup_steps=5")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     model = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").model)
     m = ModelConfig(**model)
     h, q, kv, f = m.hidden_size, m.num_attention_heads * m.resolved_head_dim, \
@@ -293,7 +294,7 @@ def test_a_mixture_of_experts_replays_the_generators_routing(tmp_path):
     rows, _ = _run(run_dir, "num_steps=3", "model=tiny_qwen3_moe", "algorithm.routing_replay=rollout",
                    "algorithm.num_inner_updates=2", "algorithm.max_staleness=1", "rollout.partial_rollout_tokens=8",
                    "rollout.max_new_tokens=24", "task.sft_warmup_steps=5")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["async/staleness_max"] == 0 and rows[0]["rollout/logprob_mismatch"] <= 1e-4
     calls = Counter(e["request"] for e in read_events(run_dir / "timeline" / "generator0.jsonl")
                     if e["event"] == "generate")
@@ -333,8 +334,8 @@ def test_a_generator_started_separately_joins_through_the_run_directory(tmp_path
     assert oct(hub_file.stat().st_mode & 0o777) == "0o600"
     assert json.loads(hub_file.read_text())["host"] not in ("127.0.0.1", "localhost")  # reachable from others
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[0]["rollout/logprob_mismatch"] <= 1e-4  # the separately started generator got the trainer's weights
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # 0: the evaluation before any update
+    assert rows[1]["rollout/logprob_mismatch"] <= 1e-4  # the separately started generator got the trainer's weights
     events = read_events(run_dir / "timeline" / "generator0.jsonl")
     assert [e["version"] for e in events if e["event"] == "weights"] == [0, 1, 2]
     groups = [e for e in read_events(run_dir / "timeline" / "trainer.jsonl") if e["event"] == "group"]
@@ -384,7 +385,7 @@ def test_dynamic_sampling_trains_only_on_groups_with_reward_variance(tmp_path):
     rows, _ = _run(run_dir, "num_steps=4", "task.sft_warmup_steps=40", "algorithm.dynamic_sampling=true",
                    "algorithm.dynamic_sampling_max_rounds=8", "algorithm.filter_zero_variance=true",
                    "rollout.max_new_tokens=24")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert sum(r["dynamic_sampling/rejected"] for r in rows) > 0
     within = [r for r in rows if r["dynamic_sampling/exhausted"] == 0]
     assert within, "every step hit the refusal limit"
@@ -401,7 +402,7 @@ def test_agent_episodes_come_from_the_generator(tmp_path):
     logs their agent metrics and the generator's scheduler metrics (`sched/...`) as colocated mode
     does and trains on them within the staleness bound (the entropy bonus makes the policy move
     every step, so stale episodes differ from the trainer's weights). With partial rollouts on,
-    updates land between turns; at step 0 the episodes' log-probs (model turns) equal the
+    updates land between turns; at step 1 the episodes' log-probs (model turns) equal the
     trainer's recomputed ones; the last step's evaluation plays episodes on the trainer's engine.
 
     The scheduler metrics are checked against the generator's own timeline: one generator and
@@ -420,7 +421,8 @@ def test_agent_episodes_come_from_the_generator(tmp_path):
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # 0: the evaluation before any update
+    rows = rows[1:]
     ends = ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline", "partial")
     for r in rows:
         assert sum(r[f"agent/{s}"] for s in ends) == 16 and r["agent/dropped"] == 0
@@ -437,7 +439,7 @@ def test_agent_episodes_come_from_the_generator(tmp_path):
     assert len(groups) == 3 * 4 and all(g["step"] - min(g["versions"]) <= 1 for g in groups)
     generator = read_events(run_dir / "timeline" / "generator0.jsonl")
     assert [e["version"] for e in generator if e["event"] == "weights"] == [0, 1, 2]
-    for step, r in enumerate(rows):
+    for step, r in enumerate(rows):  # the timeline's step: the steps done before
         # nothing is cut in this mode (no over-sampling, no step deadline) and no sandbox holds episodes back
         assert (r["sched/aborted"], r["sched/deadline"], r["sched/partial"]) == (0, 0, 0)
         assert r["sched/backpressure_wait_s"] == 0 and "sched/wall_s" not in r

@@ -56,15 +56,15 @@ def test_the_best_checkpoint_is_named_by_its_logged_metric(evaluated):
     """checkpoint.keep_best: each checkpoint's meta.json carries the metrics of the step it was saved after,
     and checkpoints/best names the one with the highest eval/accuracy (ties: the later step)."""
     run, _, _ = evaluated
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    for row in rows:
-        meta = json.loads((run / "checkpoints" / f"step_{row['step'] + 1:08d}" / "meta.json").read_text())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]  # 0: before RL
+    for row in rows:  # the checkpoint after step k: step_k
+        meta = json.loads((run / "checkpoints" / f"step_{row['step']:08d}" / "meta.json").read_text())
         assert meta["metrics"]["eval/accuracy"] == row["eval/accuracy"] and meta["metrics"]["loss"] == row["loss"]
     best = max(rows, key=lambda r: (r["eval/accuracy"], r["step"]))
-    assert (run / "checkpoints" / "best").read_text().strip() == f"step_{best['step'] + 1:08d}"
+    assert (run / "checkpoints" / "best").read_text().strip() == f"step_{best['step']:08d}"
     from megatron_rl.evaluation.runner import resolve_checkpoints
 
-    assert [c.name for c in resolve_checkpoints(run, ["best"])] == [f"step_{best['step'] + 1:08d}"]
+    assert [c.name for c in resolve_checkpoints(run, ["best"])] == [f"step_{best['step']:08d}"]
 
 
 def test_outputs_and_records(evaluated):
@@ -136,7 +136,7 @@ def test_seed_zero_reproduces_training_time_evaluation(evaluated):
     summary = json.loads((out / "summary.json").read_text())
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for ckpt in summary["checkpoints"]:
-        row = next(r for r in logged if r["step"] == ckpt["step"] - 1)  # evaluated after step `step`
+        row = next(r for r in logged if r["step"] == ckpt["step"])  # evaluated after step `step`
         metrics = ckpt["sets"]["heldout"]["metrics"]
         assert metrics["accuracy"]["per_seed"]["0"] == pytest.approx(row["eval/accuracy"], abs=1e-12)
         assert metrics[f"pass@{SAMPLES}"]["per_seed"]["0"] == pytest.approx(row["eval/pass@k"], abs=1e-12)
@@ -246,7 +246,7 @@ def test_multi_domain_run_per_domain_breakdown(tmp_path):
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [c["name"] for c in summary["checkpoints"]] == ["step_00000001", "step_00000002"]
     for ckpt in summary["checkpoints"]:
-        row = next(r for r in logged if r["step"] == ckpt["step"] - 1)
+        row = next(r for r in logged if r["step"] == ckpt["step"])
         for domain, got in ckpt["sets"]["heldout"]["domains"].items():
             mine = _by(records, checkpoint=ckpt["name"], domain=domain, seed=0)
             assert got["metrics"]["accuracy"]["per_seed"]["0"] == pytest.approx(

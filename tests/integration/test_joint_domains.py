@@ -88,8 +88,10 @@ def _run(args: list[str], run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, start) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("joint")
-    return {cal: _run(_args(root / cal, start, cal, "task.eval_every=0", "checkpoint.save_at_end=false"), root / cal)
+    runs = {cal: _run(_args(root / cal, start, cal, "task.eval_every=0", "checkpoint.save_at_end=false"), root / cal)
             for cal in ("none", "running")}
+    assert all(rows[0]["step"] == 0 and "reward/mean" not in rows[0] for rows in runs.values())  # before updates
+    return {cal: rows[1:] for cal, rows in runs.items()}
 
 
 def _ratio(row: dict) -> float:
@@ -98,7 +100,7 @@ def _ratio(row: dict) -> float:
 
 def test_every_step_logs_both_domains(runs):
     for rows in runs.values():
-        assert [r["step"] for r in rows] == list(range(STEPS))
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         for r in rows:
             assert r["domain/a/count"] == r["domain/b/count"] == 32  # 1:1 mixture of 8 groups of 8
             assert r["domain/a/share"] == r["domain/b/share"] == 0.5 and r["domain/a/paused"] == 0
@@ -130,7 +132,7 @@ def test_first_step_advantages_are_the_raw_ones_over_each_domains_reward_std(run
     none, running = runs["none"][0], runs["running"][0]
     for d, scale in (("a", 1.0), ("b", SCALE)):
         mean = none[f"domain/{d}/reward_mean"]
-        assert running[f"domain/{d}/reward_mean"] == mean  # step 0 drew the same samples in both runs
+        assert running[f"domain/{d}/reward_mean"] == mean  # step 1 drew the same samples in both runs
         p = mean / scale
         std = scale * math.sqrt(p * (1 - p))  # population std of rewards in {0, scale}, success rate p
         assert running[f"domain/{d}/calib_std"] == pytest.approx(std, rel=1e-9)
@@ -141,9 +143,9 @@ def test_a_joint_run_resumes_exactly_after_sigkill(tmp_path, start):
     common = ["checkpoint.save_every=1", "task.eval_every=1", "algorithm.domain_pause_window=2"]
     reference = _run(_args(tmp_path / "reference", start, "running", *common), tmp_path / "reference")
     args = _args(tmp_path / "resumed", start, "running", *common)
-    run_until_killed(args, tmp_path / "resumed", lines=2)
+    run_until_killed(args, tmp_path / "resumed", lines=3)  # step 0's evaluation and two steps
     resumed = _run(args, tmp_path / "resumed")
-    assert [r["step"] for r in resumed] == list(range(STEPS))
+    assert [r["step"] for r in resumed] == list(range(STEPS + 1))
     for want, got in zip(reference, resumed, strict=True):
         keys = [k for k in want if k.startswith(("domain/", "eval/", "reward/mean", "loss", "grad_norm"))]
         assert keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}, want["step"]

@@ -85,7 +85,8 @@ def test_dataset_chat_template_dynamic_sampling_and_filters(tmp_path, start):
     proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # 0: the evaluation before any update
+    rows, evaluated = rows[1:], rows
     target = 32 // 4
     for r in rows:
         assert 1 <= r["dynamic_sampling/rounds"] <= 3
@@ -99,7 +100,7 @@ def test_dataset_chat_template_dynamic_sampling_and_filters(tmp_path, start):
     # The warm start taught the chat format: responses end with the end-of-turn token, well
     # before the length limit, so the overlong filter has (almost) nothing to drop.
     assert sum(r["filter/overlong_dropped"] for r in rows) <= 0.25 * sum(4 * target for _ in rows)
-    assert rows[-1]["eval/accuracy"] >= 0.0 and "held-out accuracy" in proc.stderr
+    assert evaluated[-1]["eval/accuracy"] >= 0.0 and "held-out accuracy" in proc.stderr
 
 
 REWARD_MODULE = '''
@@ -129,7 +130,7 @@ def test_a_reward_function_by_path_and_critic_free_ppo(tmp_path, start):
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows, calls = _metrics(run_dir), [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and len(calls) == 16
+    assert [r["step"] for r in rows] == [1, 2] and len(calls) == 16  # no held-out prompts: no step 0 row
     assert all(set(c["sample"]) == {"question", "answer", "response"} for c in calls)
     for step, row in enumerate(rows):
         mine = calls[8 * step: 8 * step + 8]
@@ -169,22 +170,22 @@ def test_dumped_rollouts_replay_the_same_updates_without_generating(tmp_path, st
     trains on them without a rollout phase and logs the same update metrics, bit for bit on CPU. (An
     evaluation after some steps runs the colocated rollout; a replayed step must not report its timings.)"""
     dumped, replayed = uninterrupted, tmp_path / "replayed"
-    lines = [json.loads(line) for line in (dumped / "rollouts" / "step_00000001.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (dumped / "rollouts" / "step_00000002.jsonl").read_text().splitlines()]
     assert len(lines) == 32 and all(len(r["output_ids"]) == len(r["logprobs"]) for r in lines)
     assert all(r["response_text"] for r in lines) and {r["prompt_index"] for r in lines} == set(range(8))
     again = subprocess.run(_args(replayed, start, *UNINTERRUPTED, f"rollout.replay_dir={dumped / 'rollouts'}"),
                            env=_env(), capture_output=True, text=True, timeout=800)
     assert again.returncode == 0, again.stderr[-4000:]
-    for want, got in zip(_metrics(dumped), _metrics(replayed), strict=True):
+    for want, got in zip(_metrics(dumped)[1:], _metrics(replayed)[1:], strict=True):  # row 0: evaluation only
         assert "time/sync_weights" in want and "time/sync_weights" not in got  # nothing generated
-        for key in ("reward/mean", "loss", "grad_norm", "ppo_kl", "entropy", "response_length/mean",
+        for key in ("reward/mean", "loss", "grad_norm", "kl/policy_old_new", "entropy", "response_length/mean",
                     "rollout/logprob_mismatch", "kl_reward/coef", "kl_reward/kl", *CRITIC_KEYS):
             assert _same(got[key], want[key]), (want["step"], key, got[key], want[key])
     too_far = subprocess.run(_args(tmp_path / "far", start, f"num_steps={STEPS + 1}", "task.num_eval=4",
                                    f"rollout.replay_dir={dumped / 'rollouts'}"),
                              env=_env(), capture_output=True, text=True, timeout=120)
     assert too_far.returncode != 0
-    assert f"has no rollouts of step {STEPS} (it holds steps 0..{STEPS - 1})" in too_far.stderr
+    assert f"has no rollouts of step {STEPS + 1} (it holds steps 1..{STEPS})" in too_far.stderr
 
 
 def test_the_reference_policy_follows_the_policy_every_step(tmp_path, start, uninterrupted):
@@ -196,9 +197,9 @@ def test_the_reference_policy_follows_the_policy_every_step(tmp_path, start, uni
                                 "algorithm.kl_estimator=k1", "algorithm.num_inner_updates=1",
                                 "algorithm.ref_update_every=1"), env=_env(), capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [r["kl"] for r in _metrics(moving)] == [0.0, 0.0, 0.0]
-    fixed = _metrics(uninterrupted)
-    assert fixed[0]["kl"] == 0.0 and all(r["kl"] != 0.0 for r in fixed[1:])
+    assert [r["kl/ref"] for r in _metrics(moving)] == [0.0, 0.0, 0.0]
+    fixed = _metrics(uninterrupted)[1:]  # row 0: the evaluation before any update
+    assert fixed[0]["kl/ref"] == 0.0 and all(r["kl/ref"] != 0.0 for r in fixed[1:])
 
 
 def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, start, uninterrupted):
@@ -213,18 +214,19 @@ def test_rl_loop_resumes_exactly_after_sigkill(tmp_path, start, uninterrupted):
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resumed from" in again.stderr
     reference, resumed = _metrics(uninterrupted), _metrics(resumed_dir)
-    assert [r["step"] for r in resumed] == list(range(STEPS))
-    for want, got in zip(reference, resumed, strict=True):
-        for key in ("reward/mean", "loss", "grad_norm", "ppo_kl", "kl", "entropy", "response_length/mean",
-                    "weight_version", "kl_reward/coef", "kl_reward/kl", *CRITIC_KEYS):
+    assert [r["step"] for r in resumed] == list(range(STEPS + 1))
+    assert resumed[0] == reference[0]  # the evaluation before any update
+    for want, got in zip(reference[1:], resumed[1:], strict=True):
+        for key in ("reward/mean", "loss", "grad_norm", "kl/policy_old_new", "kl/ref", "entropy",
+                    "response_length/mean", "weight_version", "kl_reward/coef", "kl_reward/kl", *CRITIC_KEYS):
             assert _same(got[key], want[key]), (want["step"], key, got[key], want[key])
         assert got.get("eval/accuracy") == want.get("eval/accuracy")
-    coefs = [r["kl_reward/coef"] for r in reference]
+    coefs = [r["kl_reward/coef"] for r in reference[1:]]
     assert coefs[0] == 0.05 and len(set(coefs)) == STEPS  # it moved every step
 
 
 def test_a_new_critic_changes_nothing_until_it_has_learned(tmp_path, start, uninterrupted):
-    """The critic starts with a zero value head: its values are exactly 0 at step 0, so that step's update
+    """The critic starts with a zero value head: its values are exactly 0 at step 1, so that step's update
     is the critic-free GAE's, bit for bit (same loss, gradient norm, clipping); then it learns (values move,
     its loss is finite) and its own metrics are logged every step."""
     free = tmp_path / "critic_free"
@@ -232,7 +234,7 @@ def test_a_new_critic_changes_nothing_until_it_has_learned(tmp_path, start, unin
     proc = subprocess.run([*args, "num_steps=1", "checkpoint.save_every=0", "logging.dump_rollouts=false"],
                           env=_env(), capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    (want,), rows = _metrics(free), _metrics(uninterrupted)
+    (_, want), rows = _metrics(free), _metrics(uninterrupted)[1:]  # row 0: the evaluation before any update
     assert "critic/value_loss" not in want
     for key in ("loss", "pg_loss", "grad_norm", "clip_frac", "entropy", "reward/mean"):
         assert rows[0][key] == want[key], (key, rows[0][key], want[key])
@@ -243,13 +245,13 @@ def test_a_new_critic_changes_nothing_until_it_has_learned(tmp_path, start, unin
 
 
 def test_critic_warmup_trains_the_critic_alone(tmp_path, start, uninterrupted):
-    """algorithm.critic_warmup_steps=1: step 0 updates the critic exactly as the uninterrupted run's step 0
-    did (same rollouts, same critic) and leaves the policy alone (no policy metrics); step 1 updates both."""
+    """algorithm.critic_warmup_steps=1: step 1 updates the critic exactly as the uninterrupted run's step 1
+    did (same rollouts, same critic) and leaves the policy alone (no policy metrics); step 2 updates both."""
     warmup = tmp_path / "warmup"
     proc = subprocess.run([*_args(warmup, start, *PPO), "num_steps=2", "task.num_eval=0",
                            "algorithm.critic_warmup_steps=1"], env=_env(), capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows, want = _metrics(warmup), _metrics(uninterrupted)[0]
+    rows, want = _metrics(warmup), _metrics(uninterrupted)[1]
     assert "pg_loss" not in rows[0] and "pg_loss" in rows[1]
     assert "tokens_per_s" not in rows[0] and rows[1]["tokens_per_s"] > 0  # no policy update: no throughput
     for key in CRITIC_KEYS:
@@ -303,13 +305,13 @@ def test_env_pool_retires_trivial_tasks_and_the_audit_writes_reviews(tmp_path):
             "logging.progress=false"]
     proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows_out = _metrics(run_dir)
+    rows_out = _metrics(run_dir)[1:]  # row 0: the evaluation before any update
     solved = [r["reward/mean"] for r in rows_out]
     assert max(solved) >= 0.25, solved  # the warm start taught the constant answer (often)
     retired = [r["env_pool/retired_total"] for r in rows_out]
     assert retired == sorted(retired) and retired[-1] > 0 and "env pool: retired" in proc.stderr
     assert rows_out[-1]["env_pool/queue"] == 20 - retired[-1]
     audits = sorted((run_dir / "audit").glob("step_*.jsonl"))
-    assert [a.name for a in audits] == ["step_00000000.jsonl", "step_00000001.jsonl", "step_00000002.jsonl"]
+    assert [a.name for a in audits] == ["step_00000001.jsonl", "step_00000002.jsonl", "step_00000003.jsonl"]
     records = [json.loads(line) for line in audits[-1].read_text().splitlines()]
     assert len(records) == 3 and [r["reward"] for r in records] == sorted((r["reward"] for r in records), reverse=True)

@@ -34,7 +34,7 @@ def test_training_continues_when_one_of_two_sandbox_servers_dies(tmp_path):
         proc = subprocess.Popen(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300
-        while len(read_metrics(run_dir)) < 2:
+        while len(read_metrics(run_dir)) < 3:  # step 0's evaluation and two steps
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -43,7 +43,8 @@ def test_training_continues_when_one_of_two_sandbox_servers_dies(tmp_path):
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-3000:]
         rows = read_metrics(run_dir)
-        assert [r["step"] for r in rows] == list(range(STEPS))
+        assert [r["step"] for r in rows] == list(range(STEPS + 1))  # 0: the evaluation before any update
+        rows = rows[1:]
         assert all(r["reward/verifier_errors"] == 0 for r in rows)
         assert all(r["reward/verifier_calls"] > 0 for r in rows[2:])
         assert sandbox_health(survivor.address).executions_finished > served_before, "the survivor took over"

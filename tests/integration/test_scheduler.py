@@ -184,7 +184,7 @@ def test_rl_loop_with_async_agent_rollouts_oversampling_and_traces(tmp_path, npr
                           capture_output=True, text=True, timeout=250)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]  # no held-out prompts: no evaluation at step 0
     for r in rows:
         assert r["filter/kept_samples"] == 8  # 4 complete groups of 2, every step
         assert r["sched/groups_cut"] == 2 and 0 < r["sched/engine_busy"] <= 1

@@ -9,7 +9,7 @@ writes, and its log-probs are the trainer's (a Mixtral with the same scaling, wh
 ignores it, was 0.49 off: refused, rollout.md).
 
 What is judged, from the run's metrics and logs:
-- the first update of every step has importance ratio 1 (`ppo_kl_first_update == 0`: old
+- the first update of every step has importance ratio 1 (`kl/policy_old_new_first_update == 0`: old
   log-probs are the trainer's own forward, recomputed before the update);
 - the trainer's recomputed log-probs of the tokens SGLang sampled equal SGLang's own
   (`rollout/logprob_mismatch`, max over every sampled token) within LOGPROB_ATOL, the tolerance
@@ -17,7 +17,7 @@ What is judged, from the run's metrics and logs:
   different attention kernels and summation order; measured ~1e-6 here, real mistakes such as
   stale weights, the wrong temperature or an off-by-one position cost 1e-2 or more);
 - the weight version advances at every step, and the engine follows the updates: a step's
-  second inner update shows how far its first optimizer step moved the policy (`ppo_kl` of the
+  second inner update shows how far its first optimizer step moved the policy (`kl/policy_old_new` of the
   last update; 0.3 here with lr 1e-3), yet the next step's samples match the trainer to
   LOGPROB_ATOL, which an engine left on the previous weights could not.
 
@@ -79,8 +79,10 @@ def _train(run_dir: Path, *overrides: str, task: str = "task=math") -> list[dict
     # processes leaked, its job)
     assert "process died unexpectedly" not in proc.stderr and "KeyError" not in proc.stderr, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] > 0]  # row 0: the evaluation before any update
     print(f"\n[sglang rl loop] {wall:.0f}s; per step: " + "; ".join(
-        f"v{r['weight_version']:.0f} mismatch {r['rollout/logprob_mismatch']:.2e} kl {r['ppo_kl']:.2e}" for r in rows))
+        f"v{r['weight_version']:.0f} mismatch {r['rollout/logprob_mismatch']:.2e} kl {r['kl/policy_old_new']:.2e}"
+        for r in rows))
     return rows
 
 
@@ -92,11 +94,11 @@ def run(tmp_path_factory):
 
 def test_the_loop_ran_with_sglang(run):
     run_dir, rows = run
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "starting SGLang engine" in log and "'load_format': 'dummy'" in log
     # the job's own log survives SGLang's start-up (which reconfigures logging) up to the end
-    assert "training reward: first 10% of steps" in log
+    assert "training reward " in log and " over step 1 -> " in log
     rope = json.loads((run_dir / "rollout_model_rank0" / "config.json").read_text())["rope_parameters"]
     assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 32)
     assert all(r["reward/verifier_errors"] == 0 for r in rows)
@@ -104,7 +106,7 @@ def test_the_loop_ran_with_sglang(run):
 
 def test_first_update_has_importance_ratio_one(run):
     _, rows = run
-    assert [r["ppo_kl_first_update"] for r in rows] == [0.0] * 4
+    assert [r["kl/policy_old_new_first_update"] for r in rows] == [0.0] * 4
 
 
 def test_rollout_logprobs_match_the_trainer(run):
@@ -117,11 +119,11 @@ def test_weight_version_advances_and_the_engine_follows_updates(run):
     _, rows = run
     # v1 is the evaluation before RL (one sync per rollout); then one sync per step
     assert [r["weight_version"] for r in rows] == [2, 3, 4, 5]
-    # ppo_kl of the second inner update = how far the first optimizer step moved the policy
+    # kl/policy_old_new of the second inner update = how far the first optimizer step moved the policy
     # (0 when every group's rewards tie: no advantage, no gradient). After a step that moved it
     # by far more than the tolerance, the next step's samples still match the trainer.
-    moved = [i for i, r in enumerate(rows[:-1]) if r["ppo_kl"] > 1e-3]
-    assert moved, [r["ppo_kl"] for r in rows]
+    moved = [i for i, r in enumerate(rows[:-1]) if r["kl/policy_old_new"] > 1e-3]
+    assert moved, [r["kl/policy_old_new"] for r in rows]
     for i in moved:
         assert rows[i + 1]["rollout/logprob_mismatch"] < LOGPROB_ATOL
 
@@ -141,10 +143,10 @@ def test_lora_adapters_alone_reach_sglang(tmp_path):
     assert log.count("adapter sync v") == 4  # evaluation before RL, two steps, evaluation after
     adapter_bytes, _ = sync_sizes()
     assert [r["sync/bytes"] for r in rows] == [adapter_bytes] * 2
-    assert rows[0]["ppo_kl"] > 1e-3, rows[0]["ppo_kl"]  # the first step moved the adapters ...
+    assert rows[0]["kl/policy_old_new"] > 1e-3, rows[0]["kl/policy_old_new"]  # the first step moved the adapters ...
     for r in rows:  # ... and the next step's samples still match
         assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
-        assert r["ppo_kl_first_update"] == 0.0
+        assert r["kl/policy_old_new_first_update"] == 0.0
 
 
 @pytest.mark.parametrize("model", ["tiny_qwen3_moe", "tiny_mixtral", "tiny_glm4_moe"])
@@ -157,10 +159,10 @@ def test_mixtures_of_experts_match_the_trainer(tmp_path, model):
     that, SGLang sampled from a random head (mismatch ~4). Qwen2-MoE and gpt-oss do not run on SGLang's CPU
     path (docs/rollout.md)."""
     rows = _train(tmp_path / "run", f"model={model}", "num_steps=2", "algorithm.entropy_coef=0.1")
-    assert rows[0]["ppo_kl"] > 1e-3, rows[0]["ppo_kl"]  # whatever the rewards, the first step moved the policy ...
+    assert rows[0]["kl/policy_old_new"] > 1e-3, rows[0]["kl/policy_old_new"]  # whatever the rewards, the first step moved the policy ...
     for r in rows:  # ... and both steps' samples match the trainer
         assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
-        assert r["ppo_kl_first_update"] == 0.0
+        assert r["kl/policy_old_new_first_update"] == 0.0
 
 
 def test_disaggregated_generators_run_sglang(tmp_path):
@@ -200,7 +202,7 @@ def test_agent_episodes_match_the_trainer(tmp_path, scheduler):
     rows = _train(tmp_path / "run", "num_steps=2", "task.sft_warmup_steps=60", "task.num_eval=0",
                   "rollout.n_samples_per_prompt=4", f"rollout.agent_scheduler={scheduler}",
                   "algorithm.entropy_coef=0.1", task="+experiment=demo_agent_countdown")
-    assert rows[0]["ppo_kl"] > 1e-3, rows[0]["ppo_kl"]  # whatever the rewards, the first step moved the policy
+    assert rows[0]["kl/policy_old_new"] > 1e-3, rows[0]["kl/policy_old_new"]  # whatever the rewards, the first step moved the policy
     ends = ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline", "partial")
     for r in rows:
         assert sum(r[f"agent/{s}"] for s in ends) == 32 and r["agent/dropped"] == 0

@@ -195,3 +195,58 @@ def test_metrics_to_wandb_offline_continue_one_run_across_restarts(tmp_path, mon
     runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
     # one directory per start, named by the second it started in (two starts in one second share it)
     assert 1 <= len(runs) <= 2 and all((r / f"run-{run_id}.wandb").stat().st_size > 0 for r in runs)
+
+
+# ---------------------------------------------------------------- rank-local metrics and the run summary
+
+
+def test_rank_local_metrics_combine_by_what_they_are():
+    """Counts add up, a sandbox client's mean latency is weighted by its calls, maxima take the largest;
+    metrics every rank holds alike are left out (the caller keeps its own), and a rank without a key
+    (no sandbox call) adds nothing to it."""
+    from megatron_rl.observability.reduce import combine
+
+    rank0 = {"reward/unscored": 0.0, "reward/verifier_errors": 0.0, "reward/verifier_calls": 2.0,
+             "sandbox/training/calls": 3.0, "sandbox/training/latency_mean_s": 1.0,
+             "sandbox/training/wait_max_s": 4.0, "sandbox/training/wait_p95_s": 2.0, "reward/mean": 0.25,
+             "sandbox/servers_up": 2.0, "time/generate": 1.0}
+    rank1 = {"reward/unscored": 8.0, "reward/verifier_errors": 8.0, "reward/verifier_calls": 2.0,
+             "sandbox/training/calls": 1.0, "sandbox/training/latency_mean_s": 5.0,
+             "sandbox/training/wait_max_s": 3.0, "sandbox/training/wait_p95_s": 3.0, "reward/mean": 0.75}
+    rank2 = {"reward/unscored": 1.0, "reward/verifier_errors": 0.0, "reward/verifier_calls": 1.0}
+    assert combine([rank0, rank1, rank2]) == {
+        "reward/unscored": 9.0, "reward/verifier_errors": 8.0, "reward/verifier_calls": 5.0,
+        "sandbox/training/calls": 4.0, "sandbox/training/latency_mean_s": (3 * 1.0 + 1 * 5.0) / 4,
+        "sandbox/training/wait_max_s": 4.0, "sandbox/training/wait_p95_s": 3.0}
+
+
+def test_reduce_over_ranks_without_a_process_group_is_the_identity():
+    from megatron_rl.observability.reduce import reduce_over_ranks
+
+    metrics = {"reward/unscored": 3.0, "reward/mean": 0.5}
+    assert reduce_over_ranks(metrics) == metrics
+
+
+def _rows(rewards: list[float], evals: dict[int, float]) -> list[dict]:
+    """metrics.jsonl rows: step 0's evaluation, then one row per step (with its evaluation, if any)."""
+    rows = [{"step": 0, "eval/accuracy": evals[0]}] if 0 in evals else []
+    for step, reward in enumerate(rewards, start=1):
+        rows.append({"step": step, "reward/mean": reward, **({"eval/accuracy": evals[step]} if step in evals else {})})
+    return rows
+
+
+def test_the_run_summary_names_the_steps_it_averages():
+    from megatron_rl.observability.summary import rl_summary
+
+    rows = _rows([0.1, 0.3] + [0.5] * 16 + [0.6, 0.8], {0: 0.25, 10: 0.4, 20: 0.5})
+    assert rl_summary(rows, 0) == ("training reward 0.200 over steps 1-2 -> 0.700 over steps 19-20 (x3.50); "
+                                   "held-out accuracy 0.250 at step 0 -> 0.500 at step 20")
+    assert rl_summary(rows, 30).endswith("0.250 at step 0 (after a 30-step warm start) -> 0.500 at step 20")
+
+
+def test_the_run_summary_of_few_steps_and_a_zero_start():
+    from megatron_rl.observability.summary import rl_summary
+
+    assert rl_summary(_rows([0.0, 0.5, 1.0], {}), 10) == "training reward 0.000 over step 1 -> 1.000 over step 3"
+    assert rl_summary(_rows([], {0: 0.5}), 10) == "held-out accuracy 0.500 at step 0 (after a 10-step warm start)"
+    assert rl_summary([], 0) == ""

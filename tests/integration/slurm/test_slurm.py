@@ -88,7 +88,7 @@ class Job:
 
     def wait_for_steps(self, num: int, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
-        while len(self.metrics()) < num:
+        while len([m for m in self.metrics() if m["step"] > 0]) < num:  # row 0: the evaluation before RL
             assert not self.finished(), f"the job ended early:\n{self.log()[-4000:]}"
             assert time.monotonic() < deadline, f"no {num} steps within {timeout}s:\n{self.log()[-4000:]}"
             time.sleep(0.1)
@@ -116,8 +116,8 @@ def test_het_job_trains_with_rewards_from_the_cpu_component(slurm_env, tmp_path)
               [*TINY, "num_steps=4", "task.sft_warmup_steps=30", "checkpoint.save_every=2"])
     assert job.wait() == 0, job.log()[-6000:]
     rows = job.metrics()
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert all(r["reward/verifier_calls"] > 0 and r["reward/verifier_errors"] == 0 for r in rows)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # 0: the evaluation before any update
+    assert all(r["reward/verifier_calls"] > 0 and r["reward/verifier_errors"] == 0 for r in rows[1:])
     # The rewards came from the het component's server on c2: its log counts the executions,
     # and no rank started a server of its own.
     sandbox_log = (job.run_dir / "logs" / "sandbox-c2.log").read_text()
@@ -190,7 +190,7 @@ def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_en
     log = job.log()
     stopped = int(re.search(r"stopped after step (\d+) on SIGUSR1: requeueing", log).group(1))
     assert 2 <= stopped < steps
-    assert [r["step"] for r in job.metrics()] == list(range(steps)), "every step exactly once"
+    assert [r["step"] for r in job.metrics()] == list(range(steps + 1)), "every step exactly once"
     rank0 = (job.run_dir / "logs" / "rank0.log").read_text()
     assert f"resumed from {job.run_dir}/checkpoints/step_{stopped:08d}" in rank0
     assert "training finished" in log and not (job.run_dir / "preempted.json").exists()
@@ -217,7 +217,7 @@ def test_scancel_checkpoints_within_killwait_and_a_resubmission_resumes(slurm_en
     assert f"stopped after step {stopped} on SIGTERM; the next start of this job" in log, log[-6000:]
     assert "requeueing" not in log
     assert (job.run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
-    assert [r["step"] for r in job.metrics()] == list(range(stopped))
+    assert [r["step"] for r in job.metrics()] == list(range(stopped + 1))
     sandbox = "".join(p.read_text() for p in (job.run_dir / "logs").glob("sandbox-c2*.log"))
     assert "got SIGTERM: serving on" in sandbox, sandbox
 
@@ -227,7 +227,7 @@ def test_scancel_checkpoints_within_killwait_and_a_resubmission_resumes(slurm_en
     assert again.wait() == 0, again.log()[-6000:]
     rank0 = (job.run_dir / "logs" / "rank0.log").read_text()
     assert f"resumed from {job.run_dir}/checkpoints/step_{stopped:08d}" in rank0
-    assert [r["step"] for r in job.metrics()] == list(range(steps)), "every step exactly once"
+    assert [r["step"] for r in job.metrics()] == list(range(steps + 1)), "every step exactly once"
     assert not (job.run_dir / "preempted.json").exists()
 
 
@@ -264,8 +264,8 @@ def test_disaggregated_generator_runs_on_a_node_of_its_own(slurm_env, tmp_path):
     assert "nodes c1=train, c2=generate" in log
     assert re.search(r"training step: srun .*--nodelist=c1 --ntasks=1", log), log[-4000:]
     assert re.search(r"generator step: srun .*--nodelist=c2 --ntasks=1", log), log[-4000:]
-    assert [r["step"] for r in job.metrics()] == [0, 1, 2]
-    assert job.metrics()[0]["rollout/logprob_mismatch"] <= 1e-4  # the generator has the trainer's weights
+    assert [r["step"] for r in job.metrics()] == [0, 1, 2, 3]
+    assert job.metrics()[1]["rollout/logprob_mismatch"] <= 1e-4  # the generator has the trainer's weights
     generator = (job.run_dir / "logs" / "generator0.log").read_text()
     assert "generator 0 of 1 on c2" in generator and "trainer at c1" in generator
     assert "generator 0 stops at weights v2" in generator
