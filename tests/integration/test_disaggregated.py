@@ -69,6 +69,12 @@ def one_step_off(tmp_path_factory):
     return run_dir, rows, seconds
 
 
+def _trained(metrics: Path) -> bool:
+    """Whether metrics.jsonl has a training step's row (row 0, the evaluation before any update, comes first)."""
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return any(line.endswith("}") and json.loads(line)["step"] > 0 for line in lines)
+
+
 def test_generation_and_training_overlap(one_step_off):
     run_dir, rows, _ = one_step_off
     trainer = read_events(run_dir / "timeline" / "trainer.jsonl")
@@ -150,7 +156,7 @@ def resumed(tmp_path_factory):
             time.sleep(0.2)
 
     try:
-        wait_for(lambda: metrics.exists() and metrics.read_text().strip(), "training step")
+        wait_for(lambda: _trained(metrics), "training step")
         pid = int(re.search(r"generator 0 of 1 on .* \(pid (\d+),", generator_log.read_text()).group(1))
         os.kill(pid, signal.SIGUSR1)
         wait_for(lambda: "generator 0 got SIGUSR1" in generator_log.read_text(), "word of SIGUSR1")
@@ -354,7 +360,7 @@ def test_a_generator_that_dies_stops_the_trainer_with_its_name(tmp_path):
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+        while not _trained(run_dir / "metrics.jsonl"):
             assert trainer.poll() is None and time.monotonic() < deadline, "no training step"
             time.sleep(0.2)
         generator.kill()
