@@ -88,7 +88,19 @@ def load_validated(overrides: Sequence[str], world_size: int | Callable[[Any], i
     """Compose + type the config, fill the architecture from `model.path`, validate for
     `world_size` ranks (or `world_size(cfg)`, when the config decides how many of the job's
     tasks train), then run the entry point's own `check(cfg)` (which raises ConfigError)."""
-    from megatron_rl.config import ConfigError, compose, to_typed, validate
+    from megatron_rl.config import validate
+
+    cfg = load_resolved(overrides)
+    validate(cfg, world_size(cfg) if callable(world_size) else world_size)
+    if check is not None:
+        check(cfg)
+    return cfg
+
+
+def load_resolved(overrides: Sequence[str]):
+    """The typed config with the architecture a run uses: `model.*` read from `model.path`'s config.json
+    (which overrides the preset's), every checkpoint tensor accounted for. Not validated otherwise."""
+    from megatron_rl.config import ConfigError, compose, to_typed
 
     cfg = to_typed(compose(overrides))
     path = cfg.model.path
@@ -111,10 +123,26 @@ def load_validated(overrides: Sequence[str], world_size: int | Callable[[Any], i
             check_tensor_names(path, cfg.model)
         except ValueError as exc:
             raise ConfigError(f"model.path={path}: {exc}") from None
-    validate(cfg, world_size(cfg) if callable(world_size) else world_size)
-    if check is not None:
-        check(cfg)
     return cfg
+
+
+def print_job_config(overrides: Sequence[str]) -> bool:
+    """`--cfg job`: the config a run would use, `model.*` from `model.path`'s config.json (Hydra's own print
+    shows the preset's architecture, e.g. llama3_8b's 32 layers for any Llama checkpoint). False when the
+    overrides do not resolve (a missing model.path, a bad checkpoint): the caller falls back to Hydra's."""
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config import ConfigError
+
+    try:
+        cfg = load_resolved(overrides)
+    except (ConfigError, ValueError) as exc:
+        print(f"(the model.* keys below are the preset's, not a checkpoint's: {exc})", file=sys.stderr)
+        return False
+    if cfg.model.path:
+        print(f"# model.* as read from {Path(cfg.model.path) / 'config.json'}")
+    print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+    return True
 
 
 def _world_size_for(cfg) -> int:
@@ -148,7 +176,10 @@ def start(argv: Sequence[str], job_name: str, check: Optional[Callable] = None) 
     from megatron_rl.config import ConfigError
 
     if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
-        run_hydra_cli(argv)
+        rest = [a for a in argv if a not in ("--cfg", "-c", "job")]
+        asks_job = any(a in ("--cfg", "-c") for a in argv) and "job" in argv and len(rest) == len(argv) - 2
+        if not (asks_job and not any(a.split("=")[0] in HYDRA_FLAGS for a in rest) and print_job_config(rest)):
+            run_hydra_cli(argv)
         return None
     overrides = list(argv)
     try:

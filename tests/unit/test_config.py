@@ -666,3 +666,24 @@ def test_dense_layers_have_one_spelling() -> None:
     """Checkpoints compare the layout: [2, 0] and [0, 2] are the same model."""
     model = load_config(["model=tiny_qwen3_moe", "model.moe_dense_layers=[2,0]"], world_size=1).model
     assert model.moe_dense_layers == [0, 2] and model.moe_layer_pattern == [0, 1, 0, 1]
+
+
+def test_cfg_job_shows_the_architecture_read_from_the_checkpoint(tmp_path, capsys):
+    """`--cfg job model=llama3_8b model.path=<a 3-layer Llama>` prints the 3 layers the run would build, not the
+    preset's 32 (Hydra's own print shows the preset); without a checkpoint it falls back to Hydra's print."""
+    import yaml
+
+    from megatron_rl import runtime
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.models.hf import build_hf_model
+
+    arch = dict(family="llama", num_layers=3, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                num_query_groups=2, vocab_size=128, tie_word_embeddings=False)
+    build_hf_model(ModelConfig(**arch), seed=0).save_pretrained(tmp_path / "ckpt")
+    assert runtime.start(["--cfg", "job", "model=llama3_8b", f"model.path={tmp_path / 'ckpt'}"], "megatron_rl.train") \
+        is None
+    shown = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert {k: shown[k] for k in arch if k != "family"} == {k: v for k, v in arch.items() if k != "family"}
+    assert runtime.start(["--cfg", "job", "model=llama3_8b"], "megatron_rl.train") is None
+    captured = capsys.readouterr()
+    assert "num_layers: 32" in captured.out and "the model.* keys below are the preset's" in captured.err
