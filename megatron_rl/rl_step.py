@@ -186,7 +186,7 @@ def _generate(rt, parts: dict, prompts: list, params: SamplingParams,
         return _generate_domains(rt, parts, prompts, params, training)
     if not task.is_agent:
         return collect(parts["engine"], prompts, params, parts["rewards"], rt.groups, _decode(parts["tokenizer"]),
-                       reward_timeout_s=_reward_wait(rt.cfg))
+                       num_chunks=rt.cfg.rollout.generate_chunks, reward_timeout_s=_reward_wait(rt.cfg))
     return _episodes(rt, parts, prompts, params, task.cfg, parts["rewards"], training)
 
 
@@ -243,7 +243,7 @@ def _generate_domains(rt, parts: dict, prompts: list, params: SamplingParams,
         mine = [prompts[i] for i in index]
         if not domain:
             got, stats = collect(parts["engine"], mine, params, rewards, rt.groups, _decode(parts["tokenizer"]),
-                                 reward_timeout_s=_reward_wait(rt.cfg))
+                                 num_chunks=rt.cfg.rollout.generate_chunks, reward_timeout_s=_reward_wait(rt.cfg))
         else:
             view = _DomainRewards(rewards.verifier.verifiers[domain], rewards.loop)
             got, stats = _episodes(rt, parts, mine, params, task.tasks[domain].cfg, view, training, targets.get(domain))
@@ -604,6 +604,8 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
         kept = [(r, a) for r, a in zip(rollouts, advantages) if a is not None]
         metrics.update(joint.step_metrics(step, [r for r, _ in kept],
                                           torch.tensor([a.mean().item() if a.numel() else 0.0 for _, a in kept])))
+    if metrics.get("time/generate_only"):  # single-turn rollouts: rank 0's engine, summed over dynamic sampling rounds
+        metrics["rollout/tokens_per_s"] = metrics.get("rollout/generated_tokens", 0.0) / metrics["time/generate_only"]
     if warming:  # the critic's warm-up: the policy trained on nothing, no throughput to report
         metrics.pop("tokens_per_s")
     metrics.update(_maintain(rt, parts, step, rollouts))

@@ -20,8 +20,9 @@ from megatron_rl import runtime
 logger = logging.getLogger(__name__)
 SUMMARY = {"reward/mean": "reward", "eval/accuracy": "eval", "kl/policy_old_new": "kl_old_new", "kl/ref": "kl_ref",
            "entropy": "ent", "clip_frac": "clip", "critic/value_loss": "vloss", "response_length/mean": "len",
-           "tokens_per_s": "tok/s", "time/step": "time"}
+           "rollout/tokens_per_s": "gen_tok/s", "tokens_per_s": "train_tok/s", "time/step": "time"}
 PLOTS = ["reward/mean", "eval/accuracy", "eval/pass@k", "kl/policy_old_new", "kl/ref", "entropy", "tokens_per_s",
+         "rollout/tokens_per_s",
          "time/step", "critic/value_loss", "critic/explained_variance"]
 
 
@@ -57,7 +58,8 @@ def build(rt, evaluation: bool = False):
         micro_batch_tokens=cfg.micro_batch_tokens, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, deterministic=cfg.deterministic,
         total_steps=cfg.num_steps * cfg.algorithm.num_inner_updates, pad_token_id=tokenizer.pad_token_id,
-        logprob_temperature=cfg.rollout.temperature, routing_replay=cfg.algorithm.routing_replay != "none")
+        logprob_temperature=cfg.rollout.temperature or 1.0,  # 0 (greedy): log-probs at temperature 1
+        routing_replay=cfg.algorithm.routing_replay != "none")
     trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, options)
     # PPO's value model: the policy's architecture with a value head, its weights copied from the policy
     # once RL starts (`start_critic`)

@@ -877,13 +877,18 @@ class RolloutConfig:
     tp: int = 1
     """Tensor-parallel size of one rollout engine."""
     temperature: float = 1.0
-    """Sampling temperature; > 0 (log-probs are computed at this temperature)."""
+    """Sampling temperature (log-probs are computed at this temperature); 0: greedy decoding (argmax, as in SGLang
+    and vLLM), its log-probs at temperature 1."""
     top_p: float = 1.0
     """Nucleus-sampling mass in (0, 1]; 1 disables it."""
     top_k: int = -1
     """Top-k sampling; -1 disables it."""
     max_new_tokens: int = 32
     """Longest response generated per sample."""
+    generate_chunks: int = 1
+    """Engine calls a rank's share of a step's prompts is split into (single-turn tasks). 1: one call, the engine's
+    best batching; N > 1: the rewards of the first chunks are computed while the next ones generate, worth it
+    when verification is slow against generation (sandboxed tests)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: a response ends with the token that completes one of them (the string is kept in
     the response and trained on). Training and evaluation; agent turns stop at them too. With the sglang
@@ -1004,10 +1009,8 @@ class RolloutConfig:
         if self.oversample and self.agent_scheduler != "async":
             raise _invalid("rollout.oversample", self.oversample, "needs rollout.agent_scheduler=async")
         _check_min("rollout.tp", self.tp, 1)
-        if self.temperature <= 0:
-            raise _invalid(
-                "rollout.temperature", self.temperature, "must be > 0; for near-greedy sampling use rollout.top_k=1"
-            )
+        _check_min("rollout.temperature", self.temperature, 0)  # 0: greedy
+        _check_min("rollout.generate_chunks", self.generate_chunks, 1)
         _check_unit_interval("rollout.top_p", self.top_p, low_open=True, high_open=False)
         if self.top_k != -1 and self.top_k < 1:
             raise _invalid("rollout.top_k", self.top_k, "must be -1 (disabled) or >= 1")
@@ -1331,7 +1334,8 @@ class TaskConfig:
     eval_samples: int = 4
     """Samples per held-out prompt at evaluation (pass@k uses k = this)."""
     eval_temperature: Optional[float] = None
-    """Sampling temperature of evaluation (training-time and `python -m megatron_rl.eval`); null: rollout's."""
+    """Sampling temperature of evaluation (training-time and `python -m megatron_rl.eval`); 0: greedy; null:
+    rollout's."""
     eval_top_p: Optional[float] = None
     """Evaluation's top_p; null: rollout.top_p."""
     eval_top_k: Optional[int] = None
@@ -1349,7 +1353,7 @@ class TaskConfig:
         _check_min("task.eval_every", self.eval_every, 0)
         _check_min("task.eval_samples", self.eval_samples, 1)
         if self.eval_temperature is not None:
-            _check_min("task.eval_temperature", self.eval_temperature, 0, strict=True)
+            _check_min("task.eval_temperature", self.eval_temperature, 0)  # 0: greedy
         if self.eval_top_p is not None:
             _check_unit_interval("task.eval_top_p", self.eval_top_p, low_open=True, high_open=False)
         if self.eval_top_k is not None and self.eval_top_k != -1 and self.eval_top_k < 1:

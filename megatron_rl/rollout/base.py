@@ -26,7 +26,7 @@ class EngineStateError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy (argmax), as in SGLang and vLLM; its log-probs are at temperature 1
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k truncation
     max_new_tokens: int = 32
@@ -36,10 +36,19 @@ class SamplingParams:
     seed: Optional[int] = None
     return_routing: bool = False  # a mixture of experts: each Generation's `routing` (rollout routing replay)
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the log-probs of the sampled tokens are computed at: the sampling temperature, or 1 for
+        greedy decoding (SGLang's greedy path reports them so)."""
+        return self.temperature or 1.0
+
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0 (greedy decoding is temperature -> 0; "
-                             "use a small value)")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy decoding)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.max_new_tokens < 1 or self.n < 1:

@@ -3,8 +3,8 @@ rewards, overlapping reward computation with generation.
 
 Each data-parallel rank generates for its contiguous share of the prompts (ranks of one
 model-parallel group, context-parallel ranks included, generate identically: same weights,
-same seed) in chunks; as soon as a chunk is generated its rewards are submitted to the reward service, and the
-next chunk generates meanwhile. The first rank of each model-parallel group contributes its share to
+same seed), in one engine call or in chunks (rollout.generate_chunks); as soon as a chunk is generated its
+rewards are submitted to the reward service, and the next chunk generates meanwhile. The first rank of each model-parallel group contributes its share to
 an all-gather, so every rank ends with the whole batch in prompt order.
 """
 
@@ -99,8 +99,10 @@ def _share(num: int, parts: int, index: int) -> range:
 
 
 def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_service: Any, groups: Any,
-            decode, num_chunks: int = 4, reward_timeout_s: float = 300.0) -> tuple[list[Rollout], dict[str, float]]:
-    """Completions and rewards for `prompts` (objects with `.tokens` and `.meta`), on every rank."""
+            decode, num_chunks: int = 1, reward_timeout_s: float = 300.0) -> tuple[list[Rollout], dict[str, float]]:
+    """Completions and rewards for `prompts` (objects with `.tokens` and `.meta`), on every rank; this rank's share
+    in `num_chunks` engine calls (rollout.generate_chunks). Its metrics: `rollout/generated_tokens`, the response
+    tokens this rank's engine generated in `time/generate_only` seconds (rewards not included)."""
     mine = _share(len(prompts), groups.dp_size, groups.dp_rank)
     local: list[Rollout] = []
     pending: list[tuple[int, concurrent.futures.Future]] = []
@@ -143,6 +145,7 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
             else:
                 local[offset + k].reward = score
     wait = time.perf_counter() - start
+    generated = sum(len(r.output_ids) for r in local)
     return gather_rollouts(local if first_mp_rank else None), {
-        "time/generate_only": gen_time, "time/reward_wait": wait, "reward/timeouts": float(timeouts),
+        "rollout/generated_tokens": float(generated), "time/generate_only": gen_time, "time/reward_wait": wait, "reward/timeouts": float(timeouts),
         "reward/failed_batches": float(failures), "reward/unscored": float(unscored)}

@@ -287,15 +287,20 @@ class HFEngine:
         start = time.perf_counter()
         strings = dict(stop_strings=list(params.stop), tokenizer=self.tokenizer) if params.stop else {}
         with _RoutingCapture(self.model, len(jobs)) if params.return_routing else contextlib.nullcontext() as capture:
+            sampling = (dict(do_sample=False, temperature=None, top_p=None, top_k=None) if params.greedy else  # argmax
+                        dict(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                             top_k=params.top_k if params.top_k > 0 else 0))
             result = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
-                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **sampling,
                 max_new_tokens=params.max_new_tokens, eos_token_id=stop, pad_token_id=self.pad_token_id,
                 output_logits=True, return_dict_in_generate=True, **strings)
-        new = result.sequences[:, width:].cpu()
-        # Raw logits of each step -> the sampling distribution before truncation.
-        logits = torch.stack(result.logits, dim=1).float().cpu() / params.temperature
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        new = result.sequences[:, width:]
+        # Raw logits of each step -> the sampling distribution before truncation; the chosen token's
+        # log-prob per step, without stacking every step's full-vocabulary logits
+        logprobs = torch.stack([
+            torch.log_softmax(step.float() / params.logprob_temperature, dim=-1).gather(-1, new[:, t, None])[:, 0]
+            for t, step in enumerate(result.logits)], dim=1).cpu() if result.logits else torch.zeros(len(jobs), 0)
+        new = new.cpu()
         generations = []
         for row, (prompt_index, _) in enumerate(jobs):
             tokens = new[row].tolist()
