@@ -628,12 +628,8 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
         host = args.address.rsplit(":", 1)[0]
         address = f"{socket.gethostname() if host in ('0.0.0.0', '[::]') else host}:{port}"
     service.address = args.advertise or address
-    await server.start()
-    discovery = _write_discovery(args.run_dir, name, service.address, runtime.name) if args.run_dir else None
-    logger.info("sandbox server %s serving on %s (runtime %s, limiter %s, workspace quota %s, capacity %d, "
-                "commands run as %s, classes %s)", name, service.address, runtime.name, limiter.name, pool.quota,
-                args.capacity, f"uid {run_as.uid}" if run_as else f"this server's uid {os.geteuid()}",
-                {c: dataclasses.asdict(p) for c, p in classes.items()})
+    # Signals are handled before the server is announced (its discovery file, its ready line): a job's SIGTERM
+    # that comes as soon as a client can find the server must meet --ignore-sigterm, not the default action
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -648,6 +644,12 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         loop.add_signal_handler(sig, on_signal, sig)
     faulthandler.register(signal.SIGUSR1, chain=True)  # `kill -USR1 <pid>` dumps every thread's stack to stderr
+    await server.start()
+    discovery = _write_discovery(args.run_dir, name, service.address, runtime.name) if args.run_dir else None
+    logger.info("sandbox server %s serving on %s (runtime %s, limiter %s, workspace quota %s, capacity %d, "
+                "commands run as %s, classes %s)", name, service.address, runtime.name, limiter.name, pool.quota,
+                args.capacity, f"uid {run_as.uid}" if run_as else f"this server's uid {os.geteuid()}",
+                {c: dataclasses.asdict(p) for c, p in classes.items()})
     print(json.dumps({"address": service.address, "name": name}), flush=True)  # ready: signals handled too
     reaper = asyncio.ensure_future(_reap_every(service, args.session_idle_timeout_s / 4))
     if ready is not None:

@@ -148,7 +148,7 @@ def test_two_rl_steps_on_the_real_model(model_dir, tmp_path):
             "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=16", "algorithm.num_inner_updates=2",
             "optimizer.lr=1e-4", "algorithm.entropy_coef=0.1", "task.num_eval=2", "task.eval_samples=1",
             "task.eval_every=0", "micro_batch_tokens=1024", "logging.progress=false", "logging.tensorboard=false"]
-    proc = subprocess.run(args, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="2"), capture_output=True,
+    proc = subprocess.run(args, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
