@@ -65,7 +65,7 @@ def test_counts_are_summed_over_the_ranks(run):
     for row in trained:
         assert row["reward/unscored"] == per_rank, row  # rank 1's samples, all of them
         assert row["reward/verifier_errors"] == per_rank, row
-        assert row["reward/verifier_calls"] == 2 * 2, row  # a reward call per prompt chunk: 2 per rank
+        assert row["reward/verifier_calls"] == 2, row  # a reward call per engine call: one per rank
         assert row["reward/timeouts"] == 0 and row["reward/failed_batches"] == 0
         assert row["filter/dropped_episodes"] == per_rank  # from the gathered rollouts: global before too
 
