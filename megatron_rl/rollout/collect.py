@@ -4,8 +4,9 @@ rewards, overlapping reward computation with generation.
 Each data-parallel rank generates for its contiguous share of the prompts (ranks of one
 model-parallel group, context-parallel ranks included, generate identically: same weights,
 same seed), in one engine call or in chunks (rollout.generate_chunks); as soon as a chunk is generated its
-rewards are submitted to the reward service, and the next chunk generates meanwhile. The first rank of each model-parallel group contributes its share to
-an all-gather, so every rank ends with the whole batch in prompt order.
+rewards are submitted to the reward service, and the next chunk generates meanwhile. The first rank of each
+model-parallel group contributes its share to an all-gather, so every rank ends with the whole batch in prompt
+order.
 """
 
 from __future__ import annotations
@@ -147,5 +148,6 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
     wait = time.perf_counter() - start
     generated = sum(len(r.output_ids) for r in local)
     return gather_rollouts(local if first_mp_rank else None), {
-        "rollout/generated_tokens": float(generated), "time/generate_only": gen_time, "time/reward_wait": wait, "reward/timeouts": float(timeouts),
-        "reward/failed_batches": float(failures), "reward/unscored": float(unscored)}
+        "rollout/generated_tokens": float(generated), "time/generate_only": gen_time, "time/reward_wait": wait,
+        "reward/timeouts": float(timeouts), "reward/failed_batches": float(failures),
+        "reward/unscored": float(unscored)}

@@ -159,7 +159,8 @@ def test_mixtures_of_experts_match_the_trainer(tmp_path, model):
     that, SGLang sampled from a random head (mismatch ~4). Qwen2-MoE and gpt-oss do not run on SGLang's CPU
     path (docs/rollout.md)."""
     rows = _train(tmp_path / "run", f"model={model}", "num_steps=2", "algorithm.entropy_coef=0.1")
-    assert rows[0]["kl/policy_old_new"] > 1e-3, rows[0]["kl/policy_old_new"]  # whatever the rewards, the first step moved the policy ...
+    # whatever the rewards, the first step moved the policy ...
+    assert rows[0]["kl/policy_old_new"] > 1e-3, rows[0]["kl/policy_old_new"]
     for r in rows:  # ... and both steps' samples match the trainer
         assert r["rollout/logprob_mismatch"] < LOGPROB_ATOL, r
         assert r["kl/policy_old_new_first_update"] == 0.0
@@ -202,7 +203,8 @@ def test_agent_episodes_match_the_trainer(tmp_path, scheduler):
     rows = _train(tmp_path / "run", "num_steps=2", "task.sft_warmup_steps=60", "task.num_eval=0",
                   "rollout.n_samples_per_prompt=4", f"rollout.agent_scheduler={scheduler}",
                   "algorithm.entropy_coef=0.1", task="+experiment=demo_agent_countdown")
-    assert rows[0]["kl/policy_old_new"] > 1e-3, rows[0]["kl/policy_old_new"]  # whatever the rewards, the first step moved the policy
+    # whatever the rewards, the first step moved the policy
+    assert rows[0]["kl/policy_old_new"] > 1e-3, rows[0]["kl/policy_old_new"]
     ends = ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline", "partial")
     for r in rows:
         assert sum(r[f"agent/{s}"] for s in ends) == 32 and r["agent/dropped"] == 0
