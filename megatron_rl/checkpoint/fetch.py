@@ -169,11 +169,11 @@ def convert_gguf(gguf: Path, out: Path, description: str = "") -> dict:
         raise RuntimeError(f"the saved model's tensors differ from the GGUF model's: {sorted(want ^ got)[:10]}")
     reloaded = AutoTokenizer.from_pretrained(str(out))
     messages = [{"role": "user", "content": "What is 12 + 30? Answer with a number."}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    if reloaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=True) != \
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True):
+    ids, saved_ids = (t.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                      for t in (tokenizer, reloaded))
+    if saved_ids != ids:
         raise RuntimeError("the saved tokenizer or chat template tokenises a chat prompt differently")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     with torch.no_grad():
         batch = torch.tensor([list(ids)])
         diff = float((model(batch).logits - saved(batch).logits).abs().max())
