@@ -538,6 +538,7 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     cfg = rt.cfg
     controller, verifier = parts["controller"], parts["rewards"].verifier
     calls_before, errors_before = getattr(verifier, "calls", 0), getattr(verifier, "errors", 0)
+    answers_before = dict(getattr(verifier, "answer_counts", {}))  # rule verifiers: how answers were read
     controller.timeline = timeline = Timeline()  # this step's phases, generation batches, environment waits
     if cfg.rollout.replay_dir is not None:  # debugging: a dumped run's samples, nothing generated
         from megatron_rl.rollout.dump import read_rollouts
@@ -600,6 +601,8 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
                     "weight_version": float(rollouts[0].weight_version) if rollouts else float(controller.version),
                     "reward/verifier_calls": float(getattr(verifier, "calls", 0) - calls_before),
                     "reward/verifier_errors": float(getattr(verifier, "errors", 0) - errors_before)})
+    metrics.update({f"reward/{k}": float(v - answers_before.get(k, 0))
+                    for k, v in getattr(verifier, "answer_counts", {}).items()})
     if joint:
         kept = [(r, a) for r, a in zip(rollouts, advantages) if a is not None]
         metrics.update(joint.step_metrics(step, [r for r, _ in kept],
@@ -614,7 +617,12 @@ def rl_step(rt, parts: dict, step: int) -> dict[str, float]:
     metrics.update(_sandbox_metrics(parts))
     if cfg.logging.trace_every and step % cfg.logging.trace_every == 0 and rt.is_main:
         timeline.to_chrome_trace(rt.run_dir / "traces" / f"step_{step + 1:08d}.json")
-    return reduce_over_ranks(metrics)
+    metrics = reduce_over_ranks(metrics)
+    if metrics.get("reward/answers"):  # shares over every rank's answers
+        for kind in ("unformatted", "last_number"):
+            if f"reward/{kind}_answers" in metrics:
+                metrics[f"reward/{kind}_share"] = metrics[f"reward/{kind}_answers"] / metrics["reward/answers"]
+    return metrics
 
 
 def _sandbox_client(parts: dict) -> Any:
@@ -775,4 +783,27 @@ def evaluate(rt, parts: dict, step: int) -> dict[str, float]:
         logger.warning("eval at step %d: %d of %d samples got no verdict (sandbox or verifier failures) and are "
                        "left out of the metrics", step, lost, len(records))
     return {"eval/accuracy": accuracy, "eval/pass@k": pass_k, "eval/samples": float(len(rollouts) - lost),
-            "eval/lost": float(lost), **per_domain}
+            "eval/lost": float(lost), "eval/truncated": found["truncated"], **_lenient_accuracy(parts, rollouts),
+            **per_domain}
+
+
+def _lenient_accuracy(parts: dict, rollouts: list[Rollout]) -> dict[str, float]:
+    """A single-task run with reward=math read strictly: the held-out accuracy had each answer been read by
+    its last number too (`eval/accuracy_last_number`), beside the share of answers in no asked format
+    (`eval/unformatted`). A gain in the strict accuracy alone is a format gain; a skill gain lifts both."""
+    from megatron_rl.rewards.rule import answers_match, extract_answer
+
+    task = parts["task"]
+    if getattr(task, "reward_kind", None) != "math" or task.cfg.answer_extraction != "strict":  # one task, no domains
+        return {}
+    decode, prompts = _decode(parts["tokenizer"]), parts["eval"]
+    rollouts = [r for r in rollouts if is_scored(r)]  # as the strict accuracy: over the samples with a verdict
+    if not rollouts:
+        return {}
+    right = unformatted = 0
+    for r in rollouts:
+        predicted, how = extract_answer(decode(list(r.output_ids)), last_number=True)
+        unformatted += how == "last_number" or how is None
+        right += predicted is not None and answers_match(predicted, prompts[r.prompt_index].meta["answer"],
+                                                         task.cfg.reward_tolerance)
+    return {"eval/accuracy_last_number": right / len(rollouts), "eval/unformatted": unformatted / len(rollouts)}

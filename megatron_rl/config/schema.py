@@ -1292,6 +1292,18 @@ class TaskConfig:
     with sample = the prompt's dataset row (megatron_rl/rewards/custom.py)."""
     reward_tolerance: float = 1e-6
     """Absolute tolerance of numeric answers (reward=math)."""
+    answer_extraction: str = "strict"
+    """reward=math: how the final answer is read. strict: the last \\boxed{...}, else the text after the
+    last `####`; a response with neither scores 0. last_number: as strict, and else the last number in
+    the text, a lenient reading that also rewards numbers that merely come last; the step logs the share
+    read that way (reward/last_number_share) beside the share with no formatted answer
+    (reward/unformatted_share)."""
+    answer_format: str = "boxed"
+    """type=math: the answer format each generated question asks for, and its warm-start reference uses:
+    boxed (`\\boxed{7}`) or gsm8k (a last line `#### 7`)."""
+    math_steps: int = 1
+    """type=math: operations per generated word problem (1: `Ann has 3 pens and gets 4 more. How many
+    pens does Ann have now?`; more: a chain of gains, losses and boxes bought, each result >= 0)."""
     reward_timeout_s: float = 60.0
     """reward=package.module:function: seconds one call may take once it runs; a late one is no verdict (the
     sample is left unscored), counted in reward/verifier_errors."""
@@ -1326,6 +1338,8 @@ class TaskConfig:
     0..10); evaluation divides it back out, so held-out accuracy stays in [0, 1]."""
 
     TYPES: ClassVar[tuple[str, ...]] = ("countdown", "math", "dataset", "agent")
+    ANSWER_EXTRACTIONS: ClassVar[tuple[str, ...]] = ("strict", "last_number")
+    ANSWER_FORMATS: ClassVar[tuple[str, ...]] = ("boxed", "gsm8k")
     GENERATORS: ClassVar[tuple[str, ...]] = ("repo", "function", "countdown")
     REWARDS: ClassVar[tuple[str, ...]] = ("auto", "math", "exact", "countdown", "tests")
 
@@ -1394,6 +1408,9 @@ class TaskConfig:
         if self.reward not in allowed and not custom_reward:
             raise _invalid("task.reward", self.reward, f"task.type={self.type} allows {', '.join(allowed)}")
         _check_min("task.reward_tolerance", self.reward_tolerance, 0)
+        _check_choice("task.answer_extraction", self.answer_extraction, self.ANSWER_EXTRACTIONS)
+        _check_choice("task.answer_format", self.answer_format, self.ANSWER_FORMATS)
+        _check_min("task.math_steps", self.math_steps, 1)
         _check_min("task.reward_timeout_s", self.reward_timeout_s, 0, strict=True)
         _check_min("task.reward_scale", self.reward_scale, 0, strict=True)
         _check_min("task.num_train", self.num_train, 1)

@@ -2,8 +2,10 @@
 the verifier that scores completions.
 
 - `countdown`: generated puzzles; the expression is executed in the sandbox service.
-- `math`: generated word problems (`Ann has 3 pens and gets 4 more.`); the final answer
-  (`\\boxed{7}`) is checked by rule.
+- `math`: generated word problems that ask a question and state the answer format (`Ann has 3 pens
+  and gets 4 more. How many pens does Ann have? Answer in \\boxed{}.`; `task.math_steps` chains more
+  operations); the final answer (`\\boxed{7}`, or `#### 7` with task.answer_format=gsm8k) is checked
+  by rule.
 - `dataset`: rows from a JSONL / Parquet file or a saved Hugging Face dataset
   (`data/sources.py`): a prompt (text or chat messages), an answer for rule rewards, or
   `tests` (+ optional `files`, `solution_path`) run in the sandbox; an optional full
@@ -39,22 +41,37 @@ class Prompt:
 
 class RuleVerifier:
     """Answers checked by rule (no sandbox needed): `math` (final answer extracted and
-    normalised, numeric tolerance) or `exact` (exact match)."""
+    normalised, numeric tolerance; strict, or with the last-number fallback) or `exact` (exact
+    match). `answer_counts` counts the math answers, those with no `\\boxed{}` or `####` answer,
+    and with the fallback those read by the last number (the step's `reward/answers`,
+    `reward/unformatted_answers`, `reward/last_number_answers` and their shares)."""
 
     errors = 0
 
-    def __init__(self, kind: str = "math", tol: float = 1e-6) -> None:
+    def __init__(self, kind: str = "math", tol: float = 1e-6, last_number: bool = False) -> None:
         self.kind = kind
         self.tol = tol
+        self.last_number = last_number
         self.calls = 0
+        self.answer_counts = {} if kind != "math" else {"answers": 0, "unformatted_answers": 0,
+                                                         **({"last_number_answers": 0} if last_number else {})}
 
     async def score(self, items) -> list[float]:
-        from megatron_rl.rewards.rule import exact_match, math_reward
+        from megatron_rl.rewards.rule import answers_match, exact_match, extract_answer
 
         self.calls += 1
         if self.kind == "exact":
             return [exact_match(completion, meta["answer"]) for meta, completion in items]
-        return [math_reward(completion, meta["answer"], self.tol) for meta, completion in items]
+        out = []
+        for meta, completion in items:
+            predicted, how = extract_answer(completion, self.last_number)
+            counts = self.answer_counts
+            counts["answers"] += 1
+            counts["unformatted_answers"] += how not in ("boxed", "####")
+            if self.last_number:
+                counts["last_number_answers"] += how == "last_number"
+            out.append(1.0 if predicted is not None and answers_match(predicted, meta["answer"], self.tol) else 0.0)
+        return out
 
 
 class ScaledVerifier:
@@ -91,12 +108,35 @@ _NAMES = ("Ann", "Bob", "Cy", "Dee", "Eve", "Fay")
 _THINGS = ("pens", "cups", "eggs", "hats", "keys")
 
 
-def _math_problem(rng: random.Random) -> tuple[str, str]:
+# The instruction each generated math question ends with, and the answer line of its warm-start reference.
+ANSWER_FORMATS = {"boxed": ("Answer in \\boxed{}.", "\\boxed{{{}}}"),
+                  "gsm8k": ("End with the answer as #### <number>.", "#### {}")}
+
+
+def math_problem(rng: random.Random, steps: int = 1) -> tuple[str, str]:
+    """(a word problem asking a question, its answer). One step: a gain or a loss (`Ann has 3 pens and gets
+    4 more. How many pens does Ann have now?`); more steps chain gains, losses and boxes bought, every count
+    on the way >= 0."""
     name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
     a, b = rng.randint(1, 9), rng.randint(1, 9)
-    if rng.random() < 0.5 or a <= b:
-        return f"{name} has {a} {thing} and gets {b} more.", str(a + b)
-    return f"{name} has {a} {thing} and loses {b}.", str(a - b)
+    question = f" How many {thing} does {name} have now?"
+    if steps == 1:
+        if rng.random() < 0.5 or a <= b:
+            return f"{name} has {a} {thing} and gets {b} more.{question}", str(a + b)
+        return f"{name} has {a} {thing} and loses {b}.{question}", str(a - b)
+    text, count = f"{name} has {a} {thing}.", a
+    for _ in range(steps):
+        kind = rng.choice(("gets", "loses", "buys") if count > 0 else ("gets", "buys"))
+        if kind == "gets":
+            text, count = text + f" Then {name} gets {b} more.", count + b
+        elif kind == "loses":
+            lost = min(b, count)
+            text, count = text + f" Then {name} loses {lost}.", count - lost
+        else:
+            boxes, each = rng.randint(2, 4), rng.randint(2, 6)
+            text, count = text + f" Then {name} buys {boxes} boxes of {each} {thing}.", count + boxes * each
+        b = rng.randint(1, 9)
+    return text + question, str(count)
 
 
 class Task:
@@ -157,10 +197,11 @@ class Task:
                                  countdown.format_answer(p)) for p in problems]
         if kind == "math":
             rng = random.Random(self.cfg.seed * 2 + (split == "eval"))
+            instruction, answer_line = ANSWER_FORMATS[self.cfg.answer_format]
             out = []
             for _ in range(num):
-                question, answer = _math_problem(rng)
-                out.append(self._prompt(question + "\n", {"answer": answer}, f"\\boxed{{{answer}}}"))
+                question, answer = math_problem(rng, self.cfg.math_steps)
+                out.append(self._prompt(f"{question} {instruction}\n", {"answer": answer}, answer_line.format(answer)))
             return out
         if kind == "agent":
             return [Prompt(t["instruction"], [], t, "") for t in self._agent_tasks(split)]
@@ -248,7 +289,8 @@ class Task:
     def _verifier_factory(self, sandbox_addresses: list[str]) -> Callable[[], Any]:
         kind = self.reward_kind
         if kind in ("math", "exact"):
-            return lambda: RuleVerifier(kind, self.cfg.reward_tolerance)
+            last_number = self.cfg.answer_extraction == "last_number"
+            return lambda: RuleVerifier(kind, self.cfg.reward_tolerance, last_number)
         if kind == "custom":
             from megatron_rl.rewards.custom import CustomVerifier
 

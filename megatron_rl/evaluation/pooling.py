@@ -107,7 +107,7 @@ def pool_runs(groups: dict[str, Sequence[str | Path]], ks: Optional[Sequence[int
     if any(not 1 <= k <= n for k in ks):
         raise ValueError(f"--pass-k {' '.join(map(str, ks))} is invalid: the evaluations drew {n} samples per "
                          f"prompt, so each k must be in 1..{n}")
-    names = ["accuracy", *(f"pass@{k}" for k in ks)]
+    names = ["accuracy", *(f"pass@{k}" for k in ks), "truncated"]
     out: dict[str, Any] = {"set": set_name, "confidence": confidence, "groups": {}}
     for group, dirs in groups.items():
         runs = [{"eval_dir": str(d), **run_value(records[d], ks, step, set_name)} for d in dirs]

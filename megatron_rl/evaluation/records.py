@@ -3,14 +3,16 @@ evaluation (`rl_step.evaluate`) and offline evaluation (`python -m megatron_rl.e
 
 A record is one sampled completion of one held-out prompt, as plain JSON data:
 
-    {"prompt": 3, "sample": 1, "domain": "math", "reward": 1.0, "correct": true, "lost": false}
+    {"prompt": 3, "sample": 1, "domain": "math", "reward": 1.0, "correct": true, "lost": false,
+     "truncated": false}
 
 `reward` is the verifier's reward divided by the task's `reward_scale` (so it lies in [0, 1]
 for 0/1 verifiers and partial-credit ones alike) and `correct` is `reward >= 1`. `lost`: no
 verdict came (a sandbox failure, a verifier that was late or raised: `rl_step.is_scored`); such
 a record counts in no metric (accuracy over the scored samples, pass@k over the prompts with at
 least k scored samples) and is reported as `num_lost`. Offline evaluation adds `set`,
-`checkpoint`, `step` and `seed`.
+`checkpoint`, `step` and `seed`. `truncated`: the response was cut at the length limit (its
+finish_reason is "length"); `truncated` among the metrics is their share of all records.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def records_from_rollouts(prompts: Sequence[Any], rollouts: Sequence[Any],
         sample = seen.get(r.prompt_index, 0)
         seen[r.prompt_index] = sample + 1
         out.append({"prompt": int(r.prompt_index), "sample": sample, "domain": str(meta.get("domain", "")),
-                    "reward": reward, "correct": reward >= 1.0, "lost": not is_scored(r)})
+                    "reward": reward, "correct": reward >= 1.0, "lost": not is_scored(r),
+                    "truncated": getattr(r, "finish_reason", "") == "length"})
     return out
 
 
@@ -69,7 +72,8 @@ def counts_per_prompt(records: Sequence[Mapping[str, Any]]) -> dict[int, tuple[i
 def eval_metrics(records: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, float]:
     """One evaluation's metrics: `accuracy` (mean reward over the scored samples) and `pass@<k>` for
     each k (unbiased pass@k per prompt, averaged over the prompts with at least k scored samples);
-    nan where nothing qualifies (every sample lost)."""
+    nan where nothing qualifies (every sample lost). `truncated`: the share of all samples cut at the
+    length limit (records written before it was recorded count as not cut)."""
     if not records:
         raise ValueError("no evaluation records: the evaluation set is empty")
     counted = scored(records)
@@ -78,6 +82,7 @@ def eval_metrics(records: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dic
     for k in ks:
         full = [(n, c) for n, c, _ in counts if n >= k]
         out[f"pass@{k}"] = mean_pass_at_k([n for n, _ in full], [c for _, c in full], k) if full else float("nan")
+    out["truncated"] = sum(bool(r.get("truncated")) for r in records) / len(records)
     return out
 
 

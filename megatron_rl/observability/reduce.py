@@ -29,6 +29,8 @@ class Rule:
 
 RULES = (
     Rule(re.compile(r"reward/(timeouts|failed_batches|unscored|verifier_calls|verifier_errors)"), "sum"),
+    # rule verifiers' answers, those that stated none in the asked format, those read by the last number
+    Rule(re.compile(r"reward/(answers|unformatted_answers|last_number_answers)"), "sum"),
     # the sandbox client's own calls (sandbox/client.py, `stats`), per priority class; its servers'
     # queues and back-pressure (`server_queued`, `backpressure`, `servers_up`...) are the same for every client
     Rule(re.compile(r"sandbox/([^/]+)/(calls|timeouts|refused)"), "sum"),

@@ -6,7 +6,10 @@ that flag a likely shortcut:
   environment's verification;
 - `hardcoded_output`: a changed function returns an expected literal for a tested input;
 - `suspiciously_short`: a rewarded response much shorter than the step's typical
-  rewarded response (under `short_fraction` of their median length, in model tokens).
+  rewarded response (under `short_fraction` of their median length, in model tokens);
+- `repeated_answer`: the response states a final answer (`\\boxed{` or `####`) more than once, the
+  pattern of a policy that learned to repeat `#### N` until the length limit (a strict verifier
+  reads the last one, so the repeats cost nothing but the end of the response).
 
 A flag is a prompt to look, not a verdict: the first two already zero the reward in the
 `repo` environment, so a flagged high-reward trajectory means a guard was bypassed.
@@ -25,7 +28,8 @@ def model_tokens(rollout: Any) -> int:
     return sum(mask) if mask is not None else len(rollout.output_ids)
 
 
-def flags_of(rollout: Any, typical_length: float, short_fraction: float) -> list[str]:
+def flags_of(rollout: Any, typical_length: float, short_fraction: float, text: str = "") -> list[str]:
+    """The flags of one trajectory; `text`: its decoded response."""
     info = getattr(rollout, "info", {}) or {}
     flags = []
     if info.get("tampered"):
@@ -34,6 +38,8 @@ def flags_of(rollout: Any, typical_length: float, short_fraction: float) -> list
         flags.append("hardcoded_output")
     if rollout.reward > 0 and typical_length > 0 and model_tokens(rollout) < short_fraction * typical_length:
         flags.append("suspiciously_short")
+    if text.count("\\boxed{") + text.count("####") > 1:
+        flags.append("repeated_answer")
     return flags
 
 
@@ -46,11 +52,13 @@ def audit(step: int, rollouts: Sequence[Any], decode: Callable[[list[int]], str]
     chosen = sorted(rollouts, key=lambda r: (-r.reward, model_tokens(r)))[:num_samples]
     out_dir.mkdir(parents=True, exist_ok=True)
     records = []
+    texts = {id(r): decode(list(r.output_ids)) for r in rollouts}
     for r in chosen:
         records.append({"step": step, "group": r.prompt_index, "reward": r.reward, "model_tokens": model_tokens(r),
-                        "flags": flags_of(r, typical, short_fraction), "prompt": decode(list(r.prompt_tokens)),
-                        "response": decode(list(r.output_ids)), "info": getattr(r, "info", {}) or {}})
+                        "flags": flags_of(r, typical, short_fraction, texts[id(r)]),
+                        "prompt": decode(list(r.prompt_tokens)), "response": texts[id(r)],
+                        "info": getattr(r, "info", {}) or {}})
     (out_dir / f"step_{step:08d}.jsonl").write_text("".join(json.dumps(x, default=str) + "\n" for x in records))
-    flagged_all = [flags_of(r, typical, short_fraction) for r in rollouts]
+    flagged_all = [flags_of(r, typical, short_fraction, texts[id(r)]) for r in rollouts]
     return {"audit/flagged": float(sum(bool(f) for f in flagged_all)),
             "audit/flagged_rewarded": float(sum(bool(f) and r.reward > 0 for f, r in zip(flagged_all, rollouts)))}

@@ -1,7 +1,11 @@
 """Rule-based verifiers: extract the final answer of a completion, normalise it, compare.
 
-Extraction order: the last `\\boxed{...}` (balanced braces), else the text after the last
-`####`, else the last number in the text. Normalisation drops `$`, spaces, thousands
+Extraction is strict by default: the last `\\boxed{...}` (balanced braces), else the text after the
+last `####` (to the end of its line). A completion with neither has no answer and scores 0. With
+`last_number=True` (`task.answer_extraction=last_number`) such a completion is scored by the last
+number in its text instead, a lenient reading that also rewards a number that merely happens to
+come last ("Dee has 2 eggs so he loses 1." reads as 1); the verifier counts how many answers were
+read that way (`reward/last_number_answers`). Normalisation drops `$`, spaces, thousands
 separators and a trailing period, and turns `a/b` and decimals into numbers; two answers
 match when both are numbers within `tol` (relative, with an absolute floor) or the strings
 are equal. A predicted answer longer than `MAX_ANSWER_CHARS` never matches: no reference
@@ -30,14 +34,23 @@ def _last_boxed(text: str) -> Optional[str]:
     return None
 
 
-def extract_final_answer(text: str) -> Optional[str]:
+def extract_answer(text: str, last_number: bool = False) -> tuple[Optional[str], Optional[str]]:
+    """(the final answer, how it was found: "boxed", "####" or "last_number"); (None, None) when the
+    text states none (and, with `last_number`, holds no number either)."""
     boxed = _last_boxed(text)
     if boxed is not None:
-        return boxed
+        return boxed, "boxed"
     if "####" in text:
-        return text.rsplit("####", 1)[1].strip().split("\n", 1)[0]
-    numbers = _NUMBER.findall(text.replace(",", ""))
-    return numbers[-1] if numbers else None
+        return text.rsplit("####", 1)[1].strip().split("\n", 1)[0], "####"
+    if last_number:
+        numbers = _NUMBER.findall(text.replace(",", ""))
+        if numbers:
+            return numbers[-1], "last_number"
+    return None, None
+
+
+def extract_final_answer(text: str, last_number: bool = False) -> Optional[str]:
+    return extract_answer(text, last_number)[0]
 
 
 def normalize(answer: str) -> str:
@@ -67,9 +80,10 @@ def answers_match(predicted: str, reference: str, tol: float = 1e-6) -> bool:
     return p == r
 
 
-def math_reward(completion: str, reference: str, tol: float = 1e-6) -> float:
-    """1.0 when the completion's final answer matches the reference answer, else 0.0."""
-    predicted = extract_final_answer(completion)
+def math_reward(completion: str, reference: str, tol: float = 1e-6, last_number: bool = False) -> float:
+    """1.0 when the completion's final answer (strict, or with the last-number fallback) matches the
+    reference answer, else 0.0."""
+    predicted = extract_final_answer(completion, last_number)
     return 1.0 if predicted is not None and answers_match(predicted, reference, tol) else 0.0
 
 

@@ -19,7 +19,7 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES, NUM_EVAL, SEEDS = 4, 12, 2
-REGRESSION = [(3, 4), (2, 2), (5, 1)]  # "Ann has a pens and gets b more." -> a + b
+REGRESSION = [(3, 4), (2, 2), (5, 1)]  # "Ann has a pens and gets b more. How many ...?" -> a + b
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
@@ -39,13 +39,14 @@ def evaluated(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     run = tmp / "run"
     _run(["megatron_rl.train", "+experiment=demo_countdown", "task=math", f"run_dir={run}", "num_steps=3",
-          "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
-          "task.sft_warmup_steps=20", f"task.num_eval={NUM_EVAL}", "task.eval_every=1",
+          "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
+          "task.sft_warmup_steps=40", f"task.num_eval={NUM_EVAL}", "task.eval_every=1",
           f"task.eval_samples={SAMPLES}", "checkpoint.save_every=1", "checkpoint.keep_last=5", "checkpoint.keep_best=1",
-          "logging.progress=false"])
+          "logging.progress=false", "logging.dump_rollouts=true"])
     regression = tmp / "regression.jsonl"
-    regression.write_text("".join(json.dumps({"prompt": f"Ann has {a} pens and gets {b} more.\n", "answer": a + b})
-                                  + "\n" for a, b in REGRESSION))
+    question = "Ann has {} pens and gets {} more. How many pens does Ann have now? Answer in \\boxed{{}}.\n"
+    regression.write_text("".join(json.dumps({"prompt": question.format(a, b), "answer": a + b}) + "\n"
+                                  for a, b in REGRESSION))
     proc = _run(["megatron_rl.eval", "--run", str(run), "--checkpoints", "1", "latest", "--seeds", str(SEEDS),
                  "--pass-k", "1", "2", str(SAMPLES), "--regression", str(regression), "--name", "check",
                  "--resamples", "2000"])
@@ -140,6 +141,39 @@ def test_seed_zero_reproduces_training_time_evaluation(evaluated):
         metrics = ckpt["sets"]["heldout"]["metrics"]
         assert metrics["accuracy"]["per_seed"]["0"] == pytest.approx(row["eval/accuracy"], abs=1e-12)
         assert metrics[f"pass@{SAMPLES}"]["per_seed"]["0"] == pytest.approx(row["eval/pass@k"], abs=1e-12)
+
+
+
+def test_answer_formats_and_truncation_are_counted(evaluated):
+    """Strict reading: each training step counts its answers and those in no asked format (recounted here from
+    the dumped responses); each evaluation logs the accuracy had answers been read by their last number and the
+    share cut at the length limit, which seed 0 of the offline evaluation reproduces from its records."""
+    from megatron_rl.config import TaskConfig
+    from megatron_rl.data.tasks import Task
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.rewards.rule import extract_answer, math_reward
+
+    run, out, _ = evaluated
+    logged = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    for step in (1, 2, 3):
+        dumped = [json.loads(line) for line in (run / "rollouts" / f"step_{step:08d}.jsonl").read_text().splitlines()]
+        unformatted = sum(extract_answer(r["response_text"])[0] is None for r in dumped)
+        row = logged[step]
+        assert (row["reward/answers"], row["reward/unformatted_answers"]) == (len(dumped), unformatted) == (32, unformatted)
+        assert row["reward/unformatted_share"] == pytest.approx(unformatted / 32)
+        assert "reward/last_number_answers" not in row and "reward/last_number_share" not in row  # strict
+    held_out = Task(TaskConfig(name="math", type="math", num_eval=NUM_EVAL), load_tokenizer("builtin:char"))
+    answers = [p.meta["answer"] for p in held_out.prompts("eval")]
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    for step in (1, 3):
+        seed0 = _by(records, step=step, set="heldout", seed=0)
+        texts = [r["response"].replace("<|endoftext|>", "") for r in seed0]
+        lenient = statistics.fmean(math_reward(t, answers[r["prompt"]], last_number=True) for t, r in zip(texts, seed0))
+        assert logged[step]["eval/accuracy_last_number"] == pytest.approx(lenient, abs=1e-12)
+        assert logged[step]["eval/accuracy_last_number"] >= logged[step]["eval/accuracy"]  # strict answers read alike
+        assert logged[step]["eval/truncated"] == pytest.approx(statistics.fmean(r["truncated"] for r in seed0))
+        assert logged[step]["eval/unformatted"] == pytest.approx(
+            statistics.fmean(extract_answer(t)[0] is None for t in texts))
 
 
 def test_comparison_lists_the_pair(evaluated):

@@ -122,7 +122,7 @@ def test_cli_writes_the_pooled_report_and_refuses_bad_input(tmp_path, capsys):
     out = tmp_path / "out"
     main(["--pool", *a, "--against", *b, "--pass-k", "1", "3", "--out", str(out)])
     result = json.loads((out / "pooled.json").read_text())
-    assert set(result["comparison"]) == {"accuracy", "pass@1", "pass@3"}
+    assert set(result["comparison"]) == {"accuracy", "pass@1", "pass@3", "truncated"}
     text = (out / "pooled.md").read_text()
     assert "## pool: 3 runs" in text and "## against - pool (Welch)" in text
     for argv, words in ((["--pool", str(tmp_path / "missing")], "holds no records.jsonl"),

@@ -141,8 +141,8 @@ def test_paired_comparison_on_planted_data():
 
 
 class _R:
-    def __init__(self, prompt_index, reward, status=""):
-        self.prompt_index, self.reward, self.status = prompt_index, reward, status
+    def __init__(self, prompt_index, reward, status="", finish_reason="stop"):
+        self.prompt_index, self.reward, self.status, self.finish_reason = prompt_index, reward, status, finish_reason
 
 
 class _P:
@@ -160,12 +160,17 @@ def test_records_and_metrics_by_hand():
     recs = _records([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 1]])
     assert [r["sample"] for r in recs[:5]] == [0, 1, 2, 3, 0]
     assert recs[0] == {"prompt": 0, "sample": 0, "domain": "", "reward": 1.0, "correct": True, "lost": False,
-                       "seed": 0}
+                       "truncated": False, "seed": 0}
     m = eval_metrics(recs, [1, 2, 4])
     assert m["accuracy"] == pytest.approx(4 / 12)
     assert m["pass@1"] == pytest.approx((1 / 4 + 0 + 3 / 4) / 3)
     assert m["pass@2"] == pytest.approx((closed_form(4, 1, 2) + 0 + closed_form(4, 3, 2)) / 3)
     assert m["pass@4"] == pytest.approx(2 / 3)
+    assert m["truncated"] == 0.0
+    cut = records_from_rollouts([_P()], [_R(0, 0.0, finish_reason="length"), _R(0, 1.0), _R(0, 0.0, "unscored",
+                                                                                             "length")], lambda m: 1.0)
+    assert [r["truncated"] for r in cut] == [True, False, True]
+    assert eval_metrics(cut, [1])["truncated"] == pytest.approx(2 / 3)  # of every sample, lost ones too
     scaled = records_from_rollouts([_P()], [_R(0, 5.0), _R(0, 10.0)], lambda meta: 10.0)
     assert [r["reward"] for r in scaled] == [0.5, 1.0] and [r["correct"] for r in scaled] == [False, True]
 

@@ -125,6 +125,17 @@ def test_audit_flags_shortcuts_among_high_reward_trajectories(tmp_path):
     assert counts == {"audit/flagged": 2.0, "audit/flagged_rewarded": 2.0}
 
 
+def test_audit_flags_a_repeated_final_answer(tmp_path):
+    """The pattern TRL's GRPO run taught SmolLM2: `#### N` repeated up to the length limit."""
+    texts = {1: "3 + 4 = 7\n#### 7", 2: "#### 7\n#### 7\n#### 7", 3: "\\boxed{7} so \\boxed{7}", 4: "7"}
+    rollouts = [Episode(0, [1], [t] * 20, [0.0] * 20, "stop", 1, 1.0) for t in texts]
+    counts = audit(1, rollouts, lambda ids: texts[ids[0]], tmp_path, num_samples=4)
+    records = [json.loads(line) for line in (tmp_path / "step_00000001.jsonl").read_text().splitlines()]
+    assert {r["response"]: r["flags"] for r in records} == {texts[1]: [], texts[2]: ["repeated_answer"],
+                                                             texts[3]: ["repeated_answer"], texts[4]: []}
+    assert counts == {"audit/flagged": 2.0, "audit/flagged_rewarded": 2.0}
+
+
 @pytest.mark.parametrize("model", ["tiny_qwen2", "tiny_qwen3_moe", "tiny_gpt_oss"])
 def test_policy_engine_holds_the_checkpoints_weights(tmp_path, model):
     """The difficulty policy's engine holds exactly the checkpoint's tensors, whether transformers keeps them

@@ -108,9 +108,16 @@ def test_verifier_choice_per_task(tmp_path, tokenizer):
 
 
 def test_rule_verifiers_math_and_exact():
-    items = [({"answer": "7"}, "so \\boxed{7}"), ({"answer": "7"}, "7"), ({"answer": "0.5"}, "\\boxed{1/2}")]
-    assert asyncio.run(RuleVerifier("math").score(items)) == [1.0, 1.0, 1.0]
-    assert asyncio.run(RuleVerifier("exact").score(items)) == [0.0, 1.0, 0.0]
+    """Math reads answers strictly unless told otherwise, and counts how it read them."""
+    items = [({"answer": "7"}, "so \\boxed{7}"), ({"answer": "7"}, "7"), ({"answer": "0.5"}, "\\boxed{1/2}"),
+             ({"answer": "7"}, "3 + 4 = 7\n#### 7"), ({"answer": "7"}, "no idea")]
+    strict = RuleVerifier("math")
+    assert asyncio.run(strict.score(items)) == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert strict.answer_counts == {"answers": 5, "unformatted_answers": 2}
+    lenient = RuleVerifier("math", last_number=True)
+    assert asyncio.run(lenient.score(items)) == [1.0, 1.0, 1.0, 1.0, 0.0]
+    assert lenient.answer_counts == {"answers": 5, "unformatted_answers": 2, "last_number_answers": 1}
+    assert asyncio.run(RuleVerifier("exact").score(items)) == [0.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_missing_columns_are_named(tmp_path, tokenizer):
@@ -144,3 +151,39 @@ def test_a_prompt_that_cannot_fit_a_micro_batch_with_its_response_is_refused_bef
     with pytest.raises(ValueError, match=r"longest training prompt has 40 tokens.*56 tokens, more than "
                                          r"micro_batch_tokens=50"):
         check_sample_budget(cfg, prompts)
+
+
+def _solve(text: str) -> int:
+    """The answer of a generated word problem, read from its sentences by rules of our own."""
+    import re
+
+    count = int(re.match(r"\w+ has (\d+) ", text).group(1))
+    for verb, a, b in re.findall(r"(gets|loses|buys) (\d+)(?: more| boxes of (\d+))?", text):
+        count += {"gets": int(a), "loses": -int(a), "buys": int(a) * int(b or 0)}[verb]
+        assert count >= 0, text
+    return count
+
+
+@pytest.mark.parametrize("steps, answer_format", [(1, "boxed"), (3, "gsm8k")])
+def test_generated_math_prompts_ask_a_question_and_state_the_answer_format(tokenizer, steps, answer_format):
+    from megatron_rl.rewards.rule import math_reward
+
+    task = Task(TaskConfig(type="math", num_train=200, num_eval=50, math_steps=steps, answer_format=answer_format),
+                tokenizer)
+    train, held_out = task.prompts("train"), task.prompts("eval")
+    instruction = "Answer in \\boxed{}." if answer_format == "boxed" else "End with the answer as #### <number>."
+    for p in train + held_out:
+        question, rest = p.text.rsplit("?", 1)
+        assert question.split(". ")[-1].startswith("How many ") and rest == f" {instruction}\n", p.text
+        assert p.text.count("Then ") == (steps if steps > 1 else 0)
+        assert str(_solve(p.text)) == p.meta["answer"]
+        assert math_reward(p.reference, p.meta["answer"]) == 1.0  # the warm start's reference is in the format
+        assert p.reference == (f"\\boxed{{{p.meta['answer']}}}" if answer_format == "boxed"
+                               else f"#### {p.meta['answer']}")
+    assert len({p.text for p in train}) > 100
+
+
+def test_answer_settings_are_checked():
+    for key, value in [("answer_extraction", "lenient"), ("answer_format", "latex"), ("math_steps", 0)]:
+        with pytest.raises(ValueError, match=f"task.{key}"):
+            TaskConfig(type="math", **{key: value})
