@@ -1,20 +1,36 @@
-"""Rollout throughput: generated tokens/s of the rollout engines on the same prompts, side by
-side in the same run, as ratios against one prompt per `generate` call on the `hf` engine (what
-a plain sampling loop does).
+"""Rollout throughput: generated tokens/s of the RL loop's generation against one batched `transformers`
+`generate` call over the same rows, weights, dtype and sampling, side by side in one run.
 
-    python benchmarks/rollout.py [--prompts 64] [--prompt-tokens 32] [--new-tokens 64] [--n 4]
-        [--device cpu|cuda] [overrides ...]
+    python benchmarks/rollout.py [--steps 4] [--repeats 3] [overrides ...]
+    python benchmarks/rollout.py model=smollm2_135m model.path=$(bash launch/get_model.sh smollm2-135m) \
+        task=math task.chat_template=true global_batch_size=16 rollout.n_samples_per_prompt=4 \
+        rollout.max_new_tokens=64
 
-`overrides` are the main job's Hydra overrides (`model=...`, `rollout=sglang`, `rollout.*`):
-the configured engine is measured too when it is not the `hf` default (run with a Python that
-has SGLang, e.g. the SGLang test venv on CPU). Weights are a seeded random initialisation
-pushed into each engine through its weight-update call, as weight sync does; sampling at
-temperature 1 with `n` samples per prompt, stopping at end-of-sequence or `--new-tokens`.
+`overrides` are the main job's Hydra overrides. Arms, all on this process's threads (`OMP_NUM_THREADS`, or
+every core):
+
+- baseline: `transformers` `generate(do_sample=True)` called once on all of a step's rows (each prompt
+  `rollout.n_samples_per_prompt` times, left-padded), as a user would batch it, with the run's temperature,
+  top-k, top-p, response limit and stop tokens (end-of-sequence and the chat template's end of turn);
+- the rollout engine alone (the hf engine, or the configured backend, e.g. SGLang from its test venv), one
+  call on the same rows;
+- in the loop: `python -m megatron_rl.train mode=rl` for `--steps` steps, read from its own metrics
+  (`rollout/tokens_per_s`: the tokens rank 0's engine generated over its generation time, weight sync and
+  rewards excluded), the median over steps 2.. (step 1 warms up).
+
+The first two arms generate for the prompts of the loop's step 1, read back from its dumped rollouts, so
+every arm sees the same rows. Tokens count up to and including the stop token; each arm's median over
+`--repeats` calls after one warm-up call. Weights: `model.path`'s, or for a model built from its config, the
+seeded initialisation the run uses.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,77 +38,114 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 
-def _measure(engine, prompts, params, repeats: int) -> tuple[float, int]:
-    """(median seconds per generate call over all prompts, tokens generated per call)."""
-    engine.generate(prompts[:2], params)  # warm-up
-    times, tokens = [], 0
+def _loop(overrides: list[str], steps: int, run_dir: Path) -> tuple[list[float], list[list[int]]]:
+    """(rollout/tokens_per_s of steps 2.., step 1's prompts as token ids, one per group)."""
+    args = [sys.executable, "-m", "megatron_rl.train", "mode=rl", *overrides, f"run_dir={run_dir}",
+            f"num_steps={steps}", "task.num_eval=0", "logging.dump_rollouts=true", "logging.progress=false",
+            "logging.tensorboard=false", "checkpoint.save_every=0"]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads())))
+    if proc.returncode != 0:
+        raise SystemExit(f"the RL run failed:\n{proc.stderr[-4000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    speeds = [r["rollout/tokens_per_s"] for r in rows if r.get("step", 0) >= 2 and "rollout/tokens_per_s" in r]
+    dumped = [json.loads(line) for line in (run_dir / "rollouts" / "step_00000001.jsonl").read_text().splitlines()]
+    prompts: dict[int, list[int]] = {}
+    for r in dumped:
+        prompts.setdefault(r["prompt_index"], r["prompt_tokens"])
+    return speeds, list(prompts.values())
+
+
+def _count(new: torch.Tensor, stop: set[int]) -> int:
+    """Tokens generated: each row up to and including its first stop token."""
+    total = 0
+    for row in new.tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
+        total += end
+    return total
+
+
+def _timed(call, repeats: int) -> tuple[float, int]:
+    """(median tokens/s, tokens of the median call) of `call() -> tokens`, after one warm-up call."""
+    call()
+    runs = []
     for _ in range(repeats):
         start = time.perf_counter()
-        out = engine.generate(prompts, params)
-        times.append(time.perf_counter() - start)
-        tokens = sum(len(g.output_ids) for g in out)
-    return sorted(times)[len(times) // 2], tokens
+        tokens = call()
+        runs.append((tokens / (time.perf_counter() - start), tokens))
+    return sorted(runs)[len(runs) // 2]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--n", type=int, default=4, help="samples per prompt")
+    p.add_argument("--steps", type=int, default=4, help="RL steps of the in-loop arm (>= 2)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cpu")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2: step 1 warms up")
+
+    from transformers import AutoModelForCausalLM
 
     from megatron_rl.config import load_config
+    from megatron_rl.data.tasks import Task
     from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.models.gpt import torch_dtype
     from megatron_rl.models.hf import build_hf_model, hub_state_dict
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.factory import make_standalone_engine
-    from megatron_rl.rollout.hf_engine import HFEngine
 
     cfg = load_config(args.overrides, world_size=1)
+    r = cfg.rollout
     tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
-    device = torch.device(args.device)
-    weights = hub_state_dict(build_hf_model(cfg.model, seed=cfg.model.init_seed))
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, cfg.model.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
-               for _ in range(args.prompts)]
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n, seed=1)
+    stop = {tokenizer.eos_token_id, *Task(cfg.task, tokenizer).stop_token_ids}
+    n, dtype = r.n_samples_per_prompt, torch_dtype(cfg.model.dtype)
 
-    def hf(batch: int) -> HFEngine:
-        return HFEngine(cfg.model, device=device, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id, max_batch_size=batch)
+    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
+        speeds, prompts = _loop(args.overrides, args.steps, Path(tmp) / "run")
+        rows = [p for p in prompts for _ in range(n)]
+        if cfg.model.path:
+            model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).eval()
+        else:
+            model = build_hf_model(cfg.model, seed=cfg.model.init_seed).to(dtype).eval()
+        width = max(map(len, rows))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+        sampling = (dict(do_sample=False) if r.temperature == 0 else
+                    dict(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0)))
 
-    variants = {"hf, 1 sequence per call (baseline)": lambda: hf(1),
-                f"hf, batches of {args.prompts * args.n}": lambda: hf(args.prompts * args.n)}
-    if cfg.rollout.backend != "hf":
-        work = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
-        variants[f"{cfg.rollout.backend} ({' '.join(args.overrides)})"] = lambda: make_standalone_engine(
-            cfg, tokenizer, device=device, index=0, work_dir=work)
-    results = {}
-    for name, build in variants.items():
-        engine = build()
+        @torch.no_grad()
+        def plain() -> int:
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=r.max_new_tokens, eos_token_id=sorted(stop),
+                                 pad_token_id=pad, **sampling)
+            return _count(out[:, width:], stop)
+
+        baseline = _timed(plain, args.repeats)
+        engine = make_standalone_engine(cfg, tokenizer, device=torch.device("cpu"), index=0, work_dir=Path(tmp))
         try:
-            engine.update_weights(iter(weights.items()), 1)
-            seconds, tokens = _measure(engine, prompts, params, args.repeats)
+            engine.update_weights(iter(hub_state_dict(model).items()), 1)
+            params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                    max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(sorted(stop)), n=n, seed=1)
+            alone = _timed(lambda: sum(len(g.output_ids) for g in engine.generate(prompts, params)), args.repeats)
         finally:
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
-        results[name] = (seconds, tokens)
-        print(f"  {name}: {seconds:.2f} s, {tokens} tokens", flush=True)
-    print(f"{cfg.model.family} {cfg.model.num_layers} layers x {cfg.model.hidden_size}, {args.prompts} prompts x "
-          f"{args.n} samples, {args.prompt_tokens} prompt tokens, up to {args.new_tokens} new tokens, "
-          f"device {args.device}, median of {args.repeats}")
-    base = next(iter(results.values()))
-    base_tps = base[1] / base[0]
-    for name, (seconds, tokens) in results.items():
-        tps = tokens / seconds
-        print(f"{name:56s} {seconds:8.2f} s {tps:10.0f} tokens/s  x{tps / base_tps:.2f}")
+
+    print(f"{cfg.model.family} {cfg.model.num_layers} layers x {cfg.model.hidden_size}, {cfg.model.dtype}, "
+          f"{len(prompts)} prompts x {n} samples ({min(map(len, prompts))}-{width} prompt tokens), up to "
+          f"{r.max_new_tokens} new tokens, temperature {r.temperature}, {torch.get_num_threads()} threads; "
+          f"median of {args.repeats} calls, the loop over steps 2-{args.steps}")
+    loop = statistics.median(speeds)
+    for name, (tps, tokens) in [("transformers generate, one batched call (baseline)", baseline),
+                                (f"{r.backend} engine alone, one call", alone),
+                                ("in the RL loop (rollout/tokens_per_s)", (loop, None))]:
+        shown = f"{tokens} tokens" if tokens is not None else f"steps {', '.join(f'{s:.0f}' for s in speeds)}"
+        print(f"  {name:52s} {tps:8.1f} tokens/s  x{tps / baseline[0]:.2f}   ({shown})")
 
 
 if __name__ == "__main__":

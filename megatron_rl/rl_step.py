@@ -516,9 +516,10 @@ def select_samples(cfg, rollouts: list[Rollout], rewards: torch.Tensor) -> tuple
         stats["filter/zero_variance_dropped"] = float((keep & ~informative).sum())
         keep &= informative
     if cfg.algorithm.overlong == "filter":
-        single = torch.tensor([not hasattr(r, "model_mask") for r in rollouts])  # see shaped_rewards
-        lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts])
-        truncated = torch.tensor([r.finish_reason == "length" for r in rollouts])
+        # dtypes given: a step whose dynamic sampling kept no group has no rollouts, and torch.tensor([]) is float
+        single = torch.tensor([not hasattr(r, "model_mask") for r in rollouts], dtype=torch.bool)  # see shaped_rewards
+        lengths = torch.tensor([float(len(r.output_ids)) for r in rollouts], dtype=torch.float32)
+        truncated = torch.tensor([r.finish_reason == "length" for r in rollouts], dtype=torch.bool)
         fits, _ = overlong(lengths, cfg.rollout.max_new_tokens, "filter", truncated=truncated)
         fits |= ~single
         stats["filter/overlong_dropped"] = float((keep & ~fits).sum())

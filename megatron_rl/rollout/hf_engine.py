@@ -92,6 +92,41 @@ class _Adapter:
         return output + torch.nn.functional.linear(torch.nn.functional.linear(args[0], self.a), self.b) * self.scaling
 
 
+class _Sampler:
+    """Draws each step's tokens itself, as a logits processor of a greedy `generate`: it sees the step's raw
+    logits (greedy decoding adds no warpers, and the engine's model, built from its config, has a neutral
+    generation config), keeps the chosen token's log-prob at `params.logprob_temperature`, and returns
+    scores that are -inf but at the chosen token, which generate's argmax then takes. Sampling applies
+    transformers' own temperature, top-k and top-p warpers and one `multinomial` on the global generator, as
+    `generate(do_sample=True)` does, so a seeded call gives the tokens plain transformers would. What is
+    kept is one [rows] log-prob tensor per step (`output_logits=True` kept every step's [rows, vocab]
+    logits: memory growing as rows x steps x vocab). Temperature 0 is the argmax, with no multinomial."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.greedy, self.temperature = params.greedy, params.logprob_temperature
+        warpers = [] if params.greedy else [
+            *([TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []),
+            *([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else []),
+            *([TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else [])]
+        self.warpers = LogitsProcessorList(warpers)
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.greedy:
+            tokens = scores.argmax(-1)
+        else:
+            tokens = torch.multinomial(torch.softmax(self.warpers(input_ids, scores), dim=-1), num_samples=1)[:, 0]
+        logprobs = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        self.logprobs.append(logprobs.gather(-1, tokens[:, None])[:, 0])
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+    def stacked(self, rows: int) -> torch.Tensor:
+        """[rows, steps] on the host."""
+        return torch.stack(self.logprobs, dim=1).cpu() if self.logprobs else torch.zeros(rows, 0)
+
+
 class HFEngine:
     def __init__(self, model_cfg: Any, *, device: str | torch.device = "cpu", eos_token_id: int = 0,
                  pad_token_id: int = 0, max_batch_size: int = 256, tokenizer: Any = None) -> None:
@@ -286,20 +321,16 @@ class HFEngine:
         stop = sorted(set(params.stop_token_ids) | {self.eos_token_id})
         start = time.perf_counter()
         strings = dict(stop_strings=list(params.stop), tokenizer=self.tokenizer) if params.stop else {}
+        from transformers import LogitsProcessorList
+
+        sampler = _Sampler(params)
         with _RoutingCapture(self.model, len(jobs)) if params.return_routing else contextlib.nullcontext() as capture:
-            sampling = (dict(do_sample=False, temperature=None, top_p=None, top_k=None) if params.greedy else  # argmax
-                        dict(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                             top_k=params.top_k if params.top_k > 0 else 0))
-            result = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **sampling,
-                max_new_tokens=params.max_new_tokens, eos_token_id=stop, pad_token_id=self.pad_token_id,
-                output_logits=True, return_dict_in_generate=True, **strings)
-        new = result.sequences[:, width:]
-        # Raw logits of each step -> the sampling distribution before truncation; the chosen token's
-        # log-prob per step, without stacking every step's full-vocabulary logits
-        logprobs = torch.stack([
-            torch.log_softmax(step.float() / params.logprob_temperature, dim=-1).gather(-1, new[:, t, None])[:, 0]
-            for t, step in enumerate(result.logits)], dim=1).cpu() if result.logits else torch.zeros(len(jobs), 0)
+            sequences = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False, temperature=None,
+                top_p=None, top_k=None, logits_processor=LogitsProcessorList([sampler]),
+                max_new_tokens=params.max_new_tokens, eos_token_id=stop, pad_token_id=self.pad_token_id, **strings)
+        new = sequences[:, width:]
+        logprobs = sampler.stacked(len(jobs))
         new = new.cpu()
         generations = []
         for row, (prompt_index, _) in enumerate(jobs):

@@ -76,7 +76,8 @@ def test_log_lines_rows_tensorboard_and_checkpoints_agree(run):
     run_dir, rows, log = run
     evaluated = sorted({0, *range(EVAL_EVERY, STEPS + 1, EVAL_EVERY), STEPS})
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
-    assert set(rows[0]) == {"step", "eval/accuracy", "eval/pass@k", "eval/samples", "eval/lost"}  # before updates
+    assert set(rows[0]) == {  # before updates
+        "step", "eval/accuracy", "eval/pass@k", "eval/samples", "eval/lost", "eval/truncated"}
     assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
     assert [r["step"] for r in rows if "eval/accuracy" in r] == evaluated
     logged_steps = [int(s) for s in re.findall(r"INFO megatron_rl\.train: step (\d+) \|", log)]

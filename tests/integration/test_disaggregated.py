@@ -43,7 +43,11 @@ def _args(run_dir: Path, *extra: str) -> list[str]:
             "task.num_eval=8", "task.eval_samples=1", "task.eval_every=0", "algorithm.num_inner_updates=1",
             "algorithm.entropy_coef=0.01",  # the policy changes every step even when all rewards are equal
             "checkpoint.save_every=0", "checkpoint.save_at_end=false", "logging.progress=false",
-            "rollout.mode=disaggregated", f"run_dir={run_dir}", *extra]
+            "rollout.mode=disaggregated", f"run_dir={run_dir}",
+            # the tiny model, briefly warm-started, seldom writes a whole `\\boxed{}` sum: its answers are
+            # read by their last number too (task.answer_extraction=last_number) so that rewards vary,
+            # which the mechanics tested here need
+            "task.answer_extraction=last_number", *extra]
 
 
 def _run(run_dir: Path, *extra: str) -> tuple[list[dict], float]:
@@ -299,14 +303,15 @@ def test_a_mixture_of_experts_replays_the_generators_routing(tmp_path):
     run_dir = tmp_path / "run"
     rows, _ = _run(run_dir, "num_steps=3", "model=tiny_qwen3_moe", "algorithm.routing_replay=rollout",
                    "algorithm.num_inner_updates=2", "algorithm.max_staleness=1", "rollout.partial_rollout_tokens=8",
-                   "rollout.max_new_tokens=24", "task.sft_warmup_steps=5")
+                   "rollout.max_new_tokens=24", "task.sft_warmup_steps=5",
+                   "optimizer.lr=5e-5")  # small steps: an update's own drift stays below that of a misaligned replay
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["async/staleness_max"] == 0 and rows[0]["rollout/logprob_mismatch"] <= 1e-4
     calls = Counter(e["request"] for e in read_events(run_dir / "timeline" / "generator0.jsonl")
                     if e["event"] == "generate")
     assert max(calls.values()) > 1  # requests were continued (chunks), their routing extended
     assert max(r["async/staleness_max"] for r in rows) == 1
-    assert all(0 <= r["routing/drift"] < 0.5 for r in rows)
+    assert all(0 <= r["routing/drift"] < 0.5 for r in rows), [r["routing/drift"] for r in rows]
 
 
 def _trainer_args(run_dir: Path, *extra: str) -> list[str]:

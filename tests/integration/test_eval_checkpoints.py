@@ -159,7 +159,7 @@ def test_answer_formats_and_truncation_are_counted(evaluated):
         dumped = [json.loads(line) for line in (run / "rollouts" / f"step_{step:08d}.jsonl").read_text().splitlines()]
         unformatted = sum(extract_answer(r["response_text"])[0] is None for r in dumped)
         row = logged[step]
-        assert (row["reward/answers"], row["reward/unformatted_answers"]) == (len(dumped), unformatted) == (32, unformatted)
+        assert len(dumped) == 32 and (row["reward/answers"], row["reward/unformatted_answers"]) == (32, unformatted)
         assert row["reward/unformatted_share"] == pytest.approx(unformatted / 32)
         assert "reward/last_number_answers" not in row and "reward/last_number_share" not in row  # strict
     held_out = Task(TaskConfig(name="math", type="math", num_eval=NUM_EVAL), load_tokenizer("builtin:char"))

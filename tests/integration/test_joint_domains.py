@@ -62,7 +62,7 @@ def _joint(data: Path) -> list[str]:
     domains = (f"+domains={{a:{{task:{{name:a,type:dataset,path:{data / 'a.jsonl'},num_eval:4}}}},"
                f"b:{{task:{{name:b,type:dataset,path:{data / 'b.jsonl'},num_eval:4,reward_scale:{SCALE}}}}}}}")
     return [sys.executable, "-m", "megatron_rl.train", "mode=rl", "model=tiny_qwen2", "global_batch_size=64",
-            "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=8", "micro_batch_tokens=1024",
+            "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=10", "micro_batch_tokens=1024",  # \\boxed{2}
             "optimizer.lr=2e-4", "task.eval_samples=2", "logging.progress=false", "logging.tensorboard=false",
             "algorithm.advantage_estimator=dr_grpo", domains]
 

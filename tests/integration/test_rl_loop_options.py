@@ -62,7 +62,10 @@ def _task(dataset: Path) -> list[str]:
     return [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math",
             "task.type=dataset", f"task.path={dataset}", "task.prompt_key=question", "task.chat_template=true",
             "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=10",
-            "logging.progress=false"]
+            # the tiny model, briefly warm-started, seldom writes a whole `\\boxed{}` sum: its answers are
+            # read by their last number too (task.answer_extraction=last_number) so that rewards vary,
+            # which the mechanics tested here need
+            "task.answer_extraction=last_number", "logging.progress=false"]
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +311,7 @@ def test_env_pool_retires_trivial_tasks_and_the_audit_writes_reviews(tmp_path):
     args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math", "task.type=dataset",
             f"task.path={data}", "task.prompt_key=question", "task.num_eval=4", "task.eval_samples=1",
             "task.eval_every=0", "task.sft_warmup_steps=30", f"run_dir={run_dir}", "num_steps=3",
-            "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
+            "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=10",  # \\boxed{7}
             "task.pool_refresh_every=1", f"task.pool_queue_path={queue}", "task.pool_min_samples=4",
             "task.pool_trivial_pass_rate=0.75", "logging.audit_every=1", "logging.audit_samples=3",
             "logging.progress=false"]

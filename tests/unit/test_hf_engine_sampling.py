@@ -1,7 +1,8 @@
 """The hf engine's sampling against transformers itself: temperature 0 is greedy decoding (the argmax, as
 `generate(do_sample=False)` gives it, no multinomial) with log-probs at temperature 1, as SGLang reports them;
 sampled tokens carry log-probs at the sampling temperature. Each is checked by a teacher-forced forward of
-the same weights in transformers."""
+the same weights in transformers. The engine draws tokens itself (keeping one log-prob per row and step, not
+every step's logits), yet a seeded call gives exactly the tokens of transformers' own sampling."""
 
 from __future__ import annotations
 
@@ -63,3 +64,64 @@ def test_sampled_tokens_carry_logprobs_at_the_sampling_temperature(setup):
 def test_a_negative_temperature_is_refused():
     with pytest.raises(ValueError, match="must be >= 0"):
         SamplingParams(temperature=-0.1)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.7, 20, 0.9)])
+def test_seeded_sampling_draws_what_transformers_generate_draws(setup, temperature, top_k, top_p):
+    """Same weights, same left-padded batch (each prompt n times, in order), same seed: plain
+    `generate(do_sample=True)` with its own warpers picks the engine's tokens."""
+    model, engine = setup
+    n, new = 2, 10
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=new, n=n, seed=5)
+    gens = engine.generate(PROMPTS, params)
+    rows = [p for p in PROMPTS for _ in range(n)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[engine.pad_token_id] * (width - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    torch.manual_seed(5)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, do_sample=True, temperature=temperature,
+                              top_k=top_k if top_k > 0 else 0, top_p=top_p, max_new_tokens=new,
+                              eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id)[:, width:]
+    for gen, row in zip(gens, want, strict=True):
+        assert gen.output_ids == row[:len(gen.output_ids)].tolist()
+        assert len(gen.output_ids) == new or gen.output_ids[-1] == engine.eos_token_id
+    assert len({tuple(g.output_ids) for g in gens}) > 1  # something was sampled
+
+
+def test_no_step_keeps_the_full_vocabulary_logits(setup, monkeypatch):
+    """generate is not asked to return every step's logits or scores (rows x steps x vocab)."""
+    _, engine = setup
+    seen = {}
+    original = engine.model.generate
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "generate", spy)
+    gens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=2))
+    assert not any(seen.get(k) for k in ("output_logits", "output_scores", "return_dict_in_generate"))
+    assert all(len(g.logprobs) == len(g.output_ids) for g in gens)
+
+
+def test_rollout_max_batch_size_bounds_each_generate_call(setup, monkeypatch):
+    """rollout.max_batch_size reaches the engine, which splits a larger call into calls of at most that many
+    sequences; greedy outputs do not depend on the split."""
+    from megatron_rl.config import load_config
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.rollout.factory import make_standalone_engine
+
+    model, whole = setup
+    cfg = load_config(["rollout.max_batch_size=2", "model.num_layers=2"], world_size=1)
+    split = make_standalone_engine(cfg, load_tokenizer(cfg.model.tokenizer), device=torch.device("cpu"), index=0,
+                                   work_dir=None)
+    split.update_weights(hub_state_dict(model).items(), version=1)
+    split.eos_token_id, split.pad_token_id = whole.eos_token_id, whole.pad_token_id
+    sizes = []
+    original = split.model.generate
+    monkeypatch.setattr(split.model, "generate", lambda **kw: sizes.append(len(kw["input_ids"])) or original(**kw))
+    params = SamplingParams(temperature=0, max_new_tokens=8, n=2)
+    got = split.generate(PROMPTS, params)
+    assert sizes == [2, 2, 2]
+    assert [g.output_ids for g in got] == [g.output_ids for g in whole.generate(PROMPTS, params)]

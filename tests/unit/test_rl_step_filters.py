@@ -38,6 +38,15 @@ def test_zero_variance_and_overlong_filters():
     assert stats == {"filter/zero_variance_dropped": 2.0, "filter/overlong_dropped": 2.0, "filter/kept_samples": 2.0}
 
 
+def test_a_step_with_no_rollouts_selects_nothing():
+    """Dynamic sampling that kept no group leaves the step no rollouts: every filter still runs (the overlong
+    filter's masks were float tensors when empty, and `~` refused them)."""
+    cfg = _cfg("algorithm.filter_zero_variance=true", "algorithm.overlong=filter")
+    keep, stats = select_samples(cfg, [], shaped_rewards(cfg, []))
+    assert keep.dtype == torch.bool and keep.numel() == 0
+    assert stats == {"filter/zero_variance_dropped": 0.0, "filter/overlong_dropped": 0.0, "filter/kept_samples": 0.0}
+
+
 def test_overlong_penalty_ramps_over_the_window():
     rollouts = _rollouts([1, 1, 1, 0], [3, 5, 8, 6], ["stop", "stop", "length", "stop"], [0, 0, 1, 1])
     cfg = _cfg("algorithm.overlong=penalty", "algorithm.overlong_penalty_window=4", "algorithm.overlong_penalty=0.5")
