@@ -3,7 +3,7 @@ the verifier that scores completions.
 
 - `countdown`: generated puzzles; the expression is executed in the sandbox service.
 - `math`: generated word problems that ask a question and state the answer format (`Ann has 3 pens
-  and gets 4 more. How many pens does Ann have? Answer in \\boxed{}.`; `task.math_steps` chains more
+  and gets 4 more. How many pens does Ann have now? Answer in \\boxed{}.`; `task.math_steps` chains more
   operations); the final answer (`\\boxed{7}`, or `#### 7` with task.answer_format=gsm8k) is checked
   by rule.
 - `dataset`: rows from a JSONL / Parquet file or a saved Hugging Face dataset

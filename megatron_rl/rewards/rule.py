@@ -1,7 +1,8 @@
 """Rule-based verifiers: extract the final answer of a completion, normalise it, compare.
 
-Extraction is strict by default: the last `\\boxed{...}` (balanced braces), else the text after the
-last `####` (to the end of its line). A completion with neither has no answer and scores 0. With
+Extraction is strict by default: the last `\\boxed{...}` (balanced braces) that is not empty, else the
+text after the last `####` (to the end of its line) if any. A completion with neither has no answer and
+scores 0. With
 `last_number=True` (`task.answer_extraction=last_number`) such a completion is scored by the last
 number in its text instead, a lenient reading that also rewards a number that merely happens to
 come last ("Dee has 2 eggs so he loses 1." reads as 1); the verifier counts how many answers were
@@ -20,17 +21,27 @@ from typing import Optional
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 MAX_ANSWER_CHARS = 512
+MAX_BOXES_TRIED = 8
 
 
 def _last_boxed(text: str) -> Optional[str]:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i, depth = start + len("\\boxed{"), 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
+    """The content of the last `\\boxed{...}` (balanced braces) that holds something: an empty box, as a
+    model copying the instruction `Answer in \\boxed{}.` writes it, states no answer. Only the last
+    `MAX_BOXES_TRIED` boxes are tried (each is scanned to its closing brace: a text of thousands of open
+    boxes would take quadratic time)."""
+    end = len(text)
+    for _ in range(MAX_BOXES_TRIED):
+        start = text.rfind("\\boxed{", 0, end)
+        if start < 0:
+            break
+        i, depth = start + len("\\boxed{"), 1
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                if text[i:j].strip():
+                    return text[i:j]
+                break
+        end = start
     return None
 
 
@@ -41,7 +52,9 @@ def extract_answer(text: str, last_number: bool = False) -> tuple[Optional[str],
     if boxed is not None:
         return boxed, "boxed"
     if "####" in text:
-        return text.rsplit("####", 1)[1].strip().split("\n", 1)[0], "####"
+        answer = text.rsplit("####", 1)[1].strip().split("\n", 1)[0]
+        if answer:
+            return answer, "####"
     if last_number:
         numbers = _NUMBER.findall(text.replace(",", ""))
         if numbers:

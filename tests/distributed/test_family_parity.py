@@ -182,13 +182,10 @@ def _hf_logprobs(path, **config_overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, **config_overrides)
+    from tests.reference import teacher_forced_logprobs
+
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
-    out = []
-    for seq in _sequences():
-        with torch.no_grad():
-            logp = torch.log_softmax(model(seq[None]).logits[0, :-1].double(), -1)
-        out.append((logp.gather(-1, seq[1:, None])[:, 0], -(logp.exp() * logp).sum(-1)))
-    return out
+    return teacher_forced_logprobs(model, _sequences(), entropies=True)
 
 
 @pytest.mark.parametrize(("name", "layout"), CASES)

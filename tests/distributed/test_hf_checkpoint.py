@@ -116,13 +116,10 @@ def results(checkpoints, tmp_path_factory):
 def _hf_logprobs(path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for seq in _sequences():
-        with torch.no_grad():
-            logits = model(seq[None]).logits[0, :-1].double()
-        out.append(torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0])
-    return out
+    from tests.reference import teacher_forced_logprobs
+
+    return teacher_forced_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+                                   _sequences())
 
 
 @pytest.mark.parametrize(("family", "layout"), CASES)

@@ -84,14 +84,11 @@ def results(checkpoints, tmp_path_factory):
 def _hf_logprobs(path: Path, config=None) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
+    from tests.reference import teacher_forced_logprobs
+
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
                                                  ignore_mismatched_sizes=config is not None).eval()
-    out = []
-    for seq in _sequences():
-        with torch.no_grad():
-            logits = model(seq[None]).logits[0, :-1].double()
-        out.append(torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0])
-    return out
+    return teacher_forced_logprobs(model, _sequences())
 
 
 def test_the_table_maps_keys_of_every_family():

@@ -209,15 +209,18 @@ def test_rank_local_metrics_combine_by_what_they_are():
     rank0 = {"reward/unscored": 0.0, "reward/verifier_errors": 0.0, "reward/verifier_calls": 2.0,
              "sandbox/training/calls": 3.0, "sandbox/training/latency_mean_s": 1.0,
              "sandbox/training/wait_max_s": 4.0, "sandbox/training/wait_p95_s": 2.0, "reward/mean": 0.25,
-             "sandbox/servers_up": 2.0, "time/generate": 1.0}
+             "sandbox/servers_up": 2.0, "time/generate": 1.0, "reward/answers": 6.0,
+             "reward/unformatted_answers": 1.0}
     rank1 = {"reward/unscored": 8.0, "reward/verifier_errors": 8.0, "reward/verifier_calls": 2.0,
              "sandbox/training/calls": 1.0, "sandbox/training/latency_mean_s": 5.0,
-             "sandbox/training/wait_max_s": 3.0, "sandbox/training/wait_p95_s": 3.0, "reward/mean": 0.75}
+             "sandbox/training/wait_max_s": 3.0, "sandbox/training/wait_p95_s": 3.0, "reward/mean": 0.75,
+             "reward/answers": 4.0, "reward/unformatted_answers": 3.0, "reward/unformatted_share": 0.75}
     rank2 = {"reward/unscored": 1.0, "reward/verifier_errors": 0.0, "reward/verifier_calls": 1.0}
     assert combine([rank0, rank1, rank2]) == {
         "reward/unscored": 9.0, "reward/verifier_errors": 8.0, "reward/verifier_calls": 5.0,
         "sandbox/training/calls": 4.0, "sandbox/training/latency_mean_s": (3 * 1.0 + 1 * 5.0) / 4,
-        "sandbox/training/wait_max_s": 4.0, "sandbox/training/wait_p95_s": 3.0}
+        "sandbox/training/wait_max_s": 4.0, "sandbox/training/wait_p95_s": 3.0, "reward/answers": 10.0,
+        "reward/unformatted_answers": 4.0}  # a share is no count: the step recomputes it from the sums
 
 
 def test_reduce_over_ranks_without_a_process_group_is_the_identity():

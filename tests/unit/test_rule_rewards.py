@@ -23,6 +23,11 @@ def test_strict_reading_ignores_numbers_that_merely_come_last():
     assert math_reward(unlucky, "14") == 0.0 and math_reward(unlucky, "14", last_number=True) == 0.0
     assert math_reward(unlucky + " \\boxed{14}", "14") == 1.0
     assert extract_answer(lucky) == (None, None) and extract_answer(lucky, last_number=True) == ("1", "last_number")
+    # an empty box (the instruction `Answer in \\boxed{}.` copied) states nothing: the last box that does counts
+    assert extract_answer("The answer is \\boxed{}.") == (None, None)
+    assert extract_answer("so \\boxed{7}. The answer is \\boxed{ }.") == ("7", "boxed")
+    assert extract_answer("#### 3\nThe answer is \\boxed{}.") == ("3", "####")
+    assert extract_answer("#### \n") == (None, None)
     # the last boxed answer wins over an earlier ####, and #### reads to the end of its line only
     assert extract_answer("#### 3\nso \\boxed{4}") == ("4", "boxed")
     assert extract_answer("#### 12\nmore text 7", last_number=True) == ("12", "####")
@@ -40,6 +45,10 @@ def test_an_overlong_answer_is_not_matched_and_costs_little_time():
     # normalize()'s \frac regex backtracks quadratically: 60 KB of "\frac{" took seconds
     text = "#### " + "\\frac{" * 10_000
     start = time.process_time()  # CPU time: a loaded machine does not stretch it
+    assert math_reward(text, "5") == 0.0
+    assert time.process_time() - start < 0.5
+    text = "\\boxed{" * 20_000  # open boxes: each one tried is scanned to the end
+    start = time.process_time()
     assert math_reward(text, "5") == 0.0
     assert time.process_time() - start < 0.5
     long_answer = "7" * (MAX_ANSWER_CHARS + 1)

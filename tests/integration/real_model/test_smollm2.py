@@ -153,12 +153,11 @@ def test_bad_input_fails_in_one_line_before_anything_is_written(model_dir, tmp_p
 def test_logprobs_on_chat_prompts_match_transformers(model_dir, megatron_runs, layout):
     from transformers import AutoModelForCausalLM
 
+    from tests.reference import teacher_forced_logprobs
+
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     got = torch.load(megatron_runs / f"{layout}.pt")
-    for seq, mine in zip(_sequences(str(model_dir)), got, strict=True):
-        with torch.no_grad():
-            logits = model(seq[None]).logits[0, :-1].double()
-        want = torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0]
+    for want, mine in zip(teacher_forced_logprobs(model, _sequences(str(model_dir))), got, strict=True):
         assert mine.shape == want.shape
         assert float((mine.double() - want).abs().max()) <= ATOL
 
@@ -216,6 +215,8 @@ def test_lora_on_the_real_model_exports_a_peft_adapter(model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from tests.reference import teacher_forced_logprobs
+
     run_dir, env = tmp_path / "run", dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     args = ["mode=rl", "model=smollm2_135m", f"model.path={model_dir}", "task=math", "task.chat_template=true",
             f"run_dir={run_dir}", "num_steps=1", "global_batch_size=4", "rollout.n_samples_per_prompt=2",
@@ -240,12 +241,7 @@ def test_lora_on_the_real_model_exports_a_peft_adapter(model_dir, tmp_path):
     seqs = _sequences(str(model_dir))
 
     def logprobs(model):
-        out = []
-        with torch.no_grad():
-            for seq in seqs:
-                logits = model(seq[None]).logits[0, :-1].double()
-                out.append(torch.log_softmax(logits, -1).gather(-1, seq[1:, None])[:, 0])
-        return torch.cat(out)
+        return torch.cat(teacher_forced_logprobs(model, seqs))
 
     before, want = logprobs(base), logprobs(merged)
     got = logprobs(PeftModel.from_pretrained(base, str(adapter)).eval())
