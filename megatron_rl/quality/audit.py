@@ -7,7 +7,8 @@ that flag a likely shortcut:
 - `hardcoded_output`: a changed function returns an expected literal for a tested input;
 - `suspiciously_short`: a rewarded response much shorter than the step's typical
   rewarded response (under `short_fraction` of their median length, in model tokens);
-- `repeated_answer`: the response states a final answer (`\\boxed{` or `####`) more than once, the
+- `repeated_answer`: the response states a final answer (a `\\boxed{}` or `####` line that is not empty)
+  more than once, the
   pattern of a policy that learned to repeat `#### N` until the length limit (a strict verifier
   reads the last one, so the repeats cost nothing but the end of the response).
 
@@ -18,9 +19,15 @@ A flag is a prompt to look, not a verdict: the first two already zero the reward
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+
+# A final answer stated: a box or a `####` line with something in it (an empty `\\boxed{}`, the instruction
+# copied, states nothing)
+_STATED_ANSWER = re.compile(r"\\boxed\{\s*[^\s}]|####[ \t]*[^\s#]")
 
 
 def model_tokens(rollout: Any) -> int:
@@ -38,7 +45,7 @@ def flags_of(rollout: Any, typical_length: float, short_fraction: float, text: s
         flags.append("hardcoded_output")
     if rollout.reward > 0 and typical_length > 0 and model_tokens(rollout) < short_fraction * typical_length:
         flags.append("suspiciously_short")
-    if text.count("\\boxed{") + text.count("####") > 1:
+    if len(_STATED_ANSWER.findall(text)) > 1:
         flags.append("repeated_answer")
     return flags
 

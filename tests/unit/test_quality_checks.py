@@ -127,7 +127,8 @@ def test_audit_flags_shortcuts_among_high_reward_trajectories(tmp_path):
 
 def test_audit_flags_a_repeated_final_answer(tmp_path):
     """The pattern TRL's GRPO run taught SmolLM2: `#### N` repeated up to the length limit."""
-    texts = {1: "3 + 4 = 7\n#### 7", 2: "#### 7\n#### 7\n#### 7", 3: "\\boxed{7} so \\boxed{7}", 4: "7"}
+    texts = {1: "3 + 4 = 7\n#### 7\nThe answer is \\boxed{}.", 2: "#### 7\n#### 7\n#### 7",
+             3: "\\boxed{7} so \\boxed{ 7}", 4: "7"}  # 1: an empty box (the instruction copied) states nothing
     rollouts = [Episode(0, [1], [t] * 20, [0.0] * 20, "stop", 1, 1.0) for t in texts]
     counts = audit(1, rollouts, lambda ids: texts[ids[0]], tmp_path, num_samples=4)
     records = [json.loads(line) for line in (tmp_path / "step_00000001.jsonl").read_text().splitlines()]
