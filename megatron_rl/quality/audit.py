@@ -8,9 +8,8 @@ that flag a likely shortcut:
 - `suspiciously_short`: a rewarded response much shorter than the step's typical
   rewarded response (under `short_fraction` of their median length, in model tokens);
 - `repeated_answer`: the response states a final answer (a `\\boxed{}` or `####` line that is not empty)
-  more than once, the
-  pattern of a policy that learned to repeat `#### N` until the length limit (a strict verifier
-  reads the last one, so the repeats cost nothing but the end of the response).
+  more than once, the pattern of a policy that learned to repeat `#### N` until the length limit (a
+  strict verifier reads the last one, so the repeats cost nothing but the end of the response).
 
 A flag is a prompt to look, not a verdict: the first two already zero the reward in the
 `repo` environment, so a flagged high-reward trajectory means a guard was bypassed.

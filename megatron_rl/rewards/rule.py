@@ -2,10 +2,9 @@
 
 Extraction is strict by default: the last `\\boxed{...}` (balanced braces) that is not empty, else the
 text after the last `####` (to the end of its line) if any. A completion with neither has no answer and
-scores 0. With
-`last_number=True` (`task.answer_extraction=last_number`) such a completion is scored by the last
-number in its text instead, a lenient reading that also rewards a number that merely happens to
-come last ("Dee has 2 eggs so he loses 1." reads as 1); the verifier counts how many answers were
+scores 0. With `last_number=True` (`task.answer_extraction=last_number`) such a completion is scored by
+the last number in its text instead, a lenient reading that also rewards a number that merely happens
+to come last ("Dee has 2 eggs so he loses 1." reads as 1); the verifier counts how many answers were
 read that way (`reward/last_number_answers`). Normalisation drops `$`, spaces, thousands
 separators and a trailing period, and turns `a/b` and decimals into numbers; two answers
 match when both are numbers within `tol` (relative, with an absolute floor) or the strings
