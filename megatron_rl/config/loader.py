@@ -318,18 +318,33 @@ def _tokenizer_problem(path: Path) -> Optional[str]:
     return None
 
 
+_CHAR_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "char_tokenizer"  # builtin:char
+
+
+def _vocabulary(spec: str) -> Optional[dict[str, int]]:
+    """token -> id of the tokenizer `spec` (builtin:char or a directory), read from its tokenizer.json by the
+    `tokenizers` library alone (no transformers, no torch: config checks stay light); None where there is no
+    tokenizer.json that parses (SentencePiece and TikToken vocabularies, unusual files: not checked here)."""
+    path = _CHAR_TOKENIZER if spec == "builtin:char" else Path(spec).expanduser()
+    if not (path / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    except Exception:  # noqa: BLE001  (a file tokenizers cannot read: transformers may; not judged here)
+        return None
+
+
 def _check_vocabulary(model) -> None:
     """The tokenizer's ids must name the model's tokens: none beyond the embedding (model.vocab_size, from
     model.path's config.json where given), and where the checkpoint directory holds its own tokenizer and
     model.tokenizer is another, the same vocabulary (the same token at every id). A mismatch trains and
-    generates on the wrong tokens without any error."""
-    from megatron_rl.data.tokenizer import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(model.tokenizer, model.trust_remote_code)
-    except (ValueError, OSError) as exc:
-        raise ConfigError(f"model.tokenizer={model.tokenizer} does not load: {exc}") from None
-    size = len(tokenizer)
+    generates on the wrong tokens without any error. Judged from tokenizer.json files where both exist."""
+    mine = _vocabulary(model.tokenizer)
+    if mine is None:
+        return
+    size = max(mine.values(), default=-1) + 1
     source = f"{model.path}/config.json" if model.path else "model.vocab_size"
     if size > model.vocab_size:
         raise ConfigError(f"model.tokenizer={model.tokenizer} has {size} tokens, more than the model's vocabulary of "
@@ -337,15 +352,8 @@ def _check_vocabulary(model) -> None:
                           "tokenizer the checkpoint was trained with")
     if model.path is None or Path(model.tokenizer).expanduser().resolve() == Path(model.path).expanduser().resolve():
         return
-    own_dir = Path(model.path).expanduser()
-    if not any(next(own_dir.glob(pattern), None) for pattern in _TOKENIZER_VOCABULARIES):
-        return  # the checkpoint ships no tokenizer to compare with
-    try:
-        own = load_tokenizer(str(own_dir), model.trust_remote_code)
-    except (ValueError, OSError):
-        return  # not loadable here; model.tokenizer is what the run uses
-    mine, theirs = tokenizer.get_vocab(), own.get_vocab()
-    if mine != theirs:
+    theirs = _vocabulary(model.path)
+    if theirs is not None and mine != theirs:
         differing = next((t for t in sorted(mine) if theirs.get(t) != mine[t]), None)
         example = (f"{differing!r} is id {mine[differing]} in model.tokenizer, "
                    f"{theirs[differing] if differing in theirs else 'absent'} in the checkpoint's"
