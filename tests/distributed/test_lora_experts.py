@@ -26,7 +26,8 @@ A checkpoint written at TP=2 (etp=2) with sequence parallelism resumes in one pr
 and their optimizer state are sharded as Megatron shards the experts (B of linear_fc1 like SwiGLU's fc1,
 over the global expert axis).
 
-Tolerances as in test_lora.py / test_moe_parity.py (fp32, reductions re-ordered): log-probs 2e-5, loss 1e-6,
+Tolerances as in test_lora.py / test_moe_parity.py (fp32, reductions re-ordered): log-probs 2e-5 (5e-5 after the
+updates, whose merged weights may differ as below), loss 1e-6,
 gradient norm 1e-5 relative. Merged weights 1e-4: Adam turns a rounding-level gradient difference d into a
 step difference of up to lr d / eps where a gradient is near eps = 1e-8 (test_moe_parity.py: ~2e-6 at lr 1e-3
 for this model at TP=2 + SP); here, at lr 1e-2, up to 2.7e-5 when measured (TP=2 + SP; PP=2 3.4e-6). Leaving
@@ -216,7 +217,9 @@ def test_layouts_match_the_single_process(runs, layout):
         pytest.skip("four-rank layouts run for the Qwen3-MoE only")
     got = runs_n[layout]
     assert _max_diff(got["before"], ref["before"]) <= 2e-5
-    assert _max_diff(got["after"], ref["after"]) <= 2e-5
+    # after the updates: the merged weights may differ by ~3e-5 (Adam's lr d / eps, module docstring), which
+    # moved a log-prob by 2.3e-5 on a Xeon box at TP=2 + SP, etp 1 (under 2e-5 on others); a wrong shard, by 1e-2
+    assert _max_diff(got["after"], ref["after"]) <= 5e-5
     for mine, theirs in zip(got["steps"], ref["steps"], strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6, abs=1e-6)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
