@@ -792,7 +792,7 @@ def _lenient_accuracy(parts: dict, rollouts: list[Rollout]) -> dict[str, float]:
     """A single-task run with reward=math read strictly: the held-out accuracy had each answer been read by
     its last number too (`eval/accuracy_last_number`), beside the share of answers in no asked format
     (`eval/unformatted`). A gain in the strict accuracy alone is a format gain; a skill gain lifts both."""
-    from megatron_rl.rewards.rule import answers_match, extract_answer
+    from megatron_rl.rewards.rule import score_answer
 
     task = parts["task"]
     if getattr(task, "reward_kind", None) != "math" or task.cfg.answer_extraction != "strict":  # one task, no domains
@@ -801,10 +801,9 @@ def _lenient_accuracy(parts: dict, rollouts: list[Rollout]) -> dict[str, float]:
     rollouts = [r for r in rollouts if is_scored(r)]  # as the strict accuracy: over the samples with a verdict
     if not rollouts:
         return {}
-    right = unformatted = 0
+    right = unformatted = 0.0
     for r in rollouts:
-        predicted, how = extract_answer(decode(list(r.output_ids)), last_number=True)
-        unformatted += how == "last_number" or how is None
-        right += predicted is not None and answers_match(predicted, prompts[r.prompt_index].meta["answer"],
-                                                         task.cfg.reward_tolerance)
+        reward, how = score_answer(decode(list(r.output_ids)), prompts[r.prompt_index].meta["answer"],
+                                   task.cfg.reward_tolerance, last_number=True)
+        right, unformatted = right + reward, unformatted + (how not in ("boxed", "####"))
     return {"eval/accuracy_last_number": right / len(rollouts), "eval/unformatted": unformatted / len(rollouts)}

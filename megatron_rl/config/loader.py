@@ -31,7 +31,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from megatron_rl.config.schema import BUILTIN_TOKENIZERS, SCHEMAS, TrainConfig, format_value
+from megatron_rl.config.schema import BUILTIN_TOKENIZERS, CHAR_TOKENIZER_DIR, SCHEMAS, TrainConfig, format_value
 
 CONF_DIR: Path = Path(__file__).resolve().parents[2] / "conf"
 """The repository's YAML config tree (``conf/config.yaml`` and one folder per group)."""
@@ -318,14 +318,11 @@ def _tokenizer_problem(path: Path) -> Optional[str]:
     return None
 
 
-_CHAR_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "char_tokenizer"  # builtin:char
-
-
 def _vocabulary(spec: str) -> Optional[dict[str, int]]:
     """token -> id of the tokenizer `spec` (builtin:char or a directory), read from its tokenizer.json by the
     `tokenizers` library alone (no transformers, no torch: config checks stay light); None where there is no
     tokenizer.json that parses (SentencePiece and TikToken vocabularies, unusual files: not checked here)."""
-    path = _CHAR_TOKENIZER if spec == "builtin:char" else Path(spec).expanduser()
+    path = CHAR_TOKENIZER_DIR if spec == "builtin:char" else Path(spec).expanduser()
     if not (path / "tokenizer.json").is_file():
         return None
     from tokenizers import Tokenizer

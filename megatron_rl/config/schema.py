@@ -12,6 +12,7 @@ so that the YAML files in ``conf/`` can name them in their defaults lists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
@@ -19,6 +20,8 @@ from omegaconf import MISSING
 
 BUILTIN_TOKENIZERS: tuple[str, ...] = ("builtin:char",)
 """Tokenizers shipped with the package, selectable as ``model.tokenizer=builtin:<name>``."""
+CHAR_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "char_tokenizer"
+"""Where ``builtin:char``'s files are (read by the config checks, which load no transformers, too)."""
 
 
 def format_value(value: Any) -> str:

@@ -57,20 +57,19 @@ class RuleVerifier:
                                                          **({"last_number_answers": 0} if last_number else {})}
 
     async def score(self, items) -> list[float]:
-        from megatron_rl.rewards.rule import answers_match, exact_match, extract_answer
+        from megatron_rl.rewards.rule import exact_match, score_answer
 
         self.calls += 1
         if self.kind == "exact":
             return [exact_match(completion, meta["answer"]) for meta, completion in items]
-        out = []
+        out, counts = [], self.answer_counts
         for meta, completion in items:
-            predicted, how = extract_answer(completion, self.last_number)
-            counts = self.answer_counts
+            reward, how = score_answer(completion, meta["answer"], self.tol, self.last_number)
             counts["answers"] += 1
             counts["unformatted_answers"] += how not in ("boxed", "####")
             if self.last_number:
                 counts["last_number_answers"] += how == "last_number"
-            out.append(1.0 if predicted is not None and answers_match(predicted, meta["answer"], self.tol) else 0.0)
+            out.append(reward)
         return out
 
 

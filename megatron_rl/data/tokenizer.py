@@ -33,6 +33,8 @@ from typing import Optional, Sequence, Union
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from megatron_rl.config.schema import CHAR_TOKENIZER_DIR  # the config checks read it too, without transformers
+
 logger = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
@@ -53,7 +55,6 @@ CHAT_TEMPLATE = (
 )
 
 BUILTIN_PREFIX = "builtin:"
-CHAR_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "char_tokenizer"
 BUILTIN_TOKENIZERS: dict[str, Path] = {"char": CHAR_TOKENIZER_DIR}
 
 

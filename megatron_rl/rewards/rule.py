@@ -92,11 +92,18 @@ def answers_match(predicted: str, reference: str, tol: float = 1e-6) -> bool:
     return p == r
 
 
+def score_answer(completion: str, reference: str, tol: float = 1e-6,
+                 last_number: bool = False) -> tuple[float, Optional[str]]:
+    """(1.0 when the completion's final answer, strict or with the last-number fallback, matches the reference
+    answer, else 0.0; how the answer was found, as `extract_answer` says)."""
+    predicted, how = extract_answer(completion, last_number)
+    return (1.0 if predicted is not None and answers_match(predicted, reference, tol) else 0.0), how
+
+
 def math_reward(completion: str, reference: str, tol: float = 1e-6, last_number: bool = False) -> float:
     """1.0 when the completion's final answer (strict, or with the last-number fallback) matches the
     reference answer, else 0.0."""
-    predicted = extract_final_answer(completion, last_number)
-    return 1.0 if predicted is not None and answers_match(predicted, reference, tol) else 0.0
+    return score_answer(completion, reference, tol, last_number)[0]
 
 
 def exact_match(completion: str, reference: str) -> float:
