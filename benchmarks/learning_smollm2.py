@@ -119,10 +119,16 @@ def run_trl_worker(args: argparse.Namespace) -> None:
                 (out / "progress.json").write_text(json.dumps({"steps": step, "rewards": rewards,
                                                                "step_times": [b - a for a, b in zip(ends, ends[1:])]}))
 
+    # One generation batch of global_batch_size completions per optimizer step, as ours; the update runs over
+    # micro-batches of `micro` completions with gradient accumulation (the whole batch's full-vocabulary logits
+    # at once take over 20 GB), and loss_type "dapo" normalises by the tokens of the whole generation batch.
+    micro = args.trl_micro_batch
+    if cfg.global_batch_size % micro:
+        sys.exit(f"--trl-micro-batch {micro} must divide global_batch_size {cfg.global_batch_size}")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     config = GRPOConfig(
         output_dir=str(out / "trainer"), use_cpu=True, bf16=False, fp16=False, seed=cfg.seed,
-        per_device_train_batch_size=cfg.global_batch_size, gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=cfg.global_batch_size // micro,
         num_generations=cfg.rollout.n_samples_per_prompt, max_completion_length=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k if cfg.rollout.top_k > 0 else 0,
@@ -196,8 +202,9 @@ def run_jobs(jobs: list[Job], work: Path, slots: int) -> None:
             free.append(job.cpu)
             log = work / f"{job.name}.log"
             if rc != 0:
-                for other in running:
+                for other in running:  # a training run checkpoints on SIGTERM and stops: wait for it
                     other.proc.terminate()
+                    other.proc.wait()
                 tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
                 sys.exit(f"[{job.name}] failed with exit code {rc}; last lines of {log}:\n{tail}")
             wall = time.perf_counter() - job.start
@@ -319,6 +326,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra override of the recipe (repeatable), for both frameworks alike")
     parser.add_argument("--two-step", type=int, default=100, help="two-step problems evaluated (default 100)")
+    parser.add_argument("--trl-micro-batch", type=int, default=8,
+                        help="TRL's completions per forward/backward (gradient accumulation up to the batch)")
     parser.add_argument("--report-only", action="store_true", help="print the table from WORK, run nothing")
     parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -348,6 +357,7 @@ def main() -> None:
             train[f"trl{s}"] = Job(f"trl-seed{s}", [py, str(Path(__file__).resolve()), "--worker", "trl",
                                                     "--model", args.model, "--seed", str(s), "--steps",
                                                     str(args.steps), "--out", str(out),
+                                                    "--trl-micro-batch", str(args.trl_micro_batch),
                                                     *[f"--set={kv}" for kv in args.set]], work / f"trl-seed{s}.done")
         # ours and TRL of one seed side by side first, then the remaining seeds
         order = [k for s in args.trl_seeds for k in (f"ours{s}", f"trl{s}") if k in train]
