@@ -76,7 +76,7 @@ class JointDomains:
 
     def eval_metrics(self, step: int, prompts: Sequence[Any], rollouts: Sequence[Any]) -> dict[str, float]:
         """Held-out accuracy per domain after `step` steps; pauses the domains the monitor flags."""
-        from megatron_rl.rl_step import is_scored
+        from megatron_rl.rollout.collect import is_scored
 
         totals: dict[str, list[float]] = {}
         for r in rollouts:

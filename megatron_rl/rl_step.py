@@ -20,7 +20,7 @@ import torch
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.evaluation.records import eval_metrics, records_from_rollouts
-from megatron_rl.rollout.collect import Rollout, collect, uncovered_routing
+from megatron_rl.rollout.collect import Rollout, collect, is_scored, uncovered_routing
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,8 @@ def _episodes(rt, parts: dict, prompts: list, params: SamplingParams, task_cfg: 
     """Agent task `task_cfg`'s prompts played as episodes (its turn format and episode limits).
     In a training step with over-sampling, the groups beyond the first `target` done are cut
     (default: the batch's groups, global_batch_size / n), and episodes stop at the step deadline."""
-    from megatron_rl.rollout.multiturn import EpisodeLimits, collect_episodes
+    from megatron_rl.rollout.episodes import collect_episodes
+    from megatron_rl.rollout.multiturn import EpisodeLimits
 
     r = rt.cfg.rollout
     if not training:
@@ -284,16 +285,6 @@ def apportion(sizes: list[int], total: int) -> list[int]:
     for k in by_remainder[:total - sum(shares)]:
         shares[k] += 1
     return shares
-
-
-# sandbox failure, cut straggler, past the step deadline, no reward came (verifier late or failed)
-LOST_STATUSES = ("dropped", "aborted", "deadline", "unscored")
-
-
-def is_scored(rollout: Rollout) -> bool:
-    """False for an episode that was lost (`LOST_STATUSES`): its 0 reward is no verdict on the model, so
-    it takes no part in group baselines, filters, calibration or the loss."""
-    return getattr(rollout, "status", "") not in LOST_STATUSES
 
 
 def scored_rewards(cfg, group: Sequence[Rollout]) -> torch.Tensor:

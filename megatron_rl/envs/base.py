@@ -40,12 +40,22 @@ class Environment(Protocol):
     async def close(self) -> None: ...
 
 
-ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+# The built-in environments by `module:Class`, imported when selected: this module imports none of them (they
+# import it), so the registry has no import circle.
+BUILTIN_ENVIRONMENTS = {
+    "countdown": "megatron_rl.envs.countdown:CountdownEnvironment",
+    "repo": "megatron_rl.envs.repo:RepoEnvironment",
+    "synthetic": "megatron_rl.envs.synthetic:SyntheticEnvironment",
+}
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}  # registered with `register_environment`
 
 
 def register_environment(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
     """Class decorator: make an environment selectable as `task.environment=<name>`."""
     def add(factory: Callable[..., Environment]) -> Callable[..., Environment]:
+        if name in BUILTIN_ENVIRONMENTS:
+            raise ValueError(f"environment {name!r} is already registered (a built-in environment, "
+                             f"{BUILTIN_ENVIRONMENTS[name]})")
         if name in ENVIRONMENTS:
             raise ValueError(f"environment {name!r} is already registered (by {ENVIRONMENTS[name].__qualname__})")
         ENVIRONMENTS[name] = factory
@@ -53,24 +63,26 @@ def register_environment(name: str) -> Callable[[Callable[..., Environment]], Ca
     return add
 
 
+def environment_names() -> list[str]:
+    """Every name `task.environment` takes: the built-in environments and the registered ones."""
+    return sorted({*BUILTIN_ENVIRONMENTS, *ENVIRONMENTS})
+
+
 def environment_factory(name: str) -> Callable[..., Environment]:
-    """An environment class by registered name, or by `package.module:Class` (imported lazily, so
-    a user's environment needs no change to this package)."""
+    """An environment class by built-in or registered name, or by `package.module:Class` (imported lazily,
+    so a user's environment needs no change to this package)."""
     import importlib
 
-    import megatron_rl.envs.countdown  # noqa: F401  (registers the built-in environments)
-    import megatron_rl.envs.repo  # noqa: F401  (registers it)
-    import megatron_rl.envs.synthetic  # noqa: F401  (registers it)
-
-    if ":" in name and name not in ENVIRONMENTS:
-        module, _, attr = name.partition(":")
+    path = BUILTIN_ENVIRONMENTS.get(name, name if ":" in name and name not in ENVIRONMENTS else None)
+    if path is not None:
+        module, _, attr = path.partition(":")
         try:
             return getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"environment {name!r} cannot be loaded: {err}") from None
     if name not in ENVIRONMENTS:
         raise ValueError(f"environment {name!r} is not registered: registered ones are "
-                         f"{', '.join(sorted(ENVIRONMENTS))}")
+                         f"{', '.join(environment_names())}")
     return ENVIRONMENTS[name]
 
 

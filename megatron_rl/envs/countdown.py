@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl.data import countdown
-from megatron_rl.envs.base import register_environment
 
 SYSTEM_PROMPT = "Reach the target with + - * over the numbers, each used at most once. One expression per turn."
 
@@ -40,7 +39,6 @@ def check(numbers: list[int], target: int, answer: str) -> tuple[bool, str]:
     return False, f"{value}, too {'low' if value < int(target) else 'high'}"
 
 
-@register_environment("countdown")
 class CountdownEnvironment:
     system_prompt = SYSTEM_PROMPT
     needs_sandbox = False

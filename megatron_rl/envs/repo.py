@@ -51,7 +51,7 @@ import re
 from typing import Any, Optional
 
 from megatron_rl.envs import guards
-from megatron_rl.envs.base import InfrastructureError, register_environment
+from megatron_rl.envs.base import InfrastructureError
 from megatron_rl.envs.tools import ToolCall, ToolCallError, format_result, format_tool_call, parse_tool_call, truncate
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,6 @@ def default_protected(task: dict[str, Any]) -> list[str]:
     return sorted(p for p in prefixes if not any(p != q and p.startswith(q) for q in prefixes if q.endswith("/")))
 
 
-@register_environment("repo")
 class RepoEnvironment:
     reference_turns = staticmethod(reference_turns)
 

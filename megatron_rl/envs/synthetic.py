@@ -11,10 +11,7 @@ import asyncio
 import random
 from typing import Any
 
-from megatron_rl.envs.base import register_environment
 
-
-@register_environment("synthetic")
 class SyntheticEnvironment:
     needs_sandbox = False
 

@@ -8,7 +8,7 @@ A record is one sampled completion of one held-out prompt, as plain JSON data:
 
 `reward` is the verifier's reward divided by the task's `reward_scale` (so it lies in [0, 1]
 for 0/1 verifiers and partial-credit ones alike) and `correct` is `reward >= 1`. `lost`: no
-verdict came (a sandbox failure, a verifier that was late or raised: `rl_step.is_scored`); such
+verdict came (a sandbox failure, a verifier that was late or raised: `rollout.collect.is_scored`); such
 a record counts in no metric (accuracy over the scored samples, pass@k over the prompts with at
 least k scored samples) and is reported as `num_lost`. Offline evaluation adds `set`,
 `checkpoint`, `step` and `seed`. `truncated`: the response was cut at the length limit (its
@@ -39,7 +39,7 @@ def records_from_rollouts(prompts: Sequence[Any], rollouts: Sequence[Any],
                           reward_scale_of: Callable[[Mapping[str, Any]], float]) -> list[dict[str, Any]]:
     """One record per rollout (objects with `.prompt_index` and `.reward`), in rollout order;
     `sample` counts the rollouts of each prompt from 0."""
-    from megatron_rl.rl_step import is_scored
+    from megatron_rl.rollout.collect import is_scored
 
     seen: dict[int, int] = {}
     out = []

@@ -15,7 +15,7 @@ Three kinds of task, told apart by their fields:
   verifier (deterministic, so never flaky; checked for completeness).
 
 A verification the sandbox lost (an episode "dropped", a `Verify` call that failed or timed out:
-`rl_step.is_scored`'s sense) is no verdict on the task: it is left out of the results and
+`rollout.collect.is_scored`'s sense) is no verdict on the task: it is left out of the results and
 replayed, at most `attempts` rounds in all; what stays lost is counted (`lost`) so the report can
 tell an infrastructure failure from a flaky or unsolvable task.
 """
@@ -31,7 +31,7 @@ from megatron_rl.quality import checks
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.multiturn import EpisodeLimits, TurnFormat, run_episodes
 from megatron_rl.rollout.scripted import ScriptedPolicy
-from megatron_rl.rl_step import is_scored
+from megatron_rl.rollout.collect import is_scored
 
 logger = logging.getLogger(__name__)
 LIMITS = EpisodeLimits(max_turns=16, max_tokens=1 << 20, wall_time_s=300)

@@ -27,6 +27,17 @@ from megatron_rl.trainer.packing import Sample
 logger = logging.getLogger(__name__)
 
 
+# sandbox failure, cut straggler, past the step deadline, no reward came (verifier late or failed)
+LOST_STATUSES = ("dropped", "aborted", "deadline", "unscored")
+
+
+def is_scored(rollout: Any) -> bool:
+    """False for a sample or episode that was lost (its `status` one of `LOST_STATUSES`): its 0 reward is no
+    verdict on the model, so it takes no part in group baselines, filters, calibration, the loss, evaluation
+    metrics or quality verdicts. Anything with a `status` (agent episodes too)."""
+    return getattr(rollout, "status", "") not in LOST_STATUSES
+
+
 @dataclasses.dataclass
 class Rollout:
     prompt_index: int  # index in the step's prompt list (= the GRPO group id)
@@ -38,10 +49,15 @@ class Rollout:
     reward: float = 0.0
     domain: str = ""  # the prompt's meta["domain"] in a multi-domain run, else ""
     source_index: int = -1  # index of its prompt in the training prompt list (the sampler's index), if any
-    status: str = ""  # "unscored": no reward came (verifier late or failed), so it is no verdict (rl_step.is_scored)
+    status: str = ""  # "unscored": no reward came (verifier late or failed), so it is no verdict (is_scored)
     # the engine's MoE routing of every token it fed (Generation.routing), [L-1, MoE layers, k] int16: rollout
     # routing replay (algorithm.routing_replay=rollout)
     routing: Optional[torch.Tensor] = None
+
+    @property
+    def scored(self) -> bool:
+        """Whether its reward is a verdict (`is_scored`)."""
+        return is_scored(self)
 
     def sample(self, extras: dict[str, torch.Tensor]) -> Sample:
         """The trainer's sample; with the engine's routing, extras["routing"] [L-1, MoE layers * k] (entry t: the

@@ -105,7 +105,7 @@ def test_a_group_finished_beside_the_batchs_last_is_cut_in_a_single_task_run(mon
     from types import SimpleNamespace
 
     from megatron_rl import rl_step
-    from megatron_rl.rollout import multiturn
+    from megatron_rl.rollout import episodes
 
     cfg = load_config(["mode=rl", "task.type=agent", "global_batch_size=8", "rollout.n_samples_per_prompt=2",
                        "rollout.agent_scheduler=async", "rollout.oversample=0.5"], world_size=1)
@@ -118,7 +118,7 @@ def test_a_group_finished_beside_the_batchs_last_is_cut_in_a_single_task_run(mon
         return [SimpleNamespace(prompt_index=g, status=s, reward=float(s != "aborted")) for g, s in enumerate(status)
                 for _ in range(2)], {}
 
-    monkeypatch.setattr(multiturn, "collect_episodes", collect_episodes)
+    monkeypatch.setattr(episodes, "collect_episodes", collect_episodes)
     monkeypatch.setattr(rl_step, "_turn_format", lambda parts, task_cfg: None)
     rt = SimpleNamespace(cfg=cfg, groups=None)
     parts = {"engine": None, "controller": SimpleNamespace(timeline=None)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.envs import ENVIRONMENTS, make_environment, register_environment
+from megatron_rl.envs import ENVIRONMENTS, environment_factory, environment_names, make_environment, register_environment
 from megatron_rl.envs.guards import hardcoded_returns, tampered_paths, literals_in_tests
 from megatron_rl.envs.tools import ToolCall, ToolCallError, format_result, format_tool_call, parse_tool_call
 
@@ -106,12 +106,36 @@ def test_hard_coded_outputs_are_flagged_and_computed_ones_are_not():
 
 
 def test_environment_registry_refuses_duplicates_and_names_the_valid_ones():
-    make_environment("repo", client=None)  # registers the built-ins
-    with pytest.raises(ValueError, match="already registered"):
+    from megatron_rl.envs.repo import RepoEnvironment
+
+    assert environment_factory("repo") is RepoEnvironment
+    with pytest.raises(ValueError, match="already registered .*built-in"):
         register_environment("repo")(object)
-    with pytest.raises(ValueError, match="'nope' is not registered: registered ones are .*repo"):
+    name = "test-registry-env"
+    register_environment(name)(RepoEnvironment)
+    try:
+        with pytest.raises(ValueError, match="already registered .*RepoEnvironment"):
+            register_environment(name)(object)
+        assert environment_factory(name) is RepoEnvironment and name in environment_names()
+    finally:
+        del ENVIRONMENTS[name]
+    with pytest.raises(ValueError, match="'nope' is not registered: registered ones are countdown, repo, synthetic"):
         make_environment("nope")
-    assert "repo" in ENVIRONMENTS
+
+
+def test_the_environment_registry_imports_no_environment():
+    # envs/base.py names the built-ins by path; their modules import it, never the other way round
+    import ast
+    from pathlib import Path
+
+    import megatron_rl.envs.base as base
+
+    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(ast.parse(Path(base.__file__).read_text()))
+                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in getattr(n, "names", [])}
+    assert not {m for m in imported if m and m.startswith("megatron_rl.envs.") and m != "megatron_rl.envs.tools"}
+    for name, path in base.BUILTIN_ENVIRONMENTS.items():
+        assert environment_factory(name).__name__ == path.partition(":")[2]
 
 
 def test_environments_by_dotted_path():

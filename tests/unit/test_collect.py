@@ -13,7 +13,8 @@ from megatron_rl.data.tasks import RuleVerifier
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.rewards.custom import CustomVerifier
 from megatron_rl.rewards.service import RewardService
-from megatron_rl.rl_step import is_scored, step_advantages
+from megatron_rl.rl_step import step_advantages
+from megatron_rl.rollout.collect import is_scored
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.collect import collect
 from megatron_rl.rollout.scripted import ScriptedPolicy
@@ -48,6 +49,7 @@ def test_a_failing_verifier_leaves_its_chunk_unscored():
     assert [r.reward for r in rollouts[:4]] == [1.0, 1.0, 0.0, 0.0]
     assert stats["reward/failed_batches"] == 1.0 and stats["reward/timeouts"] == 0.0
     assert [is_scored(r) for r in rollouts] == [True] * 4 + [False] * 4
+    assert [r.scored for r in rollouts] == [True] * 4 + [False] * 4
 
 
 def test_a_late_verifier_leaves_its_samples_unscored(tmp_path, monkeypatch):

@@ -9,16 +9,40 @@ unknown names raise with the list.
 
 from __future__ import annotations
 
+from megatron_rl.weight_sync.families.deepseek import DeepseekV2Converter, DeepseekV3Converter
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
+from megatron_rl.weight_sync.families.glm4_moe import Glm4MoeConverter
+from megatron_rl.weight_sync.families.gpt_oss import GptOssConverter
+from megatron_rl.weight_sync.families.llama import LlamaConverter
+from megatron_rl.weight_sync.families.mixtral import MixtralConverter
+from megatron_rl.weight_sync.families.qwen2 import Qwen2Converter
+from megatron_rl.weight_sync.families.qwen2_moe import Qwen2MoeConverter
+from megatron_rl.weight_sync.families.qwen3 import Qwen3Converter
+from megatron_rl.weight_sync.families.qwen3_moe import Qwen3MoeConverter
 
-_REGISTRY: dict[str, DenseDecoderConverter] = {}
+# Every family's converter. The family modules import none of this (the list is here, not a decorator there), so
+# the package has no import circle.
+CONVERTERS: tuple[type[DenseDecoderConverter], ...] = (
+    Glm4MoeConverter, DeepseekV3Converter, DeepseekV2Converter, GptOssConverter, LlamaConverter, MixtralConverter,
+    Qwen2Converter, Qwen2MoeConverter, Qwen3Converter, Qwen3MoeConverter)
 
 
-def register(cls: type[DenseDecoderConverter]) -> type[DenseDecoderConverter]:
-    if cls.family in _REGISTRY:
-        raise ValueError(f"model family {cls.family!r} is registered twice")
-    _REGISTRY[cls.family] = cls()
-    return cls
+def _registry(converters: tuple[type[DenseDecoderConverter], ...]) -> dict[str, DenseDecoderConverter]:
+    """family -> converter; a family name, or an HF model_type (or alias), claimed twice is an error."""
+    out: dict[str, DenseDecoderConverter] = {}
+    owner: dict[str, str] = {}
+    for cls in converters:
+        if cls.family in out:
+            raise ValueError(f"model family {cls.family!r} is registered twice")
+        out[cls.family] = cls()
+        for model_type in (cls.model_type, *cls.model_type_aliases):
+            if model_type in owner:
+                raise ValueError(f"model_type {model_type!r} is claimed by {owner[model_type]!r} and {cls.family!r}")
+            owner[model_type] = cls.family
+    return out
+
+
+_REGISTRY = _registry(CONVERTERS)
 
 
 def families() -> list[str]:
@@ -37,7 +61,3 @@ def converter_for_model_type(model_type: str) -> DenseDecoderConverter:
             return conv
     supported = ", ".join(sorted(t for c in _REGISTRY.values() for t in (c.model_type, *c.model_type_aliases)))
     raise ValueError(f"model_type={model_type!r} is not supported; supported: {supported}")
-
-
-from megatron_rl.weight_sync.families import (  # noqa: E402,F401  (registration)
-    deepseek, glm4_moe, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)

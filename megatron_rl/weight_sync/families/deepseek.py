@@ -31,7 +31,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter, Tensor, hf_rope
 from megatron_rl.weight_sync.families.glm4_moe import GROUPED_MOE_FIELDS
 from megatron_rl.weight_sync.families.moe import SparseMoeLayout, prediction_layer_tensor
@@ -168,7 +167,6 @@ class MlaMoeConverter(YarnRope, SparseMoeLayout, DenseDecoderConverter):
     hf_shared_expert = "mlp.shared_experts."
 
 
-@register
 class DeepseekV3Converter(MlaMoeConverter):
     """DeepSeek-V3's router: sigmoid scores, choice by score + a per-expert bias (noaux_tc) from the best
     groups by their top-2 sum, weights renormalised and scaled (GLM-4.5's)."""
@@ -200,7 +198,6 @@ class DeepseekV3Converter(MlaMoeConverter):
         return {"moe_norm_topk_prob": bool(hf["norm_topk_prob"])}
 
 
-@register
 class DeepseekV2Converter(MlaMoeConverter):
     """DeepSeek-V2-Lite (and -Lite-Chat): softmax over all experts, the top k kept without renormalising
     (`topk_method` greedy) or from the best `topk_group` groups ranked by their best expert

@@ -23,7 +23,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
 from megatron_rl.weight_sync.families.moe import MOE_LOSS_FIELDS, SparseMoeLayout, prediction_layer_tensor
 
@@ -36,7 +35,6 @@ GROUPED_MOE_FIELDS = dict(
                                                             "does not run (their tensors are ignored)"})
 
 
-@register
 class Glm4MoeConverter(SparseMoeLayout, DenseDecoderConverter):
     family = "glm4_moe"
     model_type = "glm4_moe"

@@ -30,7 +30,6 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter, Tensor, hf_rope
 from megatron_rl.weight_sync.families.moe import MOE_LOSS_FIELDS
 from megatron_rl.weight_sync.families.yarn import YarnRope, rope_fields
@@ -53,7 +52,6 @@ def _interleave(gate: Tensor, up: Tensor) -> Tensor:
     return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
-@register
 class GptOssConverter(YarnRope, DenseDecoderConverter):
     family = "gpt_oss"
     model_type = "gpt_oss"

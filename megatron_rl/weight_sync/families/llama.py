@@ -7,11 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
 
 
-@register
 class LlamaConverter(DenseDecoderConverter):
     family = "llama"
     model_type = "llama"

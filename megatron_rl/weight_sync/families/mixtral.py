@@ -17,12 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
 from megatron_rl.weight_sync.families.moe import MOE_LOSS_FIELDS, SparseMoeLayout
 
 
-@register
 class MixtralConverter(SparseMoeLayout, DenseDecoderConverter):
     family = "mixtral"
     model_type = "mixtral"

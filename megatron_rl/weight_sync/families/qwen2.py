@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
 
 # The keys of Qwen's sliding-window attention, which every Qwen family refuses: transformers applies a window
@@ -18,7 +17,6 @@ QWEN_WINDOW_FIELDS = dict(
              "max_window_layers": "where windows start, used only with use_sliding_window (refused)"})
 
 
-@register
 class Qwen2Converter(DenseDecoderConverter):
     family = "qwen2"
     model_type = "qwen2"

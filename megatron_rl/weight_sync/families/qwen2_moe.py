@@ -24,12 +24,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.moe import QWEN_MOE_FIELDS, SparseMoeLayout, qwen_moe_arch, qwen_moe_config
 from megatron_rl.weight_sync.families.qwen2 import Qwen2Converter
 
 
-@register
 class Qwen2MoeConverter(SparseMoeLayout, Qwen2Converter):
     family = "qwen2_moe"
     model_type = "qwen2_moe"

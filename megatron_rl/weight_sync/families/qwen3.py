@@ -9,12 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
 from megatron_rl.weight_sync.families.qwen2 import QWEN_WINDOW_FIELDS
 
 
-@register
 class Qwen3Converter(DenseDecoderConverter):
     family = "qwen3"
     model_type = "qwen3"

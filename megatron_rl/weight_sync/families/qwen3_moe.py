@@ -17,12 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.weight_sync.families import register
 from megatron_rl.weight_sync.families.moe import QWEN_MOE_FIELDS, SparseMoeLayout, qwen_moe_arch, qwen_moe_config
 from megatron_rl.weight_sync.families.qwen3 import Qwen3Converter
 
 
-@register
 class Qwen3MoeConverter(SparseMoeLayout, Qwen3Converter):
     family = "qwen3_moe"
     model_type = "qwen3_moe"

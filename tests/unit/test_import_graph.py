@@ -1,0 +1,115 @@
+"""The package's modules import each other without a circle: every `import` of a megatron_rl module,
+top-level or inside a function, read from the source (a lazy import inside a function is still a
+circle in the design, only one Python tolerates)."""
+
+import ast
+from pathlib import Path
+
+import megatron_rl
+from megatron_rl.weight_sync import families
+
+ROOT = Path(megatron_rl.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the megatron_rl modules it imports (`from pkg import mod` counts as importing `pkg.mod`,
+    and `from pkg.mod import name` as importing `pkg.mod`; the bare `megatron_rl` package is left out)."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target not in (name, "megatron_rl"):
+                    edges[name].add(target)
+                    break  # the deepest module named is what is imported
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_planted_circle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(edges) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_sees_lazy_imports():
+    edges = import_graph()
+    # evaluation/records.py imports is_scored inside a function: that edge is in the graph
+    assert "megatron_rl.rollout.collect" in edges["megatron_rl.evaluation.records"]
+    assert "megatron_rl.rollout.scheduler" in edges["megatron_rl.rollout.episodes"]
+
+
+def test_megatron_rl_has_no_import_circle():
+    assert circles(import_graph()) == []
+
+
+def test_every_family_converter_is_listed_once():
+    from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
+
+    listed = set(families.CONVERTERS)
+    defined = set()
+    for path in Path(families.__file__).parent.glob("*.py"):
+        module = __import__(f"megatron_rl.weight_sync.families.{path.stem}", fromlist=["_"])
+        defined |= {v for v in vars(module).values() if isinstance(v, type) and issubclass(v, DenseDecoderConverter)
+                    and v.__module__ == module.__name__ and "family" in vars(v)}  # a concrete family names itself
+    defined.discard(DenseDecoderConverter)  # the generic base ("dense"), not a family of its own
+    assert defined == listed, f"family converters not in families.CONVERTERS: {defined - listed}"
+    assert len({c.family for c in listed}) == len(listed)
