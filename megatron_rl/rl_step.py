@@ -648,7 +648,7 @@ def _maintain(rt, parts: dict, step: int, rollouts: list[Rollout]) -> dict[str, 
             pool.gc_and_refresh(step + 1)
         out.update(pool.metrics())
     if cfg.logging.audit_every and step % cfg.logging.audit_every == 0 and rt.is_main:
-        from megatron_rl.quality.audit import audit
+        from megatron_rl.rewards.audit import audit
 
         out.update(audit(step + 1, rollouts, _decode(parts["tokenizer"]), rt.run_dir / "audit",
                          cfg.logging.audit_samples))

@@ -45,7 +45,7 @@ def build(rt, evaluation: bool = False):
     from megatron_rl.colocate.controller import ColocationController
     from megatron_rl.data.domains import make_sampler, make_task
     from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.quality.env_pool import make_env_pool
+    from megatron_rl.data.env_pool import make_env_pool
     from megatron_rl.rewards.service import RewardService
     from megatron_rl.rl_domains import make_joint
     from megatron_rl.rollout.factory import make_engine

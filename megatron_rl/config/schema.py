@@ -1332,7 +1332,7 @@ class TaskConfig:
     pool_refresh_every: int = 0
     """RL steps between environment-pool refreshes: tasks that became trivial (pool_trivial_pass_rate
     over pool_min_samples samples) or scored one response differently twice are retired and their
-    slots refilled from the queue (megatron_rl/quality/env_pool.py); 0: off."""
+    slots refilled from the queue (megatron_rl/data/env_pool.py); 0: off."""
     pool_queue: int = 0
     """Generated tasks held in the pool's queue (generated task types; another seed than training)."""
     pool_queue_path: Optional[str] = None
@@ -1518,7 +1518,7 @@ class LoggingConfig:
     """Show a progress bar on rank 0."""
     audit_every: int = 0
     """RL steps between reward audits: the step's top trajectories with shortcut flags to
-    run_dir/audit/ (megatron_rl/quality/audit.py); 0: off."""
+    run_dir/audit/ (megatron_rl/rewards/audit.py); 0: off."""
     audit_samples: int = 8
     """Trajectories written per audit."""
     trace_every: int = 0

@@ -109,7 +109,7 @@ def test_difficulty_under_a_policy(runner, tmp_path):
 
 def test_audit_flags_a_reward_hacking_trajectory(runner, tmp_path):
     from megatron_rl.envs.tools import format_tool_call
-    from megatron_rl.quality.audit import audit
+    from megatron_rl.rewards.audit import audit
 
     task = repo_tasks(1, seed=4)[0]
     bug = task["fail_to_pass"][0]["name"]

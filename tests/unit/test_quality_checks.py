@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_rl.quality import checks
-from megatron_rl.quality.audit import audit
-from megatron_rl.quality.env_pool import EnvPool
+from megatron_rl.rewards.audit import audit
+from megatron_rl.data.env_pool import EnvPool
 from megatron_rl.rollout.multiturn import Episode
 
 BASE = ("Write a function that returns the sum of the two integers it is given, without using any imports. "

@@ -234,7 +234,7 @@ def test_the_environment_pool_sees_scored_samples_only():
     would have called the task flaky; its pass rate counts scored samples only."""
     import types
 
-    from megatron_rl.quality.env_pool import EnvPool
+    from megatron_rl.data.env_pool import EnvPool
     from megatron_rl.rl_step import _maintain
 
     pool = EnvPool(["t0"], task_id=str)
