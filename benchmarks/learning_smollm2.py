@@ -235,21 +235,53 @@ def eval_jobs(name: str, run: Path, ckpt: str, out: Path, deps: list[str], two_s
 def _summary(eval_dir: Path) -> dict:
     """{set: metrics} of an evaluation of one checkpoint, from its records (the project's own reading)."""
     from megatron_rl.evaluation.pooling import load_records
-    from megatron_rl.evaluation.records import eval_metrics
+    from megatron_rl.evaluation.records import eval_metrics, summarize
 
     records = load_records(eval_dir)  # one checkpoint, one sampling seed
     if len({r.get("checkpoint") for r in records}) != 1:
         raise ValueError(f"{eval_dir}: expected the evaluation of one checkpoint")
-    return {s: eval_metrics([r for r in records if r.get("set", "heldout") == s], [1]) for s in ("heldout", "two_step")}
+    out = {}
+    for set_name in ("heldout", "two_step"):
+        rows = [r for r in records if r.get("set", "heldout") == set_name]
+        out[set_name] = {**eval_metrics(rows, [1]), "accuracy_ci": summarize(rows, [1])["metrics"]["accuracy"]["prompts"]}
+    return out
 
 
-def _t(values: list[float]) -> str:
+def _t(values: list[float], one: Optional[dict] = None) -> str:
+    """The mean over runs with its 95% t interval; for one run, its value (with `one`, a bootstrap interval
+    over prompts, in brackets)."""
     from megatron_rl.evaluation.stats import t_interval
 
     if len(values) == 1:
-        return f"{values[0]:.2f}"
+        return f"{values[0]:.2f}" + (f" [{one['low']:.2f}, {one['high']:.2f}]" if one else "")
     ci = t_interval(values, 0.95)
     return f"{ci.mean:.2f} [{ci.low:.2f}, {ci.high:.2f}]"
+
+
+def plot(work: Path, ours: dict[int, list[dict]], trl: dict[int, dict]) -> Path:
+    """Training reward and wall time per step, ours (each seed) and TRL (each seed): WORK/learning.png."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.6))
+    FigureCanvasAgg(fig)
+    reward, times = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for s, rows in ours.items():
+        steps = [r["step"] for r in rows]
+        reward.plot(steps, [r["reward/mean"] for r in rows], color="C0", alpha=0.8, label=f"ours, seed {s}")
+        times.plot(steps, [r["time/step"] for r in rows], color="C0", alpha=0.8, label=f"ours, seed {s}")
+    for s, t in trl.items():
+        steps = list(range(1, len(t["rewards"]) + 1))
+        reward.plot(steps, t["rewards"], color="C1", alpha=0.8, label=f"TRL GRPOTrainer, seed {s}")
+        times.plot(steps[:len(t["step_times"])], t["step_times"], color="C1", alpha=0.8, label=f"TRL, seed {s}")
+    reward.set(xlabel="step", ylabel="training reward (strict)", ylim=(0, 1))
+    times.set(xlabel="step", ylabel="wall time per step (s)", ylim=(0, None))
+    reward.legend(fontsize=8)
+    times.legend(fontsize=8)
+    fig.tight_layout()
+    out = work / "learning.png"
+    fig.savefig(out, dpi=100)
+    return out
 
 
 def report(args: argparse.Namespace, work: Path) -> None:
@@ -267,22 +299,25 @@ def report(args: argparse.Namespace, work: Path) -> None:
     trl_train = {s: json.loads((work / f"trl_seed{s}" / "result.json").read_text()) for s in args.trl_seeds}
 
     def col(evals: dict, reading: str, set_name: str, metric: str) -> str:
-        return _t([e[reading][set_name][metric] for e in evals.values()])
+        one = next(iter(evals.values()))[reading][set_name]["accuracy_ci"] if metric == "accuracy" else None
+        return _t([e[reading][set_name][metric] for e in evals.values()], one)
 
     def per_run(values: dict) -> str:
         return _t(list(values.values()))
 
     acc, trunc = "accuracy", "truncated"
     lines = [
-        ("held-out accuracy, strict", f"{base['strict']['heldout'][acc]:.2f}",
+        ("held-out accuracy, strict", _t([base['strict']['heldout'][acc]], base['strict']['heldout']['accuracy_ci']),
          col(ours, "strict", "heldout", acc), col(trl, "strict", "heldout", acc)),
-        ("held-out accuracy, by the last number", f"{base['last_number']['heldout'][acc]:.2f}",
+        ("held-out accuracy, by the last number",
+         _t([base['last_number']['heldout'][acc]], base['last_number']['heldout']['accuracy_ci']),
          col(ours, "last_number", "heldout", acc), col(trl, "last_number", "heldout", acc)),
         ("held-out answers cut at the limit", f"{base['strict']['heldout'][trunc]:.2f}",
          col(ours, "strict", "heldout", trunc), col(trl, "strict", "heldout", trunc)),
-        ("two-step (not trained on), strict", f"{base['strict']['two_step'][acc]:.2f}",
+        ("two-step (not trained on), strict", _t([base['strict']['two_step'][acc]], base['strict']['two_step']['accuracy_ci']),
          col(ours, "strict", "two_step", acc), col(trl, "strict", "two_step", acc)),
-        ("two-step, by the last number", f"{base['last_number']['two_step'][acc]:.2f}",
+        ("two-step, by the last number",
+         _t([base['last_number']['two_step'][acc]], base['last_number']['two_step']['accuracy_ci']),
          col(ours, "last_number", "two_step", acc), col(trl, "last_number", "two_step", acc)),
         ("training reward, first 10% of steps", "",
          per_run({s: _edge_means([r["reward/mean"] for r in rows])[0] for s, rows in ours_train.items()}),
@@ -290,6 +325,14 @@ def report(args: argparse.Namespace, work: Path) -> None:
         ("training reward, last 10% of steps", "",
          per_run({s: _edge_means([r["reward/mean"] for r in rows])[1] for s, rows in ours_train.items()}),
          per_run({s: _edge_means(t["rewards"])[1] for s, t in trl_train.items()})),
+        ("sampled answers in no asked format, first 10% of steps", "",
+         per_run({s: _edge_means([r["reward/unformatted_share"] for r in rows])[0]
+                  for s, rows in ours_train.items()}),
+         per_run({s: _edge_means(t["unformatted"])[0] for s, t in trl_train.items()})),
+        ("sampled answers in no asked format, last 10% of steps", "",
+         per_run({s: _edge_means([r["reward/unformatted_share"] for r in rows])[1]
+                  for s, rows in ours_train.items()}),
+         per_run({s: _edge_means(t["unformatted"])[1] for s, t in trl_train.items()})),
         ("wall time per step, median (s)", "",
          per_run({s: statistics.median(r["time/step"] for r in rows) for s, rows in ours_train.items()}),
          per_run({s: statistics.median(t["step_times"]) for s, t in trl_train.items()})),
@@ -303,11 +346,13 @@ def report(args: argparse.Namespace, work: Path) -> None:
     trl_version = next(iter(trl_train.values()))["trl_version"] if trl_train else "-"
     print()
     print(f"SmolLM2-135M-Instruct, {RECIPE} ({args.steps} steps); ours seeds {args.seeds}, TRL {trl_version} "
-          f"seeds {args.trl_seeds}; {threads}; greedy evaluation; mean over seeds [95% t interval over runs]")
+          f"seeds {args.trl_seeds}; {threads}; greedy evaluation on the held-out set and the two-step set; "
+          "several runs: mean [95% t interval over runs]; one run: value [95% bootstrap interval over prompts]")
     head = ("", "checkpoint", "ours", "TRL GRPOTrainer")
     widths = [max(len(r[i]) for r in lines + [head]) for i in range(4)]
     for r in [head, tuple("-" * w for w in widths)] + lines:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    print(f"\ncurves: {plot(work, ours_train, trl_train)}")
 
 
 # ---------------------------------------------------------------------------------------------
