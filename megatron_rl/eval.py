@@ -72,8 +72,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         load_run_config,
         regression_sets,
         resolve_checkpoints,
-        run_evaluation,
     )
+    from megatron_rl.rl.evaluate import evaluate_checkpoints
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if rt is None:  # this process launched the local workers, which did the work
         return
     try:
-        run_evaluation(rt, spec)
+        evaluate_checkpoints(rt, spec)
     finally:
         runtime.finish(rt)
 

@@ -1,7 +1,7 @@
 """What a multi-domain run (`domains` in the config) adds to the RL step and to evaluation:
 per-domain reward calibration before the advantages, per-domain metrics, and pausing a
-domain whose rewards look hacked; and the state of both for checkpoints. `rl_step.py` calls
-it when `parts["domains"]` is set (see docs/rl.md, "Multi-domain joint training").
+domain whose rewards look hacked; and the state of both for checkpoints. The RL step calls
+it when the run's `domains` is set (see docs/rl.md, "Multi-domain joint training").
 
 Metrics per domain d, each step: `domain/<d>/reward_mean` (the verifier's reward, on the
 domain's own scale), `adv_mean` / `adv_std` (population std) / `count` over the step's

@@ -100,7 +100,7 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
         raise ValueError(f"algorithm.loss_agg_mode={mode} is invalid: allowed values are {', '.join(AGG_MODES)}")
     eps_low = float(cfg.eps_clip)
     eps_high = eps_low if cfg.policy_loss == "ppo_clip" else float(cfg.eps_clip_high)
-    # With kl_in_reward the KL penalises the rewards before the advantages (megatron_rl/rl_step.py); the loss
+    # With kl_in_reward the KL penalises the rewards before the advantages (megatron_rl/rl/advantages.py); the loss
     # only reports it.
     kl_coef = 0.0 if getattr(cfg, "kl_in_reward", False) else float(cfg.kl_coef)
     kl_estimator = cfg.kl_estimator

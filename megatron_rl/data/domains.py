@@ -8,7 +8,7 @@ domain's prompts, concatenated in the order of `domains`, each prompt's `meta["d
 naming its domain), `needs_sandbox`, `stop_token_ids`, `verifier_factory(addresses)` (a
 verifier that sends each item to its own domain's verifier) and `reward_scale_of(meta)`.
 Agent domains (`task.type=agent`) are listed in `agent_domains`: their prompts are tasks for
-an environment, played as multi-turn episodes by the RL step (`rl_step._generate`), and their
+an environment, played as multi-turn episodes by the RL step (`rollout.colocated.Generation.generate`), and their
 entry of `DomainVerifier.verifiers` is the domain's environment host, not a scorer.
 """
 

@@ -1,7 +1,7 @@
 """Disaggregated mode, trainer side: generators generate while the trainer trains.
 
 `rollout.mode=disaggregated` swaps the colocation controller for `DisaggregatedController`;
-the RL step is otherwise the colocated one (`rl_step`: the same advantages, filters, old
+the RL step is otherwise the colocated one (`rl.step`: the same advantages, filters, old
 log-prob recomputation, truncated-IS loss and update); only where the step's rollouts come
 from changes (`step_rollouts` instead of `generate_groups`). Per step s:
 
@@ -9,7 +9,7 @@ from changes (`step_rollouts` instead of `generate_groups`). Per step s:
     -> ask for the prompts of step s + max_staleness (the trainer owns the sampler)
     -> take num_groups groups from the experience buffer (older than v - max_staleness: dropped,
        counted, their prompts asked for again)
-    -> rl_step trains on them while the generators work on the next steps' prompts
+    -> the RL step trains on them while the generators work on the next steps' prompts
 
 Staleness bound: prompts of step s' are sent only once the trainer has published version
 s' - k (k = algorithm.max_staleness), so every token of them is sampled with a version >= s' - k
@@ -43,7 +43,7 @@ listens on the loopback only.
 
 Evaluation runs on the trainer's own engine through the colocated controller (the engine is
 built as in colocated mode), with the trainer's current weights. A task without held-out prompts
-has nothing to evaluate: the trainer ranks then start no engine at all (megatron_rl.train.build).
+has nothing to evaluate: the trainer ranks then start no engine at all (megatron_rl.rl.state.build_run).
 Offline evaluation of a disaggregated run's checkpoints (megatron_rl.eval) uses the evaluating
 job's own engine and starts no generators.
 """
@@ -72,19 +72,21 @@ LOOPBACK = "127.0.0.1"
 
 
 class DisaggregatedController:
-    """Publishes weights, sends prompts and takes experience; the colocated controller's place in `parts`."""
+    """The RolloutSource of rollout.mode=disaggregated (megatron_rl/rollout/source.py): publishes weights,
+    sends prompts and takes experience."""
 
-    def __init__(self, rt: Any, colocated: Any, train_prompts: list, sampler: Any, stop_token_ids: tuple[int, ...],
+    def __init__(self, rt: Any, colocated: Any, task: Any, train_prompts: list, sampler: Any,
                  sandbox_addresses: list[str]) -> None:
         from megatron_rl.parallel.dist import free_port, weight_update_store
 
         cfg = rt.cfg
         self.cfg, self.colocated, self.trainer = cfg, colocated, colocated.trainer
-        self.prompts, self.sampler, self.stop_token_ids = train_prompts, sampler, tuple(stop_token_ids)
+        self.task, self.prompts, self.sampler = task, train_prompts, sampler
+        self.stop_token_ids = tuple(task.stop_token_ids)
         self.is_main, self.device = rt.is_main, rt.groups.device
         self.max_staleness = cfg.algorithm.max_staleness
         self.num_groups = cfg.global_batch_size // cfg.rollout.n_samples_per_prompt
-        self.version = 0  # the last published version (train.py saves and restores it)
+        self.version = 0  # the last published version (in the run's checkpoints: `state_dict`)
         self.timings: dict[str, float] = {}
         self.last_sync: Any = None
         self._timeline: Any = None
@@ -137,11 +139,13 @@ class DisaggregatedController:
                     self.max_staleness, cfg.rollout.partial_rollout_tokens or "off")
 
     # -- the step ---------------------------------------------------------------------------------
-    def step_rollouts(self, rt: Any, parts: dict, step: int) -> tuple[list, dict[str, float]]:
+    def rollouts(self, step: int, timeline: Any) -> tuple[list, dict[str, float]]:
         """Publish weights v=step, send prompts up to step + max_staleness, return the step's
-        rollouts (prompt_index = group id) and timing/buffer metrics, on every trainer rank; with
-        agent episodes also their `agent/...` metrics and, from the generators' schedulers,
-        `sched/...` (`buffer.scheduler_metrics` says how they are summed over groups and generators)."""
+        rollouts (prompt_index = group id) and timing/buffer/weight-sync metrics, on every trainer rank;
+        with agent episodes also their `agent/...` metrics and, from the generators' schedulers,
+        `sched/...` (`buffer.scheduler_metrics` says how they are summed over groups and generators).
+        The previous step's training span (on its timeline) goes to the trainer's event log now."""
+        self.timeline = timeline
         self.timings, self._step = {}, step
         start = time.perf_counter()
         if self._sink is None and self.is_main:
@@ -166,12 +170,12 @@ class DisaggregatedController:
             stats.update(scheduler_metrics(kept))  # the generators' sched/... (agent episodes), summed over groups
         rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group.rollouts]
         if self.is_main:
-            stats.update(episode_stats(parts["task"], rollouts))
+            stats.update(episode_stats(self.task, rollouts))
         if dist.is_initialized() and dist.get_world_size() > 1:
             payload = [(rollouts, stats)]
             dist.broadcast_object_list(payload, src=0)
             rollouts, stats = payload[0]
-        return rollouts, {**stats, **self.timings}
+        return rollouts, {**self.metrics(), **stats, **self.timings}
 
     def _connect(self, first_version: int) -> None:
         from megatron_rl.disagg.generator import GO_KEY
@@ -260,7 +264,7 @@ class DisaggregatedController:
         if not algo.dynamic_sampling:
             return {}
         from megatron_rl.algorithms.filters import has_reward_variance
-        from megatron_rl.rl_step import scored_rewards
+        from megatron_rl.rewards.shaping import scored_rewards
 
         def replace(group: ExperienceGroup) -> None:
             self._consumed(group)
@@ -297,7 +301,7 @@ class DisaggregatedController:
 
     @timeline.setter
     def timeline(self, value: Any) -> None:
-        """rl_step sets a new timeline each step: the previous step's training spans go to the log."""
+        """A new timeline each step (`rollouts`): the previous step's training spans go to the log."""
         self._flush_timeline()
         self._timeline = value
 
@@ -311,11 +315,15 @@ class DisaggregatedController:
         self._timeline.events = [e for e in self._timeline.events if e["name"] != "train"]
 
     def state_dict(self) -> dict[str, Any]:
-        """Prompts sent but not trained on yet are asked for again after a resume."""
-        return {"next_issue_step": self._next_issue_step, "next_request": self._next_request,
-                "in_flight": [list(v) for v in self._in_flight.values() if v]}
+        """The published version, and the prompts sent but not trained on yet (asked for again after a resume)."""
+        return {"weight_version": self.version,
+                "disaggregated": {"next_issue_step": self._next_issue_step, "next_request": self._next_request,
+                                  "in_flight": [list(v) for v in self._in_flight.values() if v]}}
 
-    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+    def load_state_dict(self, run_state: dict[str, Any]) -> None:
+        """From a checkpoint's run state (a colocated run's holds no "disaggregated": nothing in flight)."""
+        self.version = run_state.get("weight_version", 0)
+        state = run_state.get("disaggregated")
         if state:
             self._next_issue_step, self._next_request = state["next_issue_step"], state["next_request"]
             self._reissue = [list(v) for v in state["in_flight"]]

@@ -1,5 +1,5 @@
 """Per-sample evaluation records and the metrics computed from them, the same in training-time
-evaluation (`rl_step.evaluate`) and offline evaluation (`python -m megatron_rl.eval`).
+evaluation (`rl.evaluate.evaluate`) and offline evaluation (`python -m megatron_rl.eval`).
 
 A record is one sampled completion of one held-out prompt, as plain JSON data:
 

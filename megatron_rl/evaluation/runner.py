@@ -1,7 +1,7 @@
 """Offline evaluation of a run's checkpoints (`python -m megatron_rl.eval`): the run's config,
 the checkpoints to evaluate, and the loop that loads each one into the trainer and samples every
 evaluation set through the same colocated rollout and the same records as training-time
-evaluation (`rl_step.evaluation_records`).
+evaluation (`rl.evaluate.evaluation_records`).
 
 Every rank runs the loop (generation is data-parallel, as in training); rank 0 appends the
 records to `records.jsonl` as each (checkpoint, set, seed) finishes and writes the report.
@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import json
 import logging
 import re
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -166,56 +164,7 @@ def _by_path(path: Path, selector: str) -> Checkpoint:
                      "checkpoint name or a directory")
 
 
-def run_evaluation(rt, spec: EvalSpec) -> dict[str, Any]:
-    """Evaluate every checkpoint on every set for every seed; returns the summary (rank 0 writes
-    records.jsonl and the report under spec.out_dir)."""
-    from tqdm import tqdm
-
-    from megatron_rl.evaluation.report import write_report
-    from megatron_rl.rl_step import evaluation_records
-    from megatron_rl.train import build
-
-    parts = build(rt, evaluation=True)  # the policy alone, on this job's engine (no critic, no generators)
-    parts["domains"] = None  # offline: no domain pausing; per-domain numbers come from the records
-    sets = {HELD_OUT: parts}
-    for set_name, regression in spec.regression:
-        sets[set_name] = _regression_parts(rt, parts, regression, set_name)
-    out = Path(spec.out_dir)
-    records_path = out / "records.jsonl"
-    # What was generated, special tokens kept: an agent episode's turn and observation markers show.
-    decode = functools.partial(parts["tokenizer"].decode, skip_special_tokens=False)
-    if rt.is_main:
-        records_path.unlink(missing_ok=True)
-    bar = tqdm(total=len(spec.checkpoints) * len(sets) * spec.num_seeds, desc="eval", unit="eval",
-               disable=not (rt.is_main and rt.cfg.logging.progress))
-    records: list[dict[str, Any]] = []
-    try:
-        for ckpt in spec.checkpoints:
-            start = time.perf_counter()
-            _load(parts["trainer"], ckpt)
-            found: list[dict[str, Any]] = []
-            for set_name, set_parts in sets.items():
-                for seed in range(spec.num_seeds):
-                    got, rollouts = evaluation_records(rt, set_parts, repeat=seed)
-                    got = [{"set": set_name, "checkpoint": ckpt.name, "step": ckpt.step, "seed": seed, **r,
-                            **_generated(rollout, decode)} for r, rollout in zip(got, rollouts)]
-                    if rt.is_main:
-                        with open(records_path, "a") as f:
-                            f.writelines(json.dumps(r) + "\n" for r in got)
-                    found += got
-                    bar.update()
-            records += found
-            logger.info("%s", _one_line(ckpt, found, spec, time.perf_counter() - start))
-    finally:
-        bar.close()
-        for set_parts in sets.values():
-            set_parts["rewards"].close()
-    if not rt.is_main:
-        return {}
-    return write_report(out, records, spec)
-
-
-def _generated(rollout: Any, decode: Any) -> dict[str, Any]:
+def generated_fields(rollout: Any, decode: Any) -> dict[str, Any]:
     """What a record shows of the sample: the text; for an agent episode also its number of model
     turns, how it ended and the numbers its environment reported (`info`)."""
     from megatron_rl.rollout.multiturn import Episode
@@ -227,7 +176,7 @@ def _generated(rollout: Any, decode: Any) -> dict[str, Any]:
     return out
 
 
-def _one_line(ckpt: Checkpoint, records: list[dict[str, Any]], spec: EvalSpec, seconds: float) -> str:
+def one_line(ckpt: Checkpoint, records: list[dict[str, Any]], spec: EvalSpec, seconds: float) -> str:
     from megatron_rl.evaluation.records import eval_metrics
     from megatron_rl.evaluation.stats import group_by, t_interval
 
@@ -242,7 +191,7 @@ def _one_line(ckpt: Checkpoint, records: list[dict[str, Any]], spec: EvalSpec, s
     return " | ".join(parts) + f" | {len(records)} samples, {spec.num_seeds} seeds, {seconds:.0f}s"
 
 
-def _load(trainer, ckpt: Checkpoint) -> None:
+def load_checkpoint(trainer, ckpt: Checkpoint) -> None:
     """The checkpoint's weights into the trainer (of a training checkpoint only the model: evaluation
     never steps the optimizer, and so any layout can read it, another expert-parallel size included)."""
     if ckpt.kind == "train":
@@ -299,30 +248,3 @@ def regression_task_config(spec: str) -> Optional[Any]:
     if cfg.task.num_eval == 0:
         raise ConfigError(f"--regression {spec}: task.num_eval=0 gives no prompts; set num_eval=N")
     return cfg.task
-
-
-def _regression_parts(rt, parts: dict, spec: str, set_name: str) -> dict:
-    """The run's parts with the regression set's prompts, task and reward service: a file's rows
-    read with the run's task settings (prompt_key, answer_key, chat_template, ...), or the eval
-    split of a task config (`regression_task_config`: generated problems, an agent task set)
-    with its own verifier."""
-    from megatron_rl import runtime
-    from megatron_rl.data.tasks import Task
-    from megatron_rl.rewards.service import RewardService
-
-    task_cfg = regression_task_config(spec)
-    if task_cfg is None:
-        base = rt.cfg.task
-        from megatron_rl.rewards.custom import is_reward_path
-
-        # a reward function by path serves the file's rows as well
-        reward = base.reward if base.reward in ("math", "exact", "tests") or is_reward_path(base.reward) else "auto"
-        task_cfg = dataclasses.replace(base, name=set_name, type="dataset", path=spec, eval_path=spec,
-                                       num_eval=10**9, reward=reward)
-    task = Task(task_cfg, parts["tokenizer"])
-    prompts = task.prompts("eval")
-    if not prompts:
-        raise ValueError(f"the regression set {spec} has no rows")
-    addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
-    logger.info("regression set %s: %d prompts, reward %s (set %s)", spec, len(prompts), task.reward_kind, set_name)
-    return dict(parts, task=task, eval=prompts, rewards=RewardService(task.verifier_factory(addresses)))

@@ -38,6 +38,11 @@ def is_scored(rollout: Any) -> bool:
     return getattr(rollout, "status", "") not in LOST_STATUSES
 
 
+def model_tokens(rollout: Any) -> list[int]:
+    """1 on the response tokens the policy wrote, 0 on an episode's tool output (its `model_mask`)."""
+    return list(getattr(rollout, "model_mask", None) or [1] * len(rollout.output_ids))
+
+
 @dataclasses.dataclass
 class Rollout:
     prompt_index: int  # index in the step's prompt list (= the GRPO group id)

@@ -89,3 +89,28 @@ def read_rollouts(directory: str | Path, step: int) -> list[Any]:
         except TypeError as err:
             raise ValueError(f"{path}:{number}: not a dumped rollout: {err}") from None
     return out
+
+
+class ReplaySource:
+    """The RolloutSource of `rollout.replay_dir` (megatron_rl/rollout/source.py): each step's dumped samples,
+    nothing generated, so no rollout metrics. Its weight version is the colocation controller's (which only
+    evaluations advance)."""
+
+    def __init__(self, directory: str | Path, controller: Any) -> None:
+        self.directory, self._controller = directory, controller
+
+    @property
+    def version(self) -> int:
+        return self._controller.version
+
+    def rollouts(self, step: int, timeline: Any) -> tuple[list, dict[str, float]]:
+        return read_rollouts(self.directory, step + 1), {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weight_version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._controller.version = state.get("weight_version", 0)
+
+    def close(self) -> None:
+        pass

@@ -31,7 +31,7 @@ def test_an_agent_domain_passes_the_run_checks():
 def test_oversampled_groups_are_shared_out_in_proportion(sizes, total, expected):
     """A joint run's over-sampled prompts, per part (the single-turn domains, each agent domain):
     each keeps its proportional share of the batch's groups (largest remainders)."""
-    from megatron_rl.rl_step import apportion
+    from megatron_rl.rollout.colocated import apportion
 
     got = apportion(sizes, total)
     assert got == expected
@@ -86,11 +86,11 @@ def test_groups_finished_beyond_a_domains_share_are_cut():
     (already cut or past the deadline do not count towards the share)."""
     from types import SimpleNamespace
 
-    from megatron_rl.rl_step import _cut_beyond
+    from megatron_rl.rollout.colocated import cut_beyond
 
     statuses = {0: "submitted", 1: "aborted", 2: "max_turns", 3: "deadline", 4: "submitted", 5: "submitted"}
     rollouts = [SimpleNamespace(prompt_index=g, status=s, reward=1.0) for g, s in statuses.items() for _ in range(2)]
-    _cut_beyond(rollouts, 2)
+    cut_beyond(rollouts, 2)
     kept = sorted({r.prompt_index for r in rollouts if r.status not in ("aborted", "deadline")})
     assert kept == [0, 2]
     assert all(r.status == "aborted" and r.reward == 0.0 for r in rollouts if r.prompt_index in (4, 5))
@@ -104,8 +104,8 @@ def test_a_group_finished_beside_the_batchs_last_is_cut_in_a_single_task_run(mon
     others are cut (counted in sched/groups_cut)."""
     from types import SimpleNamespace
 
-    from megatron_rl import rl_step
     from megatron_rl.rollout import episodes
+    from megatron_rl.rollout.colocated import Generation
 
     cfg = load_config(["mode=rl", "task.type=agent", "global_batch_size=8", "rollout.n_samples_per_prompt=2",
                        "rollout.agent_scheduler=async", "rollout.oversample=0.5"], world_size=1)
@@ -119,13 +119,12 @@ def test_a_group_finished_beside_the_batchs_last_is_cut_in_a_single_task_run(mon
                 for _ in range(2)], {}
 
     monkeypatch.setattr(episodes, "collect_episodes", collect_episodes)
-    monkeypatch.setattr(rl_step, "_turn_format", lambda parts, task_cfg: None)
-    rt = SimpleNamespace(cfg=cfg, groups=None)
-    parts = {"engine": None, "controller": SimpleNamespace(timeline=None)}
+    monkeypatch.setattr(Generation, "turn_format", lambda self, task_cfg: None)
+    gen = Generation(cfg, None, None, None, None, None, SimpleNamespace(timeline=None))
     prompts = [SimpleNamespace(meta={}) for _ in range(6)]
-    got, _ = rl_step._episodes(rt, parts, prompts, SimpleNamespace(n=2), cfg.task, None, training=True)
+    got, _ = gen.episodes(prompts, SimpleNamespace(n=2), cfg.task, None, training=True)
     assert seen["target"] == 4
     assert sorted({r.prompt_index for r in got if r.status != "aborted"}) == [0, 1, 2, 3]
     assert all(r.reward == 0.0 for r in got if r.prompt_index >= 4)
-    got, _ = rl_step._episodes(rt, parts, prompts, SimpleNamespace(n=2), cfg.task, None, training=False)
+    got, _ = gen.episodes(prompts, SimpleNamespace(n=2), cfg.task, None, training=False)
     assert seen["target"] is None and sum(r.status != "aborted" for r in got) == 10  # evaluation cuts nothing

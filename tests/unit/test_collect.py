@@ -1,5 +1,5 @@
 """rollout.collect: a verifier that fails or is late leaves its samples unscored (status "unscored",
-left out of the update by rl_step) instead of crashing the step or scoring them 0."""
+left out of the update by the RL step) instead of crashing the step or scoring them 0."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from megatron_rl.data.tasks import RuleVerifier
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.rewards.custom import CustomVerifier
 from megatron_rl.rewards.service import RewardService
-from megatron_rl.rl_step import step_advantages
+from megatron_rl.rl.advantages import step_advantages
 from megatron_rl.rollout.collect import is_scored
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.collect import collect

@@ -1,22 +1,27 @@
-"""The package's modules import each other without a circle: every `import` of a megatron_rl module,
-top-level or inside a function, read from the source (a lazy import inside a function is still a
-circle in the design, only one Python tolerates)."""
+"""The packages' modules (megatron_rl and sandbox) import each other without a circle: every `import` of
+one of their modules, top-level or inside a function, read from the source (a lazy import inside a
+function is still a circle in the design, only one Python tolerates). And the arrows point down: only
+the entry points import the RL loop (megatron_rl.rl, megatron_rl.train)."""
 
 import ast
 from pathlib import Path
 
 import megatron_rl
+import sandbox
 from megatron_rl.weight_sync import families
 
-ROOT = Path(megatron_rl.__file__).parent
+ROOTS = [Path(megatron_rl.__file__).parent, Path(sandbox.__file__).parent]
+# what may import the loop: the loop itself and the entry points that run it (or check its config)
+ABOVE_THE_LOOP = ("megatron_rl.rl", "megatron_rl.train", "megatron_rl.eval", "megatron_rl.slurm_job")
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
+    for root in ROOTS:
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root.parent).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
     return out
 
 
@@ -36,7 +41,7 @@ def import_graph() -> dict[str, set[str]]:
             for target in targets:
                 while target and target not in modules:
                     target = target.rpartition(".")[0]
-                if target and target not in (name, "megatron_rl"):
+                if target and target not in (name, "megatron_rl", "sandbox"):
                     edges[name].add(target)
                     break  # the deepest module named is what is imported
     return edges
@@ -97,8 +102,23 @@ def test_the_graph_sees_lazy_imports():
     assert "megatron_rl.rollout.scheduler" in edges["megatron_rl.rollout.episodes"]
 
 
-def test_megatron_rl_has_no_import_circle():
-    assert circles(import_graph()) == []
+def test_megatron_rl_and_sandbox_have_no_import_circle():
+    edges = import_graph()
+    assert any(name.startswith("sandbox.") for name in edges)  # both packages walked
+    assert circles(edges) == []
+
+
+def _in(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_only_the_entry_points_import_the_rl_loop():
+    """Evaluation, quality, disagg, rollout, trainer and the rest take what they need from below the loop."""
+    edges = import_graph()
+    assert "megatron_rl.rl.state" in edges["megatron_rl.rl.loop"]  # the walk sees the rl package
+    upward = sorted(f"{name} -> {target}" for name, targets in edges.items() for target in targets
+                    if _in(target, ("megatron_rl.rl", "megatron_rl.train")) and not _in(name, ABOVE_THE_LOOP))
+    assert upward == []
 
 
 def test_every_family_converter_is_listed_once():

@@ -18,7 +18,7 @@ import torch
 from megatron_rl.algorithms.objective import make_policy_loss_fn
 from megatron_rl.config import load_config
 from megatron_rl.config.schema import AlgorithmConfig
-from megatron_rl.rl_step import token_advantages
+from megatron_rl.rl.advantages import token_advantages
 from megatron_rl.rollout.collect import Rollout
 from megatron_rl.trainer.core import LossInputs
 
@@ -127,7 +127,7 @@ def test_kl_loss_unclamped_is_trl_k3_and_verl_k1():
 def test_kl_in_the_reward_as_verl_and_openrlhf():
     """verl use_kl_in_reward (kl_penalty default "kl") and OpenRLHF (kl_estimator default k1): each token's reward
     loses kl_coef * (old - ref). Here: kl_in_reward=true kl_estimator=k1 kl_clamp=null; checked on the estimate
-    rl_step.reward_kl computes from the config (the rest of reward_kl needs a trainer)."""
+    rl.advantages.reward_kl computes from the config (the rest of reward_kl needs a trainer)."""
     from megatron_rl.algorithms.kl import kl_estimate
 
     cfg = load_config(["algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.kl_estimator=k1",
@@ -145,7 +145,7 @@ def _rollouts(rewards, groups, lengths=None):
 
 
 def _loop_advantages(estimator, rewards, groups, lengths=None, **overrides):
-    """Per-sample advantages as the RL step computes them (rl_step.token_advantages), and per-token ones
+    """Per-sample advantages as the RL step computes them (rl.advantages.token_advantages), and per-token ones
     (float32: comparisons allow its rounding, rtol 1e-6)."""
     cfg = AlgorithmConfig(advantage_estimator=estimator, **overrides)
     per_token, _ = token_advantages(cfg, torch.tensor(rewards, dtype=D), _rollouts(rewards, groups, lengths))

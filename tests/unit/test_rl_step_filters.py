@@ -1,4 +1,4 @@
-"""The loop's reward shaping and sample selection (rl_step.select_samples / shaped_rewards)
+"""The loop's reward shaping and sample selection (rl.advantages.select_samples, rewards.shaping.shaped_rewards)
 on hand-made rollouts, against values worked out by hand."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from megatron_rl.config import load_config
-from megatron_rl.rl_step import combine_rounds, shaped_rewards, select_samples
+from megatron_rl.rewards.shaping import shaped_rewards
+from megatron_rl.rl.advantages import select_samples
+from megatron_rl.rollout.colocated import combine_rounds
 from megatron_rl.rollout.collect import Rollout
 
 
@@ -108,7 +110,7 @@ def test_lost_episodes_take_no_part_in_the_group_baseline():
     """Group 0: three correct answers and one episode lost to a sandbox failure: no variance among the
     scored ones, so no advantage (a lost 0 in the baseline would give each survivor +0.5) and the
     zero-variance filter drops the group. Group 1: 1, 0 and a deadline: GRPO over (1, 0) only."""
-    from megatron_rl.rl_step import step_advantages
+    from megatron_rl.rl.advantages import step_advantages
 
     rollouts = [_episode(0, 1.0, "submitted"), _episode(0, 1.0, "submitted"), _episode(0, 1.0, "max_turns"),
                 _episode(0, 0.0, "dropped"), _episode(1, 1.0, "submitted"), _episode(1, 0.0, "submitted"),
@@ -130,7 +132,7 @@ def test_lost_episodes_take_no_part_in_the_group_baseline():
 
 def test_dynamic_sampling_judges_a_group_by_its_scored_samples():
     from megatron_rl.algorithms.filters import has_reward_variance
-    from megatron_rl.rl_step import scored_rewards
+    from megatron_rl.rewards.shaping import scored_rewards
 
     cfg = _cfg()
     assert not has_reward_variance(scored_rewards(cfg, [_episode(0, 1.0, "submitted"), _episode(0, 0.0, "dropped")]))
@@ -154,7 +156,7 @@ def test_gae_without_a_critic():
     """advantage_estimator=gae, values 0: each reward sits on its sample's last model token; the recursion
     skips tool output; the result is whitened over all model tokens of the batch. By hand for gamma = 0.5,
     lambda = 1: a token k model tokens before the end gets r * 0.5**k."""
-    from megatron_rl.rl_step import step_advantages
+    from megatron_rl.rl.advantages import step_advantages
 
     cfg = _cfg("algorithm.advantage_estimator=gae", "algorithm.gae_gamma=0.5", "rollout.n_samples_per_prompt=1")
     single = _rollouts([2.0], [3], ["stop"], [1])[0]
@@ -183,7 +185,7 @@ def test_reinforce_pp_in_the_step_whitens_over_model_tokens():
     Token mean m = (1 - 3 + 2 - 2) / 24 = -1/12; a - m = 7/12, -5/12, 7/12, -5/12, 1/12, 1/12;
     population variance (2*49 + 6*25 + 4*49 + 4*25 + 3 + 5) / 144 / 24 = 23/144, std = sqrt(23)/12.
     A = 7/sqrt(23), -5/sqrt(23) on the varied groups; group 2 gets 0 (the peers would give it 1/sqrt(23))."""
-    from megatron_rl.rl_step import step_advantages
+    from megatron_rl.rl.advantages import step_advantages
 
     cfg = _cfg("algorithm.advantage_estimator=reinforce_pp")
     episode = _episode(1, 1.0, "submitted", turns=((3, 2), (1, 0)))
@@ -200,7 +202,7 @@ def test_reinforce_pp_in_the_step_whitens_over_model_tokens():
 def test_every_advantage_estimator_runs_in_the_step():
     """Each estimator the config accepts gives finite per-token advantages through step_advantages."""
     from megatron_rl.config import AlgorithmConfig
-    from megatron_rl.rl_step import step_advantages
+    from megatron_rl.rl.advantages import step_advantages
 
     rollouts = _rollouts([1, 0, 0.5, 1], [3, 2, 4, 1], ["stop"] * 4, [0, 0, 1, 1])
     for estimator in AlgorithmConfig.ADVANTAGE_ESTIMATORS:
@@ -216,16 +218,17 @@ def test_evaluation_samples_with_its_own_settings():
     """task.eval_* replace rollout.* for evaluation only; unset ones fall back to training's."""
     import types
 
-    from megatron_rl.rl_step import _sampling
+    from megatron_rl.rollout.colocated import Generation
 
-    parts = {"task": types.SimpleNamespace(stop_token_ids=(7,))}
+    task = types.SimpleNamespace(stop_token_ids=(7,))
     cfg = _cfg("rollout.temperature=0.9", "rollout.top_p=0.8", "task.eval_top_k=1", "task.eval_max_new_tokens=4")
-    train, held_out = _sampling(cfg, parts, 4, seed=1), _sampling(cfg, parts, 2, seed=3, evaluation=True)
+    gen = Generation(cfg, None, None, task, None, None, None)
+    train, held_out = gen.sampling(4, seed=1), gen.sampling(2, seed=3, evaluation=True)
     assert (train.temperature, train.top_p, train.top_k, train.max_new_tokens, train.n) == (0.9, 0.8, -1, 8, 4)
     assert (held_out.temperature, held_out.top_p, held_out.top_k, held_out.max_new_tokens) == (0.9, 0.8, 1, 4)
     assert held_out.stop_token_ids == (7,) and held_out.seed == 3
     cfg = _cfg("task.eval_temperature=0.3", "task.eval_top_p=0.5")
-    held_out = _sampling(cfg, parts, 2, seed=3, evaluation=True)
+    held_out = Generation(cfg, None, None, task, None, None, None).sampling(2, seed=3, evaluation=True)
     assert (held_out.temperature, held_out.top_p, held_out.max_new_tokens) == (0.3, 0.5, 8)
 
 
@@ -235,7 +238,7 @@ def test_the_environment_pool_sees_scored_samples_only():
     import types
 
     from megatron_rl.data.env_pool import EnvPool
-    from megatron_rl.rl_step import _maintain
+    from megatron_rl.rl.metrics import maintain
 
     pool = EnvPool(["t0"], task_id=str)
     solved, lost = _episode(0, 1.0, "submitted"), _episode(0, 0.0, "dropped")
@@ -243,7 +246,7 @@ def test_the_environment_pool_sees_scored_samples_only():
         r.source_index = 0
     cfg = types.SimpleNamespace(task=types.SimpleNamespace(pool_refresh_every=100),
                                 logging=types.SimpleNamespace(audit_every=0))
-    _maintain(types.SimpleNamespace(cfg=cfg, is_main=True), {"env_pool": pool}, 0, [solved, lost])
+    maintain(types.SimpleNamespace(cfg=cfg, is_main=True), types.SimpleNamespace(env_pool=pool), 0, [solved, lost])
     assert list(pool.stats[0].rewards) == [1.0] and pool.stats[0].contradictions == 0
 
 
@@ -251,7 +254,7 @@ def test_kl_in_the_reward_reaches_both_kinds_of_estimator():
     """algorithm.kl_in_reward: a group estimator sees each reward minus the sample's summed penalty; gae
     sees the per-token penalties on top of the reward on the last token (by hand: gamma = lambda = 1,
     the reward-to-go of r_t)."""
-    from megatron_rl.rl_step import step_advantages
+    from megatron_rl.rl.advantages import step_advantages
 
     rollouts = _rollouts([1.0, 1.0, 0.0, 0.0], [2, 2, 2, 2], ["stop"] * 4, [0, 0, 1, 1])
     penalties = [torch.tensor([0.1, 0.2]), torch.tensor([0.0, 0.0]), torch.tensor([0.5, 0.0]), None]
@@ -280,7 +283,7 @@ def test_gae_with_the_critics_values_and_their_returns():
         t=0: delta = 0 + 1 - 0.5 = 0.5,       A = 0.5 + 0.5 * (-1) = 0
     so R = (0.5, 0, 1) on the model tokens, 0 on tool output. The single-turn rollout (reward 2, values
     (0, 0, 0)) is the critic-free case: A = R = (2 * 0.5**2, 2 * 0.5, 2). A lost rollout gets neither."""
-    from megatron_rl.rl_step import step_advantages
+    from megatron_rl.rl.advantages import step_advantages
 
     cfg = _cfg("algorithm.advantage_estimator=gae", "algorithm.gae_lambda=0.5", "algorithm.critic=true",
                "rollout.n_samples_per_prompt=1")

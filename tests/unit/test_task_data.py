@@ -141,7 +141,7 @@ def test_prompts_longer_than_the_limit_are_left_out(tmp_path, tokenizer, caplog)
 def test_a_prompt_that_cannot_fit_a_micro_batch_with_its_response_is_refused_before_generation(tmp_path, tokenizer):
     import types
 
-    from megatron_rl.train import check_sample_budget
+    from megatron_rl.rl.state import check_sample_budget
 
     rows = [{"prompt": "x" * n, "answer": "1"} for n in (3, 9, 5, 40)]
     prompts = _task(tmp_path, tokenizer, rows=rows).prompts("train")
