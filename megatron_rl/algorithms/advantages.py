@@ -3,8 +3,7 @@
 Group estimators (grpo, dr_grpo, rloo, reinforce_pp) take one scalar reward per sample,
 `rewards: [N]`, and `group_ids: [N]` (any integers; the samples drawn for one prompt share
 an id, groups may differ in size) and return one advantage per sample, `[N]`, to be
-broadcast onto the sample's response tokens (`expand_to_tokens`, or a per-sample scalar
-in `Sample.extras`, which packing broadcasts). `gae` works on padded token grids `[N, T]`.
+broadcast onto the sample's response tokens (the RL step's `token_advantages`). `gae` works on padded token grids `[N, T]`.
 
 A group of one sample has nothing to be compared with: the group estimators give it
 advantage 0 (it contributes no gradient), rather than treating its raw reward as the
@@ -120,7 +119,7 @@ def reinforce_pp(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6,
     std_B is the population (biased) standard deviation over the batch, as OpenRLHF's (verl's
     is Bessel-corrected over the tokens; docs/rl.md, "Conventions"). Both peers take the batch
     statistics over response tokens, each sample weighted by its length: pass `token_counts: [N]`
-    (response tokens per sample; the RL loop does, `rl_step.token_advantages`); without it every
+    (response tokens per sample; the RL loop does, `rl.advantages.token_advantages`); without it every
     sample weighs 1. With unequal weights mean_B(a) is not 0, and the peers give an all-equal
     group -mean_B / std_B; here it gets 0, like every group estimator (the module docstring).
     rewards, group_ids: [N] -> [N].
@@ -214,10 +213,3 @@ def place_sequence_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     out[rows, last[rows]] = rewards[rows]
     return out
 
-
-def expand_to_tokens(seq_values: Tensor, mask: Tensor) -> Tensor:
-    """Broadcast one value per sample onto its response tokens: [N], [N, T] -> [N, T], 0 off-mask."""
-    if seq_values.dim() != 1 or mask.dim() != 2 or mask.shape[0] != seq_values.shape[0]:
-        raise ValueError(f"expected values [N] and mask [N, T], got {tuple(seq_values.shape)} "
-                         f"and {tuple(mask.shape)}")
-    return seq_values[:, None] * mask.to(seq_values.dtype)

@@ -61,17 +61,6 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3",
     return kl
 
 
-def kl_penalized_rewards(token_rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
-                         kl_coef: float, estimator: str = "k1") -> Tensor:
-    """KL penalty in the reward (PPO-RLHF, REINFORCE++): r_t - kl_coef * kl_t on policy tokens.
-
-    All inputs [N, T] (or any equal shapes); the result is detached: the penalty shapes the
-    return, it is not differentiated. Use this *or* a KL loss in the objective, not both.
-    """
-    kl = kl_estimate(logprobs.detach(), ref_logprobs.detach(), estimator)
-    return (token_rewards - kl_coef * kl) * mask.to(kl.dtype)
-
-
 class KLController:
     """The coefficient beta of the KL penalty in the reward (`algorithm.kl_in_reward`): fixed, or adaptive
     with a target (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", sec. 2.2):

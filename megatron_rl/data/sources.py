@@ -18,7 +18,6 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-FORMATS = ("jsonl", "parquet", "hf_disk")
 EVAL_SPLITS = ("test", "validation")
 
 

@@ -36,7 +36,6 @@ class ParallelGroups:
     dp_cp_group: dist.ProcessGroup
     mp_group: dist.ProcessGroup  # TP x PP: ranks that hold one copy of the model together
     pp_last_rank: int  # global rank of the last stage of this rank's pipeline
-    pp_first_rank: int
     sequence_parallel: bool
     device: torch.device
     # Experts: split over `ep_size` ranks carved out of the data-parallel ranks (with an expert
@@ -115,7 +114,6 @@ def initialize(tp: int, pp: int, cp: int = 1, *, ep: int = 1, etp: Optional[int]
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
         mp_group=ps.get_model_parallel_group(),
         pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
-        pp_first_rank=ps.get_pipeline_model_parallel_first_rank(),
         sequence_parallel=sequence_parallel,
         device=device,
         ep_size=ps.get_expert_model_parallel_world_size(),

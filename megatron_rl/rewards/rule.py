@@ -61,10 +61,6 @@ def extract_answer(text: str, last_number: bool = False) -> tuple[Optional[str],
     return None, None
 
 
-def extract_final_answer(text: str, last_number: bool = False) -> Optional[str]:
-    return extract_answer(text, last_number)[0]
-
-
 def normalize(answer: str) -> str:
     answer = answer.strip().replace("$", "").replace(" ", "").replace("\\!", "")
     answer = re.sub(r"(?<=\d),(?=\d{3})", "", answer)

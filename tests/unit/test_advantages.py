@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS
-from megatron_rl.algorithms.advantages import (dr_grpo, expand_to_tokens, gae, grpo, place_sequence_rewards,
+from megatron_rl.algorithms.advantages import (dr_grpo, gae, grpo, place_sequence_rewards,
                                                reinforce_pp, rloo)
 
 # Group 7: rewards 1, 0, 1, 0 (mean 0.5); group 3: 2, 4, 6 (mean 4); group 9: a singleton.
@@ -101,11 +101,6 @@ def test_place_sequence_rewards_on_last_policy_token():
     mask = torch.tensor([[1, 1, 0], [0, 1, 1], [0, 0, 0]])
     out = place_sequence_rewards(torch.tensor([3.0, 5.0, 7.0]), mask)
     assert torch.equal(out, torch.tensor([[0.0, 3.0, 0.0], [0.0, 0.0, 5.0], [0.0, 0.0, 0.0]]))
-
-
-def test_expand_to_tokens_broadcasts_onto_the_mask():
-    out = expand_to_tokens(torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [1, 0, 0]]))
-    assert torch.equal(out, torch.tensor([[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]]))
 
 
 def test_bad_shapes_and_float_group_ids_are_rejected():

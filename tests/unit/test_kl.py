@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_rl.algorithms import KL_ESTIMATORS
-from megatron_rl.algorithms.kl import k1, k2, k3, kl_estimate, kl_penalized_rewards
+from megatron_rl.algorithms.kl import k1, k2, k3, kl_estimate
 
 LOGP = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64)
 REF = torch.tensor([-1.5, -1.0, -0.5], dtype=torch.float64)
@@ -50,14 +50,6 @@ def test_kl_loss_gradients_flow_through_logprobs():
     logp = LOGP.clone().requires_grad_(True)
     k2(logp, REF).sum().backward()
     assert torch.allclose(logp.grad, LOGP - REF)  # d/dx 0.5 (x - r)^2
-
-
-def test_kl_penalized_rewards_are_detached():
-    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
-    out = kl_penalized_rewards(torch.tensor([[0.0, 1.0]]), logp, torch.tensor([[-1.5, -0.5]]),
-                               torch.tensor([[1.0, 1.0]]), kl_coef=0.1, estimator="k1")
-    assert not out.requires_grad
-    assert torch.allclose(out, torch.tensor([[-0.05, 1.05]]))
 
 
 def test_the_adaptive_controller_follows_ziegler_et_al():
