@@ -13,10 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from megatron_rl.checks import check_choice as _check_choice
+from megatron_rl.checks import check_min as _check_min
+from megatron_rl.checks import divisors_str as _divisors_str
+from megatron_rl.checks import format_value
+from megatron_rl.checks import invalid as _invalid
+from megatron_rl.families import FAMILIES, FamilySpec, families_where, family_spec
 
 BUILTIN_TOKENIZERS: tuple[str, ...] = ("builtin:char",)
 """Tokenizers shipped with the package, selectable as ``model.tokenizer=builtin:<name>``."""
@@ -24,29 +31,9 @@ CHAR_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "char_t
 """Where ``builtin:char``'s files are (read by the config checks, which load no transformers, too)."""
 
 
-def format_value(value: Any) -> str:
-    """Render a config value the way a user would type it as a Hydra override."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return str(value)
-
-
-def _invalid(key: str, value: Any, rule: str) -> ValueError:
-    return ValueError(f"{key}={format_value(value)} is invalid: {rule}")
-
-
-def _check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise _invalid(key, value, f"allowed values are {', '.join(allowed)}; set {key}=<one of them>")
-
-
-def _check_min(key: str, value: float, low: float, *, strict: bool = False) -> None:
-    if value < low or (strict and value == low):
-        raise _invalid(key, value, f"must be {'>' if strict else '>='} {format_value(low)}")
+def _names(test, sep: str = ", ") -> str:
+    """The model families whose spec passes `test`, for a message."""
+    return sep.join(families_where(test))
 
 
 def _check_unit_interval(key: str, value: float, *, low_open: bool, high_open: bool) -> None:
@@ -235,43 +222,22 @@ class ModelConfig:
     of a mixture of experts: an adapter per expert; not by default), shared_experts.linear_fc1 and
     shared_experts.linear_fc2 (the shared experts of Qwen2-MoE, GLM-4.5, DeepSeek; not by default)."""
 
-    FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe",
-                                           "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
     RECOMPUTE: ClassVar[tuple[str, ...]] = ("none", "selective", "full")
     TRANSFORMER_IMPLS: ClassVar[tuple[str, ...]] = ("auto", "transformer_engine", "local")
-    MOE_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2",
-                                               "deepseek_v3", "gpt_oss")
-    SHARED_EXPERT_FAMILIES: ClassVar[tuple[str, ...]] = ("qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3")
     LORA_TARGETS: ClassVar[tuple[str, ...]] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
                                                "experts.linear_fc1", "experts.linear_fc2",
                                                "shared_experts.linear_fc1", "shared_experts.linear_fc2")
-    # multi-latent attention (Megatron's MLASelfAttention) and DeepSeek's YaRN
-    MLA_FAMILIES: ClassVar[tuple[str, ...]] = ("deepseek_v2", "deepseek_v3")
-    # families whose router is Megatron's sigmoid one with the selection bias (GLM-4.5's and DeepSeek-V3's)
-    SIGMOID_ROUTER_FAMILIES: ClassVar[tuple[str, ...]] = ("glm4_moe", "deepseek_v3")
-    # families whose router takes expert groups and a routed scaling factor
-    GROUPED_ROUTER_FAMILIES: ClassVar[tuple[str, ...]] = ("glm4_moe", "deepseek_v2", "deepseek_v3")
-    # fields only those routers use, with the value every other family has
+    # fields only the grouped routers use (FamilySpec.grouped_router), with the value every other family has
     GROUPED_ROUTER_ONLY: ClassVar[dict[str, float]] = {
         "moe_router_num_groups": 1, "moe_router_group_topk": 1, "moe_routed_scaling_factor": 1.0}
     # multi-latent attention's widths (MLA families only; kv_lora_rank and the head widths required there)
     MLA_FIELDS: ClassVar[tuple[str, ...]] = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                              "v_head_dim")
-    # families whose rope_scaling_factor is YaRN's (Megatron's YarnRotaryEmbedding)
-    YARN_FAMILIES: ClassVar[tuple[str, ...]] = ("deepseek_v2", "deepseek_v3", "gpt_oss")
-    # families that scale RoPE either way (model.rope_scaling_type): their HF converters read and write both
-    EITHER_SCALING_FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                                                          "qwen3_moe")
     ROPE_SCALING_TYPES: ClassVar[tuple[str, ...]] = ("llama3", "yarn")
     # YaRN's parameters (YaRN families only), with HF's (and Megatron's) defaults
     YARN_ONLY: ClassVar[dict[str, Any]] = {
         "rope_scaling_beta_fast": 32.0, "rope_scaling_beta_slow": 1.0, "rope_scaling_mscale": 1.0,
         "rope_scaling_mscale_all_dim": 0.0, "rope_scaling_truncate": True}
-    # gpt-oss's own fields (attention sinks, biases everywhere, the clamped SwiGLU come with the family)
-    GPT_OSS_ONLY: ClassVar[dict[str, Any]] = {"sliding_window": None, "sliding_window_layers": [],
-                                              "swiglu_limit": None}
-    # families whose HF attention_bias is a bias on all of q, k, v and o_proj (qkv_bias sets both here)
-    ATTENTION_BIAS_FAMILIES: ClassVar[tuple[str, ...]] = ("llama", "qwen3", "qwen3_moe")
     DTYPES: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
     # Megatron-core's GPTModel passes only the factor on to RotaryEmbedding._apply_scaling, whose
     # other parameters keep Llama 3.1's values (megatron/core/models/common/embeddings/
@@ -281,7 +247,7 @@ class ModelConfig:
         "rope_scaling_original_max_position_embeddings": 8192}
 
     def __post_init__(self) -> None:
-        _check_choice("model.family", self.family, self.FAMILIES)
+        _check_choice("model.family", self.family, tuple(FAMILIES))
         _check_choice("model.dtype", self.dtype, self.DTYPES)
         _check_choice("model.recompute", self.recompute, self.RECOMPUTE)
         _check_choice("model.transformer_impl", self.transformer_impl, self.TRANSFORMER_IMPLS)
@@ -320,24 +286,27 @@ class ModelConfig:
         self._check_rope_scaling()
         if not 0 < self.rotary_percent <= 1:
             raise _invalid("model.rotary_percent", self.rotary_percent, "must lie in (0, 1]")
-        if self.family != "glm4_moe" and self.rotary_percent != 1.0:
-            raise _invalid("model.rotary_percent", self.rotary_percent, "only model.family=glm4_moe rotates part of "
-                           "each head; set model.rotary_percent=1")
+        if not self.spec.partial_rotary and self.rotary_percent != 1.0:
+            raise _invalid("model.rotary_percent", self.rotary_percent, "only model.family="
+                           f"{_names(lambda f: f.partial_rotary, ' or ')} rotates part of each head; "
+                           "set model.rotary_percent=1")
         self._check_moe()
         _check_min("model.moe_router_bias_update_rate", self.moe_router_bias_update_rate, 0)
-        if self.moe_router_bias_update_rate and (not self.is_moe or self.family not in self.SIGMOID_ROUTER_FAMILIES):
+        if self.moe_router_bias_update_rate and (not self.is_moe or self.spec.router != "sigmoid"):
             raise _invalid("model.moe_router_bias_update_rate", self.moe_router_bias_update_rate,
                            "only the sigmoid routers with a selection bias (model.family="
-                           f"{', '.join(self.SIGMOID_ROUTER_FAMILIES)}) have a bias to update; set it to 0")
-        self._check_gpt_oss()
-        if self.mlp_bias and self.family != "llama":
-            raise _invalid("model.mlp_bias", True, f"only model.family=llama has MLP biases (HF mlp_bias); "
-                           f"{self.family}'s MLPs have none: set model.mlp_bias=false")
-        if self.family not in self.GROUPED_ROUTER_FAMILIES:
+                           f"{_names(lambda f: f.router == 'sigmoid')}) have a bias to update; set it to 0")
+        self._check_own_fields()
+        if self.spec.check is not None:  # the family's own checks (families/<family>.py)
+            self.spec.check(self)
+        if self.mlp_bias and not self.spec.mlp_bias:
+            raise _invalid("model.mlp_bias", True, f"only model.family={_names(lambda f: f.mlp_bias, ' or ')} has "
+                           f"MLP biases (HF mlp_bias); {self.family}'s MLPs have none: set model.mlp_bias=false")
+        if not self.spec.grouped_router:
             for key, default in self.GROUPED_ROUTER_ONLY.items():
                 if getattr(self, key) != default:
                     raise _invalid(f"model.{key}", getattr(self, key), "only the routers of model.family="
-                                   f"{', '.join(self.GROUPED_ROUTER_FAMILIES)} use it; "
+                                   f"{_names(lambda f: f.grouped_router)} use it; "
                                    f"set model.{key}={format_value(default)}")
         self._check_mla()
         self._check_lora()
@@ -349,8 +318,9 @@ class ModelConfig:
         if not self.multi_latent_attention:
             for key in self.MLA_FIELDS:
                 if getattr(self, key) is not None:
-                    raise _invalid(f"model.{key}", getattr(self, key), "only model.family=deepseek_v2 or "
-                                   f"deepseek_v3 (multi-latent attention) uses it; set model.{key}=null")
+                    raise _invalid(f"model.{key}", getattr(self, key), "only model.family="
+                                   f"{_names(lambda f: f.mla, ' or ')} (multi-latent attention) uses it; "
+                                   f"set model.{key}=null")
             return
         for key in self.MLA_FIELDS[1:]:
             if getattr(self, key) is None:
@@ -409,8 +379,7 @@ class ModelConfig:
     @property
     def yarn(self) -> bool:
         """Whether RoPE is scaled with YaRN when rope_scaling_factor is set (rope_scaling_type, or the family's)."""
-        family_default = self.rope_scaling_type is None and self.family in self.YARN_FAMILIES
-        return self.rope_scaling_type == "yarn" or family_default
+        return self.rope_scaling_type == "yarn" or (self.rope_scaling_type is None and self.spec.default_yarn)
 
     def local_spec_gpu_problem(self, sequence_parallel: bool) -> Optional[str]:
         """Why model.transformer_impl=local cannot run this model on a GPU, or None: Megatron-core's local paths
@@ -427,13 +396,12 @@ class ModelConfig:
     def _check_rope_scaling(self) -> None:
         if self.rope_scaling_type is not None:
             _check_choice("model.rope_scaling_type", self.rope_scaling_type, self.ROPE_SCALING_TYPES)
-            if self.family in self.YARN_FAMILIES and not self.yarn:
+            if self.spec.rope_scalings == ("yarn",) and not self.yarn:
                 raise _invalid("model.rope_scaling_type", self.rope_scaling_type, f"{self.family} scales RoPE with "
                                "YaRN only; set model.rope_scaling_type=yarn (or null)")
-            if self.yarn and self.family not in (*self.YARN_FAMILIES, *self.EITHER_SCALING_FAMILIES):
+            if self.yarn and "yarn" not in self.spec.rope_scalings:
                 raise _invalid("model.rope_scaling_type", self.rope_scaling_type, f"model.family={self.family} has "
-                               "no YaRN scaling here; it is supported for "
-                               f"{', '.join(self.YARN_FAMILIES + self.EITHER_SCALING_FAMILIES)}")
+                               f"no YaRN scaling here; it is supported for {_names(lambda f: 'yarn' in f.rope_scalings)}")
         if self.yarn:
             self._check_yarn()
             return
@@ -494,7 +462,7 @@ class ModelConfig:
                            "and 1) or mscale=1")
 
     def _check_moe(self) -> None:
-        moe_family = self.family in self.MOE_FAMILIES
+        moe_family = self.spec.moe
         if self.num_experts is None:
             if moe_family:
                 raise _invalid("model.num_experts", None, f"model.family={self.family} is a mixture of experts: "
@@ -511,7 +479,7 @@ class ModelConfig:
         if not moe_family:
             raise _invalid("model.num_experts", self.num_experts,
                            f"model.family={self.family} is dense; experts need model.family="
-                           f"{' or '.join(self.MOE_FAMILIES)}, or set model.num_experts=null")
+                           f"{_names(lambda f: f.moe, ' or ')}, or set model.num_experts=null")
         _check_min("model.num_experts", self.num_experts, 1)
         if self.moe_ffn_hidden_size is None:
             raise _invalid("model.moe_ffn_hidden_size", None, "is required with model.num_experts; "
@@ -523,171 +491,43 @@ class ModelConfig:
         if self.moe_router_topk == 1 and self.moe_norm_topk_prob:
             # Megatron refuses a softmax over the top-1 logit (its gradient is zero):
             # megatron/core/transformer/transformer_config.py:1641.
-            fix = ("topk >= 2" if self.family in ("mixtral", "gpt_oss")
-                   else "set model.moe_norm_topk_prob=false or topk >= 2")
+            fix = "topk >= 2" if self.spec.renormalised_topk else "set model.moe_norm_topk_prob=false or topk >= 2"
             raise _invalid("model.moe_router_topk", 1, "with model.moe_norm_topk_prob=true every routing weight "
                            f"is 1 and Megatron-core refuses it; {fix}")
         _check_min("model.moe_aux_loss_coeff", self.moe_aux_loss_coeff, 0)
         self._check_dense_layers()
-        if self.family == "qwen2_moe":
-            self._check_qwen2_moe()
-        elif self.family in self.SIGMOID_ROUTER_FAMILIES:
-            self._check_sigmoid_router()
-        elif self.family == "deepseek_v2":
-            self._check_deepseek_v2_router()
-        elif self.moe_shared_expert_intermediate_size is not None:
+        if not self.spec.shared_experts and self.moe_shared_expert_intermediate_size is not None:
             raise _invalid("model.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size,
                            f"model.family={self.family} has no shared expert (only "
-                           f"{' and '.join(self.SHARED_EXPERT_FAMILIES)} have); "
+                           f"{_names(lambda f: f.shared_experts, ' and ')} have); "
                            "set model.moe_shared_expert_intermediate_size=null")
-        if self.family in ("mixtral", "gpt_oss"):
-            self._check_mixtral()
+        if self.spec.check_moe is not None:  # the family's own (families/<family>.py)
+            self.spec.check_moe(self)
 
     def _check_dense_layers(self) -> None:
         dense = list(self.moe_dense_layers)
         if not dense:
             return
         self.moe_dense_layers = sorted(dense)  # one spelling per layout (checkpoints compare it)
-        if self.family in ("mixtral", "gpt_oss"):
-            name = {"mixtral": "Mixtral", "gpt_oss": "gpt-oss"}[self.family]
-            raise _invalid("model.moe_dense_layers", dense, f"{name} has experts in every layer; "
+        if self.spec.experts_in_every_layer:
+            raise _invalid("model.moe_dense_layers", dense, f"{self.spec.title} has experts in every layer; "
                            "set model.moe_dense_layers=[]")
-        self._check_layer_list("moe_dense_layers", dense)
+        self.check_layer_list("moe_dense_layers", dense)
         if len(dense) == self.num_layers:
             raise _invalid("model.moe_dense_layers", dense, "makes every layer dense, which a mixture-of-experts "
                            "family cannot express: leave at least one layer with experts")
 
-    def _check_qwen2_moe(self) -> None:
-        """Qwen2-MoE layers as Qwen2MoeForCausalLM builds them: Q/K/V bias, no QK-norm, and a gated
-        shared expert beside the routed ones."""
-        if self.moe_shared_expert_intermediate_size is None:
-            raise _invalid("model.moe_shared_expert_intermediate_size", None,
-                           "model.family=qwen2_moe has a shared expert in every layer: set it to its width "
-                           "(HF shared_expert_intermediate_size)")
-        _check_min("model.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size, 1)
-        if self.qkv_bias is False:
-            raise _invalid("model.qkv_bias", False, "Qwen2-MoE attention always has Q/K/V bias; "
-                           "set model.qkv_bias=true or null")
-        if self.qk_layernorm:
-            raise _invalid("model.qk_layernorm", True, "Qwen2-MoE attention has no qk layernorm; "
-                           "set model.qk_layernorm=false or null")
-
-    def _check_sigmoid_router(self) -> None:
-        """What Glm4MoeForCausalLM / DeepseekV3ForCausalLM and Megatron's sigmoid router express alike: shared
-        experts of n_shared_experts x the expert width, dense layers first, renormalised top-k weights
-        (Megatron's sigmoid router always renormalises), groups ranked by their top-2 scores."""
-        if self.family == "glm4_moe" and self.rope_scaling_factor is not None:
-            raise _invalid("model.rope_scaling_factor", self.rope_scaling_factor,
-                           "GLM-4.5 MoE checkpoints use plain RoPE (on part of each head); set it to null")
-        names = {"glm4_moe": "GLM-4.5 MoE", "deepseek_v3": "DeepSeek-V3"}
-        self._check_shared_experts_and_dense_first(names[self.family])
-        if not self.moe_norm_topk_prob or self.moe_router_topk < 2:
-            raise _invalid("model.moe_norm_topk_prob" if not self.moe_norm_topk_prob else "model.moe_router_topk",
-                           self.moe_norm_topk_prob if not self.moe_norm_topk_prob else self.moe_router_topk,
-                           "Megatron-core's sigmoid router renormalises the top-k weights, which needs "
-                           "model.moe_norm_topk_prob=true and model.moe_router_topk >= 2")
-        if self.family == "glm4_moe":
-            self._check_partial_rope()
-        self._check_router_groups()
-
-    def _check_shared_experts_and_dense_first(self, name: str) -> None:
-        """GLM-4.5's and DeepSeek's layout: n_shared_experts >= 1 ungated shared experts of the expert
-        width, and the first first_k_dense_replace layers dense."""
-        shared, width = self.moe_shared_expert_intermediate_size, self.moe_ffn_hidden_size
-        if shared is None or shared < width or shared % width:
-            raise _invalid("model.moe_shared_expert_intermediate_size", shared,
-                           f"{name} layers have n_shared_experts >= 1 shared experts of the expert width: set "
-                           f"it to a multiple of model.moe_ffn_hidden_size={width}")
-        dense = sorted(self.moe_dense_layers)
-        if dense != list(range(len(dense))):
-            raise _invalid("model.moe_dense_layers", list(self.moe_dense_layers),
-                           f"{name} has its dense layers first (HF first_k_dense_replace): use [0, ..., k-1]")
-
-    def _check_partial_rope(self) -> None:
-        rotated = self.resolved_head_dim * self.rotary_percent
-        if rotated != int(rotated) or int(rotated) % 2:
-            raise _invalid("model.rotary_percent", self.rotary_percent,
-                           f"must rotate an even number of each head's {self.resolved_head_dim} dimensions "
-                           f"(here {rotated:g}): RoPE turns them in pairs")
-
-    def _check_deepseek_v2_router(self) -> None:
-        """What DeepseekV2ForCausalLM and Megatron's softmax router express alike: softmax over all experts,
-        the top k not renormalised (transformers' DeepseekV2 never does), groups ranked by their best expert;
-        ungated shared experts of n_shared_experts x the expert width, dense layers first."""
-        self._check_shared_experts_and_dense_first("DeepSeek-V2")
-        if self.moe_norm_topk_prob:
-            raise _invalid("model.moe_norm_topk_prob", True, "DeepSeek-V2 keeps the top-k softmax weights as they "
-                           "are (times moe_routed_scaling_factor); set model.moe_norm_topk_prob=false")
-        self._check_router_groups(per_group=1)
-
-    def _check_router_groups(self, per_group: int = 2) -> None:
-        """Expert groups and the routed scaling factor; HF ranks groups by the sum of their best `per_group`
-        scores (GLM-4.5, DeepSeek-V3: 2; DeepSeek-V2: 1, its best expert), Megatron-core by their best
-        moe_router_topk // moe_router_group_topk."""
-        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
-        _check_min("model.moe_router_num_groups", groups, 1)
-        if self.num_experts % groups:
-            raise _invalid("model.moe_router_num_groups", groups,
-                           f"must divide model.num_experts={self.num_experts}; valid values are "
-                           f"{_divisors_str(self.num_experts)}")
-        if not 1 <= group_topk <= groups:
-            raise _invalid("model.moe_router_group_topk", group_topk,
-                           f"must lie in [1, model.moe_router_num_groups={groups}]")
-        if groups > 1 and self.moe_router_topk // group_topk != per_group:
-            raise _invalid("model.moe_router_group_topk", group_topk,
-                           f"HF ranks expert groups by the sum of their top {per_group} scores, Megatron-core by "
-                           f"their top moe_router_topk // moe_router_group_topk = {self.moe_router_topk // group_topk}"
-                           f": they agree only when that is {per_group}")
-        if self.moe_router_topk > group_topk * (self.num_experts // groups):
-            raise _invalid("model.moe_router_topk", self.moe_router_topk,
-                           f"exceeds the {group_topk * (self.num_experts // groups)} experts of the chosen groups")
-        _check_min("model.moe_routed_scaling_factor", self.moe_routed_scaling_factor, 0, strict=True)
-
-    def _check_mixtral(self) -> None:
-        """What MixtralForCausalLM and GptOssForCausalLM cannot express: their routers softmax the top k
-        (always renormalised), HF's intermediate_size is the expert width; Mixtral's attention has no bias
-        and no QK-norm, gpt-oss's always has the bias and no QK-norm."""
-        name = {"mixtral": "Mixtral", "gpt_oss": "gpt-oss"}[self.family]
-        if self.family == "mixtral" and self.qkv_bias:
-            raise _invalid("model.qkv_bias", True, "Mixtral attention has no qkv bias; "
-                           "set model.qkv_bias=false or null")
-        if self.family == "gpt_oss" and self.qkv_bias is False:
-            raise _invalid("model.qkv_bias", False, "gpt-oss has a bias on every linear layer (HF attention_bias "
-                           "false is not supported); set model.qkv_bias=true or null")
-        if self.qk_layernorm:
-            raise _invalid("model.qk_layernorm", True, f"{name} attention has no qk layernorm; "
-                           "set model.qk_layernorm=false or null")
-        if not self.moe_norm_topk_prob:
-            raise _invalid("model.moe_norm_topk_prob", False, f"{name} always renormalises the top-k routing "
-                           "weights; set model.moe_norm_topk_prob=true")
-        if self.ffn_hidden_size != self.moe_ffn_hidden_size:
-            raise _invalid("model.ffn_hidden_size", self.ffn_hidden_size,
-                           f"{name} has no dense MLP and one intermediate_size, the expert width: set "
-                           f"model.ffn_hidden_size={self.moe_ffn_hidden_size} (= model.moe_ffn_hidden_size)")
-
-    def _check_gpt_oss(self) -> None:
-        """gpt-oss's own fields: the sliding window and the layers that use it, the SwiGLU clamp."""
-        if self.family != "gpt_oss":
-            for key, default in self.GPT_OSS_ONLY.items():
+    def _check_own_fields(self) -> None:
+        """Fields only some family uses (gpt-oss's sliding window and SwiGLU clamp) keep everyone else's value."""
+        for spec in FAMILIES.values():
+            if spec.name == self.family or not spec.own_fields:
+                continue
+            for key, default in spec.own_fields.items():
                 if getattr(self, key) != default:
-                    raise _invalid(f"model.{key}", getattr(self, key), "only model.family=gpt_oss uses it; set "
+                    raise _invalid(f"model.{key}", getattr(self, key), f"only model.family={spec.name} uses it; set "
                                    f"model.{key}={format_value(default)}")
-            return
-        if self.swiglu_limit is None:
-            raise _invalid("model.swiglu_limit", None, "model.family=gpt_oss clamps its experts' SwiGLU: set it "
-                           "(HF swiglu_limit; gpt-oss: 7)")
-        _check_min("model.swiglu_limit", self.swiglu_limit, 0, strict=True)
-        layers = list(self.sliding_window_layers)
-        self.sliding_window_layers = sorted(layers)  # one spelling per layout (checkpoints compare it)
-        if self.sliding_window is None:
-            if layers:
-                raise _invalid("model.sliding_window_layers", layers, "needs model.sliding_window (the window "
-                               "width); set it, or model.sliding_window_layers=[]")
-            return
-        _check_min("model.sliding_window", self.sliding_window, 1)
-        self._check_layer_list("sliding_window_layers", layers)
 
-    def _check_layer_list(self, key: str, layers: list[int]) -> None:
+    def check_layer_list(self, key: str, layers: list[int]) -> None:
         """A list of global layer indices (model.moe_dense_layers, model.sliding_window_layers): each in
         [0, num_layers), none twice."""
         wrong = [i for i in layers if not 0 <= i < self.num_layers]
@@ -697,27 +537,32 @@ class ModelConfig:
             raise _invalid(f"model.{key}", layers, "names a layer twice")
 
     @property
+    def spec(self) -> FamilySpec:
+        """The family's spec (megatron_rl/families/<family>.py)."""
+        return family_spec(self.family)
+
+    @property
     def multi_latent_attention(self) -> bool:
         """Whether attention is DeepSeek's multi-latent attention (Megatron's MLASelfAttention)."""
-        return self.family in self.MLA_FAMILIES
+        return self.spec.mla
 
     @property
     def attention_sinks(self) -> bool:
         """Whether every attention head has a learned sink logit in its softmax (gpt-oss; Megatron's
         softmax_type "learnable")."""
-        return self.family == "gpt_oss"
+        return self.spec.attention_sinks
 
     @property
     def attention_output_bias(self) -> bool:
         """Whether the attention's output projection (Megatron linear_proj, HF o_proj) has a bias: gpt_oss's always,
         llama's, qwen3's and qwen3_moe's with their Q/K/V bias (HF attention_bias covers all four)."""
-        return self.linear_bias or (self.family in self.ATTENTION_BIAS_FAMILIES and self.resolved_qkv_bias)
+        return self.linear_bias or (self.spec.attention_bias_all and self.resolved_qkv_bias)
 
     @property
     def linear_bias(self) -> bool:
         """Whether every linear layer has a bias: attention, router and experts (gpt-oss; Megatron's
         add_bias_linear)."""
-        return self.family == "gpt_oss"
+        return self.spec.linear_bias
 
     @property
     def is_moe(self) -> bool:
@@ -741,13 +586,12 @@ class ModelConfig:
     @property
     def resolved_qkv_bias(self) -> bool:
         """qkv_bias with the family default applied."""
-        return self.qkv_bias if self.qkv_bias is not None else self.family in ("qwen2", "qwen2_moe", "glm4_moe",
-                                                                               "gpt_oss")
+        return self.qkv_bias if self.qkv_bias is not None else self.spec.qkv_bias
 
     @property
     def resolved_qk_layernorm(self) -> bool:
         """qk_layernorm with the family default applied."""
-        return self.qk_layernorm if self.qk_layernorm is not None else self.family in ("qwen3", "qwen3_moe")
+        return self.qk_layernorm if self.qk_layernorm is not None else self.spec.qk_layernorm
 
     @property
     def resolved_head_dim(self) -> int:
@@ -756,10 +600,6 @@ class ModelConfig:
         if self.multi_latent_attention:
             return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
-
-
-def _divisors_str(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 @dataclass

@@ -200,7 +200,7 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
     if not model_cfg.is_moe:
         return {}
     on_gpu = groups.device.type != "cpu"
-    sigmoid = model_cfg.family in model_cfg.SIGMOID_ROUTER_FAMILIES
+    sigmoid = model_cfg.spec.router == "sigmoid"
     grouped = model_cfg.moe_router_num_groups > 1
     return dict(
         num_moe_experts=model_cfg.num_experts,
@@ -214,7 +214,7 @@ def _moe_fields(model_cfg: Any, groups: ParallelGroups) -> dict[str, Any]:
         moe_router_num_groups=model_cfg.moe_router_num_groups if grouped else None,
         moe_router_group_topk=model_cfg.moe_router_group_topk if grouped else None,
         moe_router_topk_scaling_factor=(model_cfg.moe_routed_scaling_factor
-                                        if model_cfg.family in model_cfg.GROUPED_ROUTER_FAMILIES else None),
+                                        if model_cfg.spec.grouped_router else None),
         moe_router_pre_softmax=not model_cfg.moe_norm_topk_prob and not sigmoid,
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,

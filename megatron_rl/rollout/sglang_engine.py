@@ -78,16 +78,14 @@ _FINISH_REASONS = ("stop", "length", "abort")  # SGLang's finish_reason types = 
 _SEED_STRIDE = 1_000_003  # prime: distinct (seed, prompt, sample) -> distinct sampling_seed
 IDLE_WAIT_S = 60.0  # release_memory: the longest wait for the scheduler to retire its last batch
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
-# model.family values whose SGLang (0.5.23) model class takes a tied lm_head from the embedding
-# (`tie_word_embeddings`; only at SGLang pp_size 1, which `needs_head_copy` checks)
-TYING_FAMILIES = ("llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
 
 
 def needs_head_copy(model_cfg: Any, pp_size: int = 1) -> bool:
     """Whether SGLang's class for this model keeps an lm_head of its own although the model ties it to the
     embedding (module docstring): weight updates must then send the embedding as the head too. Under SGLang's
     own pipeline parallelism (`pp_size` > 1, a server argument) no class ties it."""
-    return bool(model_cfg.tie_word_embeddings) and (model_cfg.family not in TYING_FAMILIES or pp_size > 1)
+    # FamilySpec.sglang_ties_embeddings: SGLang's (0.5.23) class ties lm_head to the embedding itself (at pp_size 1)
+    return bool(model_cfg.tie_word_embeddings) and (not model_cfg.spec.sglang_ties_embeddings or pp_size > 1)
 
 
 def with_head_copy(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

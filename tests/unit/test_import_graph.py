@@ -43,8 +43,21 @@ def import_graph() -> dict[str, set[str]]:
                     target = target.rpartition(".")[0]
                 if target and target not in (name, "megatron_rl", "sandbox"):
                     edges[name].add(target)
+                    edges[name] |= _packages_run_first(name, target, modules)
                     break  # the deepest module named is what is imported
     return edges
+
+
+def _packages_run_first(importer: str, target: str, modules: dict[str, Path]) -> set[str]:
+    """Importing a.b.c runs the packages a and a.b first (their __init__), unless the importer is inside one
+    (then it is already running)."""
+    out = set()
+    package = target.rpartition(".")[0]
+    while package and package not in ("megatron_rl", "sandbox"):
+        if package in modules and not (importer + ".").startswith(package + "."):
+            out.add(package)
+        package = package.rpartition(".")[0]
+    return out
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -95,8 +108,12 @@ def test_the_cycle_finder_finds_a_planted_circle():
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_graph_sees_lazy_imports():
+def test_the_graph_sees_lazy_imports_and_the_packages_an_import_runs():
     edges = import_graph()
+    # families/glm4_moe.py imports megatron_rl.checks (a leaf); had it imported megatron_rl.config.x, the
+    # package's __init__ (the loader, the schema, which imports families) would run first: a circle
+    assert "megatron_rl.config" in edges["megatron_rl.rl.evaluate"] or "megatron_rl.config" in edges[
+        "megatron_rl.evaluation.runner"]
     # evaluation/records.py imports is_scored inside a function: that edge is in the graph
     assert "megatron_rl.rollout.collect" in edges["megatron_rl.evaluation.records"]
     assert "megatron_rl.rollout.scheduler" in edges["megatron_rl.rollout.episodes"]

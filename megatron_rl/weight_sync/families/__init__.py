@@ -1,6 +1,6 @@
-"""Model-family converters between Hugging Face and Megatron layouts, registered by name.
+"""Model-family converters between Hugging Face and Megatron layouts, by family name.
 
-One file per family (`llama.py`, `qwen2.py`, `qwen3.py`, `qwen3_moe.py`, `mixtral.py`, `qwen2_moe.py`, `glm4_moe.py`,
+Each family's spec (megatron_rl/families/) names its converter; one file per family here (`llama.py`, `qwen2.py`, `qwen3.py`, `qwen3_moe.py`, `mixtral.py`, `qwen2_moe.py`, `glm4_moe.py`,
 `deepseek.py`: DeepSeek-V2 and -V3, `gpt_oss.py`; `yarn.py` holds the YaRN rope parameters both use); each
 declares what makes it differ from the dense decoder in `dense.py` (and, for a mixture of experts, uses the MLP layout
 of `moe.py`). `get_converter("qwen2")` or `converter_for_model_type(config["model_type"])` pick one;
@@ -9,22 +9,16 @@ unknown names raise with the list.
 
 from __future__ import annotations
 
-from megatron_rl.weight_sync.families.deepseek import DeepseekV2Converter, DeepseekV3Converter
+from megatron_rl.families import FAMILIES, converter_class
 from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
-from megatron_rl.weight_sync.families.glm4_moe import Glm4MoeConverter
-from megatron_rl.weight_sync.families.gpt_oss import GptOssConverter
-from megatron_rl.weight_sync.families.llama import LlamaConverter
-from megatron_rl.weight_sync.families.mixtral import MixtralConverter
-from megatron_rl.weight_sync.families.qwen2 import Qwen2Converter
-from megatron_rl.weight_sync.families.qwen2_moe import Qwen2MoeConverter
-from megatron_rl.weight_sync.families.qwen3 import Qwen3Converter
-from megatron_rl.weight_sync.families.qwen3_moe import Qwen3MoeConverter
 
-# Every family's converter. The family modules import none of this (the list is here, not a decorator there), so
-# the package has no import circle.
-CONVERTERS: tuple[type[DenseDecoderConverter], ...] = (
-    Glm4MoeConverter, DeepseekV3Converter, DeepseekV2Converter, GptOssConverter, LlamaConverter, MixtralConverter,
-    Qwen2Converter, Qwen2MoeConverter, Qwen3Converter, Qwen3MoeConverter)
+# Every family's converter, as its spec names it (the converter modules import none of this, so the package has
+# no import circle)
+CONVERTERS: tuple[type[DenseDecoderConverter], ...] = tuple(converter_class(spec) for spec in FAMILIES.values())
+_MISNAMED = [f"{spec.name}: {cls.__name__} ({cls.family})" for spec, cls in zip(FAMILIES.values(), CONVERTERS)
+             if cls.family != spec.name]
+if _MISNAMED:
+    raise ValueError(f"a family's spec names a converter of another family: {'; '.join(_MISNAMED)}")
 
 
 def _registry(converters: tuple[type[DenseDecoderConverter], ...]) -> dict[str, DenseDecoderConverter]:
@@ -32,6 +26,8 @@ def _registry(converters: tuple[type[DenseDecoderConverter], ...]) -> dict[str, 
     out: dict[str, DenseDecoderConverter] = {}
     owner: dict[str, str] = {}
     for cls in converters:
+        if cls.family not in FAMILIES:
+            raise ValueError(f"converter {cls.__name__} names family {cls.family!r}, which has no spec (families/)")
         if cls.family in out:
             raise ValueError(f"model family {cls.family!r} is registered twice")
         out[cls.family] = cls()

@@ -13,7 +13,7 @@ carries it with the parameters) and `SharedExpertMLP` without a gate
 
 Routing (sigmoid scores; experts chosen by score + bias, from the `topk_group` best of `n_group`
 groups; weights the chosen unbiased scores renormalised, times `routed_scaling_factor`) is
-Megatron's sigmoid router; see `models/gpt.py:_moe_fields` and ModelConfig._check_glm4_moe for the
+Megatron's sigmoid router; see `models/gpt.py:_moe_fields` and `families/glm4_moe.py` for the
 settings both sides express alike. Multi-token-prediction layers (`num_nextn_predict_layers`; on disk the layers
 after the decoder's) are not read: transformers does not run them either, and an export writes none.
 """
