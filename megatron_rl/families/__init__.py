@@ -4,7 +4,7 @@ sinks), its own config checks, the engine quirks the rollout engines need, and w
 converter reads and writes its checkpoints (weight_sync/families/, named by path: the converters need
 torch, the specs must not, since config checks run before torch loads).
 
-`ModelConfig` (config/schema.py) is generic: it asks the spec of `model.family`. Adding a family is a
+`ModelConfig` (config/model.py) is generic: it asks the spec of `model.family`. Adding a family is a
 module here (listed in `_MODULES`), its converter, a `conf/model/*.yaml` and tests (CONTRIBUTING.md).
 """
 
@@ -47,4 +47,4 @@ def families_where(test: Callable[[FamilySpec], bool]) -> tuple[str, ...]:
 def converter_class(spec: FamilySpec) -> type:
     """The family's converter class (imports torch)."""
     module, _, attr = spec.converter.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return getattr(importlib.import_module(f"megatron_rl.weight_sync.families.{module}"), attr)

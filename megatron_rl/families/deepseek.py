@@ -27,7 +27,7 @@ def _check_v3_moe(m: Any) -> None:
 
 _COMMON = dict(moe=True, shared_experts=True, grouped_router=True, mla=True, rope_scalings=("yarn",),
                sglang_ties_embeddings=True)
-SPECS = (FamilySpec("deepseek_v2", "DeepSeek-V2", "megatron_rl.weight_sync.families.deepseek:DeepseekV2Converter", check_moe=_check_v2_moe,
+SPECS = (FamilySpec("deepseek_v2", "DeepSeek-V2", "deepseek:DeepseekV2Converter", check_moe=_check_v2_moe,
                     **_COMMON),
-         FamilySpec("deepseek_v3", "DeepSeek-V3", "megatron_rl.weight_sync.families.deepseek:DeepseekV3Converter", router="sigmoid",
+         FamilySpec("deepseek_v3", "DeepSeek-V3", "deepseek:DeepseekV3Converter", router="sigmoid",
                     check_moe=_check_v3_moe, **_COMMON))

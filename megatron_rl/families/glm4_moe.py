@@ -18,6 +18,6 @@ def _check_moe(m: Any) -> None:
     router_groups(m)
 
 
-SPECS = (FamilySpec("glm4_moe", "GLM-4.5 MoE", "megatron_rl.weight_sync.families.glm4_moe:Glm4MoeConverter", moe=True, shared_experts=True,
+SPECS = (FamilySpec("glm4_moe", "GLM-4.5 MoE", "glm4_moe:Glm4MoeConverter", moe=True, shared_experts=True,
                     router="sigmoid", grouped_router=True, rope_scalings=(), partial_rotary=True, qkv_bias=True,
                     check_moe=_check_moe),)

@@ -32,7 +32,7 @@ def _check(m: Any) -> None:
     m.check_layer_list("sliding_window_layers", layers)
 
 
-SPECS = (FamilySpec("gpt_oss", "gpt-oss", "megatron_rl.weight_sync.families.gpt_oss:GptOssConverter", moe=True, experts_in_every_layer=True,
+SPECS = (FamilySpec("gpt_oss", "gpt-oss", "gpt_oss:GptOssConverter", moe=True, experts_in_every_layer=True,
                     renormalised_topk=True, rope_scalings=("yarn",), qkv_bias=True, linear_bias=True,
                     attention_sinks=True, own_fields={"sliding_window": None, "sliding_window_layers": [],
                                                       "swiglu_limit": None},

@@ -3,5 +3,5 @@ HF attention_bias puts a bias on q, k, v and o_proj, mlp_bias on the MLP's three
 
 from megatron_rl.families.spec import FamilySpec
 
-SPECS = (FamilySpec("llama", "Llama", "megatron_rl.weight_sync.families.llama:LlamaConverter", attention_bias_all=True, mlp_bias=True,
+SPECS = (FamilySpec("llama", "Llama", "llama:LlamaConverter", attention_bias_all=True, mlp_bias=True,
                     sglang_ties_embeddings=True),)

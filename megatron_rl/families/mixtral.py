@@ -13,5 +13,5 @@ def _check_moe(m: Any) -> None:
     renormalising_router(m, "Mixtral")
 
 
-SPECS = (FamilySpec("mixtral", "Mixtral", "megatron_rl.weight_sync.families.mixtral:MixtralConverter", moe=True, experts_in_every_layer=True,
+SPECS = (FamilySpec("mixtral", "Mixtral", "mixtral:MixtralConverter", moe=True, experts_in_every_layer=True,
                     renormalised_topk=True, check_moe=_check_moe),)

@@ -2,4 +2,4 @@
 
 from megatron_rl.families.spec import FamilySpec
 
-SPECS = (FamilySpec("qwen2", "Qwen2", "megatron_rl.weight_sync.families.qwen2:Qwen2Converter", qkv_bias=True, sglang_ties_embeddings=True),)
+SPECS = (FamilySpec("qwen2", "Qwen2", "qwen2:Qwen2Converter", qkv_bias=True, sglang_ties_embeddings=True),)

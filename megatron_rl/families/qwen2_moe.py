@@ -23,5 +23,5 @@ def _check_moe(m: Any) -> None:
                       "set model.qk_layernorm=false or null")
 
 
-SPECS = (FamilySpec("qwen2_moe", "Qwen2-MoE", "megatron_rl.weight_sync.families.qwen2_moe:Qwen2MoeConverter", moe=True, shared_experts=True,
+SPECS = (FamilySpec("qwen2_moe", "Qwen2-MoE", "qwen2_moe:Qwen2MoeConverter", moe=True, shared_experts=True,
                     qkv_bias=True, check_moe=_check_moe),)

@@ -3,5 +3,5 @@ q, k, v and o_proj)."""
 
 from megatron_rl.families.spec import FamilySpec
 
-SPECS = (FamilySpec("qwen3", "Qwen3", "megatron_rl.weight_sync.families.qwen3:Qwen3Converter", qk_layernorm=True, attention_bias_all=True,
+SPECS = (FamilySpec("qwen3", "Qwen3", "qwen3:Qwen3Converter", qk_layernorm=True, attention_bias_all=True,
                     sglang_ties_embeddings=True),)

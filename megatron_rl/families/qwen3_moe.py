@@ -3,5 +3,5 @@ layers where HF mlp_only_layers says)."""
 
 from megatron_rl.families.spec import FamilySpec
 
-SPECS = (FamilySpec("qwen3_moe", "Qwen3-MoE", "megatron_rl.weight_sync.families.qwen3_moe:Qwen3MoeConverter", moe=True, qk_layernorm=True,
+SPECS = (FamilySpec("qwen3_moe", "Qwen3-MoE", "qwen3_moe:Qwen3MoeConverter", moe=True, qk_layernorm=True,
                     attention_bias_all=True),)
