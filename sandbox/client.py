@@ -7,7 +7,7 @@ so (termination TIMEOUT, or reward 0 with a message), so a late reward becomes a
 reward, not a hung job.
 
 Guarantee: a retry reuses the idempotency key, so a server never runs one request twice
-(except a one-shot command that a stop signal interrupted: server.py); after a server dies
+(except a one-shot command that a stop signal interrupted: service.py); after a server dies
 mid-call the request runs on another server, and the caller gets exactly one result. Only a
 call that provably did not run is retried: refused at admission (RESOURCE_EXHAUSTED) or not
 served (UNAVAILABLE: unreachable, draining, dead, or interrupted by a stop signal). Any other

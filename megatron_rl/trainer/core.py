@@ -41,6 +41,8 @@ from megatron_rl.trainer.logprobs import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
+from megatron_rl.trainer.memory import move, optimizer_tensors
+from megatron_rl.trainer.optimizer import build_optimizer
 from megatron_rl.trainer.packing import MicroBatch, Sample, pack, packed_shape, split_for_data_parallel
 from megatron_rl.weight_sync.sharding import load_full_state_dict
 
@@ -139,7 +141,7 @@ class Trainer:
         config.no_sync_func = self.model.no_sync
         if options.overlap_grad_reduce:
             config.grad_sync_func = self.model.start_grad_sync
-        self.optimizer, self.scheduler = _build_optimizer(self.model, optim_cfg, options)
+        self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, options)
         self.step = 0  # optimizer steps taken by this model (warm start included)
         self.optimizer_step = 0  # steps taken by the current optimizer (Adam's bias correction)
         # times weights were loaded (a state dict, an HF checkpoint, a training checkpoint): a LoRA model's base
@@ -149,7 +151,7 @@ class Trainer:
     def reset_optimizer(self, optim_cfg: Any, total_steps: int) -> None:
         """A fresh optimizer and LR schedule for the same weights (e.g. RL after a warm start)."""
         self.options = dataclasses.replace(self.options, total_steps=total_steps)
-        self.optimizer, self.scheduler = _build_optimizer(self.model, optim_cfg, self.options)
+        self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, self.options)
         self.optimizer_step = 0
 
     # -- weights ------------------------------------------------------------------------------
@@ -242,7 +244,7 @@ class Trainer:
         for param in self._params_moved_alone(adapters_only):
             if param.device.type != torch.device(device).type:
                 moved += param.numel() * param.element_size()
-                _move(param, device)
+                move(param, device)
         return moved
 
     def _params_moved_alone(self, adapters_only: bool = False) -> list[torch.nn.Parameter]:
@@ -266,9 +268,9 @@ class Trainer:
             if buffer.grad_data is not None:
                 moved += buffer.grad_data.numel() * buffer.grad_data.element_size()
             buffer.offload_to_cpu(move_params=True, move_grads=True)
-        for tensor in _optimizer_tensors(self.optimizer):
+        for tensor in optimizer_tensors(self.optimizer):
             moved += tensor.numel() * tensor.element_size()
-            _move(tensor, "cpu")
+            move(tensor, "cpu")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         return moved
@@ -282,8 +284,8 @@ class Trainer:
             buffer.reload_from_cpu(move_params=True, move_grads=True)
             if buffer.param_data is not None:
                 moved += buffer.param_data.numel() * buffer.param_data.element_size()
-        for tensor in _optimizer_tensors(self.optimizer):
-            _move(tensor, self.groups.device)
+        for tensor in optimizer_tensors(self.optimizer):
+            move(tensor, self.groups.device)
             moved += tensor.numel() * tensor.element_size()
         torch.cuda.synchronize()
         return moved
@@ -311,7 +313,7 @@ class Trainer:
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())
         grads = sum(b.grad_data.numel() * b.grad_data.element_size()
                     for b in self.model.buffers + self.model.expert_parallel_buffers if b.grad_data is not None)
-        optim = sum(t.numel() * t.element_size() for t in _optimizer_tensors(self.optimizer))
+        optim = sum(t.numel() * t.element_size() for t in optimizer_tensors(self.optimizer))
         return {"params": params, "grads": grads, "optimizer": optim}
 
     # -- forward ------------------------------------------------------------------------------
@@ -555,40 +557,6 @@ class Trainer:
         return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
 
 
-def _move(tensor: Tensor, device: Any) -> None:
-    """Move `tensor`'s data to `device` in place (its identity stays: the optimizer's references). Off the GPU it
-    goes into a pinned host buffer kept on the tensor and reused at every later offload: allocating pinned memory
-    (cudaHostAlloc) each time, as `.to("cpu", non_blocking=True)` does, is slower than the copy (measured on an
-    H200: 2.2 GB/s for a 0.4B model's state; docs/performance.md); Megatron's DDP buffers keep theirs
-    (param_data_cpu) the same way. The host memory is held for the run, as the offloaded state needs it anyway."""
-    if torch.device(device).type != "cpu":
-        tensor.data = tensor.data.to(device, non_blocking=True)
-        return
-    host = getattr(tensor, "_host_copy", None)
-    if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        tensor._host_copy = host
-    host.copy_(tensor.data, non_blocking=True)
-    tensor.data = host
-
-
-def _optimizer_tensors(optimizer) -> list[Tensor]:
-    """Optimizer state tensors and fp32 master copies (not the model's own parameters)."""
-    model_params = set()
-    out = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for group in getattr(opt, "model_float16_groups", []) + getattr(opt, "model_fp32_groups", []):
-            model_params.update(id(p) for p in group)
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        for state in inner.state.values():
-            out += [v for v in state.values() if isinstance(v, Tensor) and v.dim() > 0]
-        for group in getattr(opt, "fp32_from_float16_groups", []) + getattr(opt, "shard_fp32_from_float16_groups", []):
-            out += [p for p in group if id(p) not in model_params]
-    return out
-
-
 def _share_across_ranks(flat: Tensor, samples: Sequence[Sample], shares: list[list[int]],
                         groups: ParallelGroups, width: int) -> list[Tensor]:
     """Last stage's per-DP-rank results -> the results of every DP rank, on every rank (host tensors).
@@ -621,45 +589,3 @@ def _reduce_metrics(stored: list[dict], groups: ParallelGroups) -> dict[str, flo
     if groups.pp_size > 1:
         dist.broadcast_object_list(payload, src=groups.pp_last_rank, group=groups.pp_group)
     return payload[0]
-
-
-def _build_optimizer(model: torch.nn.Module, optim_cfg: Any, options: TrainerOptions):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    dtype = model.module.config.params_dtype
-    config = OptimizerConfig(
-        optimizer=optim_cfg.name,
-        lr=optim_cfg.lr,
-        min_lr=optim_cfg.min_lr,
-        weight_decay=optim_cfg.weight_decay,
-        adam_beta1=optim_cfg.adam_beta1,
-        adam_beta2=optim_cfg.adam_beta2,
-        adam_eps=optim_cfg.adam_eps,
-        clip_grad=optim_cfg.clip_grad,
-        bf16=dtype == torch.bfloat16,
-        params_dtype=dtype,
-        use_distributed_optimizer=options.use_distributed_optimizer,
-    )
-    optimizer = get_megatron_optimizer(config, [model])
-    decay_steps = optim_cfg.lr_decay_steps or options.total_steps
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if optim_cfg.lr_warmup_steps > 0 else optim_cfg.lr,
-        max_lr=optim_cfg.lr,
-        min_lr=optim_cfg.min_lr,
-        lr_warmup_steps=optim_cfg.lr_warmup_steps,
-        lr_decay_steps=max(decay_steps, optim_cfg.lr_warmup_steps + 1),
-        lr_decay_style=optim_cfg.lr_decay_style,
-        start_wd=optim_cfg.weight_decay,
-        end_wd=optim_cfg.weight_decay,
-        wd_incr_steps=1,
-        wd_incr_style="constant",
-        # a resumed run follows its own config (e.g. num_steps extended), not the checkpoint's schedule;
-        # checkpoint.training.load_checkpoint warns about what changed
-        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
-    )
-    # Megatron's schedule gives lr(0) = init_lr (0 with warmup): a wasted first step. Step k
-    # (0-based) trains with lr(k + 1) instead, so warmup reaches max_lr at step warmup - 1.
-    scheduler.step(increment=1)
-    return optimizer, scheduler

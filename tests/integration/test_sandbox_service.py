@@ -319,7 +319,8 @@ def test_workspace_errors_are_final_answers_not_a_dead_server(server):
     async def go():
         async with _client(server.address, deadline_s=20) as client:
             big = await client.open_session(image=server.image)
-            await big.exec(["sh", "-c", "head -c 3000000 /dev/zero > big && mkdir d && ln -s /usr/bin/python3 py"])
+            made = await big.exec(["sh", "-c", "head -c 3000000 /dev/zero > big && mkdir d && ln -s /usr/bin/python3 py"])
+            assert made.exit_code == 0, made  # else what follows tests nothing (a file d, a small snapshot)
             start = time.monotonic()
             codes = []
             try:

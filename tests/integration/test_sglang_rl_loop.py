@@ -79,7 +79,7 @@ def _train(run_dir: Path, *overrides: str, task: str = "task=math") -> list[dict
                           capture_output=True, text=True, timeout=800)
     wall = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-6000:]
-    # SGLang's shutdown at exit spares this process's other children (sglang_engine._OfflineTransport.shutdown):
+    # SGLang's shutdown at exit spares this process's other children (sglang_transport.OfflineTransport.shutdown):
     # multiprocessing's resource tracker lives to the end (it may still report semaphores that SGLang's killed
     # processes leaked, its job)
     assert "process died unexpectedly" not in proc.stderr and "KeyError" not in proc.stderr, proc.stderr[-3000:]

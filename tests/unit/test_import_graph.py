@@ -7,19 +7,21 @@ import ast
 from pathlib import Path
 
 import megatron_rl
-import sandbox
+import megatron_rl_sandbox
 from megatron_rl.weight_sync import families
 
-ROOTS = [Path(megatron_rl.__file__).parent, Path(sandbox.__file__).parent]
+# package name -> its directory (the sandbox service is installed as megatron_rl_sandbox from sandbox/)
+ROOTS = {"megatron_rl": Path(megatron_rl.__file__).parent,
+         "megatron_rl_sandbox": Path(megatron_rl_sandbox.__file__).parent}
 # what may import the loop: the loop itself and the entry points that run it (or check its config)
 ABOVE_THE_LOOP = ("megatron_rl.rl", "megatron_rl.train", "megatron_rl.eval", "megatron_rl.slurm_job")
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for root in ROOTS:
+    for package, root in ROOTS.items():
         for path in root.rglob("*.py"):
-            parts = path.relative_to(root.parent).with_suffix("").parts
+            parts = (package, *path.relative_to(root).with_suffix("").parts)
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             out[name] = path
     return out
@@ -41,7 +43,7 @@ def import_graph() -> dict[str, set[str]]:
             for target in targets:
                 while target and target not in modules:
                     target = target.rpartition(".")[0]
-                if target and target not in (name, "megatron_rl", "sandbox"):
+                if target and target not in (name, "megatron_rl", "megatron_rl_sandbox"):
                     edges[name].add(target)
                     edges[name] |= _packages_run_first(name, target, modules)
                     break  # the deepest module named is what is imported
@@ -53,7 +55,7 @@ def _packages_run_first(importer: str, target: str, modules: dict[str, Path]) ->
     (then it is already running)."""
     out = set()
     package = target.rpartition(".")[0]
-    while package and package not in ("megatron_rl", "sandbox"):
+    while package and package not in ("megatron_rl", "megatron_rl_sandbox"):
         if package in modules and not (importer + ".").startswith(package + "."):
             out.add(package)
         package = package.rpartition(".")[0]
@@ -121,7 +123,7 @@ def test_the_graph_sees_lazy_imports_and_the_packages_an_import_runs():
 
 def test_megatron_rl_and_sandbox_have_no_import_circle():
     edges = import_graph()
-    assert any(name.startswith("sandbox.") for name in edges)  # both packages walked
+    assert "megatron_rl_sandbox.limits" in edges["megatron_rl_sandbox.server"]  # the sandbox's own imports seen
     assert circles(edges) == []
 
 

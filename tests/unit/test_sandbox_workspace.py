@@ -39,14 +39,14 @@ def test_a_cgroup_that_cannot_be_set_up_leaves_no_directory_behind(tmp_path):
 
 
 def _service(tmp_path, remembered_bytes):
-    from megatron_rl_sandbox.server import MAXIMUM, SandboxService
+    from megatron_rl_sandbox.service import MAXIMUM, SandboxService
 
     return SandboxService(None, None, None, Limits(), MAXIMUM, capacity=1, max_queue=1, max_sessions=1, name="t",
                           snapshot_dir=tmp_path, remembered_bytes=remembered_bytes)
 
 
 def test_remembered_results_are_bounded_by_bytes_and_recent_keys_stay(tmp_path):
-    from megatron_rl_sandbox.server import pb2
+    from megatron_rl_sandbox.service import pb2
 
     service = _service(tmp_path, remembered_bytes=10_000)
     runs = []
@@ -68,7 +68,7 @@ def test_remembered_results_are_bounded_by_bytes_and_recent_keys_stay(tmp_path):
 
 
 def test_one_result_larger_than_the_budget_is_still_remembered(tmp_path):
-    from megatron_rl_sandbox.server import pb2
+    from megatron_rl_sandbox.service import pb2
 
     service = _service(tmp_path, remembered_bytes=100)
     runs = []
