@@ -44,7 +44,7 @@ from megatron_rl.trainer.logprobs import (
 from megatron_rl.trainer.memory import move, optimizer_tensors
 from megatron_rl.trainer.optimizer import build_optimizer
 from megatron_rl.trainer.packing import MicroBatch, Sample, pack, packed_shape, split_for_data_parallel
-from megatron_rl.weight_sync.sharding import load_full_state_dict
+from megatron_rl.weight_sync.sharding import gather_full_state_dict, load_full_state_dict
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -315,6 +315,10 @@ class Trainer:
                     for b in self.model.buffers + self.model.expert_parallel_buffers if b.grad_data is not None)
         optim = sum(t.numel() * t.element_size() for t in optimizer_tensors(self.optimizer))
         return {"params": params, "grads": grads, "optimizer": optim}
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's weights, gathered over the model-parallel ranks (a collective: every rank calls it)."""
+        return gather_full_state_dict(self.module, self.groups)
 
     # -- forward ------------------------------------------------------------------------------
     def _micro_batches(self, samples: Sequence[Sample]) -> tuple[list[list[int]], list[MicroBatch]]:
