@@ -80,7 +80,7 @@ def test_log_lines_rows_tensorboard_and_checkpoints_agree(run):
         "step", "eval/accuracy", "eval/pass@k", "eval/samples", "eval/lost", "eval/truncated"}
     assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, STEPS + 1))
     assert [r["step"] for r in rows if "eval/accuracy" in r] == evaluated
-    logged_steps = [int(s) for s in re.findall(r"INFO megatron_rl\.train: step (\d+) \|", log)]
+    logged_steps = [int(s) for s in re.findall(r"INFO megatron_rl\.rl\.loop: step (\d+) \|", log)]
     assert logged_steps == list(range(1, STEPS + 1))
     assert [int(s) for s in re.findall(r"eval at step (\d+): accuracy", log)] == evaluated
     for row in rows:  # each eval line's accuracy is its row's
@@ -103,7 +103,7 @@ def test_metric_names_and_the_summary_say_what_they_are(run):
         assert {"kl/policy_old_new", "kl/policy_old_new_first_update", "kl/ref"} <= set(row), sorted(row)
         assert not {"ppo_kl", "kl", "ppo_kl_first_update"} & set(row)
     assert rows[1]["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # the first step's policy is the reference
-    assert re.search(r"megatron_rl\.train: step 1 \| .*\| kl_old_new \S+ \| kl_ref \S+ \|", log)
+    assert re.search(r"megatron_rl\.rl\.loop: step 1 \| .*\| kl_old_new \S+ \| kl_ref \S+ \|", log)
     (summary,) = [line for line in log.splitlines() if "training reward" in line]
     assert "over step 1 -> " in summary and f"over step {STEPS}" in summary  # a tenth of 3 steps: 1 each
     assert f"held-out accuracy {rows[0]['eval/accuracy']:.3f} at step 0 -> " in summary

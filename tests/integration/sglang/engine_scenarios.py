@@ -213,6 +213,7 @@ def start_server(model_dir: str, log_path: Path) -> tuple[subprocess.Popen, str]
                 return proc, url
         except OSError:
             time.sleep(1.0)
+    stop_server(proc)  # else it outlives the test (a busy machine saw two such servers burn its CPUs)
     raise TimeoutError(f"the SGLang server did not come up in 600 s; log: {log_path}")
 
 
