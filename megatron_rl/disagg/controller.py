@@ -3,7 +3,7 @@
 `rollout.mode=disaggregated` swaps the colocation controller for `DisaggregatedController`;
 the RL step is otherwise the colocated one (`rl.step`: the same advantages, filters, old
 log-prob recomputation, truncated-IS loss and update); only where the step's rollouts come
-from changes (`step_rollouts` instead of `generate_groups`). Per step s:
+from changes (this source's `rollouts` instead of the colocated one's). Per step s:
 
     publish weights v=s to the generators (weight_sync.stream.sync_weights into a BroadcastSink)
     -> ask for the prompts of step s + max_staleness (the trainer owns the sampler)
