@@ -37,16 +37,16 @@ generated per step, for the checkpoint, ours (pooled over seeds) and TRL.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -162,6 +162,9 @@ class Job:
     cmd: list[str]
     done: Path  # exists once the job's output is complete
     deps: list[str] = field(default_factory=list)
+    # whether a job that exited 0 did all its work: a training run stopped by a signal exits 0 after its
+    # checkpoint (megatron_rl.preemption), and must not be taken for a finished one
+    complete: Callable[[], bool] = lambda: True
     proc: Optional[subprocess.Popen] = None
     cpu: Optional[int] = None
     start: float = 0.0
@@ -208,12 +211,27 @@ def run_jobs(jobs: list[Job], work: Path, slots: int) -> None:
                 tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
                 sys.exit(f"[{job.name}] failed with exit code {rc}; last lines of {log}:\n{tail}")
             wall = time.perf_counter() - job.start
+            if not job.complete():
+                for other in running:
+                    other.proc.terminate()
+                    other.proc.wait()
+                sys.exit(f"[{job.name}] stopped before its last step (a stop signal: it checkpointed); run the same "
+                         f"command to resume it")
             if job.done.suffix == ".done":  # a training job; an evaluation's marker is its own summary.json
                 job.done.write_text(json.dumps({"wall_s": wall, "slots": slots}))
             finished.add(job.name)
             print(f"[{job.name}] done in {wall:.0f}s", flush=True)
         if pending and not running and not any(all(d in finished for d in j.deps) for j in pending):
             sys.exit(f"jobs waiting on jobs that will not run: {[j.name for j in pending]}")
+
+
+def _trained_to(run: Path, steps: int) -> bool:
+    """Whether the run's metrics.jsonl holds its last step's row (a resumed run's rows after its checkpoint are
+    written again, so the file never holds a step twice)."""
+    from megatron_rl.observability import read_metrics
+
+    path = run / "metrics.jsonl"
+    return path.exists() and any(r.get("step") == steps and "reward/mean" in r for r in read_metrics(path))
 
 
 def eval_jobs(name: str, run: Path, ckpt: str, out: Path, deps: list[str], two_step: int) -> list[Job]:
@@ -395,7 +413,8 @@ def main() -> None:
             train[f"ours{s}"] = Job(f"ours-seed{s}", [py, "-m", "megatron_rl.train",
                                                       *recipe_overrides(args, s),
                                                       f"run_dir={run}", "logging.progress=false"],
-                                    work / f"ours-seed{s}.done")
+                                    work / f"ours-seed{s}.done",
+                                    complete=functools.partial(_trained_to, run, args.steps))
         for s in args.trl_seeds:
             out = work / f"trl_seed{s}"
             out.mkdir(exist_ok=True)
