@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 from megatron_rl.rewards.shaping import scored_rewards
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.collect import Rollout, collect
+from megatron_rl.rollout.source import ControllerVersion
 
 logger = logging.getLogger(__name__)
 
@@ -223,16 +224,12 @@ def combine_rounds(per_round: Sequence[dict[str, float]]) -> dict[str, float]:
             for key, total in sums.items()}
 
 
-class ColocatedSource:
+class ColocatedSource(ControllerVersion):
     """The RolloutSource of rollout.mode=colocated (see the module docstring)."""
 
     def __init__(self, generation: Generation, sampler: Any, prompts: list) -> None:
         self.generation, self.controller = generation, generation.controller
         self.cfg, self.sampler, self.prompts = generation.cfg, sampler, prompts
-
-    @property
-    def version(self) -> int:
-        return self.controller.version
 
     def rollouts(self, step: int, timeline: Any) -> tuple[list[Rollout], dict[str, float]]:
         """The step's rollouts, group ids unique across rounds, with the colocation round's timings and
@@ -279,12 +276,3 @@ class ColocatedSource:
                                "batch", step + 1, rounds.num_kept, num_groups, rounds.num_rounds)
         rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group]
         return rollouts, {**self.controller.metrics(), **timing}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"weight_version": self.version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.controller.version = state.get("weight_version", 0)
-
-    def close(self) -> None:
-        pass

@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_rl.rollout.source import ControllerVersion
+
 _NAME = "step_{:08d}.jsonl"
 
 
@@ -91,26 +93,13 @@ def read_rollouts(directory: str | Path, step: int) -> list[Any]:
     return out
 
 
-class ReplaySource:
+class ReplaySource(ControllerVersion):
     """The RolloutSource of `rollout.replay_dir` (megatron_rl/rollout/source.py): each step's dumped samples,
     nothing generated, so no rollout metrics. Its weight version is the colocation controller's (which only
     evaluations advance)."""
 
     def __init__(self, directory: str | Path, controller: Any) -> None:
-        self.directory, self._controller = directory, controller
-
-    @property
-    def version(self) -> int:
-        return self._controller.version
+        self.directory, self.controller = directory, controller
 
     def rollouts(self, step: int, timeline: Any) -> tuple[list, dict[str, float]]:
         return read_rollouts(self.directory, step + 1), {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"weight_version": self.version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._controller.version = state.get("weight_version", 0)
-
-    def close(self) -> None:
-        pass

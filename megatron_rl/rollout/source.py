@@ -36,3 +36,23 @@ class RolloutSource(Protocol):
 
     def close(self) -> None:
         """Stop what the source started (idempotent)."""
+
+
+class ControllerVersion:
+    """For a source on this job's colocation controller (`self.controller`): the weight version is the
+    controller's, the only state a checkpoint keeps of the source, and there is nothing to stop."""
+
+    controller: Any
+
+    @property
+    def version(self) -> int:
+        return self.controller.version
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weight_version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.controller.version = state.get("weight_version", 0)
+
+    def close(self) -> None:
+        pass
