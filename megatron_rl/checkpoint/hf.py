@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out of the Megatron model.
 
 In: the config.json is read into ModelConfig fields, each of its keys mapped, ignored by name or refused
-(`weight_sync.families.fields`), and every tensor of the checkpoint must be one the architecture reads or
+(`families.convert.fields`), and every tensor of the checkpoint must be one the architecture reads or
 one its family ignores by name (`check_tensor_names`: a rotary cache, a tied output layer, prediction
 layers nobody runs); each rank then reads from the safetensors files (single file, or the shards listed in
 `model.safetensors.index.json`) only the tensors its pipeline stage needs (of a mixture of
@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.weight_sync.families import converter_for_model_type, get_converter
+from megatron_rl.families import converter_for_model_type, get_converter
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 class FamilySpec:
     name: str  # model.family
     title: str  # how messages name it ("GLM-4.5 MoE")
-    converter: str  # "module:Class" of its HF <-> Megatron converter in megatron_rl/weight_sync/families/
+    converter: type  # its HF <-> Megatron converter class (defined beside the spec; torch loads lazily)
     moe: bool = False  # its MLPs are mixtures of experts (model.num_experts required)
     shared_experts: bool = False  # experts every token passes through beside the routed ones
     experts_in_every_layer: bool = False  # no dense layers (model.moe_dense_layers=[])

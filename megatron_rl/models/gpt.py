@@ -9,7 +9,7 @@ experts)
 becomes a Megatron `TransformerConfig` (`MLATransformerConfig`) and a `GPTModel` stage for this
 rank's pipeline position. The local layer spec is used on CPU; the Transformer Engine spec when TE
 is importable and the device is a GPU (`uses_te`).
-Conversion to and from Hugging Face layouts lives in `megatron_rl.weight_sync.families`.
+Conversion to and from Hugging Face layouts lives in `megatron_rl.families`.
 """
 
 from __future__ import annotations

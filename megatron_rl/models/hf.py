@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.weight_sync.families import get_converter
+from megatron_rl.families import get_converter
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor

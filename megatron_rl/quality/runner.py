@@ -199,7 +199,7 @@ def policy_engine(path: str, tokenizer: Any) -> Any:
     from megatron_rl.checkpoint.hf import arch_from_hf_config, check_tensor_names, read_tensors
     from megatron_rl.config import ModelConfig
     from megatron_rl.rollout.hf_engine import HFEngine
-    from megatron_rl.weight_sync.families import get_converter
+    from megatron_rl.families import get_converter
 
     cfg = dataclasses.replace(ModelConfig(), **arch_from_hf_config(path))
     check_tensor_names(path, cfg)  # every tensor read or ignored by name (e.g. a rotary cache, not sent)

@@ -102,7 +102,7 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
         m = cfg.model
         layout = (m.num_layers, tuple(m.sparse_layers), m.moe_router_topk)
     if r.weight_sync == "adapters":  # SGLang's LoRA serving, sized for the run's adapters
-        from megatron_rl.weight_sync.families.dense import LORA_HF_MODULES
+        from megatron_rl.families.convert.dense import LORA_HF_MODULES
 
         # two adapters in a batch at most: the run's (and none, SGLang's base, which no request uses) rather than
         # SGLang's default 8, whose buffers would be sized for eight

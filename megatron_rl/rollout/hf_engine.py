@@ -132,7 +132,7 @@ class HFEngine:
                  pad_token_id: int = 0, max_batch_size: int = 256, tokenizer: Any = None) -> None:
         from megatron_rl.models.gpt import torch_dtype
         from megatron_rl.models.hf import build_hf_model, fp32_tensors, kept_in_fp32
-        from megatron_rl.weight_sync.families import get_converter
+        from megatron_rl.families import get_converter
 
         self.device = torch.device(device)
         # the trainer's dtype: weight sync then copies without converting

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel.state import ParallelGroups
-from megatron_rl.weight_sync.families import get_converter
+from megatron_rl.families import get_converter
 from megatron_rl.weight_sync.sharding import gather_adapters, gathered_stage_params
 
 logger = logging.getLogger(__name__)

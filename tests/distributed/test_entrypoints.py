@@ -60,7 +60,7 @@ def test_a_model_path_without_whole_weights_fails_before_the_run_directory_exist
     from safetensors.numpy import save_file
 
     from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.weight_sync.families import get_converter
+    from megatron_rl.families import get_converter
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

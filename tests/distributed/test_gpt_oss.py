@@ -149,7 +149,7 @@ def test_expert_parallel_rank_reads_only_its_rows(checkpoint):
     Megatron's global expert indices, equal to the same experts converted from the whole checkpoint."""
     from megatron_rl.checkpoint.hf import arch_from_hf_config, read_tensors, stage_tensors
     from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.weight_sync.families import get_converter
+    from megatron_rl.families import get_converter
 
     cfg = ModelConfig(**arch_from_hf_config(checkpoint), path=str(checkpoint))
     converter = get_converter("gpt_oss")

@@ -125,7 +125,7 @@ def _colocated(rank, block):
     from megatron_rl.rollout.spmd import BlockEngine
     from megatron_rl.trainer.core import Trainer, TrainerOptions
     from megatron_rl.trainer.packing import Sample
-    from megatron_rl.weight_sync.families import get_converter
+    from megatron_rl.families import get_converter
 
     groups = state.initialize(2, 1)
     model_cfg = ModelConfig(num_layers=2)

@@ -59,7 +59,7 @@ def _worker(rank, world, tp, pp, ep, sequence_parallel, model, out):
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.hf_engine import EngineStateError, HFEngine
     from megatron_rl.trainer.core import Trainer, TrainerOptions
-    from megatron_rl.weight_sync.families import get_converter
+    from megatron_rl.families import get_converter
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
     model_cfg = ModelConfig(num_layers=4, **model)

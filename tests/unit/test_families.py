@@ -13,12 +13,14 @@ from megatron_rl.config.schema import ModelConfig
 from megatron_rl.families import FAMILIES, FamilySpec
 
 
-def test_every_family_has_one_spec_and_its_converter_names_it():
-    from megatron_rl.weight_sync.families import CONVERTERS, get_converter
+def test_every_family_has_one_spec_and_its_converter_beside_it():
+    from megatron_rl.families import get_converter
 
-    assert [c.family for c in CONVERTERS] == list(FAMILIES)
-    for name in FAMILIES:
-        assert get_converter(name).family == name
+    for module in families._MODULES:
+        for spec in module.SPECS:
+            assert spec.converter.__module__ == module.__name__, f"{spec.name}'s converter is not in its module"
+            assert spec.converter.family == spec.name
+            assert type(get_converter(spec.name)) is spec.converter
 
 
 def test_model_config_holds_no_family_tables():

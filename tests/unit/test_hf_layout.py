@@ -8,7 +8,7 @@ import torch
 from megatron_rl.checkpoint.hf import arch_from_hf_config
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.models.hf import build_hf_model, hub_state_dict
-from megatron_rl.weight_sync.families import families, get_converter
+from megatron_rl.families import family_names, get_converter
 
 FAMILIES = {
     "llama": ModelConfig(family="llama", tie_word_embeddings=False, num_layers=2),
@@ -53,7 +53,7 @@ HF_MOE_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", "qwen2_moe"
 
 
 def test_every_registered_family_is_covered():
-    assert families() == sorted(FAMILIES)
+    assert family_names() == sorted(FAMILIES)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

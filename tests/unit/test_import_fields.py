@@ -27,8 +27,8 @@ import torch
 from megatron_rl.checkpoint.hf import arch_from_hf_config, check_tensor_names
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.models.hf import hf_config, hub_state_dict
-from megatron_rl.weight_sync.families import families, get_converter
-from megatron_rl.weight_sync.families.fields import ROPE_KEYS
+from megatron_rl.families import family_names, get_converter
+from megatron_rl.families.convert.fields import ROPE_KEYS
 from tests.unit.test_hf_layout import FAMILIES
 
 Flip = Callable[[dict[str, Any], ModelConfig], dict[str, Any]]
@@ -185,7 +185,7 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def test_every_family_is_in_the_table():
-    assert families() == sorted(FAMILIES)
+    assert family_names() == sorted(FAMILIES)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

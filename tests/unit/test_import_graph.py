@@ -8,7 +8,7 @@ from pathlib import Path
 
 import megatron_rl
 import megatron_rl_sandbox
-from megatron_rl.weight_sync import families
+from megatron_rl import families
 
 # package name -> its directory (the sandbox service is installed as megatron_rl_sandbox from sandbox/)
 ROOTS = {"megatron_rl": Path(megatron_rl.__file__).parent,
@@ -141,14 +141,14 @@ def test_only_the_entry_points_import_the_rl_loop():
 
 
 def test_every_family_converter_is_listed_once():
-    from megatron_rl.weight_sync.families.dense import DenseDecoderConverter
+    from megatron_rl.families.convert.dense import DenseDecoderConverter
 
-    listed = set(families.CONVERTERS)
+    listed = {spec.converter for spec in families.FAMILIES.values()}
     defined = set()
     for path in Path(families.__file__).parent.glob("*.py"):
-        module = __import__(f"megatron_rl.weight_sync.families.{path.stem}", fromlist=["_"])
+        module = __import__(f"megatron_rl.families.{path.stem}", fromlist=["_"])
         defined |= {v for v in vars(module).values() if isinstance(v, type) and issubclass(v, DenseDecoderConverter)
                     and v.__module__ == module.__name__ and "family" in vars(v)}  # a concrete family names itself
     defined.discard(DenseDecoderConverter)  # the generic base ("dense"), not a family of its own
-    assert defined == listed, f"family converters not in families.CONVERTERS: {defined - listed}"
+    assert defined == listed, f"family converters no spec names: {defined - listed}"
     assert len({c.family for c in listed}) == len(listed)

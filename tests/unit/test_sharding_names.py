@@ -9,7 +9,7 @@ GPU tier (tests/gpu/test_packed_attention_gpu.py) loads a full state dict into a
 import pytest
 
 from megatron_rl.models.hf import build_hf_model, hub_state_dict
-from megatron_rl.weight_sync.families import get_converter
+from megatron_rl.families import get_converter
 from megatron_rl.weight_sync.sharding import canonical_name
 from tests.unit.test_hf_layout import FAMILIES
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
-import torch
+if TYPE_CHECKING:
+    from torch import Tensor
 
-Tensor = torch.Tensor
+
 _MEG_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
 
@@ -130,6 +131,7 @@ class SparseMoeLayout:
         return names | {prefix + hf_name for hf_name, _, _ in self.sparse_layer_extras}
 
     def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
+        import torch
         if not self._sparse(arch, h):
             return super().mlp_to_megatron(hf, h, m, arch)  # type: ignore[misc]
         gate, up, down = self.hf_expert_projections

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-import torch
 
-from megatron_rl.weight_sync.families.fields import BASE_FIELDS, HFFields, check_config_keys
-from megatron_rl.weight_sync.families.yarn import NO_YARN, yarn_fields, yarn_rope_parameters
+from megatron_rl.families.convert.fields import BASE_FIELDS, HFFields, check_config_keys
+from megatron_rl.families.convert.yarn import NO_YARN, yarn_fields, yarn_rope_parameters
 
-Tensor = torch.Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
+
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MEG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # The HF modules each LoRA target (model.lora_targets) becomes, in the order of its fused rows: the
@@ -32,12 +33,14 @@ LORA_HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": 
 
 
 def qkv_fuse(q: Tensor, k: Tensor, v: Tensor, groups: int) -> Tensor:
+    import torch
     rest = q.shape[1:]
     parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
 def qkv_split(qkv: Tensor, heads: int, groups: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    import torch
     rest = qkv.shape[1:]
     per_group = qkv.reshape(groups, (heads // groups + 2) * head_dim, *rest)
     q, k, v = torch.split(per_group, [heads // groups * head_dim, head_dim, head_dim], dim=1)
@@ -269,6 +272,7 @@ class DenseDecoderConverter:
 
     def mlp_to_megatron(self, hf: dict[str, Tensor], h: str, m: str, arch: Any) -> dict[str, Tensor]:
         """One layer's MLP: HF names under `h` -> Megatron names under `m`."""
+        import torch
         out = {}
         for kind in ("weight", "bias") if arch.mlp_bias else ("weight",):
             out[m + f"mlp.linear_fc1.{kind}"] = torch.cat([hf[h + f"mlp.gate_proj.{kind}"],
