@@ -7,6 +7,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 
+class ConfigError(ValueError):
+    """A configuration the run cannot start with; the message is one line (whitespace runs collapse)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
 def format_value(value: Any) -> str:
     """Render a config value the way a user would type it as a Hydra override."""
     if value is None:
@@ -18,8 +25,8 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-def invalid(key: str, value: Any, rule: str) -> ValueError:
-    return ValueError(f"{key}={format_value(value)} is invalid: {rule}")
+def invalid(key: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"{key}={format_value(value)} is invalid: {rule}")
 
 
 def check_choice(key: str, value: str, allowed: Sequence[str]) -> None:

@@ -83,17 +83,19 @@ def sandbox_addresses(rt: Runtime, timeout_s: float = 120.0) -> list[str]:
     return found
 
 
-def load_validated(overrides: Sequence[str], world_size: int | Callable[[Any], int],
-                   check: Optional[Callable] = None):
-    """Compose + type the config, fill the architecture from `model.path`, validate for
-    `world_size` ranks (or `world_size(cfg)`, when the config decides how many of the job's
-    tasks train), then run the entry point's own `check(cfg)` (which raises ConfigError)."""
+def load_validated(overrides: Sequence[str], world_size: int | Callable[[Any], int]):
+    """Compose + type the config, fill the architecture from `model.path`, and run the one checking pass
+    (megatron_rl/config/checks/) for `world_size` ranks (or `world_size(cfg)`, when the config decides how
+    many of the job's tasks train); raises ConfigError."""
     from megatron_rl.config import validate
+    from megatron_rl.config.checks import config_warnings
+    from megatron_rl.parallel.dist import dist_env_from
 
     cfg = load_resolved(overrides)
     validate(cfg, world_size(cfg) if callable(world_size) else world_size)
-    if check is not None:
-        check(cfg)
+    if dist_env_from().rank == 0:  # once per job, not once per rank
+        for warning in config_warnings(cfg):
+            print(f"config warning: {warning}", file=sys.stderr)
     return cfg
 
 
@@ -171,7 +173,7 @@ def run_hydra_cli(argv: Sequence[str], config_name: str = "config") -> None:
     _app()
 
 
-def start(argv: Sequence[str], job_name: str, check: Optional[Callable] = None) -> Optional[Runtime]:
+def start(argv: Sequence[str], job_name: str) -> Optional[Runtime]:
     """Validate, then become a rank (or the local launcher: returns None when workers are done)."""
     from megatron_rl.config import ConfigError
 
@@ -183,7 +185,7 @@ def start(argv: Sequence[str], job_name: str, check: Optional[Callable] = None) 
         return None
     overrides = list(argv)
     try:
-        cfg = load_validated(overrides, _world_size_for, check)
+        cfg = load_validated(overrides, _world_size_for)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -129,10 +129,8 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from megatron_rl.config.run_checks import check_sft_config
-
-    rt = runtime.start(list(sys.argv[1:] if argv is None else argv), "megatron_rl.sft",
-                       check=check_sft_config)
+    # mode=sft last: this entry point runs SFT whatever the config says, and the checks are SFT's
+    rt = runtime.start([*(sys.argv[1:] if argv is None else argv), "mode=sft"], "megatron_rl.sft")
     if rt is None:
         return
     try:

@@ -366,7 +366,6 @@ class BatchStep:
 def _cmd_run(args: argparse.Namespace) -> int:
     from megatron_rl.config import ConfigError
     from megatron_rl.runtime import load_validated
-    from megatron_rl.train import check_train_config
 
     layout = job_layout()
     overrides = [o for o in args.overrides if o != "--"]
@@ -380,7 +379,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(str(exc)) from None
 
     try:  # once here, before any step starts: a bad setting costs seconds, not an allocation's worth
-        cfg = load_validated(["cluster=slurm", *overrides], train_tasks, check_train_config)
+        cfg = load_validated(["cluster=slurm", *overrides], train_tasks)
     except ConfigError as exc:
         logger.error("config error: %s", exc)
         return 2

@@ -14,16 +14,9 @@ from typing import Sequence
 from megatron_rl import runtime
 
 
-def check_train_config(cfg) -> None:
-    """Cross-field checks of a run's config (megatron_rl/config/run_checks.py), before any work."""
-    from megatron_rl.config.run_checks import check_run_config
-
-    check_run_config(cfg)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     # torch only in a rank (runtime.start returned one): a bad config and the local launcher never load it (~2 s).
-    rt = runtime.start(list(sys.argv[1:] if argv is None else argv), "megatron_rl.train", check=check_train_config)
+    rt = runtime.start(list(sys.argv[1:] if argv is None else argv), "megatron_rl.train")
     if rt is None:
         return
     import torch

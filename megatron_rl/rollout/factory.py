@@ -36,7 +36,7 @@ def job_shape(cfg: Any) -> tuple[int, int]:
 
 def check_engine_config(cfg: Any, world_size: int, local_world_size: int) -> None:
     """Refuse rollout settings this job cannot run, with the fix (raises ConfigError)."""
-    from megatron_rl.config import ConfigError
+    from megatron_rl.checks import ConfigError
 
     r = cfg.rollout
     if local_world_size % r.tp:
@@ -94,7 +94,7 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
     layout = None
     if cfg.algorithm.routing_replay == "rollout":  # R3: generations return the experts of every token
         if device_type != "cuda":
-            from megatron_rl.config import ConfigError
+            from megatron_rl.checks import ConfigError
 
             raise ConfigError("algorithm.routing_replay=rollout with rollout.backend=sglang needs CUDA: SGLang "
                               "captures the routed experts in pinned host memory; on CPU use rollout.backend=hf")

@@ -19,7 +19,7 @@ parallel share), which the trainer's deterministic packing of the same samples g
 
 Full activation recomputation re-runs a layer's routing during the backward pass; with one pipeline
 stage the micro-batch being recomputed is still the current one, with several (1F1B) it is not, so
-that combination is refused (`megatron_rl.config.run_checks.check_routing_replay`).
+that combination is refused (`megatron_rl.config.checks.run.check_routing_replay`).
 """
 
 from __future__ import annotations

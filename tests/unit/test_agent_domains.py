@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from megatron_rl.config import ConfigError, load_config
-from megatron_rl.train import check_train_config
+from megatron_rl.config.checks.run import check_run
 
 AGENT = "code:{task:{type:agent,generator:function,num_train:4,num_eval:2,max_episode_tokens:%d}}"
 
@@ -19,9 +19,9 @@ def _joint(*overrides: str, tokens: int = 400):
 
 
 def test_an_agent_domain_passes_the_run_checks():
-    check_train_config(_joint())
-    check_train_config(_joint("rollout.mode=disaggregated"))  # the generators play its episodes
-    check_train_config(_joint("rollout.oversample=0.5", "rollout.agent_scheduler=async"))  # cut to shares
+    check_run(_joint())
+    check_run(_joint("rollout.mode=disaggregated"))  # the generators play its episodes
+    check_run(_joint("rollout.oversample=0.5", "rollout.agent_scheduler=async"))  # cut to shares
 
 
 @pytest.mark.parametrize("sizes, total, expected", [
@@ -44,7 +44,7 @@ def test_oversampled_groups_are_shared_out_in_proportion(sizes, total, expected)
 ])
 def test_what_an_agent_domain_cannot_run_with_is_refused(overrides, tokens, message):
     with pytest.raises(ConfigError, match=message):
-        check_train_config(_joint(*overrides, tokens=tokens))
+        check_run(_joint(*overrides, tokens=tokens))
 
 
 def test_multitask_lists_its_agent_domains_and_tags_their_prompts():
@@ -108,7 +108,8 @@ def test_a_group_finished_beside_the_batchs_last_is_cut_in_a_single_task_run(mon
     from megatron_rl.rollout.colocated import Generation
 
     cfg = load_config(["mode=rl", "task.type=agent", "global_batch_size=8", "rollout.n_samples_per_prompt=2",
-                       "rollout.agent_scheduler=async", "rollout.oversample=0.5"], world_size=1)
+                       "rollout.agent_scheduler=async", "rollout.oversample=0.5", "task.max_episode_tokens=500"],
+                      world_size=1)
     seen = {}
 
     def collect_episodes(engine, prompts, params, rewards, groups, fmt, limits, scheduler, concurrency, target,

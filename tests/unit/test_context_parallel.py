@@ -70,12 +70,11 @@ def test_shards_partition_the_row_and_keep_its_mask(cp):
 
 def test_gspo_with_context_parallelism_is_refused_before_any_work():
     from megatron_rl.config import ConfigError, load_config
-    from megatron_rl.train import check_train_config
+    from megatron_rl.config.checks.run import check_run
 
-    cfg = load_config(["mode=rl", "parallel.cp=2", "algorithm.policy_loss=gspo"], world_size=2)
     with pytest.raises(ConfigError, match="parallel.cp=2 splits every sequence"):
-        check_train_config(cfg)
-    check_train_config(load_config(["mode=rl", "parallel.cp=2"], world_size=2))  # other losses are fine
+        load_config(["mode=rl", "parallel.cp=2", "algorithm.policy_loss=gspo"], world_size=2)
+    check_run(load_config(["mode=rl", "parallel.cp=2"], world_size=2))  # other losses are fine
 
 
 def test_rows_for_thd_attention_carry_no_dense_mask():

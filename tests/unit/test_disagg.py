@@ -448,14 +448,14 @@ def test_schema_refuses_disaggregated_settings_it_cannot_use(overrides, message)
 ])
 def test_cross_group_checks(overrides, message):
     from megatron_rl.config import ConfigError
-    from megatron_rl.config.run_checks import check_disaggregated_config
+    from megatron_rl.config.checks.run import check_disaggregated_config
 
     with pytest.raises(ConfigError, match=message):
         check_disaggregated_config(_cfg(overrides))
 
 
 def test_disaggregated_defaults_pass_and_colocated_is_the_default():
-    from megatron_rl.config.run_checks import check_disaggregated_config
+    from megatron_rl.config.checks.run import check_disaggregated_config
 
     cfg = _cfg([])
     assert cfg.rollout.mode == "colocated" and cfg.rollout.partial_rollout_tokens == 0

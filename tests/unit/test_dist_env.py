@@ -120,7 +120,7 @@ def test_the_launcher_path_never_loads_torch(tmp_path):
              "for overrides in (['cluster.nproc=2', 'parallel.tp=2'], ['mode=sft'],\n"
              "                  ['+experiment=demo_agent_countdown'], ['rollout.mode=disaggregated', 'task=math'],\n"
              "                  ['model=tiny_qwen3_moe', 'algorithm.routing_replay=rollout']):\n"
-             "    runtime.load_validated(overrides, runtime._world_size_for, train.check_train_config)\n"
+             "    runtime.load_validated(overrides, runtime._world_size_for)\n"
              "assert dist_env_from({}).source == 'single' and free_port() > 0\n"
              "try:\n"
              "    train.main(['optimizer.lr=-1'])\n"

@@ -59,10 +59,10 @@ def test_overlong_penalty_ramps_over_the_window():
 
 def test_penalty_window_longer_than_the_response_limit_is_refused():
     from megatron_rl.config import ConfigError
-    from megatron_rl.train import check_train_config
+    from megatron_rl.config.checks.run import check_run
 
     with pytest.raises(ConfigError, match="overlong_penalty_window=9 must be <= rollout.max_new_tokens=8"):
-        check_train_config(_cfg("mode=rl", "algorithm.overlong=penalty", "algorithm.overlong_penalty_window=9"))
+        check_run(_cfg("mode=rl", "algorithm.overlong=penalty", "algorithm.overlong_penalty_window=9"))
 
 
 def test_dynamic_sampling_rounds_combine_into_one_steps_metrics():

@@ -1,16 +1,15 @@
-"""Checks of a whole run's configuration that span several groups (rollout vs model vs task vs
-algorithm), run by the entry points after the per-group dataclass validation and before any
-process group, model or file exists. Each raises ConfigError with the fix."""
+"""The RL (or SFT) run's cross-group checks: rollout vs model vs task vs algorithm, the rollout engine and
+mode, routing replay, reward functions, replayed rollouts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_rl.checks import ConfigError
+
 
 def check_sft_config(cfg) -> None:
     """`mode=sft`'s checks (megatron_rl.sft)."""
-    from megatron_rl.config import ConfigError
-
     if cfg.task.type == "dataset" and cfg.task.reward == "tests":
         raise ConfigError("task.reward=tests: SFT needs reference responses; give rows a "
                           f"{cfg.task.response_key!r} column and keep task.reward=auto")
@@ -19,8 +18,6 @@ def check_sft_config(cfg) -> None:
 def check_disaggregated_config(cfg) -> None:
     """Refuse settings disaggregated mode (megatron_rl.disagg) cannot run; colocated: checks that no
     disaggregated-only setting was changed."""
-    from megatron_rl.config import ConfigError
-
     r, algo = cfg.rollout, cfg.algorithm
     if r.mode != "disaggregated":
         if algo.max_staleness != 1:
@@ -44,8 +41,6 @@ def check_disaggregated_config(cfg) -> None:
 
 def check_routing_replay(cfg) -> None:
     """algorithm.routing_replay's requirements, before any work starts."""
-    from megatron_rl.config import ConfigError
-
     mode = cfg.algorithm.routing_replay
     if mode == "none":
         return
@@ -63,11 +58,11 @@ def check_routing_replay(cfg) -> None:
                           "model.recompute=selective or none")
 
 
-def check_run_config(cfg) -> None:
-    from megatron_rl.config import ConfigError
-
+def check_run(cfg) -> None:
+    """The run's cross-group checks for its mode (`mode=sft`: the supervised entry point's)."""
     if cfg.mode == "sft":
         return check_sft_config(cfg)
+    _check_lengths_and_groups(cfg)
     from megatron_rl.rollout.factory import check_engine_config, job_shape
 
     check_engine_config(cfg, *job_shape(cfg))
@@ -107,7 +102,6 @@ def check_run_config(cfg) -> None:
 
 def _check_reward_functions(cfg) -> None:
     """Import every `task.reward=package.module:function` now: a typo fails before any work starts."""
-    from megatron_rl.config import ConfigError
     from megatron_rl.rewards.custom import is_reward_path, load_reward_function
 
     tasks = {"task": cfg.task} if not cfg.domains else {f"domains.{n}.task": d.task for n, d in cfg.domains.items()}
@@ -121,7 +115,6 @@ def _check_reward_functions(cfg) -> None:
 
 def _check_replay(cfg) -> None:
     """rollout.replay_dir must hold dumps for the steps this run will take."""
-    from megatron_rl.config import ConfigError
     from megatron_rl.rollout.dump import dumped_steps
 
     where = cfg.rollout.replay_dir
@@ -137,3 +130,27 @@ def _check_replay(cfg) -> None:
         raise ConfigError(f"rollout.replay_dir={where} has no rollouts of step {missing[0]} (it holds {have}): "
                           "point it at a run's rollouts/ directory written with logging.dump_rollouts=true, and "
                           "replay at most as many steps (num_steps)")
+
+
+def _check_lengths_and_groups(cfg) -> None:
+    algo, rollout = cfg.algorithm, cfg.rollout
+    if algo.advantage_estimator in algo.GROUP_ESTIMATORS and rollout.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"rollout.n_samples_per_prompt={rollout.n_samples_per_prompt} is invalid with "
+            f"algorithm.advantage_estimator={algo.advantage_estimator}: group-relative advantages "
+            "need >= 2 samples per prompt (all advantages would be 0)"
+        )
+    eval_tokens = cfg.task.eval_max_new_tokens
+    if eval_tokens is not None and eval_tokens >= cfg.model.max_position_embeddings:
+        raise ConfigError(f"task.eval_max_new_tokens={eval_tokens} is invalid: must be < model.max_position_embeddings="
+                          f"{cfg.model.max_position_embeddings} to leave room for the prompt")
+    if rollout.n_samples_per_prompt == 1 and (algo.filter_zero_variance or algo.dynamic_sampling):
+        which = "filter_zero_variance" if algo.filter_zero_variance else "dynamic_sampling"
+        raise ConfigError(f"algorithm.{which}=true with rollout.n_samples_per_prompt=1: every group of one sample "
+                          "has no reward variance, so every sample would be dropped; sample >= 2 per prompt or "
+                          f"set algorithm.{which}=false")
+    if rollout.max_new_tokens >= cfg.model.max_position_embeddings:
+        raise ConfigError(
+            f"rollout.max_new_tokens={rollout.max_new_tokens} is invalid: must be < "
+            f"model.max_position_embeddings={cfg.model.max_position_embeddings} to leave room for the prompt"
+        )
