@@ -25,6 +25,7 @@ setup(
     version="0.1.0",
     description="Slurm-native RL post-training for LLMs on Megatron-core and SGLang",
     python_requires=">=3.10",
+    license="Apache-2.0",
     # sandbox/ and kernels/megatron_rl_kernels/ are importable as `megatron_rl_sandbox` and `megatron_rl_kernels`
     # (top-level `sandbox` / `kernels` would collide with PyPI projects). kernels/ itself is no package: PyPI's
     # `kernels` (which transformers >= 5.25 imports) must win over it when the checkout is on sys.path.

@@ -81,9 +81,9 @@ class LoggingConfig:
     """W&B entity (team or user); null: the account's default."""
     wandb_name: Optional[str] = None
     """W&B run name; null: the run directory's name."""
-    log_every: int = 10
-    """Steps between the one-line console summaries (the first and the last step always have one);
-    metrics.jsonl and TensorBoard get every step."""
+    log_every: int = 1
+    """Steps between the one-line console summaries (1: every step; the first and the last step always have
+    one); metrics.jsonl and TensorBoard get every step."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     audit_every: int = 0
@@ -112,7 +112,7 @@ class LoggingConfig:
 class CheckpointConfig:
     """Training checkpoints under run_dir/checkpoints and HF exports under run_dir/hf."""
 
-    save_every: int = 0
+    save_every: int = 20
     """Optimizer steps between training checkpoints; 0 saves only at the end (see save_at_end)."""
     save_at_end: bool = True
     """Write a checkpoint after the last step."""

@@ -85,7 +85,7 @@ class OptimizerConfig:
 
     name: str = "adam"
     """Optimizer: adam (AdamW-style decoupled weight decay) or sgd."""
-    lr: float = 1e-3
+    lr: float = 1e-6
     """Peak learning rate, reached after the warmup."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay; at most lr."""

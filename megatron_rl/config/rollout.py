@@ -18,8 +18,10 @@ from megatron_rl.config.common import _check_unit_interval
 class RolloutConfig:
     """Generation engine and sampling parameters for RL rollouts."""
 
-    backend: str = "hf"
-    """Engine: hf (transformers generate, in-process) or sglang (server, time-shared with training)."""
+    backend: str = "auto"
+    """Engine: sglang (server, time-shared with training), hf (transformers generate, in-process; slow, for CPU
+    and tests) or auto: sglang when the job runs on GPUs (cluster.device=cuda, or auto on a machine with an
+    NVIDIA GPU), hf otherwise. Resolved when the config is typed; the run's config.yaml holds the choice."""
     tp: int = 1
     """Tensor-parallel size of one rollout engine."""
     temperature: float = 1.0
@@ -29,8 +31,9 @@ class RolloutConfig:
     """Nucleus-sampling mass in (0, 1]; 1 disables it."""
     top_k: int = -1
     """Top-k sampling; -1 disables it."""
-    max_new_tokens: int = 32
-    """Longest response generated per sample."""
+    max_new_tokens: int = 4096
+    """Longest response generated per sample (a prompt plus this must fit micro_batch_tokens and
+    model.max_position_embeddings)."""
     max_batch_size: int = 256
     """hf backend: sequences (prompts x samples) per `generate` call at most, the memory bound of one call: its
     KV cache grows as sequences x (prompt + response) tokens and one step's logits as sequences x vocab. A
@@ -123,7 +126,7 @@ class RolloutConfig:
     between chunks (the sequence continues with the new weights); agent episodes (any value > 0)
     take it between turns instead; 0: updates wait for whole requests."""
 
-    BACKENDS: ClassVar[tuple[str, ...]] = ("hf", "sglang")
+    BACKENDS: ClassVar[tuple[str, ...]] = ("auto", "sglang", "hf")
     AGENT_SCHEDULERS: ClassVar[tuple[str, ...]] = ("lockstep", "async")
     LOG_LEVELS: ClassVar[tuple[str, ...]] = ("debug", "info", "warning", "error")
     MODES: ClassVar[tuple[str, ...]] = ("colocated", "disaggregated")

@@ -4,10 +4,9 @@ algorithm.py, task.py: task and domains, job.py: sandbox, cluster, logging, chec
 the top-level `TrainConfig` and the registration.
 
 Each dataclass checks its own fields in ``__post_init__`` (ranges, allowed values, checks
-between fields of the same group) and raises ``ValueError`` with a one-line message that
+between fields of the same group) and raises ``ConfigError`` with a one-line message that
 names the full key (``parallel.tp``), the bad value, what is allowed and how to fix it.
-Checks that span groups or need the world size live in ``megatron_rl.config.loader.validate`` and
-``megatron_rl.config.run_checks``.
+Checks that span groups or need the world size are the checking pass of ``megatron_rl.config.checks``.
 
 Importing this module registers the schemas (``base_config`` and ``<group>/base_<group>``)
 so that the YAML files in ``conf/`` can name them in their defaults lists.
@@ -15,7 +14,9 @@ so that the YAML files in ``conf/`` can name them in their defaults lists.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 from hydra.core.config_store import ConfigStore
@@ -70,8 +71,9 @@ class TrainConfig:
     """Optimizer steps to train."""
     global_batch_size: int = 64
     """Sequences per optimizer step, summed over data-parallel ranks."""
-    micro_batch_tokens: int = 2048
-    """Token budget of one packed micro-batch on one rank."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one packed micro-batch on one rank (at least the longest prompt plus
+    rollout.max_new_tokens)."""
     deterministic: bool = True
     """Use deterministic kernels and fixed reduction order (bitwise reproducible runs)."""
     mode: str = "rl"
@@ -93,6 +95,10 @@ class TrainConfig:
         _check_min("global_batch_size", self.global_batch_size, 1)
         _check_min("micro_batch_tokens", self.micro_batch_tokens, 1)
         self._check_domains()
+        if self.rollout.backend == "auto":
+            gpus = self.cluster.device == "cuda" or (self.cluster.device == "auto" and nvidia_gpu_visible())
+            self.rollout.backend = "sglang" if gpus else "hf"
+            self.rollout.__post_init__()  # the chosen engine's own checks
         if self.rollout.weight_sync == "adapters" and not self.model.lora_rank:
             raise _invalid("rollout.weight_sync", self.rollout.weight_sync, "the model trains no LoRA adapters "
                            "(model.lora_rank=0): set model.lora_rank > 0 or rollout.weight_sync=full")
@@ -163,6 +169,15 @@ SCHEMAS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
 }
 """Config group -> schema; each is stored as ``<group>/base_<group>``."""
+
+
+def nvidia_gpu_visible() -> bool:
+    """Whether this machine shows this process an NVIDIA GPU, judged without torch (config checks run before it
+    loads): the driver lists a GPU and CUDA_VISIBLE_DEVICES does not hide them all."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
 
 
 def _model_schema_node() -> ModelConfig:

@@ -42,9 +42,10 @@ class TaskConfig:
     """Held-out evaluation prompts; 0 disables evaluation."""
     seed: int = 0
     """Seed of the prompt generator and of the train/eval split."""
-    chat_template: bool = False
+    chat_template: Optional[bool] = None
     """Render prompts with the tokenizer's chat template (user turn + generation prompt); responses
-    then end with the template's end-of-turn token, which also stops generation."""
+    then end with the template's end-of-turn token, which also stops generation. null: whenever the
+    tokenizer has a chat template (an instruct model's); true: it must have one; false: plain text."""
     system_prompt: Optional[str] = None
     """System message prepended when chat_template=true; for type=agent it replaces the default
     tool instructions (megatron_rl/envs/tools.py)."""
@@ -123,8 +124,8 @@ class TaskConfig:
     sft_warmup_steps: int = 0
     """Supervised steps on the task's reference answers before RL (a warm start; 0: none). Agent
     tasks: on their reference solutions played through the environment and verified."""
-    sft_warmup_lr: float = 1e-3
-    """Learning rate of the warm start."""
+    sft_warmup_lr: float = 1e-5
+    """Learning rate of the warm start (a pretrained model's; the tiny models' preset sets 1e-3)."""
 
     def __post_init__(self) -> None:
         _check_choice("task.type", self.type, self.TYPES)

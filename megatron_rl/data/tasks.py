@@ -11,7 +11,7 @@ the verifier that scores completions.
   `tests` (+ optional `files`, `solution_path`) run in the sandbox; an optional full
   `response` for the warm start.
 
-With `task.chat_template=true` prompts are rendered by the tokenizer's chat template, and
+With `task.chat_template=true` (or null, the default, and a tokenizer that has one) prompts are rendered by the tokenizer's chat template, and
 the template's end-of-turn token (found by rendering an assistant turn) ends warm-start
 responses and stops generation.
 """
@@ -142,7 +142,10 @@ class Task:
     def __init__(self, task_cfg: Any, tokenizer: Any) -> None:
         self.cfg = task_cfg
         self.tokenizer = tokenizer
-        self.end_of_turn = end_of_turn(tokenizer) if task_cfg.chat_template else ""
+        # task.chat_template=null: the tokenizer's template where it has one (an instruct model's)
+        self.chat = (task_cfg.chat_template if task_cfg.chat_template is not None
+                     else bool(getattr(tokenizer, "chat_template", None)))
+        self.end_of_turn = end_of_turn(tokenizer) if self.chat else ""
         self._rows: dict[str, list[dict[str, Any]]] = {}
 
     def _encode(self, text: str) -> list[int]:
@@ -157,7 +160,7 @@ class Task:
 
     def render(self, prompt: str | list[dict[str, str]]) -> str:
         """The prompt text the model sees (the chat template applied when configured)."""
-        if not self.cfg.chat_template:
+        if not self.chat:
             if not isinstance(prompt, str):
                 raise ValueError(f"task {self.cfg.name}: a prompt given as chat messages needs task.chat_template=true")
             return prompt
@@ -200,7 +203,7 @@ class Task:
             out = []
             for _ in range(num):
                 question, answer = math_problem(rng, self.cfg.math_steps)
-                text = f"{question} {instruction}" + ("" if self.cfg.chat_template else "\n")  # a chat turn ends itself
+                text = f"{question} {instruction}" + ("" if self.chat else "\n")  # a chat turn ends itself
                 out.append(self._prompt(text, {"answer": answer}, answer_line.format(answer)))
             return out
         if kind == "agent":

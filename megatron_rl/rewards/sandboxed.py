@@ -11,7 +11,9 @@ tests, hits a limit) is a verdict.
   small script evaluates each and checks the numbers used), so a step costs one round trip.
   Expressions are screened first (characters of the task only, no `**`), so evaluation is
   bounded; the sandbox's limits bound it anyway.
-- `TestsVerifier`: a task's tests run against each candidate (`Verify`: passed / total).
+- `TestsVerifier`: a task's tests run against each candidate (`Verify`: passed / total). The candidate
+  file is the response's code (`response_code`): an instruct model answers in prose around a fenced
+  block, and the prose written to `solution.py` would fail every test as a syntax error.
 """
 
 from __future__ import annotations
@@ -27,6 +29,18 @@ from megatron_rl.rewards.custom import NO_VERDICT
 logger = logging.getLogger(__name__)
 
 _SCREEN = re.compile(r"[0-9+\-*() ]{1,64}")
+_FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[ \t]*\n(.*?)```", re.DOTALL)
+_THINKING = re.compile(r"^.*</think>", re.DOTALL)
+
+
+def response_code(completion: str) -> str:
+    """The code a response submits: after a reasoning model's thinking (everything up to its last
+    `</think>`), the last fenced block (```python ... ```, or one of no language) if there is one, else the
+    whole text (a model that answers with bare code)."""
+    answer = _THINKING.sub("", completion)
+    blocks = _FENCE.findall(answer)
+    python = [code for lang, code in blocks if lang.lower() in ("python", "py", "python3", "")]
+    return python[-1] if python else answer
 
 COUNTDOWN_SCRIPT = r'''
 import json, re, sys
@@ -99,7 +113,7 @@ class TestsVerifier:
         """items: (task {"files": {path: text}, "tests": [TestCase dicts], "solution_path"}, completion)."""
         async def one(task: dict, completion: str) -> float:
             files = dict(task.get("files", {}))
-            files[task.get("solution_path", "solution.py")] = completion
+            files[task.get("solution_path", "solution.py")] = response_code(completion)
             import grpc
 
             async with self.semaphore:

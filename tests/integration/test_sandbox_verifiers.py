@@ -24,6 +24,8 @@ TASK = {"files": {}, "solution_path": "sol.py", "tests": [
 RIGHT = "def add(a, b):\n    return a + b\n"
 HALF = "def add(a, b):\n    return a * b\n"  # passes add(0, 0) only
 LOOPS = "def add(a, b):\n    while True:\n        pass\n"
+# an instruct model's answer: thinking, prose and a fenced block; only the block is the candidate file
+CHATTY = f"<think>maybe a * b?</think>Here is the function:\n```python\n{RIGHT}```\nIt adds its arguments."
 
 
 def _score(address: str, deadline_s: float) -> tuple[list[float], list[float], int]:
@@ -35,7 +37,7 @@ def _score(address: str, deadline_s: float) -> tuple[list[float], list[float], i
             tests = sandboxed.TestsVerifier(client, deadline_s=deadline_s, limits={"wall_time_s": 2})
             untested = dict(TASK, tests=[])
             got = (await countdown.score(COUNTDOWN),
-                   await tests.score([(TASK, c) for c in (RIGHT, HALF, LOOPS)] + [(untested, RIGHT)]))
+                   await tests.score([(TASK, c) for c in (RIGHT, HALF, LOOPS, CHATTY)] + [(untested, RIGHT)]))
             return (*got, countdown.errors + tests.errors)
     return asyncio.run(go())
 
@@ -47,11 +49,35 @@ def test_a_verification_no_server_answered_is_no_verdict():
     finally:
         server.stop()
     # the candidates' own outcomes are verdicts: wrong answers, failed tests and a loop killed by its limit score 0
-    assert countdown == [1.0, 0.0, 0.0] and tests[:3] == [1.0, 0.5, 0.0]
-    assert math.isnan(tests[3]) and errors == 1  # a task without tests judges nothing
+    assert countdown == [1.0, 0.0, 0.0] and tests[:4] == [1.0, 0.5, 0.0, 1.0]
+    assert math.isnan(tests[4]) and errors == 1  # a task without tests judges nothing
 
     countdown, tests, errors = _score(server.address, deadline_s=2)  # the server is gone
     assert math.isnan(countdown[0]) and math.isnan(countdown[1])
     assert countdown[2] == 0.0  # screened out before any sandbox call: still the candidate's own 0
     assert all(math.isnan(t) for t in tests)
-    assert errors == 1 + 4  # one countdown batch, four verifications
+    assert errors == 1 + 5  # one countdown batch, five verifications
+
+
+def test_the_code_examples_references_pass_their_tests():
+    """docs/examples/code.jsonl (the qwen3_8b_code recipe's format): every reference, as a fenced response,
+    passes all of its tests through the verifier the recipe uses."""
+    import json
+    from pathlib import Path
+
+    from megatron_rl_sandbox.client import SandboxClient
+
+    rows = [json.loads(line) for line in
+            (Path(__file__).parents[2] / "docs" / "examples" / "code.jsonl").read_text().splitlines()]
+    server = start_server(RUNTIME, "--capacity", "2")
+
+    async def go():
+        async with SandboxClient([server.address], deadline_s=60) as client:
+            verifier = sandboxed.TestsVerifier(client, deadline_s=60)
+            tasks = [{"files": {}, "tests": r["tests"], "solution_path": r["solution_path"]} for r in rows]
+            return await verifier.score([(t, r["response"]) for t, r in zip(tasks, rows)])
+    try:
+        scores = asyncio.run(go())
+    finally:
+        server.stop()
+    assert scores == [1.0] * len(rows)

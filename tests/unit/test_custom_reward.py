@@ -19,7 +19,7 @@ from megatron_rl.data.tasks import Task
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.rewards.custom import CustomVerifier, load_reward_function
 from megatron_rl.rewards.service import RewardService
-from megatron_rl.train import check_train_config
+from megatron_rl.config.checks.run import check_run
 
 MODULE = textwrap.dedent('''
     import asyncio, math, threading, time
@@ -78,14 +78,12 @@ def test_a_function_that_cannot_serve_is_named(user_module, path, message):
 
 def test_the_run_checks_import_it_before_start_up(user_module):
     cfg = load_config(["mode=rl", "task.type=math", "task.reward=my_rewards:length_match"], world_size=1)
-    check_train_config(cfg)
-    bad = load_config(["mode=rl", "task.type=math", "task.reward=my_rewards:missing"], world_size=1)
+    check_run(cfg)
     with pytest.raises(ConfigError, match=r"^task.reward='my_rewards:missing' cannot be loaded"):
-        check_train_config(bad)
-    joint = load_config(["mode=rl", "+domains={a:{task:{type:math,num_train:4,num_eval:2,"
-                         "reward:'my_rewards:missing'}},b:{task:{type:math,num_train:4,num_eval:2}}}"], world_size=1)
+        load_config(["mode=rl", "task.type=math", "task.reward=my_rewards:missing"], world_size=1)
     with pytest.raises(ConfigError, match=r"^domains.a.task.reward='my_rewards:missing'"):
-        check_train_config(joint)
+        load_config(["mode=rl", "+domains={a:{task:{type:math,num_train:4,num_eval:2,"
+                     "reward:'my_rewards:missing'}},b:{task:{type:math,num_train:4,num_eval:2}}}"], world_size=1)
     with pytest.raises(ConfigError, match="agent tasks are scored by their environment"):
         load_config(["mode=rl", "task.type=agent", "task.reward=my_rewards:length_match"], world_size=1)
 
@@ -94,7 +92,7 @@ def test_the_function_gets_the_whole_row_and_its_reward_is_used(user_module, tmp
     rows = [{"prompt": f"say {i} letters", "length": i, "weight": 0.5 * (i + 1), "answer": str(i)} for i in range(6)]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    task = Task(TaskConfig(name="t", type="dataset", path=str(path), num_eval=2, reward="my_rewards:length_match",
+    task = Task(TaskConfig(chat_template=False, name="t", type="dataset", path=str(path), num_eval=2, reward="my_rewards:length_match",
                            reward_scale=2.0), load_tokenizer("builtin:char"))
     assert task.reward_kind == "custom" and not task.needs_sandbox
     prompts = task.prompts("train")

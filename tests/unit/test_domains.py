@@ -69,8 +69,8 @@ def test_domains_are_an_rl_feature():
 
 
 def _joint(tokenizer, scale_b: float = 1.0) -> MultiTask:
-    return MultiTask({"a": DomainConfig(TaskConfig(name="a", type="math", num_train=5, num_eval=2), weight=2.0),
-                      "b": DomainConfig(TaskConfig(name="b", type="math", seed=1, num_train=3, num_eval=2,
+    return MultiTask({"a": DomainConfig(TaskConfig(chat_template=False, name="a", type="math", num_train=5, num_eval=2), weight=2.0),
+                      "b": DomainConfig(TaskConfig(chat_template=False, name="b", type="math", seed=1, num_train=3, num_eval=2,
                                                    reward_scale=scale_b))}, tokenizer)
 
 
@@ -78,7 +78,7 @@ def test_prompts_are_tagged_with_their_domain_in_config_order(tokenizer):
     task = _joint(tokenizer)
     train = task.prompts("train")
     assert [p.meta["domain"] for p in train] == ["a"] * 5 + ["b"] * 3
-    alone = Task(TaskConfig(type="math", seed=1, num_train=3), tokenizer).prompts("train")
+    alone = Task(TaskConfig(chat_template=False, type="math", seed=1, num_train=3), tokenizer).prompts("train")
     assert [p.text for p in train[5:]] == [p.text for p in alone]
     assert all("domain" not in p.meta for p in alone)  # the domain tasks' own prompts are not modified
     assert [p.meta["domain"] for p in task.prompts("eval")] == ["a", "a", "b", "b"]
@@ -101,7 +101,7 @@ def test_the_verifier_sends_each_item_to_its_domain_and_scales_its_reward(tokeni
 
 
 def test_reward_scale_applies_to_a_single_task_too(tokenizer):
-    task = Task(TaskConfig(type="math", num_train=2, reward_scale=4.0), tokenizer)
+    task = Task(TaskConfig(chat_template=False, type="math", num_train=2, reward_scale=4.0), tokenizer)
     prompt = task.prompts("train")[0]
     verifier = task.verifier_factory([])()
     assert asyncio.run(verifier.score([(prompt.meta, f"\\boxed{{{prompt.meta['answer']}}}")])) == [4.0]

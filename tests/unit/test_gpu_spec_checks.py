@@ -56,10 +56,10 @@ def test_transformer_impl_picks_the_spec():
 def test_the_config_refuses_the_local_spec_on_cuda_for_a_mixture_of_experts_before_any_work():
     from megatron_rl.config import ConfigError, load_config
 
-    moe = ["model=tiny_qwen3_moe", "cluster.device=cuda", "model.transformer_impl=local"]
+    moe = ["model=tiny_qwen3_moe", "cluster.device=cuda", "rollout.backend=hf", "model.transformer_impl=local"]
     with pytest.raises(ConfigError, match="transformer_impl=local cannot run a mixture of experts on a GPU"):
         load_config(moe, world_size=1)
-    load_config(moe[:2], world_size=1)  # auto: TE's spec
-    load_config(["cluster.device=cuda", "model.transformer_impl=local"], world_size=1)  # dense
+    load_config(moe[:3], world_size=1)  # auto: TE's spec
+    load_config(["cluster.device=cuda", "rollout.backend=hf", "model.transformer_impl=local"], world_size=1)  # dense
     with pytest.raises(ConfigError, match="transformer_impl=transformer_engine needs a GPU, but cluster.device=cpu"):
         load_config(["cluster.device=cpu", "model.transformer_impl=transformer_engine"], world_size=1)

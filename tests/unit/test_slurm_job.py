@@ -124,7 +124,7 @@ def test_the_steps_pass_the_allocations_cpus_per_task_on(tmp_path, monkeypatch):
     from megatron_rl.config import load_config
     from megatron_rl.slurm_job import BatchStep
 
-    cfg = load_config(["cluster=slurm"], world_size=16)
+    cfg = load_config(["cluster=slurm", "rollout.backend=hf"], world_size=16)
     monkeypatch.setenv("SLURM_CPUS_PER_TASK_HET_GROUP_0", "12")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK_HET_GROUP_1", "32")
     step = BatchStep(job_layout(HET_BATCH), tmp_path, [], cfg, sandbox=True, sandbox_wait_s=1)
@@ -146,7 +146,7 @@ def test_after_sigterm_the_stop_is_said_once_the_checkpoint_is_marked_not_when_t
     from megatron_rl.preemption import MARKER
     from megatron_rl.slurm_job import BatchStep
 
-    cfg = load_config(["cluster=slurm"], world_size=16)
+    cfg = load_config(["cluster=slurm", "rollout.backend=hf"], world_size=16)
     step = BatchStep(job_layout(HET_BATCH), tmp_path, [], cfg, sandbox=False, sandbox_wait_s=1)
     marker = tmp_path / MARKER
     record = json.dumps({"signal": "SIGTERM", "steps_done": 3})

@@ -68,9 +68,26 @@ def test_unreadable_sources_name_the_problem(tmp_path):
 
 
 def _task(tmp_path, tokenizer, rows=ROWS, **overrides) -> Task:
+    overrides.setdefault("chat_template", False)
     cfg = TaskConfig(name="t", type="dataset", path=str(_jsonl(tmp_path / "rows.jsonl", rows)), num_eval=2,
                      **overrides)
     return Task(cfg, tokenizer)
+
+
+def test_a_null_chat_template_follows_the_tokenizer(tmp_path, tokenizer):
+    """task.chat_template=null (the default): the template of a tokenizer that has one, plain text otherwise."""
+    import copy
+
+    templated = _task(tmp_path, tokenizer, chat_template=None)
+    assert templated.prompts("eval")[0].text == "<|im_start|>user\nWhat is 0 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    assert templated.end_of_turn
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    plain = _task(tmp_path, bare, chat_template=None)
+    assert plain.prompts("eval")[0].text == _task(tmp_path, tokenizer, chat_template=False).prompts("eval")[0].text
+    assert plain.end_of_turn == ""
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        _task(tmp_path, bare, chat_template=True)
 
 
 def test_chat_template_renders_the_user_turn_and_ends_responses(tmp_path, tokenizer):
@@ -83,7 +100,8 @@ def test_chat_template_renders_the_user_turn_and_ends_responses(tmp_path, tokeni
     assert first.reference == "\\boxed{1}<|im_end|>"
     assert end_of_turn(tokenizer) == "<|im_end|>"
     assert task.stop_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
-    plain = Task(TaskConfig(name="t", type="dataset", path=str(tmp_path / "rows.jsonl"), num_eval=2), tokenizer)
+    plain = Task(TaskConfig(chat_template=False, name="t", type="dataset", path=str(tmp_path / "rows.jsonl"),
+                            num_eval=2), tokenizer)
     assert plain.prompts("eval")[0].text == "What is 0 + 1?" and plain.stop_token_ids == ()
 
 
@@ -103,7 +121,7 @@ def test_verifier_choice_per_task(tmp_path, tokenizer):
     coded = _task(tmp_path, tokenizer, rows=tests)
     assert coded.reward_kind == "tests" and coded.needs_sandbox
     assert coded.prompts("train")[0].meta == {"tests": tests[0]["tests"], "files": {}, "solution_path": "solution.py"}
-    countdown = Task(TaskConfig(num_train=4, num_eval=2), tokenizer)
+    countdown = Task(TaskConfig(chat_template=False, num_train=4, num_eval=2), tokenizer)
     assert countdown.reward_kind == "countdown" and countdown.needs_sandbox
 
 
@@ -168,7 +186,8 @@ def _solve(text: str) -> int:
 def test_generated_math_prompts_ask_a_question_and_state_the_answer_format(tokenizer, steps, answer_format):
     from megatron_rl.rewards.rule import math_reward
 
-    task = Task(TaskConfig(type="math", num_train=200, num_eval=50, math_steps=steps, answer_format=answer_format),
+    task = Task(TaskConfig(chat_template=False, type="math", num_train=200, num_eval=50, math_steps=steps,
+                           answer_format=answer_format),
                 tokenizer)
     train, held_out = task.prompts("train"), task.prompts("eval")
     instruction = "Answer in \\boxed{}." if answer_format == "boxed" else "End with the answer as #### <number>."
@@ -186,4 +205,4 @@ def test_generated_math_prompts_ask_a_question_and_state_the_answer_format(token
 def test_answer_settings_are_checked():
     for key, value in [("answer_extraction", "lenient"), ("answer_format", "latex"), ("math_steps", 0)]:
         with pytest.raises(ValueError, match=f"task.{key}"):
-            TaskConfig(type="math", **{key: value})
+            TaskConfig(chat_template=False, type="math", **{key: value})
