@@ -37,6 +37,24 @@ def test_every_logged_metric_is_in_the_glossary():
     assert missing == [], f"document these in docs/metrics.md: {missing}"
 
 
+def test_every_sandbox_client_metric_is_in_the_glossary():
+    """The sandbox client's metrics (sandbox/client.py) are named from its per-class summary's keys."""
+    import asyncio
+
+    from megatron_rl_sandbox.client import SandboxClient
+
+    page = (REPO / "docs" / "metrics.md").read_text()
+
+    async def names() -> set[str]:
+        async with SandboxClient(["127.0.0.1:9"], deadline_s=0.1) as client:
+            client._waits["training"].calls = 1  # a class with calls is reported
+            return set(await client.metrics())
+    found = asyncio.run(names())
+    assert "sandbox/training/wait_p95_s" in found and "sandbox/servers_up" in found
+    missing = sorted(n for n in found if f"`{n.replace('/training/', '/<class>/')}`" not in page)
+    assert missing == []
+
+
 def test_the_summary_columns_are_the_loops():
     from megatron_rl.rl.loop import SUMMARY
 
