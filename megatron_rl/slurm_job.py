@@ -369,8 +369,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     layout = job_layout()
     overrides = [o for o in args.overrides if o != "--"]
-    run_dir = run_dir_for(overrides, layout)
-    _init_logging(run_dir / "logs" / "job.log")
 
     def train_tasks(cfg) -> int:  # the training ranks: the GPU component's, less those of generator nodes
         try:
@@ -380,9 +378,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     try:  # once here, before any step starts: a bad setting costs seconds, not an allocation's worth
         cfg = load_validated(["cluster=slurm", *overrides], train_tasks)
-    except ConfigError as exc:
-        logger.error("config error: %s", exc)
+    except ConfigError as exc:  # the local run's one line, in the job's output file; no run directory made
+        print(f"config error: {exc}", file=sys.stderr)
         return 2
+    run_dir = run_dir_for(overrides, layout)
+    _init_logging(run_dir / "logs" / "job.log")
     layout = layout.with_generator_nodes(cfg.rollout.generator_nodes)
     sandbox = not args.no_sandbox and not cfg.sandbox.address
     return BatchStep(layout, run_dir, overrides, cfg, sandbox, args.sandbox_wait_s, args.server_arg).run()

@@ -5,6 +5,7 @@ line with its address once it is listening; its log goes to a file (an undrained
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -20,7 +21,10 @@ def spawn_server(args: list[str], log_path: Path, timeout_s: float = 60.0,
     `--ignore-sigterm`) when the process that started it ends, however it ends (Linux's parent-death
     signal): a job killed before it could stop its server leaves neither a server nor a discovery file
     naming a dead one."""
-    log = open(log_path, "w")
+    log = open(log_path, "a")  # a requeued job's next start adds to the log: the first attempt's stays
+    log.write(f"=== sandbox server starting at {time.strftime('%Y-%m-%d %H:%M:%S')}, job restart "
+              f"{os.environ.get('SLURM_RESTART_COUNT', '0')}, args {' '.join(args)} ===\n")
+    log.flush()
     proc = subprocess.Popen([sys.executable, "-m", "megatron_rl_sandbox.server", *args], stdout=subprocess.PIPE,
                             stderr=log, text=True, env=env,
                             preexec_fn=_interrupt_with_parent if die_with_parent else None)

@@ -78,7 +78,8 @@ def runtime_args(runtime: str) -> Optional[list[str]]:
     raise ValueError(runtime)
 
 
-def start_server(runtime: str, *extra: str, run_dir: Optional[Path] = None, timeout: float = 60) -> ServerProcess:
+def start_server(runtime: str, *extra: str, run_dir: Optional[Path] = None, timeout: float = 60,
+                 log: Optional[Path] = None) -> ServerProcess:
     from megatron_rl_sandbox.spawn import spawn_server
 
     args = runtime_args(runtime)
@@ -91,7 +92,7 @@ def start_server(runtime: str, *extra: str, run_dir: Optional[Path] = None, time
         args += ["--work-dir", work_dir]
     if run_dir is not None:
         args += ["--run-dir", str(run_dir)]
-    log = Path(tempfile.mkstemp(prefix="sandbox-server-", suffix=".log")[1])
+    log = log or Path(tempfile.mkstemp(prefix="sandbox-server-", suffix=".log")[1])
     proc, info = spawn_server(args, log, timeout, env=dict(os.environ, PYTHONPATH=str(REPO)))
     server = ServerProcess(proc, info["address"], info["name"])
     server.log, server.work_dir = log, work_dir

@@ -81,3 +81,16 @@ def test_the_code_examples_references_pass_their_tests():
     finally:
         server.stop()
     assert scores == [1.0] * len(rows)
+
+
+def test_a_restarted_server_adds_to_its_log(tmp_path):
+    """A requeued job starts its sandbox servers again with the same log file: the first start's lines stay,
+    and each start is marked."""
+    log = tmp_path / "sandbox-server.log"
+    for _ in range(2):
+        server = start_server(RUNTIME, "--capacity", "1", log=log)
+        server.stop()
+    text = log.read_text()
+    assert text.count("=== sandbox server starting at") == 2
+    first, second = text.split("=== sandbox server starting at")[1:]
+    assert all("serving on" in start and "stopped" in start for start in (first, second))  # each start's lines

@@ -28,7 +28,9 @@ def slurm_env() -> Iterator[dict[str, str]]:
         pytest.skip("the Slurm test cluster needs root (slurmctld/slurmd run as root here)")
     if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
         pytest.skip("Slurm is not installed and apt-get is missing (apt-get install slurmctld slurmd slurm-client)")
-    lab = Path(os.environ.get("MEGATRON_RL_SLURM_LAB", "/tmp/megatron-rl-slurm"))
+    # one cluster per test run (its own state directory and free ports: setup.sh), so that two runs on one
+    # machine, or a developer's own test cluster, do not collide
+    lab = Path(os.environ.get("MEGATRON_RL_SLURM_LAB", f"/tmp/megatron-rl-slurm-{os.getpid()}"))
     env = dict(os.environ, MEGATRON_RL_SLURM_LAB=str(lab))
     proc = subprocess.run(["bash", str(HERE / "setup.sh")], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:

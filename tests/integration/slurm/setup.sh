@@ -4,8 +4,9 @@
 # /dev/null, so jobs see CUDA_VISIBLE_DEVICES), partitions `gpu` (c1) and `cpu` (c2) like the
 # defaults of slurm/run.sh, plus `debug` (both). Installs Debian's slurmctld/slurmd/slurm-client
 # when missing (~25 s). Prints `export SLURM_CONF=...` on success.
-#   MEGATRON_RL_SLURM_LAB  state dir (default /tmp/megatron-rl-slurm)
-# Based on /work/shared/notes/reference/slurm-up.sh (see FEASIBILITY.md "Slurm in a container").
+#   MEGATRON_RL_SLURM_LAB  state dir (default /tmp/megatron-rl-slurm); one cluster per state dir
+# Its ports (slurmctld, each slurmd) are free ones picked at start, so that two clusters (two test runs, or a
+# developer's own) run side by side.
 set -euo pipefail
 LAB=${MEGATRON_RL_SLURM_LAB:-/tmp/megatron-rl-slurm}
 NODES="c1 c2"
@@ -36,13 +37,19 @@ for n in $NODES; do
   echo "NodeName=$n Name=gpu File=$LAB/dev/nvidia[$first-$((k - 1))]" >> "$LAB/etc/gres.conf"
 done
 CONF=$LAB/etc/slurm.conf
+read -r CTLD_PORT C1_PORT C2_PORT < <(python3 -c '
+import socket
+socks = [socket.socket() for _ in range(3)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))')
 cat > "$CONF" <<CONF
 ClusterName=megatronrl
 SlurmctldHost=$H
 SlurmUser=root
 AuthType=auth/none
 CredType=cred/none
-SlurmctldPort=6817
+SlurmctldPort=$CTLD_PORT
 StateSaveLocation=$LAB/ctld
 SlurmdSpoolDir=$LAB/spool/%n
 SlurmctldPidFile=$LAB/run/slurmctld.pid
@@ -67,7 +74,8 @@ KillWait=5
 MinJobAge=300
 JobRequeue=1
 GresTypes=gpu
-NodeName=c[1-2] NodeHostname=$H NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=$CPUS RealMemory=$MEM Gres=gpu:$GPUS State=UNKNOWN
+NodeName=c1 NodeHostname=$H NodeAddr=127.0.0.1 Port=$C1_PORT CPUs=$CPUS RealMemory=$MEM Gres=gpu:$GPUS State=UNKNOWN
+NodeName=c2 NodeHostname=$H NodeAddr=127.0.0.1 Port=$C2_PORT CPUs=$CPUS RealMemory=$MEM Gres=gpu:$GPUS State=UNKNOWN
 PartitionName=gpu Nodes=c1 MaxTime=INFINITE State=UP DefMemPerCPU=1024
 PartitionName=cpu Nodes=c2 MaxTime=INFINITE State=UP DefMemPerCPU=1024
 PartitionName=debug Nodes=c[1-2] Default=YES MaxTime=INFINITE State=UP DefMemPerCPU=1024

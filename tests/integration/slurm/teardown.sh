@@ -14,7 +14,8 @@ if [[ -f "$SLURM_CONF" ]]; then
   done
   for p in "$LAB"/run/*.pid; do [[ -f "$p" ]] && kill -9 "$(cat "$p")" 2>/dev/null; rm -f "$p"; done
 fi
-if grep -q "# megatron-rl-slurm-test" /etc/hosts 2>/dev/null; then
+# The node names are shared by every test cluster on this host: kept while another one runs
+if grep -q "# megatron-rl-slurm-test" /etc/hosts 2>/dev/null && ! pgrep -x slurmd >/dev/null; then
   # /etc/hosts may be a bind mount: rewrite it in place rather than replacing the file.
   kept=$(grep -v "# megatron-rl-slurm-test" /etc/hosts)
   printf '%s\n' "$kept" > /etc/hosts

@@ -40,11 +40,12 @@ class Job:
     FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED"}
 
-    def __init__(self, env: dict, tmp: Path, script: str, sbatch_args: list[str], overrides: list[str]) -> None:
+    def __init__(self, env: dict, tmp: Path, script: str, sbatch_args: list[str], overrides: list[str],
+                 cwd: Path = REPO) -> None:
         self.env = dict(env, MEGATRON_RL_RUN_ROOT=str(tmp / "runs"), OMP_NUM_THREADS="1")
         self.output = tmp / "job.out"
         cmd = ["sbatch", "--parsable", f"--output={self.output}", *sbatch_args, script, *overrides]
-        proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=cwd, env=self.env, capture_output=True, text=True)
         assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
         self.job_id = proc.stdout.strip().split(";")[0]
         self.run_dir = tmp / "runs" / f"megatron-rl-{self.job_id}"
@@ -109,6 +110,31 @@ def _rank_pid(job_id: str, rank: int) -> Optional[int]:
                 and environ.get("SLURM_PROCID") == str(rank) and "SLURM_STEP_ID" in environ):
             return int(proc.name)
     return None
+
+
+def test_from_outside_the_checkout_a_config_error_fails_at_once_and_writes_nothing(slurm_env, tmp_path):
+    """`cd elsewhere && sbatch <checkout>/slurm/run.sh <bad override>`: Slurm runs a spooled copy of the script,
+    which finds the checkout from the path it was submitted as; the bad override ends the job with the local
+    run's one `config error:` line in the output file and exit status 2, before any run directory exists. A
+    copy of the script outside any checkout says in one line what to set."""
+    import shutil
+
+    env = {k: v for k, v in slurm_env.items() if k != "MEGATRON_RL_HOME"}
+    sizes = [*GPU_COMPONENT, ":", *CPU_COMPONENT]
+    job = Job(env, tmp_path, str(REPO / "slurm" / "run.sh"), sizes, [*TINY, "rollout.temperature=-1"], cwd=tmp_path)
+    assert job.wait(timeout=180) == 2, job.log()
+    text = job.output.read_text()
+    errors = [line for line in text.splitlines() if "config error" in line]
+    assert len(errors) == 1 and errors[0].startswith("config error: rollout.temperature=-1 is invalid"), text
+    assert not (tmp_path / "runs").exists()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(REPO / "slurm" / "run.sh", elsewhere / "run.sh")
+    lost = Job(env, elsewhere, str(elsewhere / "run.sh"), sizes, TINY, cwd=elsewhere)
+    assert lost.wait(timeout=180) == 2, lost.log()
+    assert "cannot find the checkout" in lost.output.read_text()
+    assert "set MEGATRON_RL_HOME=/path/to/megatron-rl" in lost.output.read_text()
 
 
 def test_het_job_trains_with_rewards_from_the_cpu_component(slurm_env, tmp_path):
@@ -271,3 +297,29 @@ def test_disaggregated_generator_runs_on_a_node_of_its_own(slurm_env, tmp_path):
     assert "generator 0 stops at weights v2" in generator
     assert re.search(r"waiting for 1 generator\(s\) started separately .* hub c1:\d+",
                      (job.run_dir / "logs" / "rank0.log").read_text())
+
+
+def test_a_second_test_cluster_runs_beside_the_first(slurm_env, tmp_path):
+    """Two test runs (or a developer's own cluster) on one machine: each cluster has its own state directory
+    and free ports, so a second one starts, answers and stops while the first keeps serving."""
+    here = REPO / "tests" / "integration" / "slurm"
+    second = dict(slurm_env, MEGATRON_RL_SLURM_LAB=str(tmp_path / "lab2"))
+    second["SLURM_CONF"] = str(tmp_path / "lab2" / "etc" / "slurm.conf")
+
+    def port(env) -> str:
+        return re.search(r"^SlurmctldPort=(\d+)$", Path(env["SLURM_CONF"]).read_text(), re.M).group(1)
+
+    def nodes(env) -> dict[str, str]:
+        """node -> state (sinfo -N lists a node once per partition)."""
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True,
+                             timeout=30).stdout.split("\n")
+        return dict(line.split() for line in out if line.strip())
+
+    proc = subprocess.run(["bash", str(here / "setup.sh")], env=second, capture_output=True, text=True, timeout=300)
+    try:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert port(second) != port(slurm_env)
+        assert nodes(second) == {"c1": "idle", "c2": "idle"} == nodes(slurm_env)
+    finally:
+        subprocess.run(["bash", str(here / "teardown.sh")], env=second, timeout=60)
+    assert nodes(slurm_env) == {"c1": "idle", "c2": "idle"}  # the first cluster still serves
