@@ -323,3 +323,27 @@ def test_a_second_test_cluster_runs_beside_the_first(slurm_env, tmp_path):
     finally:
         subprocess.run(["bash", str(here / "teardown.sh")], env=second, timeout=60)
     assert nodes(slurm_env) == {"c1": "idle", "c2": "idle"}  # the first cluster still serves
+
+
+def test_the_preflight_check_names_what_no_node_can_meet(slurm_env):
+    """slurm/run.sh as shipped asks for 2 nodes of 8 GPUs and a 32-CPU, 64 GB sandbox node: the test cluster
+    (one 2-GPU node per partition, 2 CPUs each) can never run it, and Slurm would leave it pending. The check
+    says which option fails in which component; the sizes the other tests submit pass."""
+    import sys
+
+    def check(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "megatron_rl.slurm_check", "--script",
+                               str(REPO / "slurm" / "run.sh"), *options], cwd=REPO, env=slurm_env,
+                              capture_output=True, text=True, timeout=120)
+
+    shipped = check()
+    assert shipped.returncode == 1, shipped.stdout + shipped.stderr
+    lines = shipped.stdout.splitlines()
+    assert "component 0 (partition gpu): --nodes=2 asks for 2 nodes, the partition has 1 (c1)" in lines
+    assert "component 0 (partition gpu): --gpus-per-node=8, but its nodes have at most 2 GPUs" in lines
+    assert any(line.startswith("component 1 (partition cpu): --cpus-per-task=32") for line in lines)
+    assert any(line.startswith("component 1 (partition cpu): --mem=64G") for line in lines)
+    fits = check(*GPU_COMPONENT, ":", *CPU_COMPONENT)
+    assert fits.returncode == 0 and "fits" in fits.stdout, fits.stdout + fits.stderr
+    wrong = check("--partition=nope")
+    assert wrong.returncode == 1 and "no such partition" in wrong.stdout
