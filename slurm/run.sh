@@ -1,15 +1,15 @@
 #!/bin/bash
 # megatron-rl on a Slurm cluster, the production layout: GPU nodes train and roll out (one SPMD
 # srun step, one rank per GPU), the CPU component of this heterogeneous job runs the sandbox
-# servers that compute code rewards. Copy it, edit the # Before submitting: `python -m megatron_rl.slurm_check --script slurm/run.sh [sbatch options]` says whether
-# this cluster's nodes can ever run the request (Slurm may leave an impossible one pending for ever).
-#SBATCH lines for your cluster
+# servers that compute code rewards. Copy it, edit the #SBATCH lines for your cluster
 # (docs/cluster.md), and submit (from any directory) with Hydra overrides:
 #   sbatch slurm/run.sh model=qwen2_5_7b model.path=/ckpt/Qwen2.5-7B task=math parallel.tp=4
 # No CPU partition? Use slurm/run_gpu_only.sh (sandboxes on the GPU nodes' spare cores).
 # The run directory is runs/<job name>-<job id> (MEGATRON_RL_RUN_ROOT moves it); ~3 min before the
 # time limit the job checkpoints, requeues itself and resumes there.
 #
+# Before submitting: `python -m megatron_rl.slurm_check --script slurm/run.sh [sbatch options]` says whether
+# this cluster's nodes can ever run the request (Slurm may leave an impossible one pending for ever).
 # Component 0: GPU nodes. Job-wide options (time, output, requeue, signal) go here too.
 #SBATCH --job-name=megatron-rl
 #SBATCH --output=%x-%j.out
