@@ -3,7 +3,7 @@
 # srun step, one rank per GPU), the CPU component of this heterogeneous job runs the sandbox
 # servers that compute code rewards. Copy it, edit the #SBATCH lines for your cluster
 # (docs/cluster.md), and submit (from any directory) with Hydra overrides:
-#   sbatch slurm/run.sh model=qwen2_5_7b model.path=/ckpt/Qwen2.5-7B task=math parallel.tp=4
+#   sbatch slurm/run.sh +experiment=qwen3_8b_code model.path=/ckpt/Qwen3-8B task.path=/data/code.jsonl
 # No CPU partition? Use slurm/run_gpu_only.sh (sandboxes on the GPU nodes' spare cores).
 # The run directory is runs/<job name>-<job id> (MEGATRON_RL_RUN_ROOT moves it); ~3 min before the
 # time limit the job checkpoints, requeues itself and resumes there.
