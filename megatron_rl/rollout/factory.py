@@ -146,6 +146,9 @@ def make_engine(cfg: Any, groups: Any, tokenizer: Any, *, local_rank: int, local
 
     r = cfg.rollout
     block = rollout_block(r.tp, local_rank, local_world_size)
+    if groups.rank == 0:  # the choice rollout.backend=auto made is written in config.yaml too
+        logger.info("rollout engine: %s on %s, one per %d rank(s) (rollout.backend; auto: sglang on GPUs, hf on CPU)",
+                    "SGLang" if r.backend == "sglang" else "transformers generate (hf)", groups.device.type, r.tp)
     engine = None
     serialize = None
     if block.is_leader:

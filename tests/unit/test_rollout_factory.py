@@ -302,7 +302,9 @@ def test_engine_model_dir_holds_the_architecture(tmp_path):
     assert not list((tmp_path / "m").glob("*.safetensors"))  # weights come by sync
 
 
-def test_hf_backend_builds_one_engine_per_rank(tmp_path):
+def test_hf_backend_builds_one_engine_per_rank(tmp_path, caplog):
+    import logging
+
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.rollout.hf_engine import HFEngine
 
@@ -311,9 +313,11 @@ def test_hf_backend_builds_one_engine_per_rank(tmp_path):
     import torch
 
     groups = types.SimpleNamespace(device=torch.device("cpu"), rank=0)  # the engine runs on the rank's device
-    engine = make_engine(rl_config(), groups, load_tokenizer("builtin:char"), local_rank=0, local_world_size=1,
-                         work_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger="megatron_rl.rollout.factory"):
+        engine = make_engine(rl_config(), groups, load_tokenizer("builtin:char"), local_rank=0, local_world_size=1,
+                             work_dir=tmp_path)
     assert isinstance(engine, HFEngine) and engine.device == groups.device
+    assert "rollout engine: transformers generate (hf) on cpu, one per 1 rank(s)" in caplog.text  # the choice, logged
 
 
 def test_hf_engine_refuses_an_update_that_leaves_weights_unwritten():
