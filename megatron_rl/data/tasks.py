@@ -11,9 +11,9 @@ the verifier that scores completions.
   `tests` (+ optional `files`, `solution_path`) run in the sandbox; an optional full
   `response` for the warm start.
 
-With `task.chat_template=true` (or null, the default, and a tokenizer that has one) prompts are rendered by the tokenizer's chat template, and
-the template's end-of-turn token (found by rendering an assistant turn) ends warm-start
-responses and stops generation.
+With `task.chat_template=true` (or null, the default, and a tokenizer that has one) prompts are
+rendered by the tokenizer's chat template, and the template's end-of-turn token (found by rendering
+an assistant turn) ends warm-start responses and stops generation.
 """
 
 from __future__ import annotations

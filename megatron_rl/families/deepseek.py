@@ -2,11 +2,11 @@
 dense first layers, routed experts over groups with a routed scaling factor and ungated shared experts;
 V2's router is a softmax whose top k is not renormalised, V3's the sigmoid router with the selection bias.
 
-HF <-> Megatron conversion. DeepSeek-V3 (and the checkpoints of its architecture: Kimi-K2, Moonlight) and DeepSeek-V2-Lite (the
-full V2 and V2.5 group their experts in a way Megatron-core does not express: `DeepseekV2Converter`):
-multi-latent attention (MLA) with optional YaRN scaling, the first `first_k_dense_replace` layers dense,
-the others a mixture of experts with ungated shared experts. DeepSeek-V3 routes as GLM-4.5 does (a sigmoid
-router choosing by score + a per-expert bias from the best groups, renormalised and scaled weights;
+HF <-> Megatron conversion. DeepSeek-V3 (and the checkpoints of its architecture: Kimi-K2, Moonlight) and
+DeepSeek-V2-Lite (the full V2 and V2.5 group their experts in a way Megatron-core does not express:
+`DeepseekV2Converter`): multi-latent attention (MLA) with optional YaRN scaling, the first `first_k_dense_replace`
+layers dense, the others a mixture of experts with ungated shared experts. DeepSeek-V3 routes as GLM-4.5 does (a
+sigmoid router choosing by score + a per-expert bias from the best groups, renormalised and scaled weights;
 `glm4_moe.py`), DeepSeek-V2 by a softmax over all experts.
 
 Attention on disk (HF) and in Megatron's `MLASelfAttention` (local spec names), one to one:

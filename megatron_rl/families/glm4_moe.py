@@ -2,10 +2,10 @@
 sigmoid router with the selection bias over expert groups, a routed scaling factor and ungated shared
 experts. Its checkpoints use plain RoPE.
 
-HF <-> Megatron conversion. GLM-4.5 MoE (GLM-4.5, GLM-4.5-Air, GLM-4.6): grouped-query attention with Q/K/V bias, RoPE on the
-first `partial_rotary_factor` of each head (0.5 in the released models), optional QK-norm
-(`use_qk_norm`); the first `first_k_dense_replace` layers dense, the others a mixture of SwiGLU
-experts plus `n_shared_experts` shared experts without a gate.
+HF <-> Megatron conversion. GLM-4.5 MoE (GLM-4.5, GLM-4.5-Air, GLM-4.6): grouped-query attention with Q/K/V bias,
+RoPE on the first `partial_rotary_factor` of each head (0.5 in the released models), optional QK-norm
+(`use_qk_norm`); the first `first_k_dense_replace` layers dense, the others a mixture of SwiGLU experts plus
+`n_shared_experts` shared experts without a gate.
 
 HF on disk: the routed experts as in `SparseMoeLayout` (`moe.py`: router `mlp.gate.weight`,
 `mlp.experts.{e}.{gate,up,down}_proj.weight`), the router's per-expert selection bias

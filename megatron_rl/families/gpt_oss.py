@@ -1,10 +1,10 @@
 """gpt-oss (gpt-oss-20b, -120b): experts in every layer with a bias on every linear layer, a clamped SwiGLU,
 attention sinks, sliding-window attention on some layers, YaRN.
 
-HF <-> Megatron conversion. gpt-oss (gpt-oss-20b, gpt-oss-120b): grouped-query attention with a bias on every projection, a learned
-sink logit per head, sliding-window attention in the layers HF's `layer_types` marks "sliding_attention"
-(the even ones), YaRN; in every layer a mixture of experts with a biased router (softmax over the top k
-logits) and biased experts whose SwiGLU is clamped. How Megatron-core expresses each: `models/gpt.py:
+HF <-> Megatron conversion. gpt-oss (gpt-oss-20b, gpt-oss-120b): grouped-query attention with a bias on every
+projection, a learned sink logit per head, sliding-window attention in the layers HF's `layer_types` marks
+"sliding_attention" (the even ones), YaRN; in every layer a mixture of experts with a biased router (softmax over
+the top k logits) and biased experts whose SwiGLU is clamped. How Megatron-core expresses each: `models/gpt.py:
 _gpt_oss_fields`.
 
 HF on disk (also transformers' layout in memory) and Megatron (local spec names), per layer:

@@ -1,9 +1,9 @@
 """Llama (Llama 2, 3, 3.1, 3.2): grouped-query attention, SwiGLU MLPs, RoPE with Llama 3.1's scaling or YaRN;
 HF attention_bias puts a bias on q, k, v and o_proj, mlp_bias on the MLP's three projections.
 
-HF <-> Megatron conversion. Llama (2, 3, and 3.1 with its rope scaling, read by `dense.py` for every family): optional biases,
-`attention_bias` on the q, k, v and o projections, `mlp_bias` on the gate, up and down projections (each
-maps to ModelConfig: qkv_bias, which brings the output projection's along, and mlp_bias).
+HF <-> Megatron conversion. Llama (2, 3, and 3.1 with its rope scaling, read by `dense.py` for every family):
+optional biases, `attention_bias` on the q, k, v and o projections, `mlp_bias` on the gate, up and down projections
+(each maps to ModelConfig: qkv_bias, which brings the output projection's along, and mlp_bias).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Mixtral: experts in every layer, the router's top-k softmax always renormalised, no attention bias.
 
-HF <-> Megatron conversion. Mixtral: Llama attention (no Q/K/V bias, no QK-norm) with a mixture of SwiGLU experts in place
-of every MLP.
+HF <-> Megatron conversion. Mixtral: Llama attention (no Q/K/V bias, no QK-norm) with a mixture of SwiGLU experts
+in place of every MLP.
 
 HF on disk: `block_sparse_moe.gate.weight` [E, H] is the router and
 `block_sparse_moe.experts.{e}.w1/w3/w2.weight` each expert's gate, up and down projections;

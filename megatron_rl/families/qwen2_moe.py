@@ -1,9 +1,9 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (Q/K/V bias, no QK-norm), routed experts and a
 shared expert scaled by a sigmoid gate in every layer.
 
-HF <-> Megatron conversion. Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (Q/K/V bias) with, in place of every
-MLP, a mixture of SwiGLU experts plus one shared SwiGLU expert that every token passes through,
-scaled per token by a sigmoid gate.
+HF <-> Megatron conversion. Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (Q/K/V bias) with, in place of
+every MLP, a mixture of SwiGLU experts plus one shared SwiGLU expert that every token passes through, scaled per
+token by a sigmoid gate.
 
 HF on disk: the routed experts as in `SparseMoeLayout` (`moe.py`: `mlp.gate.weight`,
 `mlp.experts.{e}.{gate,up,down}_proj.weight`); the shared expert as

@@ -1,8 +1,8 @@
 """Qwen3-MoE: Qwen3's attention, a softmax router over routed SwiGLU experts without shared ones (dense
 layers where HF mlp_only_layers says).
 
-HF <-> Megatron conversion. Qwen3-MoE: Qwen3 attention (per-head q/k RMSNorm, explicit head_dim) with a mixture of SwiGLU
-experts in place of every MLP.
+HF <-> Megatron conversion. Qwen3-MoE: Qwen3 attention (per-head q/k RMSNorm, explicit head_dim) with a mixture of
+SwiGLU experts in place of every MLP.
 
 HF on disk: `mlp.gate.weight` [E, H] is the router, `mlp.experts.{e}.{gate,up,down}_proj.weight`
 the experts; their conversion is the shared `SparseMoeLayout` (`moe.py`).
