@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -128,6 +129,18 @@ def run_dir_for(overrides: Sequence[str], layout: JobLayout, environ: Mapping[st
     return Path(root).resolve() / f"{name}-{layout.job_id}"
 
 
+def _last_step(run_dir: Path) -> str:
+    """The step of metrics.jsonl's last row ("none" before the first)."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 65536))
+            rows = [line for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+        return str(json.loads(rows[-1])["step"]) if rows else "none"
+    except (OSError, ValueError, KeyError, IndexError):
+        return "none"
+
+
 def _cpus_per_task(het_group: Optional[int]) -> list[str]:
     """`--cpus-per-task` of the allocation (or of its het component), passed on explicitly: srun of
     Slurm 22.05 to 23.02 does not inherit it, and each rank would be bound to one core."""
@@ -172,6 +185,7 @@ class BatchStep:
         self.usr1 = False
         self.terminating = False
         self.said_stop = False  # the "stopped after step N" line was logged
+        self.sandbox_lost = False  # the sandbox step ended while training ran (logged once)
         self.srun_errors: list[str] = []
 
     # -- signals -----------------------------------------------------------------------------
@@ -278,6 +292,20 @@ class BatchStep:
             self.sandbox.send_signal(signal.SIGTERM)
             self.sandbox.wait()
 
+    def _sandbox_step_ended(self) -> None:
+        """The sandbox step ended while training runs: say so once in job.log (its exit status, the RL step
+        training had reached) and remove its servers' discovery files, which name dead addresses. The ranks'
+        clients keep their server list: code rewards get no verdict (left unscored, `reward/unscored`) after
+        each call's deadline until the job is resubmitted; the step is not restarted."""
+        self.sandbox_lost = True
+        gone = sorted((self.run_dir / "sandbox").glob("*.json"))
+        for path in gone:
+            path.unlink(missing_ok=True)
+        logger.error("the sandbox step ended with exit code %s while training ran (after RL step %s); its servers "
+                     "are gone (%d discovery file(s) removed): code rewards get no verdict from here on and are "
+                     "left unscored; resubmit with run_dir=%s to get servers back; see %s/logs/sandbox-*.log",
+                     self.sandbox.returncode, _last_step(self.run_dir), len(gone), self.run_dir, self.run_dir)
+
     def _run_training(self) -> int:
         cmd = self._srun_train()
         logger.info("training step: %s", " ".join(cmd))
@@ -295,6 +323,8 @@ class BatchStep:
                 # it, taking this step with them; say how training stopped as soon as the checkpoint is marked
                 if self.terminating and not self.said_stop and (marker := read_marker(self.run_dir)) is not None:
                     self._say_stopped(marker)
+                if self.sandbox is not None and not self.sandbox_lost and self.sandbox.poll() is not None:
+                    self._sandbox_step_ended()
         reader.join(timeout=10)
         return code
 

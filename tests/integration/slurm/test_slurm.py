@@ -347,3 +347,42 @@ def test_the_preflight_check_names_what_no_node_can_meet(slurm_env):
     assert fits.returncode == 0 and "fits" in fits.stdout, fits.stdout + fits.stderr
     wrong = check("--partition=nope")
     assert wrong.returncode == 1 and "no such partition" in wrong.stdout
+
+
+def _job_pids(job_id: str, marker: bytes) -> list[int]:
+    """The pids of this job's processes whose command line holds `marker`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in cmdline and f"SLURM_JOB_ID={job_id}\0".encode() in environ + b"\0":
+            found.append(int(proc.name))
+    return found
+
+
+def test_a_dead_sandbox_step_is_reported_and_its_discovery_files_go(slurm_env, tmp_path):
+    """The het job's sandbox server and its step are SIGKILLed mid-run, leaving their discovery file: the
+    supervisor says so in job.log (exit status, the step training had reached), removes the stale file, and
+    training goes on with the later samples' rewards left unscored, not scored 0. The step is not restarted."""
+    job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
+              [*TINY, "num_steps=3", "task.sft_warmup_steps=30"])  # warm: its expressions reach the sandbox
+    job.wait_for_steps(1)
+    assert list((job.run_dir / "sandbox").glob("*.json"))
+    pids = _job_pids(job.job_id, b"megatron_rl_sandbox.server") + _job_pids(job.job_id, b"megatron_rl.slurm_job\0sandbox")
+    assert pids, "the sandbox step's processes were not found"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    assert job.wait(timeout=400) == 0, job.log()[-6000:]
+    log = job.log()
+    assert re.search(r"the sandbox step ended with exit code -?\d+ while training ran \(after RL step \d+\)", log), \
+        log[-6000:]
+    assert not list((job.run_dir / "sandbox").glob("*.json")), "the dead server's discovery file stayed"
+    rows = job.metrics()
+    assert rows[-1]["step"] == 3
+    # step 2 may have been scored before the kill landed; step 3 cannot have been
+    assert rows[-1]["reward/unscored"] > 0 and rows[-1]["reward/verifier_errors"] > 0
