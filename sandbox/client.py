@@ -172,12 +172,23 @@ class _Server:
         self.reply = None  # the last HealthReply
         self.checked = 0.0
         self.down_until = 0.0
+        self.unreachable_since: Optional[float] = None  # refusing connections since then (None: reachable)
+
+    def reachable(self, yes: bool) -> None:
+        if yes:
+            self.unreachable_since = None
+        elif self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
 
 
 class SandboxClient:
     # A session lives on one server; when that server refuses connections this many times in a
     # row (~1.5 s with the backoff below), its calls fail at once instead of at their deadline.
     PINNED_UNREACHABLE_ATTEMPTS = 5
+    # When every server has refused connections for this long (they are gone, e.g. a sandbox step that
+    # died), calls fail at once rather than at their deadline: no verdict, counted by the caller. The
+    # health check, every health_interval_s, notices a server that answers again.
+    ALL_UNREACHABLE_S = 10.0
 
     def __init__(self, addresses: Sequence[str], deadline_s: float = 120.0, attempt_timeout_s: Optional[float] = None,
                  health_interval_s: float = 2.0, priority_class: str = DEFAULT_CLASS,
@@ -221,9 +232,12 @@ class SandboxClient:
             server.healthy = reply.serving
             server.load = (reply.running + reply.queued) / max(1, reply.capacity)
             server.reply = reply
-        except grpc.aio.AioRpcError:
+            server.reachable(True)
+        except grpc.aio.AioRpcError as exc:
             server.healthy = False
             server.reply = None
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                server.reachable(False)
 
     async def _ranked(self) -> list[_Server]:
         await asyncio.gather(*(self._refresh(s) for s in self.servers))
@@ -233,6 +247,14 @@ class SandboxClient:
         random.shuffle(usable)
         usable.sort(key=lambda s: s.load)
         return usable + others
+
+    def _all_unreachable_s(self) -> Optional[float]:
+        """How long every server has refused connections, once that is at least ALL_UNREACHABLE_S; else None."""
+        since = [s.unreachable_since for s in self.servers]
+        if any(t is None for t in since):
+            return None
+        gone = time.monotonic() - max(since)
+        return gone if gone >= self.ALL_UNREACHABLE_S else None
 
     async def _call(self, method: str, request, deadline_s: Optional[float], pinned: Optional[_Server] = None,
                     cls: str = DEFAULT_CLASS):
@@ -250,6 +272,10 @@ class SandboxClient:
             if unreachable >= self.PINNED_UNREACHABLE_ATTEMPTS:  # the session's server is gone: fail fast
                 raise asyncio.TimeoutError(f"{method}: the session's server {pinned.address} is unreachable")
             candidates = [pinned] if pinned is not None else await self._ranked()
+            if pinned is None and (gone := self._all_unreachable_s()) is not None:
+                raise asyncio.TimeoutError(f"{method}: no sandbox server has accepted a connection for {gone:.0f}s "
+                                           f"({', '.join(s.address for s in self.servers)}); not waiting for the "
+                                           "deadline")
             for server in candidates:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -258,6 +284,7 @@ class SandboxClient:
                 try:
                     result = await getattr(server.stub, method)(request, timeout=timeout)
                     server.healthy = True
+                    server.reachable(True)
                     return result, server
                 except grpc.aio.AioRpcError as exc:
                     last_error = exc
@@ -271,6 +298,7 @@ class SandboxClient:
                         self._waits[cls].refused += 1
                     if code == grpc.StatusCode.UNAVAILABLE:
                         server.healthy = False
+                        server.reachable(False)
                         server.down_until = time.monotonic() + 1.0
                         server.checked = 0.0
                         if pinned is not None:

@@ -94,3 +94,28 @@ def test_a_restarted_server_adds_to_its_log(tmp_path):
     assert text.count("=== sandbox server starting at") == 2
     first, second = text.split("=== sandbox server starting at")[1:]
     assert all("serving on" in start and "stopped" in start for start in (first, second))  # each start's lines
+
+
+def test_when_every_server_is_gone_calls_fail_fast_instead_of_at_their_deadline():
+    """A sandbox step that died leaves the clients a list of dead addresses. After every server has refused
+    connections for ALL_UNREACHABLE_S, a call is no verdict at once, not after its (here 60 s) deadline."""
+    import time
+
+    from megatron_rl_sandbox.client import SandboxClient
+
+    server = start_server(RUNTIME, "--capacity", "1")
+
+    async def go():
+        async with SandboxClient([server.address], deadline_s=60) as client:
+            client.ALL_UNREACHABLE_S = 3.0
+            assert (await client.execute(["true"])).exit_code == 0
+            server.stop()
+            took = []
+            for _ in range(2):
+                start = time.monotonic()
+                result = await client.execute(["true"])  # answered by nobody: a TIMEOUT result, no server named
+                took.append(time.monotonic() - start)
+                assert not result.server and "no sandbox server has accepted a connection" in result.message
+            return took
+    first, second = asyncio.run(go())
+    assert first < 15 and second < 1.0, (first, second)  # the deadline would have been 60 s each

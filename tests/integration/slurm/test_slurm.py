@@ -368,7 +368,8 @@ def _job_pids(job_id: str, marker: bytes) -> list[int]:
 def test_a_dead_sandbox_step_is_reported_and_its_discovery_files_go(slurm_env, tmp_path):
     """The het job's sandbox server and its step are SIGKILLed mid-run, leaving their discovery file: the
     supervisor says so in job.log (exit status, the step training had reached), removes the stale file, and
-    training goes on with the later samples' rewards left unscored, not scored 0. The step is not restarted."""
+    training goes on with the later samples' rewards left unscored, not scored 0 (quickly: once every server has
+    refused connections for 10 s the clients stop waiting out their deadlines). The step is not restarted."""
     job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
               [*TINY, "num_steps=3", "task.sft_warmup_steps=30"])  # warm: its expressions reach the sandbox
     job.wait_for_steps(1)
