@@ -17,7 +17,8 @@ def rl_summary(rows: Sequence[Mapping[str, float]], warm_start_steps: int) -> st
     step 0 (after a 30-step warm start) -> 0.250 at step 20". The reward is the mean over the first and the
     last tenth of the training steps (at least one step each); the accuracy that of the first and the last
     evaluation; `warm_start_steps`: the supervised steps before RL (task.sft_warmup_steps), named only when
-    there were some. "" for rows with neither."""
+    there were some; then the samples no verifier judged over the run, when there were any. "" for rows with
+    neither reward nor accuracy."""
     trained = [r for r in rows if "reward/mean" in r]
     evaluated = [r for r in rows if "eval/accuracy" in r]
     out = []
@@ -34,4 +35,9 @@ def rl_summary(rows: Sequence[Mapping[str, float]], warm_start_steps: int) -> st
         if end is not start:
             line += f" -> {end['eval/accuracy']:.3f} at step {int(end['step'])}"
         out.append(line)
+    unscored = sum(r.get("reward/unscored", 0.0) for r in trained)
+    if unscored:  # samples no verifier judged (timeouts, errors, no sandbox server): left out of the loss
+        errors = sum(r.get("reward/verifier_errors", 0.0) for r in trained)
+        out.append(f"{unscored:.0f} samples left unscored, no verdict ({errors:.0f} verifier errors; "
+                   "reward/unscored per step)")
     return "; ".join(out)

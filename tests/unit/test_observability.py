@@ -253,3 +253,14 @@ def test_the_run_summary_of_few_steps_and_a_zero_start():
     assert rl_summary(_rows([0.0, 0.5, 1.0], {}), 10) == "training reward 0.000 over step 1 -> 1.000 over step 3"
     assert rl_summary(_rows([], {0: 0.5}), 10) == "held-out accuracy 0.500 at step 0 (after a 10-step warm start)"
     assert rl_summary([], 0) == ""
+
+
+def test_the_run_summary_counts_the_samples_no_verifier_judged():
+    from megatron_rl.observability.summary import rl_summary
+
+    rows = _rows([0.5, 0.5, 0.5], {})
+    assert "unscored" not in rl_summary(rows, 0)
+    rows[1].update({"reward/unscored": 6.0, "reward/verifier_errors": 2.0})
+    rows[2].update({"reward/unscored": 8.0, "reward/verifier_errors": 3.0})
+    assert rl_summary(rows, 0).endswith("; 14 samples left unscored, no verdict (5 verifier errors; "
+                                        "reward/unscored per step)")

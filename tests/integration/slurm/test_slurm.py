@@ -387,3 +387,5 @@ def test_a_dead_sandbox_step_is_reported_and_its_discovery_files_go(slurm_env, t
     assert rows[-1]["step"] == 3
     # step 2 may have been scored before the kill landed; step 3 cannot have been
     assert rows[-1]["reward/unscored"] > 0 and rows[-1]["reward/verifier_errors"] > 0
+    unscored = sum(r.get("reward/unscored", 0) for r in rows)
+    assert f"{unscored:.0f} samples left unscored, no verdict" in log  # the run's summary line says how many
