@@ -185,7 +185,10 @@ class BatchStep:
         self.usr1 = False
         self.terminating = False
         self.said_stop = False  # the "stopped after step N" line was logged
-        self.sandbox_lost = False  # the sandbox step ended while training ran (logged once)
+        self.sandbox_ports: dict[str, str] = {}  # node -> the port its server serves on (kept across restarts)
+        self.sandbox_restarts = 0  # restarts of the sandbox step done
+        self.sandbox_restart_at: Optional[float] = None  # when the next restart is due (monotonic)
+        self.sandbox_pending: Optional[float] = None  # a restarted step must have registered by then
         self.srun_errors: list[str] = []
 
     # -- signals -----------------------------------------------------------------------------
@@ -210,6 +213,8 @@ class BatchStep:
             capacity = sb.num_workers
         cmd = ["srun", *where, "--label", "--job-name=sandbox", sys.executable, "-m", "megatron_rl.slurm_job",
                "sandbox", "--run-dir", str(self.run_dir), "--runtime", sb.runtime, "--capacity", str(capacity)]
+        if self.sandbox_ports:
+            cmd += ["--ports", ",".join(f"{node}={port}" for node, port in sorted(self.sandbox_ports.items()))]
         cmd += ["--allow-unisolated"] if sb.allow_unisolated else []
         return cmd + [f"--server-arg={a}" for a in self.server_args]
 
@@ -277,6 +282,7 @@ class BatchStep:
                 return False
             time.sleep(0.5)
         logger.info("sandbox servers: %s", ", ".join(found))
+        self.sandbox_ports = {a.rsplit(":", 1)[0]: a.rsplit(":", 1)[1] for a in found}
         return True
 
     def _stop_sandboxes(self) -> None:
@@ -292,19 +298,53 @@ class BatchStep:
             self.sandbox.send_signal(signal.SIGTERM)
             self.sandbox.wait()
 
-    def _sandbox_step_ended(self) -> None:
-        """The sandbox step ended while training runs: say so once in job.log (its exit status, the RL step
-        training had reached) and remove its servers' discovery files, which name dead addresses. The ranks'
-        clients keep their server list: code rewards get no verdict (left unscored, `reward/unscored`) after
-        each call's deadline until the job is resubmitted; the step is not restarted."""
-        self.sandbox_lost = True
-        gone = sorted((self.run_dir / "sandbox").glob("*.json"))
-        for path in gone:
-            path.unlink(missing_ok=True)
-        logger.error("the sandbox step ended with exit code %s while training ran (after RL step %s); its servers "
-                     "are gone (%d discovery file(s) removed): code rewards get no verdict from here on and are "
-                     "left unscored; resubmit with run_dir=%s to get servers back; see %s/logs/sandbox-*.log",
-                     self.sandbox.returncode, _last_step(self.run_dir), len(gone), self.run_dir, self.run_dir)
+    def _supervise_sandbox(self) -> None:
+        """Called every quarter second while training runs. A sandbox step that ended is said once in job.log
+        (its exit status, the RL step training had reached), its servers' discovery files (dead addresses) go,
+        and it is started again on the same ports, after 5, 10, 20... s, at most sandbox.max_restarts times:
+        the ranks' clients keep calling those addresses, and their health checks find the new servers. Until
+        then code rewards get no verdict (left unscored; the clients stop waiting out deadlines once every
+        server has refused connections for 10 s)."""
+        now = time.monotonic()
+        if self.sandbox_pending is not None:  # a restarted step: registered yet?
+            from megatron_rl_sandbox.client import discover
+
+            found = discover(self.run_dir)
+            if len(found) >= len(self.layout.sandbox_nodes):
+                self.sandbox_pending = None
+                logger.info("sandbox step restarted (%d of %d): servers %s", self.sandbox_restarts,
+                            self.cfg.sandbox.max_restarts, ", ".join(found))
+                return
+            if self.sandbox.poll() is None:
+                if now > self.sandbox_pending:  # stopped now; handled as a death at the next call
+                    self.sandbox_pending = None
+                    logger.error("the restarted sandbox step registered %d of %d servers in %.0f s; stopping it",
+                                 len(found), len(self.layout.sandbox_nodes), self.sandbox_wait_s)
+                    self.sandbox.send_signal(signal.SIGTERM)
+                    self.sandbox.wait()
+                return
+            self.sandbox_pending = None  # it ended before registering: a death like any other
+        if self.sandbox.poll() is None:
+            return
+        if self.sandbox_restart_at is None:  # it ended just now
+            gone = sorted((self.run_dir / "sandbox").glob("*.json"))
+            for path in gone:
+                path.unlink(missing_ok=True)
+            left = self.cfg.sandbox.max_restarts - self.sandbox_restarts
+            what = (f"restarting it in {5 * 2 ** self.sandbox_restarts} s ({left} restart(s) left)" if left > 0 else
+                    f"no restart left (sandbox.max_restarts={self.cfg.sandbox.max_restarts}): code rewards get no "
+                    f"verdict from here on; resubmit with run_dir={self.run_dir} to get servers back")
+            logger.error("the sandbox step ended with exit code %s while training ran (after RL step %s); %d "
+                         "discovery file(s) removed; %s; see %s/logs/sandbox-*.log", self.sandbox.returncode,
+                         _last_step(self.run_dir), len(gone), what, self.run_dir)
+            self.sandbox_restart_at = now + 5 * 2 ** self.sandbox_restarts if left > 0 else float("inf")
+        if now >= self.sandbox_restart_at:
+            self.sandbox_restarts += 1
+            self.sandbox_restart_at = None
+            cmd = self._srun_sandbox()
+            logger.info("sandbox step, restart %d: %s", self.sandbox_restarts, " ".join(cmd))
+            self.sandbox = subprocess.Popen(cmd)
+            self.sandbox_pending = now + self.sandbox_wait_s
 
     def _run_training(self) -> int:
         cmd = self._srun_train()
@@ -323,8 +363,8 @@ class BatchStep:
                 # it, taking this step with them; say how training stopped as soon as the checkpoint is marked
                 if self.terminating and not self.said_stop and (marker := read_marker(self.run_dir)) is not None:
                     self._say_stopped(marker)
-                if self.sandbox is not None and not self.sandbox_lost and self.sandbox.poll() is not None:
-                    self._sandbox_step_ended()
+                if self.sandbox is not None:
+                    self._supervise_sandbox()
         reader.join(timeout=10)
         return code
 
@@ -440,7 +480,8 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     run_dir = Path(args.run_dir)
     _init_logging(run_dir / "logs" / f"sandbox-{node}.log")
-    port = free_port("")
+    ports = dict(item.split("=", 1) for item in args.ports.split(",") if "=" in item)
+    port = int(ports[node]) if node in ports else free_port("")
     name = f"{node}-{os.getpid()}"
     server_args = ["--address", f"0.0.0.0:{port}", "--advertise", f"{node}:{port}", "--runtime", args.runtime,
                    "--run-dir", str(run_dir), "--capacity", str(args.capacity), "--name", name]
@@ -493,6 +534,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sb.add_argument("--allow-unisolated", action="store_true")
     sb.add_argument("--server-arg", action="append", default=[], help="passed to megatron_rl_sandbox.server")
     sb.add_argument("--poll-s", type=float, default=2.0, help="seconds between health polls (for the log)")
+    sb.add_argument("--ports", default="", help="node=port,...: the ports to serve on (a restarted step takes its "
+                    "predecessor's, which the ranks' clients still call); others pick a free port")
     args = parser.parse_args(argv)
     return _cmd_run(args) if args.command == "run" else _cmd_sandbox(args)
 

@@ -25,6 +25,10 @@ class SandboxConfig:
     allow_unisolated: bool = False
     """Explicit opt-in required for runtime=process, which runs untrusted code unsandboxed."""
 
+    max_restarts: int = 3
+    """Slurm jobs: times the sandbox step is started again when it dies during training (after 5, 10, 20...
+    s, on the same ports; 0: never)."""
+
     RUNTIMES: ClassVar[tuple[str, ...]] = ("bwrap", "apptainer", "process")
 
     def __post_init__(self) -> None:
@@ -36,6 +40,7 @@ class SandboxConfig:
                 "or pass sandbox.allow_unisolated=true to accept the risk"
             )
         _check_min("sandbox.num_workers", self.num_workers, 1)
+        _check_min("sandbox.max_restarts", self.max_restarts, 0)
 
 
 @dataclass

@@ -369,9 +369,11 @@ def test_a_dead_sandbox_step_is_reported_and_its_discovery_files_go(slurm_env, t
     """The het job's sandbox server and its step are SIGKILLed mid-run, leaving their discovery file: the
     supervisor says so in job.log (exit status, the step training had reached), removes the stale file, and
     training goes on with the later samples' rewards left unscored, not scored 0 (quickly: once every server has
-    refused connections for 10 s the clients stop waiting out their deadlines). The step is not restarted."""
+    refused connections for 10 s the clients stop waiting out their deadlines). With sandbox.max_restarts=0 the
+    step is not started again (the restart is the next test)."""
     job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
-              [*TINY, "num_steps=3", "task.sft_warmup_steps=30"])  # warm: its expressions reach the sandbox
+              [*TINY, "num_steps=3", "task.sft_warmup_steps=30",  # warm: its expressions reach the sandbox
+               "sandbox.max_restarts=0"])
     job.wait_for_steps(1)
     assert list((job.run_dir / "sandbox").glob("*.json"))
     pids = _job_pids(job.job_id, b"megatron_rl_sandbox.server") + _job_pids(job.job_id, b"megatron_rl.slurm_job\0sandbox")
@@ -380,8 +382,8 @@ def test_a_dead_sandbox_step_is_reported_and_its_discovery_files_go(slurm_env, t
         os.kill(pid, signal.SIGKILL)
     assert job.wait(timeout=400) == 0, job.log()[-6000:]
     log = job.log()
-    assert re.search(r"the sandbox step ended with exit code -?\d+ while training ran \(after RL step \d+\)", log), \
-        log[-6000:]
+    assert re.search(r"the sandbox step ended with exit code -?\d+ while training ran \(after RL step \d+\).*"
+                     r"no restart left", log), log[-6000:]
     assert not list((job.run_dir / "sandbox").glob("*.json")), "the dead server's discovery file stayed"
     rows = job.metrics()
     assert rows[-1]["step"] == 3
@@ -389,3 +391,22 @@ def test_a_dead_sandbox_step_is_reported_and_its_discovery_files_go(slurm_env, t
     assert rows[-1]["reward/unscored"] > 0 and rows[-1]["reward/verifier_errors"] > 0
     unscored = sum(r.get("reward/unscored", 0) for r in rows)
     assert f"{unscored:.0f} samples left unscored, no verdict" in log  # the run's summary line says how many
+
+
+def test_a_dead_sandbox_step_is_restarted_on_its_ports_and_rewards_resume(slurm_env, tmp_path):
+    """Killed after RL step 1, the sandbox step is started again 5 s later on the same node and port; the
+    ranks' clients, which keep that address, find it serving again, and the last step's rewards are scored
+    by it."""
+    job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
+              [*TINY, "num_steps=6", "task.sft_warmup_steps=30"])
+    job.wait_for_steps(1)
+    address = json.loads(next((job.run_dir / "sandbox").glob("*.json")).read_text())["address"]
+    pids = _job_pids(job.job_id, b"megatron_rl_sandbox.server") + _job_pids(job.job_id, b"megatron_rl.slurm_job\0sandbox")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    assert job.wait(timeout=400) == 0, job.log()[-6000:]
+    log = job.log()
+    assert "restarting it in 5 s (3 restart(s) left)" in log, log[-6000:]
+    assert f"sandbox step restarted (1 of 3): servers {address}" in log, log[-6000:]
+    last = job.metrics()[-1]
+    assert last["step"] == 6 and last["reward/verifier_calls"] > 0 and last["reward/unscored"] == 0, last
