@@ -129,6 +129,45 @@ def run_dir_for(overrides: Sequence[str], layout: JobLayout, environ: Mapping[st
     return Path(root).resolve() / f"{name}-{layout.job_id}"
 
 
+def _job_fields(job_id: str) -> dict[str, str]:
+    """`scontrol show job`'s fields of the job (its first component); {} if scontrol does not answer."""
+    try:
+        out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
+                             timeout=2).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(f.split("=", 1) for f in (out[0] if out else "").split() if "=" in f)
+
+
+def _why_terminated(fields: Mapping[str, str]) -> str:
+    """Why Slurm sent SIGTERM, from the job's fields: at that moment the state is mostly COMPLETING, so a time
+    limit is told by the run time having reached it (within Slurm's one-minute timer), anything else is a
+    cancel or a preemption."""
+    state = fields.get("JobState", "")
+    if state in ("TIMEOUT", "PREEMPTED", "CANCELLED"):
+        return {"TIMEOUT": "reached its time limit", "PREEMPTED": "was preempted",
+                "CANCELLED": "was cancelled (scancel)"}[state]
+    run, limit = (_slurm_seconds(fields.get(k, "")) for k in ("RunTime", "TimeLimit"))
+    if run is not None and limit is not None and run >= limit - 60:
+        return "reached its time limit"
+    return "was cancelled (scancel) or preempted" if fields else "got SIGTERM"
+
+
+def _slurm_seconds(text: str) -> Optional[int]:
+    """`[D-]HH:MM:SS` (or MM:SS) in seconds; None for UNLIMITED or anything else."""
+    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
+    if not match:
+        return None
+    days, hours, mins, secs = (int(g or 0) for g in match.groups())
+    return ((days * 24 + hours) * 60 + mins) * 60 + secs
+
+
+def _next_step(run_dir: Path) -> str:
+    """The RL step under way: one after metrics.jsonl's last row ("1" before any)."""
+    last = _last_step(run_dir)
+    return str(int(last) + 1) if last.isdigit() else "1"
+
+
 def _last_step(run_dir: Path) -> str:
     """The step of metrics.jsonl's last row ("none" before the first)."""
     path = run_dir / "metrics.jsonl"
@@ -185,6 +224,7 @@ class BatchStep:
         self.usr1 = False
         self.terminating = False
         self.said_stop = False  # the "stopped after step N" line was logged
+        self.said_term = False  # the line saying why the job is ending (SIGTERM) was logged
         self.sandbox_ports: dict[str, str] = {}  # node -> the port its server serves on (kept across restarts)
         self.sandbox_restarts = 0  # restarts of the sandbox step done
         self.sandbox_restart_at: Optional[float] = None  # when the next restart is due (monotonic)
@@ -361,6 +401,8 @@ class BatchStep:
             except subprocess.TimeoutExpired:
                 # SIGTERM: KillWait is running and the ranks' exit (plots, process-group teardown) may outlast
                 # it, taking this step with them; say how training stopped as soon as the checkpoint is marked
+                if self.terminating and not self.said_term:
+                    self._say_terminating()
                 if self.terminating and not self.said_stop and (marker := read_marker(self.run_dir)) is not None:
                     self._say_stopped(marker)
                 if self.sandbox is not None:
@@ -426,6 +468,18 @@ class BatchStep:
         if not self.said_stop:
             self._say_stopped(marker)
         return 0
+
+    def _say_terminating(self) -> None:
+        """SIGTERM came (scancel, the time limit, preemption): say at once, before KillWait ends, why the job
+        ends, where training was and what is safe on disk, so that the line is there even when the ranks' own
+        stop (their checkpoint, the line after it) does not finish in time."""
+        self.said_term = True
+        why = _why_terminated(_job_fields(self.layout.job_id))
+        latest = self.run_dir / "checkpoints" / "latest"
+        saved = latest.read_text().strip() if latest.is_file() else "none yet"
+        logger.warning("job %s %s during RL step %s; last complete checkpoint: %s; the ranks checkpoint this step "
+                       "if it ends within KillWait; to resume, submit again with run_dir=%s", self.layout.job_id,
+                       why, _next_step(self.run_dir), saved, self.run_dir)
 
     def _say_stopped(self, marker: dict) -> None:
         self.said_stop = True

@@ -241,6 +241,9 @@ def test_scancel_checkpoints_within_killwait_and_a_resubmission_resumes(slurm_en
     stopped = marker["steps_done"]
     assert marker["signal"] == "SIGTERM" and 2 <= stopped < steps, marker
     assert f"stopped after step {stopped} on SIGTERM; the next start of this job" in log, log[-6000:]
+    # said at once, before the ranks' checkpoint: why, the step under way, what is on disk, how to resume
+    assert re.search(rf"job {job.job_id} was cancelled \(scancel\) or preempted during RL step {stopped}; last complete "
+                     rf"checkpoint: (none yet|step_\d+); .* submit again with run_dir={job.run_dir}", log), log[-6000:]
     assert "requeueing" not in log
     assert (job.run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
     assert [r["step"] for r in job.metrics()] == list(range(stopped + 1))
@@ -410,3 +413,26 @@ def test_a_dead_sandbox_step_is_restarted_on_its_ports_and_rewards_resume(slurm_
     assert f"sandbox step restarted (1 of 3): servers {address}" in log, log[-6000:]
     last = job.metrics()[-1]
     assert last["step"] == 6 and last["reward/verifier_calls"] > 0 and last["reward/unscored"] == 0, last
+
+
+@pytest.mark.serial  # it makes its own load; beside the parallel pass's the ranks could not start in time
+def test_under_cpu_stress_a_cancelled_job_still_says_why_where_and_how_to_resume(slurm_env, tmp_path):
+    """scancel on a box whose cores are all busy: the batch step's line (why the job ends, the step under way,
+    the last complete checkpoint, how to resume) is written at once on SIGTERM, before KillWait's SIGKILL, even
+    when the ranks' own stop does not finish in time."""
+    import sys
+
+    job = Job(slurm_env, tmp_path, "slurm/run.sh", [*GPU_COMPONENT, ":", *CPU_COMPONENT],
+              [*TINY, "num_steps=50", "checkpoint.save_every=1"])
+    job.wait_for_steps(2)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (os.cpu_count() or 1))]
+    try:
+        time.sleep(1.0)
+        subprocess.run(["scancel", job.job_id], env=slurm_env, check=True)
+        job.wait(timeout=300)
+    finally:
+        for burner in burners:
+            burner.kill()
+    log = job.log()
+    assert re.search(rf"job {job.job_id} was cancelled \(scancel\) or preempted during RL step \d+; last complete "
+                     rf"checkpoint: step_\d+; .* submit again with run_dir={job.run_dir}", log), log[-6000:]
