@@ -220,6 +220,10 @@ def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_en
     rank0 = (job.run_dir / "logs" / "rank0.log").read_text()
     assert f"resumed from {job.run_dir}/checkpoints/step_{stopped:08d}" in rank0
     assert "training finished" in log and not (job.run_dir / "preempted.json").exists()
+    # the requeued start added to the logs: the first start's lines are still there (job.log, each sandbox log)
+    assert (job.run_dir / "logs" / "job.log").read_text().count(f"job {job.job_id} start ") == 2
+    server_log = (job.run_dir / "logs" / "sandbox-server-c2.log").read_text()
+    assert server_log.count("=== sandbox server starting at") == 2 and "job restart 1" in server_log
 
 
 @pytest.mark.serial  # bounds a wall-clock wait (KillWait): in the parallel pass, under the other tests' load, the
