@@ -178,10 +178,10 @@ def test_export_and_eval_refuse_a_damaged_checkpoint_naming_the_file(checkpoints
 
     from omegaconf import OmegaConf
 
-    from megatron_rl.config.schema import TrainConfig
+    from megatron_rl.config import compose, to_typed
 
     run = checkpoints.parent
-    OmegaConf.save(OmegaConf.structured(TrainConfig), run / "config.yaml")
+    OmegaConf.save(OmegaConf.structured(to_typed(compose([]))), run / "config.yaml")  # the default (tiny) run's
     _damage(checkpoints / STEP_2 / TENSOR_DATA, "truncate")
     argv = ["--run", str(run), "--checkpoint" if cli == "export" else "--checkpoints", "latest"]
     with pytest.raises(SystemExit) as exc:
