@@ -162,12 +162,6 @@ def _slurm_seconds(text: str) -> Optional[int]:
     return ((days * 24 + hours) * 60 + mins) * 60 + secs
 
 
-def _next_step(run_dir: Path) -> str:
-    """The RL step under way: one after metrics.jsonl's last row ("1" before any)."""
-    last = _last_step(run_dir)
-    return str(int(last) + 1) if last.isdigit() else "1"
-
-
 def _last_step(run_dir: Path) -> str:
     """The step of metrics.jsonl's last row ("none" before the first)."""
     path = run_dir / "metrics.jsonl"
@@ -471,15 +465,16 @@ class BatchStep:
 
     def _say_terminating(self) -> None:
         """SIGTERM came (scancel, the time limit, preemption): say at once, before KillWait ends, why the job
-        ends, where training was and what is safe on disk, so that the line is there even when the ranks' own
+        ends, the last RL step logged (the ranks may be in the next one or about to stop after it), what is safe
+        on disk, so that the line is there even when the ranks' own
         stop (their checkpoint, the line after it) does not finish in time."""
         self.said_term = True
         why = _why_terminated(_job_fields(self.layout.job_id))
         latest = self.run_dir / "checkpoints" / "latest"
         saved = latest.read_text().strip() if latest.is_file() else "none yet"
-        logger.warning("job %s %s during RL step %s; last complete checkpoint: %s; the ranks checkpoint this step "
-                       "if it ends within KillWait; to resume, submit again with run_dir=%s", self.layout.job_id,
-                       why, _next_step(self.run_dir), saved, self.run_dir)
+        logger.warning("job %s %s after RL step %s (the last one logged); last complete checkpoint: %s; the ranks "
+                       "checkpoint the step they are in if it ends within KillWait; to resume, submit again with "
+                       "run_dir=%s", self.layout.job_id, why, _last_step(self.run_dir), saved, self.run_dir)
 
     def _say_stopped(self, marker: dict) -> None:
         self.said_stop = True

@@ -246,7 +246,8 @@ def test_scancel_checkpoints_within_killwait_and_a_resubmission_resumes(slurm_en
     assert marker["signal"] == "SIGTERM" and 2 <= stopped < steps, marker
     assert f"stopped after step {stopped} on SIGTERM; the next start of this job" in log, log[-6000:]
     # said at once, before the ranks' checkpoint: why, the step under way, what is on disk, how to resume
-    assert re.search(rf"job {job.job_id} was cancelled \(scancel\) or preempted during RL step {stopped}; last complete "
+    assert re.search(rf"job {job.job_id} was cancelled \(scancel\) or preempted after RL step ({stopped - 1}|{stopped}) "
+                     rf"\(the last one logged\); last complete "
                      rf"checkpoint: (none yet|step_\d+); .* submit again with run_dir={job.run_dir}", log), log[-6000:]
     assert "requeueing" not in log
     assert (job.run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
@@ -438,5 +439,6 @@ def test_under_cpu_stress_a_cancelled_job_still_says_why_where_and_how_to_resume
         for burner in burners:
             burner.kill()
     log = job.log()
-    assert re.search(rf"job {job.job_id} was cancelled \(scancel\) or preempted during RL step \d+; last complete "
+    assert re.search(rf"job {job.job_id} was cancelled \(scancel\) or preempted after RL step \d+ \(the last one "
+                     rf"logged\); last complete "
                      rf"checkpoint: step_\d+; .* submit again with run_dir={job.run_dir}", log), log[-6000:]
