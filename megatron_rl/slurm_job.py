@@ -399,7 +399,7 @@ class BatchStep:
                     self._say_terminating()
                 if self.terminating and not self.said_stop and (marker := read_marker(self.run_dir)) is not None:
                     self._say_stopped(marker)
-                if self.sandbox is not None:
+                if self.sandbox is not None and not self.terminating:  # the job's end stops every step
                     self._supervise_sandbox()
         reader.join(timeout=10)
         return code
