@@ -163,16 +163,30 @@ class _ClassWaits:
 class _Server:
     def __init__(self, address: str, max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)])
-        self.stub = pb2_grpc.SandboxStub(self.channel)
+        self.max_message_bytes = max_message_bytes
+        self._connect()
         self.healthy = True
         self.load = 0.0
         self.reply = None  # the last HealthReply
         self.checked = 0.0
         self.down_until = 0.0
         self.unreachable_since: Optional[float] = None  # refusing connections since then (None: reachable)
+
+    def _connect(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            # its own connections: channels to one address share them (and their reconnect backoff) otherwise
+            ("grpc.use_local_subchannel_pool", 1)])
+        self.stub = pb2_grpc.SandboxStub(self.channel)
+
+    async def reconnect(self) -> None:
+        """A fresh channel: a server back on this address (a restarted sandbox step) is used at the next call.
+        The old channel, after refused connections, waits out gRPC's reconnect backoff (growing to minutes),
+        and every call on it fails at once meanwhile."""
+        old = self.channel
+        self._connect()
+        await old.close()
 
     def reachable(self, yes: bool) -> None:
         if yes:
@@ -228,6 +242,8 @@ class SandboxClient:
             return
         server.checked = now
         try:
+            if server.unreachable_since is not None:  # a real connection attempt, not the old channel's backoff
+                await server.reconnect()
             reply = await server.stub.Health(pb2.HealthRequest(), timeout=2.0)
             server.healthy = reply.serving
             server.load = (reply.running + reply.queued) / max(1, reply.capacity)

@@ -119,3 +119,33 @@ def test_when_every_server_is_gone_calls_fail_fast_instead_of_at_their_deadline(
             return took
     first, second = asyncio.run(go())
     assert first < 15 and second < 1.0, (first, second)  # the deadline would have been 60 s each
+
+
+def test_a_server_back_on_its_address_is_used_again_within_seconds():
+    """A restarted sandbox step serves on its predecessor's address. The client's channel to it must reconnect
+    within seconds, not after gRPC's default reconnect backoff (up to 120 s), during which every call fails at
+    once: a restarted server went unused for the rest of a run on a loaded CI box."""
+    import time
+
+    from megatron_rl_sandbox.client import SandboxClient
+
+    first = start_server(RUNTIME, "--capacity", "1")
+    port = first.address.rsplit(":", 1)[1]
+
+    async def go():
+        async with SandboxClient([first.address], deadline_s=30) as client:
+            assert (await client.execute(["true"])).exit_code == 0
+            first.stop()
+            for _ in range(6):  # calls while it is down grow the channel's reconnect backoff
+                await client.execute(["true"], deadline_s=2)
+            await asyncio.sleep(8)
+            second = start_server(RUNTIME, "--capacity", "1", "--address", f"127.0.0.1:{port}")
+            try:
+                start = time.monotonic()
+                result = await client.execute(["true"], deadline_s=20)
+                return result, time.monotonic() - start
+            finally:
+                second.stop()
+    result, took = asyncio.run(go())
+    assert result.exit_code == 0 and result.server, result
+    assert took < 5, f"the client needed {took:.1f}s to use the server again"
