@@ -114,9 +114,10 @@ def memory_mb(text: str) -> int:
 
 
 def minutes(text: str) -> Optional[float]:
-    """A Slurm time (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`) in minutes; None: unlimited."""
+    """A Slurm time (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`) in minutes; None: unlimited, or
+    not a time (e.g. scontrol's `Partition_Limit`)."""
     text = text.strip()
-    if text.upper() in ("INFINITE", "UNLIMITED", ""):
+    if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", text):
         return None
     days, _, rest = text.rpartition("-")
     parts = [int(p) for p in rest.split(":")]
@@ -161,20 +162,19 @@ def partition_info(partition: str) -> dict[str, str]:
     return dict(f.split("=", 1) for f in out.split() if "=" in f)
 
 
-def default_partition() -> Optional[str]:
-    for line in _run(["sinfo", "-h", "-o", "%P"]).splitlines():
-        if line.endswith("*"):
-            return line[:-1]
-    return None
+def partitions() -> tuple[list[str], Optional[str]]:
+    """The cluster's partitions and its default one (sinfo marks it with `*`; None: no default)."""
+    names = _run(["sinfo", "-h", "-o", "%P"]).splitlines()
+    return [n.rstrip("*") for n in names], next((n[:-1] for n in names if n.endswith("*")), None)
 
 
 def problems(component: int, request: Request) -> list[str]:
     """What in `request` no node or limit of its partition can meet, one line each."""
-    partition = request.partition or default_partition()
+    known, default = partitions()
+    partition = request.partition or default
     where = f"component {component} (partition {partition})"
     if partition is None:
         return [f"component {component}: no --partition and the cluster has no default partition"]
-    known = [line.rstrip("*") for line in _run(["sinfo", "-h", "-o", "%P"]).splitlines()]
     if partition not in known:
         return [f"{where}: no such partition; the cluster has {', '.join(known)} (sinfo -s)"]
     nodes = cluster_nodes(partition)

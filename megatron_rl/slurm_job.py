@@ -147,19 +147,12 @@ def _why_terminated(fields: Mapping[str, str]) -> str:
     if state in ("TIMEOUT", "PREEMPTED", "CANCELLED"):
         return {"TIMEOUT": "reached its time limit", "PREEMPTED": "was preempted",
                 "CANCELLED": "was cancelled (scancel)"}[state]
-    run, limit = (_slurm_seconds(fields.get(k, "")) for k in ("RunTime", "TimeLimit"))
-    if run is not None and limit is not None and run >= limit - 60:
+    from megatron_rl.slurm_check import minutes
+
+    run, limit = (minutes(fields.get(k, "")) for k in ("RunTime", "TimeLimit"))
+    if run is not None and limit is not None and run >= limit - 1:
         return "reached its time limit"
     return "was cancelled (scancel) or preempted" if fields else "got SIGTERM"
-
-
-def _slurm_seconds(text: str) -> Optional[int]:
-    """`[D-]HH:MM:SS` (or MM:SS) in seconds; None for UNLIMITED or anything else."""
-    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
-    if not match:
-        return None
-    days, hours, mins, secs = (int(g or 0) for g in match.groups())
-    return ((days * 24 + hours) * 60 + mins) * 60 + secs
 
 
 def _last_step(run_dir: Path) -> str:
@@ -364,14 +357,14 @@ class BatchStep:
             gone = sorted((self.run_dir / "sandbox").glob("*.json"))
             for path in gone:
                 path.unlink(missing_ok=True)
-            left = self.cfg.sandbox.max_restarts - self.sandbox_restarts
-            what = (f"restarting it in {5 * 2 ** self.sandbox_restarts} s ({left} restart(s) left)" if left > 0 else
+            left, delay = self.cfg.sandbox.max_restarts - self.sandbox_restarts, 5 * 2 ** self.sandbox_restarts
+            what = (f"restarting it in {delay} s ({left} restart(s) left)" if left > 0 else
                     f"no restart left (sandbox.max_restarts={self.cfg.sandbox.max_restarts}): code rewards get no "
                     f"verdict from here on; resubmit with run_dir={self.run_dir} to get servers back")
             logger.error("the sandbox step ended with exit code %s while training ran (after RL step %s); %d "
                          "discovery file(s) removed; %s; see %s/logs/sandbox-*.log", self.sandbox.returncode,
                          _last_step(self.run_dir), len(gone), what, self.run_dir)
-            self.sandbox_restart_at = now + 5 * 2 ** self.sandbox_restarts if left > 0 else float("inf")
+            self.sandbox_restart_at = now + delay if left > 0 else float("inf")
         if now >= self.sandbox_restart_at:
             self.sandbox_restarts += 1
             self.sandbox_restart_at = None

@@ -37,5 +37,6 @@ def test_slurms_units():
     assert memory_mb("0") == 0
     assert minutes("15") == 15 and minutes("24:00:00") == 1440 and minutes("1-12") == 2160
     assert minutes("2-00:30:00") == 2910 and minutes("INFINITE") is None and minutes("10:30") == 10.5
+    assert minutes("1-02:03:04") == 1440 + 123 + 4 / 60 and minutes("Partition_Limit") is None
     assert gpu_count("gpu:2") == 2 and gpu_count("gpu:a100:4(S:0-1)") == 4 and gpu_count("gpu:a100:4,shard:8") == 4
     assert gpu_count("(null)") == 0 and gpu_count("gpu:a100:4,gpu:h100:2") == 6

@@ -271,10 +271,7 @@ def test_a_helper_serves_on_through_the_stop_signals_and_ends_at_sigint():
 
 
 def test_why_a_job_got_sigterm_is_told_from_its_fields():
-    from megatron_rl.slurm_job import _slurm_seconds, _why_terminated
-
-    assert _slurm_seconds("1-02:03:04") == 93784 and _slurm_seconds("05:00") == 300
-    assert _slurm_seconds("UNLIMITED") is None
+    from megatron_rl.slurm_job import _why_terminated
     assert _why_terminated({"JobState": "COMPLETING", "RunTime": "00:14:31", "TimeLimit": "00:15:00"}) \
         == "reached its time limit"  # within Slurm's one-minute timer
     assert _why_terminated({"JobState": "COMPLETING", "RunTime": "00:02:00", "TimeLimit": "00:15:00"}) \
@@ -282,4 +279,6 @@ def test_why_a_job_got_sigterm_is_told_from_its_fields():
     assert _why_terminated({"JobState": "COMPLETING", "RunTime": "00:02:00", "TimeLimit": "UNLIMITED"}) \
         == "was cancelled (scancel) or preempted"
     assert _why_terminated({"JobState": "TIMEOUT"}) == "reached its time limit"
+    assert _why_terminated({"JobState": "COMPLETING", "RunTime": "00:02:00", "TimeLimit": "Partition_Limit"}) \
+        == "was cancelled (scancel) or preempted"
     assert _why_terminated({}) == "got SIGTERM"  # scontrol did not answer

@@ -95,8 +95,8 @@ class Job:
             time.sleep(0.1)
 
 
-def _rank_pid(job_id: str, rank: int) -> Optional[int]:
-    """The pid of training rank `rank` of the job (this host runs every node of the cluster)."""
+def _job_processes(job_id: str):
+    """(pid, command line words, environment) of every process of the job (this host runs every node)."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -106,10 +106,14 @@ def _rank_pid(job_id: str, rank: int) -> Optional[int]:
                 errors="replace").split("\0") if "=" in item)
         except OSError:
             continue
-        if (b"megatron_rl.train" in cmdline and environ.get("SLURM_JOB_ID") == job_id
-                and environ.get("SLURM_PROCID") == str(rank) and "SLURM_STEP_ID" in environ):
-            return int(proc.name)
-    return None
+        if environ.get("SLURM_JOB_ID") == job_id:
+            yield int(proc.name), cmdline, environ
+
+
+def _rank_pid(job_id: str, rank: int) -> Optional[int]:
+    """The pid of training rank `rank` of the job."""
+    return next((pid for pid, cmdline, environ in _job_processes(job_id) if b"megatron_rl.train" in cmdline
+                 and environ.get("SLURM_PROCID") == str(rank) and "SLURM_STEP_ID" in environ), None)
 
 
 def test_from_outside_the_checkout_a_config_error_fails_at_once_and_writes_nothing(slurm_env, tmp_path):
@@ -358,19 +362,8 @@ def test_the_preflight_check_names_what_no_node_can_meet(slurm_env):
 
 
 def _job_pids(job_id: str, marker: bytes) -> list[int]:
-    """The pids of this job's processes whose command line holds `marker`."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes()
-            environ = (proc / "environ").read_bytes()
-        except OSError:
-            continue
-        if marker in cmdline and f"SLURM_JOB_ID={job_id}\0".encode() in environ + b"\0":
-            found.append(int(proc.name))
-    return found
+    """The pids of this job's processes whose command line holds `marker` (b"\\0" between words)."""
+    return [pid for pid, cmdline, _ in _job_processes(job_id) if marker in b"\0".join(cmdline)]
 
 
 def test_a_dead_sandbox_step_is_reported_and_its_discovery_files_go(slurm_env, tmp_path):
