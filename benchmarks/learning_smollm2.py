@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learning import _check_trl, _edge_means  # noqa: E402  (the tiny model's learning benchmark)
 
 RECIPE = "+experiment=smollm2_math"
-TWO_STEP = "two_step=task=math,math_steps=2,num_eval={n}"
+TWO_STEP = "two_step=task=arithmetic,math_steps=2,num_eval={n}"
 
 
 def recipe_overrides(args: argparse.Namespace, seed: int) -> list[str]:
@@ -83,7 +83,7 @@ def run_trl_worker(args: argparse.Namespace) -> None:
     out = Path(args.out)
     tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
     task = Task(cfg.task, tokenizer)
-    if task.cfg.type != "math":
+    if task.cfg.type != "arithmetic":
         sys.exit(f"the TRL worker runs the math recipe; task.type is {task.cfg.type!r}")
     lenient = cfg.task.answer_extraction == "last_number"
     prompts = task.prompts("train")

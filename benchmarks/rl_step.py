@@ -61,7 +61,7 @@ def main() -> None:
     args = p.parse_args()
     if args.steps < 3:
         p.error("--steps must be >= 3 (the first and the last step are left out)")
-    common = ["+experiment=demo_countdown", "task=math", "task.sft_warmup_steps=10", "global_batch_size=32",
+    common = ["+experiment=demo_countdown", "task=arithmetic", "task.sft_warmup_steps=10", "global_batch_size=32",
               "rollout.n_samples_per_prompt=4", "task.num_eval=8", "task.eval_samples=1", "task.eval_every=0",
               f"rollout.max_new_tokens={args.new_tokens}", f"num_steps={args.steps}", "checkpoint.save_every=0",
               "checkpoint.save_at_end=false", "logging.progress=false", *args.overrides]

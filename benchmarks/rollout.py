@@ -3,7 +3,7 @@
 
     python benchmarks/rollout.py [--steps 4] [--repeats 3] [overrides ...]
     python benchmarks/rollout.py model=smollm2_135m model.path=$(bash launch/get_model.sh smollm2-135m) \
-        task=math task.chat_template=true global_batch_size=16 rollout.n_samples_per_prompt=4 \
+        task=arithmetic task.chat_template=true global_batch_size=16 rollout.n_samples_per_prompt=4 \
         rollout.max_new_tokens=64
 
 `overrides` are the main job's Hydra overrides. Arms, all on this process's threads (`OMP_NUM_THREADS`, or

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The body of slurm/run.sh and slurm/run_gpu_only.sh: runs in the batch step of the allocation.
+# The body of slurm/run.sh and slurm/run_gpu_only.sh (and, with --tool eval|export first, of slurm/eval.sh
+# and slurm/export.sh: `srun python -m megatron_rl.<tool> <args>`): runs in the batch step of the allocation.
 # Finds the checkout and its .venv, then hands over to `python -m megatron_rl.slurm_job run`
 # (exec: the batch step's signals, e.g. `--signal=B:USR1@120`, reach Python directly), which
 # starts the sandbox servers and the training step, requeues on USR1 and names a failed rank.
@@ -8,8 +9,10 @@
 #   PYTHON                 interpreter (default: $MEGATRON_RL_HOME/.venv/bin/python)
 #   MEGATRON_RL_RUN_ROOT   where run directories go (default: $SLURM_SUBMIT_DIR/runs); each job
 #                          gets <root>/<job name>-<job id> unless run_dir=... is an override
-#   MEGATRON_RL_SANDBOX    none = start no sandbox servers (the task needs none or sandbox.address is set)
-#   SANDBOX_SERVER_ARGS    extra arguments for each sandbox server, e.g. "--image=py=/images/py.sif"
+#   MEGATRON_RL_SANDBOX    none = start no sandbox servers (none start anyway for a task whose rewards run no
+#                          code, or with sandbox.address)
+#   SANDBOX_SERVER_ARGS    extra arguments for each sandbox server, e.g. "--max-sessions=64" (images: the
+#                          config's sandbox.images)
 set -euo pipefail
 HOME_DIR=${MEGATRON_RL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
 if [[ ! -f "$HOME_DIR/megatron_rl/slurm_job.py" ]]; then
@@ -22,8 +25,17 @@ if [[ ! -x "$PY" ]]; then
   echo "megatron-rl: no interpreter at $PY; run 'bash launch/setup_env.sh' on a node first or set PYTHON=" >&2
   exit 2
 fi
-cd "$HOME_DIR"
 export PYTHONUNBUFFERED=1
+if [[ "${1:-}" == --tool ]]; then  # slurm/eval.sh, slurm/export.sh: one srun step, a rank per task of the job
+  cd "${SLURM_SUBMIT_DIR:-$PWD}"  # paths on the command line (--run runs/...) are the submitter's
+  tool=$2
+  shift 2
+  cpus=()  # srun of Slurm 22.05 to 23.02 does not inherit --cpus-per-task
+  [[ -n "${SLURM_CPUS_PER_TASK:-}" ]] && cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+  exec srun --kill-on-bad-exit=1 --label --mem=0 --job-name="$tool" ${cpus[@]+"${cpus[@]}"} \
+    "$PY" -m "megatron_rl.$tool" "$@"
+fi
+cd "$HOME_DIR"
 args=()
 [[ "${MEGATRON_RL_SANDBOX:-}" == none ]] && args+=(--no-sandbox)
 read -r -a extra <<< "${SANDBOX_SERVER_ARGS:-}"  # split on spaces, no glob expansion

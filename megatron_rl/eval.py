@@ -53,7 +53,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="regression set evaluated on every checkpoint besides the held-out set: a file "
                              "(JSONL / Parquet / saved dataset, the run's task columns) or a task config, "
                              "task=NAME[,key=value...] (the eval split of conf/task/NAME.yaml with those task "
-                             "fields, e.g. task=math,num_eval=200,seed=7 or task=math,type=agent,generator=function). "
+                             "fields, e.g. task=arithmetic,num_eval=200,seed=7 or task=arithmetic,type=agent,generator=function). "
                              "Repeat it for several sets, each named SET= or after its task / file "
                              "(one set without a name: 'regression')")
     parser.add_argument("--name", default=None, help="output under RUN/eval/NAME (default: a timestamp)")

@@ -72,7 +72,7 @@ def sandbox_addresses(rt: Runtime, timeout_s: float = 120.0) -> list[str]:
         prune_unreachable(rt.run_dir)  # a killed server's file names nobody
     if rt.is_main and not discover(rt.run_dir):
         rt.sandbox_proc, _ = start_local_sandbox(rt.run_dir, cfg.runtime, cfg.allow_unisolated,
-                                                 capacity=cfg.num_workers)
+                                                 capacity=cfg.num_workers, images=cfg.images)
     if dist.is_initialized():
         dist.barrier()
     deadline = time.monotonic() + timeout_s

@@ -229,6 +229,8 @@ class BatchStep:
 
     # -- steps -------------------------------------------------------------------------------
     def _srun_sandbox(self) -> list[str]:
+        from megatron_rl.rewards.service import image_args
+
         sb = self.cfg.sandbox
         n = len(self.layout.sandbox_nodes)
         if self.layout.het:
@@ -243,7 +245,7 @@ class BatchStep:
         if self.sandbox_ports:
             cmd += ["--ports", ",".join(f"{node}={port}" for node, port in sorted(self.sandbox_ports.items()))]
         cmd += ["--allow-unisolated"] if sb.allow_unisolated else []
-        return cmd + [f"--server-arg={a}" for a in self.server_args]
+        return cmd + [f"--server-arg={a}" for a in [*image_args(sb.images), *self.server_args]]
 
     def _srun_train(self) -> list[str]:
         lay = self.layout
@@ -477,6 +479,7 @@ class BatchStep:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from megatron_rl.config import ConfigError
+    from megatron_rl.data.tasks import run_needs_sandbox
     from megatron_rl.runtime import load_validated
 
     layout = job_layout()
@@ -496,7 +499,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     run_dir = run_dir_for(overrides, layout)
     _init_logging(run_dir / "logs" / "job.log")
     layout = layout.with_generator_nodes(cfg.rollout.generator_nodes)
-    sandbox = not args.no_sandbox and not cfg.sandbox.address
+    sandbox = not args.no_sandbox and not cfg.sandbox.address and run_needs_sandbox(cfg)
+    if not sandbox:
+        logger.info("no sandbox step: %s", "--no-sandbox (MEGATRON_RL_SANDBOX=none)" if args.no_sandbox else
+                    f"sandbox.address={cfg.sandbox.address}" if cfg.sandbox.address else
+                    "the task's rewards run no code")
     return BatchStep(layout, run_dir, overrides, cfg, sandbox, args.sandbox_wait_s, args.server_arg).run()
 
 
@@ -567,7 +574,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run.add_argument("--no-sandbox", action="store_true", help="start no sandbox servers (task needs none)")
     run.add_argument("--sandbox-wait-s", type=float, default=300.0, help="how long servers may take to register")
     run.add_argument("--server-arg", action="append", default=[],
-                     help="extra argument for every sandbox server, e.g. --server-arg=--image=py=/images/py.sif")
+                     help="extra argument for every sandbox server, e.g. --server-arg=--max-sessions=64 "
+                          "(images come from the config's sandbox.images)")
     run.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides for megatron_rl.train")
     sb = sub.add_parser("sandbox", help="one sandbox server on this node (run by the sandbox step)")
     sb.add_argument("--run-dir", required=True)

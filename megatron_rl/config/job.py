@@ -4,7 +4,7 @@ Each dataclass checks its own fields in ``__post_init__`` (see megatron_rl/confi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from megatron_rl.checks import check_choice as _check_choice
@@ -22,6 +22,10 @@ class SandboxConfig:
     """host:port of a remote sandbox service; null runs sandboxes locally."""
     num_workers: int = 2
     """Concurrent sandboxed executions."""
+    images: dict[str, str] = field(default_factory=dict)
+    """Images the sandbox servers run code in, name: path (apptainer: a .sif file or sandbox directory, e.g.
+    built from docs/examples/python.def; bwrap: a root filesystem directory, besides the host's own `host`
+    image). The first is the one tasks use. Set one as `sandbox.images.python=/shared/images/python.sif`."""
     allow_unisolated: bool = False
     """Explicit opt-in required for runtime=process, which runs untrusted code unsandboxed."""
 
@@ -40,6 +44,10 @@ class SandboxConfig:
                 "or pass sandbox.allow_unisolated=true to accept the risk"
             )
         _check_min("sandbox.num_workers", self.num_workers, 1)
+        for name in self.images:
+            if not name or not all(c.isalnum() or c in "-_." for c in name):
+                raise _invalid(f"sandbox.images.{name}", self.images[name], "an image name is letters, digits, "
+                               "'-', '_' and '.'")
         _check_min("sandbox.max_restarts", self.max_restarts, 0)
 
 

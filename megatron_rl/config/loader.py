@@ -133,6 +133,8 @@ def _unknown_key_message(full_key: str, overrides: Sequence[str]) -> str:
         message += f": allowed keys of {parent or 'the top level'} are {', '.join(allowed)}{hint}"
         if not parent:
             message += f" (config groups: {', '.join(SCHEMAS)})"
+    elif override and not override.startswith("+"):  # a mapping's keys (sandbox.images) are added, not set
+        message += f": {parent} is a mapping of your own keys; add one with +{override.lstrip('~')}"
     return message
 
 
@@ -247,6 +249,8 @@ def _check_keys(node: DictConfig, schema: Optional[type], prefix: str, overrides
             child_schema = hints.get(str(key))
             if typing.get_origin(child_schema) is dict:  # dict[str, <dataclass>], e.g. domains
                 for name in child.keys():
+                    if OmegaConf.is_missing(child, name):  # sandbox.images.python: ??? in a recipe
+                        raise ConfigError(_missing_message(f"{full_key}.{name}"))
                     if isinstance(child[name], DictConfig):
                         _check_keys(child[name], typing.get_args(child_schema)[1], f"{full_key}.{name}.", overrides)
                 continue

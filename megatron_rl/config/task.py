@@ -20,7 +20,8 @@ class TaskConfig:
     name: str = "countdown"
     """Display name used in logs and metric names."""
     type: str = "countdown"
-    """countdown (generated puzzles), math (generated word problems) or dataset (prompts from `path`)."""
+    """countdown (generated puzzles), arithmetic (generated word problems), dataset (prompts from `path`; the
+    `task=math` config is one, reading {question, answer} rows) or agent (multi-turn episodes)."""
     path: Optional[str] = None
     """Prompt source for type=dataset: a .jsonl or .parquet file, or a directory written by
     Hugging Face datasets' save_to_disk (a DatasetDict's train/test splits are used as such)."""
@@ -33,8 +34,9 @@ class TaskConfig:
     """Column holding the reference answer (rule rewards)."""
     response_key: str = "response"
     """Column holding a full reference response for the warm start (default: \\boxed{answer})."""
-    num_train: int = 2000
-    """Training prompts generated or read (at most)."""
+    num_train: Optional[int] = 2000
+    """Training prompts generated, or read at most (a warning says how many rows of `path` were left out);
+    null: every row of `path` (generated tasks need a number)."""
     max_prompt_tokens: Optional[int] = None
     """Leave out prompts longer than this many tokens (after the chat template), counted in a warning;
     null: keep all. Not for agent tasks (task.max_episode_tokens bounds those)."""
@@ -64,10 +66,10 @@ class TaskConfig:
     read that way (reward/last_number_share) beside the share with no formatted answer
     (reward/unformatted_share)."""
     answer_format: str = "boxed"
-    """type=math: the answer format each generated question asks for, and its warm-start reference uses:
+    """type=arithmetic: the answer format each generated question asks for, and its warm-start reference uses:
     boxed (`\\boxed{7}`) or gsm8k (a last line `#### 7`)."""
     math_steps: int = 1
-    """type=math: operations per generated word problem (1: `Ann has 3 pens and gets 4 more. How many
+    """type=arithmetic: operations per generated word problem (1: `Ann has 3 pens and gets 4 more. How many
     pens does Ann have now?`; more: a chain of gains, losses and boxes bought, each result >= 0)."""
     reward_timeout_s: float = 60.0
     """reward=package.module:function: seconds one call may take once it runs; a late one is no verdict (the
@@ -102,7 +104,7 @@ class TaskConfig:
     """Multiplier on the verifier's reward (a task whose rewards come on another scale, e.g. points
     0..10); evaluation divides it back out, so held-out accuracy stays in [0, 1]."""
 
-    TYPES: ClassVar[tuple[str, ...]] = ("countdown", "math", "dataset", "agent")
+    TYPES: ClassVar[tuple[str, ...]] = ("countdown", "arithmetic", "dataset", "agent")
     ANSWER_EXTRACTIONS: ClassVar[tuple[str, ...]] = ("strict", "last_number")
     ANSWER_FORMATS: ClassVar[tuple[str, ...]] = ("boxed", "gsm8k")
     GENERATORS: ClassVar[tuple[str, ...]] = ("repo", "function", "countdown")
@@ -147,8 +149,10 @@ class TaskConfig:
         if not custom_reward:
             _check_choice("task.reward", self.reward, self.REWARDS)
         if self.type == "dataset" and not self.path:
-            raise ValueError("task.path=null is invalid for task.type=dataset: set task.path=<file.jsonl|"
-                             "file.parquet|saved dataset directory>")
+            raise ValueError(f"task.path=null is invalid for task.type=dataset (task {self.name}): set task.path="
+                             "<file.jsonl|file.parquet|saved dataset directory>; the {question, answer} rows of "
+                             "docs/examples/math.jsonl show task=math's format, and task=arithmetic generates "
+                             "word problems with no data")
         _check_choice("task.generator", self.generator, self.GENERATORS)
         if self.type == "agent" and self.path is None and (self.generator == "countdown") != (
                 self.environment == "countdown"):
@@ -164,12 +168,12 @@ class TaskConfig:
         _check_unit_interval("task.pool_trivial_pass_rate", self.pool_trivial_pass_rate, low_open=True,
                              high_open=False)
         _check_min("task.pool_min_samples", self.pool_min_samples, 1)
-        allowed = {"countdown": ("auto", "countdown"), "math": ("auto", "math", "exact"),
+        allowed = {"countdown": ("auto", "countdown"), "arithmetic": ("auto", "math", "exact"),
                    "agent": ("auto",)}.get(
             self.type, ("auto", "math", "exact", "tests"))
         if custom_reward and self.type == "agent":
             raise _invalid("task.reward", self.reward, "agent tasks are scored by their environment "
-                           "(task.environment); a reward function serves countdown, math and dataset tasks")
+                           "(task.environment); a reward function serves countdown, arithmetic and dataset tasks")
         if self.reward not in allowed and not custom_reward:
             raise _invalid("task.reward", self.reward, f"task.type={self.type} allows {', '.join(allowed)}")
         _check_min("task.reward_tolerance", self.reward_tolerance, 0)
@@ -178,7 +182,11 @@ class TaskConfig:
         _check_min("task.math_steps", self.math_steps, 1)
         _check_min("task.reward_timeout_s", self.reward_timeout_s, 0, strict=True)
         _check_min("task.reward_scale", self.reward_scale, 0, strict=True)
-        _check_min("task.num_train", self.num_train, 1)
+        if self.num_train is not None:
+            _check_min("task.num_train", self.num_train, 1)
+        elif self.path is None:
+            raise _invalid("task.num_train", None, f"task.type={self.type} generates its prompts: give how many "
+                           "(null means every row of task.path)")
         if self.max_prompt_tokens is not None:
             _check_min("task.max_prompt_tokens", self.max_prompt_tokens, 1)
         _check_min("task.num_eval", self.num_eval, 0)

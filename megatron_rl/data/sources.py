@@ -75,6 +75,30 @@ def read_splits(path: str | Path) -> dict[str, list[dict[str, Any]]]:
     return _read_hf_disk(p)
 
 
+def first_row(path: str | Path) -> Optional[dict[str, Any]]:
+    """The source's first row (of its train split, else its first split) without reading the rest; None
+    when it has none."""
+    p = Path(path).expanduser()
+    fmt = detect_format(p)
+    if fmt == "jsonl":
+        with open(p) as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        return json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{p}:{number}: not a JSON object ({err.msg})") from None
+        return None
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(p).iter_batches(batch_size=1), None)
+        return batch.to_pylist()[0] if batch is not None and batch.num_rows else None
+    splits = _read_hf_disk(p)
+    rows = splits.get("train") or next(iter(splits.values()), [])
+    return rows[0] if rows else None
+
+
 def load_rows(path: str | Path, split: str, num_eval: int, eval_path: Optional[str | Path] = None
               ) -> list[dict[str, Any]]:
     """The rows of `split` ("train" or "eval") following the rules in the module docstring."""

@@ -2,7 +2,7 @@
 the verifier that scores completions.
 
 - `countdown`: generated puzzles; the expression is executed in the sandbox service.
-- `math`: generated word problems that ask a question and state the answer format (`Ann has 3 pens
+- `arithmetic`: generated word problems that ask a question and state the answer format (`Ann has 3 pens
   and gets 4 more. How many pens does Ann have now? Answer in \\boxed{}.`; `task.math_steps` chains more
   operations); the final answer (`\\boxed{7}`, or `#### 7` with task.answer_format=gsm8k) is checked
   by rule.
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from megatron_rl.data import countdown
 from megatron_rl.data.countdown import generate_problems
-from megatron_rl.data.sources import load_rows
+from megatron_rl.data.sources import first_row, load_rows
 from megatron_rl.rewards.custom import is_reward_path
 
 logger = logging.getLogger(__name__)
@@ -138,6 +138,40 @@ def math_problem(rng: random.Random, steps: int = 1) -> tuple[str, str]:
     return text + question, str(count)
 
 
+def reward_kind_of(task_cfg: Any) -> str:
+    """The verifier a task config uses: task.reward with `auto` resolved (countdown, environment for agent
+    tasks, tests when the source's first row has a `tests` column, else math) or `custom`. It reads at most
+    one row, so the config checks and the Task that trains agree, before any run directory exists."""
+    if is_reward_path(task_cfg.reward):
+        return "custom"
+    if task_cfg.reward != "auto":
+        return task_cfg.reward
+    if task_cfg.type == "countdown":
+        return "countdown"
+    if task_cfg.type == "agent":
+        return "environment"
+    if task_cfg.type == "dataset" and task_cfg.path is not None and "tests" in (first_row(task_cfg.path) or {}):
+        return "tests"
+    return "math"
+
+
+def needs_sandbox_of(task_cfg: Any) -> bool:
+    """Whether the task's rewards run code in the sandbox service (countdown, tests, an environment that
+    does not declare `needs_sandbox = False`)."""
+    kind = reward_kind_of(task_cfg)
+    if kind == "environment":
+        from megatron_rl.envs import environment_factory
+
+        return getattr(environment_factory(task_cfg.environment), "needs_sandbox", True)
+    return kind in ("countdown", "tests")
+
+
+def run_needs_sandbox(cfg: Any) -> bool:
+    """Whether an RL run's rewards (any domain's) run code in the sandbox service; SFT runs none."""
+    tasks = [d.task for d in cfg.domains.values()] or [cfg.task]
+    return cfg.mode == "rl" and any(needs_sandbox_of(task) for task in tasks)
+
+
 class Task:
     def __init__(self, task_cfg: Any, tokenizer: Any) -> None:
         self.cfg = task_cfg
@@ -155,7 +189,11 @@ class Task:
         if split not in self._rows:
             c = self.cfg
             num = c.num_train if split == "train" else c.num_eval
-            self._rows[split] = load_rows(c.path, split, c.num_eval, c.eval_path)[:num]
+            rows = load_rows(c.path, split, c.num_eval, c.eval_path)
+            if split == "train" and num is not None and len(rows) > num:
+                logger.warning("task %s: %d of %d training rows are used (task.num_train=%d; null: all)", c.name,
+                               num, len(rows), num)
+            self._rows[split] = rows[:num]
         return self._rows[split]
 
     def render(self, prompt: str | list[dict[str, str]]) -> str:
@@ -197,7 +235,7 @@ class Task:
             problems = generate_problems(num, seed=self.cfg.seed, split=split)
             return [self._prompt(countdown.format_prompt(p), {"numbers": list(p.numbers), "target": p.target},
                                  countdown.format_answer(p)) for p in problems]
-        if kind == "math":
+        if kind == "arithmetic":
             rng = random.Random(self.cfg.seed * 2 + (split == "eval"))
             instruction, answer_line = ANSWER_FORMATS[self.cfg.answer_format]
             out = []
@@ -252,25 +290,11 @@ class Task:
     @property
     def reward_kind(self) -> str:
         """The verifier actually used (task.reward with `auto` resolved)."""
-        if is_reward_path(self.cfg.reward):
-            return "custom"
-        if self.cfg.reward != "auto":
-            return self.cfg.reward
-        if self.cfg.type == "countdown":
-            return "countdown"
-        if self.cfg.type == "agent":
-            return "environment"
-        if self.cfg.type == "dataset" and self._rows_of("train") and "tests" in self._rows_of("train")[0]:
-            return "tests"
-        return "math"
+        return reward_kind_of(self.cfg)
 
     @property
     def needs_sandbox(self) -> bool:
-        if self.reward_kind == "environment":  # an environment class may declare it runs no sandbox
-            from megatron_rl.envs import environment_factory
-
-            return getattr(environment_factory(self.cfg.environment), "needs_sandbox", True)
-        return self.reward_kind in ("countdown", "tests")
+        return needs_sandbox_of(self.cfg)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

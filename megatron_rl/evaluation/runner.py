@@ -206,7 +206,7 @@ def regression_sets(given: Sequence[str]) -> tuple[tuple[str, str], ...]:
     """(set name, spec) of each `--regression [NAME=]SPEC`, checked before any work (raises
     ConfigError): SPEC a file or a task config (`regression_task_config`). One set without a NAME
     is called `regression`; with several, each is named by NAME, else by its task's name
-    (task=math,...: math) or file name without suffix; names must differ and not be heldout."""
+    (task=arithmetic,...: arithmetic) or file name without suffix; names must differ and not be heldout."""
     from megatron_rl.config import ConfigError
 
     out: list[tuple[str, str]] = []
@@ -230,7 +230,7 @@ def regression_sets(given: Sequence[str]) -> tuple[tuple[str, str], ...]:
 
 def regression_task_config(spec: str) -> Optional[Any]:
     """The TaskConfig of a regression set given as a task config, `task=NAME[,key=value...]`
-    (conf/task/NAME.yaml with those fields changed, e.g. `task=math,num_eval=200,seed=7`); None
+    (conf/task/NAME.yaml with those fields changed, e.g. `task=arithmetic,num_eval=200,seed=7`); None
     when `spec` is a file. Raises ConfigError naming the problem."""
     from megatron_rl.config import ConfigError, compose, to_typed
 

@@ -13,7 +13,7 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ async def _build(factory):
 
 
 def start_local_sandbox(run_dir: Path, runtime: str, allow_unisolated: bool, capacity: int = 2,
-                        timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+                        timeout_s: float = 60.0, images: Optional[Mapping[str, str]] = None
+                        ) -> tuple[subprocess.Popen, str]:
     """Start a sandbox server for this run (discovery file under run_dir/sandbox/). It serves on through
     SIGTERM (Slurm's end-of-job signal reaches every process while the ranks finish their step and
     checkpoint); `stop_local_sandbox` or this process's end (SIGINT, the parent-death signal) drains it."""
@@ -53,9 +54,15 @@ def start_local_sandbox(run_dir: Path, runtime: str, allow_unisolated: bool, cap
             "--ignore-sigterm"]
     if allow_unisolated:
         args.append("--allow-unisolated")
+    args += image_args(images or {})
     proc, info = spawn_server(args, Path(run_dir) / "logs" / "sandbox-server.log", timeout_s, die_with_parent=True)
     logger.info("local sandbox server (%s) on %s", runtime, info["address"])
     return proc, info["address"]
+
+
+def image_args(images: Mapping[str, str]) -> list[str]:
+    """The sandbox server's arguments for `sandbox.images` (the first is its default image)."""
+    return [f"--image={name}={path}" for name, path in images.items()]
 
 
 def stop_local_sandbox(proc: Optional[subprocess.Popen]) -> None:

@@ -25,7 +25,7 @@ STEPS = 12
 
 
 def _args(run_dir: Path, steps: int = STEPS, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl.train", "mode=rl", "task=math", f"run_dir={run_dir}",
+    return [sys.executable, "-m", "megatron_rl.train", "mode=rl", "task=arithmetic", f"run_dir={run_dir}",
             f"num_steps={steps}", *extra, "cluster.nproc=2", "cluster.device=cpu", "global_batch_size=16",
             "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=16", "task.num_train=64", "task.num_eval=4",
             "task.eval_every=0", "task.eval_samples=1", "checkpoint.save_every=100", "logging.progress=false"]

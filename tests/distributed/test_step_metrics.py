@@ -1,4 +1,4 @@
-"""What an RL run logs says what it is: a short run of the main job on two gloo ranks (task=math, a reward
+"""What an RL run logs says what it is: a short run of the main job on two gloo ranks (task=arithmetic, a reward
 function that gives no verdict on rank 1), started from the fork server (tests/distributed/launcher.py).
 
 - Counts each rank takes on its own share of the prompts (`reward/unscored`, `reward/verifier_errors`,
@@ -40,7 +40,7 @@ def _train(rank: int, world_size: int, run_dir: str, module_dir: str) -> None:
     sys.path.insert(0, module_dir)
     from megatron_rl.train import main
 
-    main(["mode=rl", "task=math", "task.reward=rank_reward:score", f"run_dir={run_dir}", f"num_steps={STEPS}",
+    main(["mode=rl", "task=arithmetic", "task.reward=rank_reward:score", f"run_dir={run_dir}", f"num_steps={STEPS}",
           "cluster.device=cpu", f"global_batch_size={BATCH}", f"rollout.n_samples_per_prompt={N}",
           "rollout.max_new_tokens=8", "task.num_train=64", "task.num_eval=4", f"task.eval_every={EVAL_EVERY}",
           "task.eval_samples=1", "algorithm.kl_coef=0.01", "algorithm.filter_zero_variance=false",

@@ -602,7 +602,7 @@ def test_an_agent_domain_trains_beside_a_single_turn_domain(tmp_path):
     import re
 
     run_dir = tmp_path / "run"
-    domains = ("+domains={math:{task:{type:math,num_train:32,num_eval:2}},"
+    domains = ("+domains={math:{task:{type:arithmetic,num_train:32,num_eval:2}},"
                "code:{task:{type:agent,generator:function,num_train:8,num_eval:2,reward_scale:2,max_turns:4,"
                "max_episode_tokens:500,max_observation_chars:60,system_prompt:'Use tools.'}}}")
     proc = _main_job(run_dir, domains, "task.eval_samples=1", "task.eval_every=2", "task.sft_warmup_steps=10",
@@ -633,7 +633,7 @@ def test_oversampling_in_a_joint_run_keeps_each_domains_share(tmp_path):
     import json
 
     run_dir = tmp_path / "run"
-    domains = ("+domains={math:{task:{type:math,num_train:16,num_eval:4}},"
+    domains = ("+domains={math:{task:{type:arithmetic,num_train:16,num_eval:4}},"
                "count:{task:{type:agent,generator:countdown,environment:countdown,system_prompt:Countdown,"
                "max_turns:3,max_episode_tokens:256,num_train:16,num_eval:4}}}")
     proc = _main_job(run_dir, domains, "rollout.oversample=0.5", "rollout.agent_scheduler=async", "num_steps=2",

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _args(run_dir: Path, *extra: str) -> list[str]:
     """The main job in disaggregated mode on the math task (rule rewards: no sandbox); `extra` overrides."""
-    return [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math",
+    return [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=arithmetic",
             "task.sft_warmup_steps=10", "global_batch_size=32", "rollout.n_samples_per_prompt=4",
             "task.num_eval=8", "task.eval_samples=1", "task.eval_every=0", "algorithm.num_inner_updates=1",
             "algorithm.entropy_coef=0.01",  # the policy changes every step even when all rewards are equal

@@ -38,7 +38,7 @@ def _pass_at_k(n: int, c: int, k: int) -> float:
 def evaluated(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     run = tmp / "run"
-    _run(["megatron_rl.train", "+experiment=demo_countdown", "task=math", f"run_dir={run}", "num_steps=3",
+    _run(["megatron_rl.train", "+experiment=demo_countdown", "task=arithmetic", f"run_dir={run}", "num_steps=3",
           "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
           "task.sft_warmup_steps=40", f"task.num_eval={NUM_EVAL}", "task.eval_every=1",
           f"task.eval_samples={SAMPLES}", "checkpoint.save_every=1", "checkpoint.keep_last=5", "checkpoint.keep_best=1",
@@ -84,7 +84,7 @@ def test_outputs_and_records(evaluated):
     from megatron_rl.data.tasks import Task
     from megatron_rl.data.tokenizer import load_tokenizer
 
-    held_out = Task(TaskConfig(name="math", type="math", num_eval=NUM_EVAL), load_tokenizer("builtin:char"))
+    held_out = Task(TaskConfig(name="math", type="arithmetic", num_eval=NUM_EVAL), load_tokenizer("builtin:char"))
     answers = {"heldout": [p.meta["answer"] for p in held_out.prompts("eval")],
                "regression": [str(a + b) for a, b in REGRESSION]}
     for r in records:
@@ -162,7 +162,7 @@ def test_answer_formats_and_truncation_are_counted(evaluated):
         assert len(dumped) == 32 and (row["reward/answers"], row["reward/unformatted_answers"]) == (32, unformatted)
         assert row["reward/unformatted_share"] == pytest.approx(unformatted / 32)
         assert "reward/last_number_answers" not in row and "reward/last_number_share" not in row  # strict
-    held_out = Task(TaskConfig(name="math", type="math", num_eval=NUM_EVAL), load_tokenizer("builtin:char"))
+    held_out = Task(TaskConfig(name="math", type="arithmetic", num_eval=NUM_EVAL), load_tokenizer("builtin:char"))
     answers = [p.meta["answer"] for p in held_out.prompts("eval")]
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     for step in (1, 3):
@@ -201,10 +201,12 @@ def test_bad_arguments_fail_before_any_work(evaluated, tmp_path):
                           (["--run", str(run), "--checkpoints", "7"], "neither a complete training checkpoint"),
                           (["--run", str(run), "+task.foo=1"], "is invalid: evaluation takes key=value"),
                           (["--run", str(run), "--regression", "task=nosuch"], "--regression task=nosuch:"),
-                          (["--run", str(run), "--regression", "task=math,num_eval"], "'num_eval' is not key=value"),
+                          (["--run", str(run), "--regression", "task=arithmetic,num_eval"],
+                           "'num_eval' is not key=value"),
                           (["--run", str(run), "--regression", str(tmp_path / "no.jsonl")], "no such file"),
-                          (["--run", str(run), "--regression", "task=math", "--regression", "task=math,seed=4"],
-                           "two sets would be called 'math'")]:
+                          (["--run", str(run), "--regression", "task=arithmetic", "--regression",
+                            "task=arithmetic,seed=4"],
+                           "two sets would be called 'arithmetic'")]:
         proc = subprocess.run([sys.executable, "-m", "megatron_rl.eval", *args], capture_output=True, text=True,
                               env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-2000:])
@@ -223,9 +225,9 @@ def test_regression_sets_given_as_task_configs(evaluated):
     from tests.integration.sandbox_servers import runtime_args
 
     run, _, _ = evaluated
-    cases = {"seed3": ("task=math,num_eval=5,seed=3", "math")}
+    cases = {"seed3": ("task=arithmetic,num_eval=5,seed=3", "math")}  # generated problems, read by the math rule
     if runtime_args("bwrap") is not None:
-        cases["agent"] = ("task=math,type=agent,generator=function,num_eval=2,max_turns=2,max_episode_tokens=400",
+        cases["agent"] = ("task=arithmetic,type=agent,generator=function,num_eval=2,max_turns=2,max_episode_tokens=400",
                           "environment")
     given = [arg for name, (spec, _) in cases.items() for arg in ("--regression", f"{name}={spec}")]
     proc = _run(["megatron_rl.eval", "--run", str(run), "--checkpoints", "latest", "--seeds", "1", *given,
@@ -236,7 +238,7 @@ def test_regression_sets_given_as_task_configs(evaluated):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["checkpoints"][0]["sets"]) == {"heldout", *cases}
     for name, (spec, reward) in cases.items():
-        cfg = to_typed(compose(["task=math", *(f"task.{item}" for item in spec.split(",")[1:])]))
+        cfg = to_typed(compose(["task=arithmetic", *(f"task.{item}" for item in spec.split(",")[1:])]))
         task = Task(cfg.task, load_tokenizer(cfg.model.tokenizer))
         want = len(task.prompts("eval"))
         assert task.reward_kind == reward and want == cfg.task.num_eval

@@ -34,7 +34,7 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 def moe_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("moe") / "run"
     args = [sys.executable, "-m", "megatron_rl.train", "mode=sft", "model=tiny_qwen3_moe", "cluster.nproc=2",
-            "parallel.ep=2", "num_steps=2", "global_batch_size=8", "task=math", "task.num_train=32",
+            "parallel.ep=2", "num_steps=2", "global_batch_size=8", "task=arithmetic", "task.num_train=32",
             "task.num_eval=4", "checkpoint.save_every=2", "checkpoint.hf_export_at_end=true",
             "logging.progress=false", f"run_dir={run}"]
     proc = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=800)

@@ -59,7 +59,7 @@ def saved_dataset(tmp_path_factory):
 
 
 def _task(dataset: Path) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math",
+    return [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=arithmetic",
             "task.type=dataset", f"task.path={dataset}", "task.prompt_key=question", "task.chat_template=true",
             "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=10",
             # the tiny model, briefly warm-started, seldom writes a whole `\\boxed{}` sum: its answers are
@@ -308,7 +308,7 @@ def test_env_pool_retires_trivial_tasks_and_the_audit_writes_reviews(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     queue.write_text("".join(json.dumps(dict(r, question=f"new{i}:")) + "\n" for i, r in enumerate(rows[:20])))
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=math", "task.type=dataset",
+    args = [sys.executable, "-m", "megatron_rl.train", "+experiment=demo_countdown", "task=arithmetic", "task.type=dataset",
             f"task.path={data}", "task.prompt_key=question", "task.num_eval=4", "task.eval_samples=1",
             "task.eval_every=0", "task.sft_warmup_steps=30", f"run_dir={run_dir}", "num_steps=3",
             "global_batch_size=32", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=10",  # \\boxed{7}

@@ -61,7 +61,7 @@ def _sglang_python() -> Path:
     return python
 
 
-def _train(run_dir: Path, *overrides: str, task: str = "task=math") -> list[dict]:
+def _train(run_dir: Path, *overrides: str, task: str = "task=arithmetic") -> list[dict]:
     python = _sglang_python()
     args = [str(python), "-m", "megatron_rl.train", "mode=rl", task, "rollout=sglang",
             "rollout.max_total_tokens=4096",  # KV cache on CPU: SGLang would size it from host memory

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["task=math", "global_batch_size=8", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
+SMALL = ["task=arithmetic", "global_batch_size=8", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
          "task.num_eval=4", "task.eval_samples=1", "task.sft_warmup_steps=0", "checkpoint.save_every=1",
          "logging.progress=false"]
 

@@ -14,7 +14,7 @@ AGENT = "code:{task:{type:agent,generator:function,num_train:4,num_eval:2,max_ep
 
 
 def _joint(*overrides: str, tokens: int = 400):
-    domains = "+domains={math:{task:{type:math,num_train:8,num_eval:2}}," + AGENT % tokens + "}"
+    domains = "+domains={math:{task:{type:arithmetic,num_train:8,num_eval:2}}," + AGENT % tokens + "}"
     return load_config(["mode=rl", domains, *overrides], world_size=1)
 
 

@@ -95,11 +95,18 @@ def test_every_yaml_composes_to_a_valid_typed_config(yaml_path: Path, hf_checkpo
     raw.pop("hydra", None)
     leaves = {f"{package}.{k}" if package else k: v for k, v in _leaves(raw).items()}
     # Mandatory values (???) get an existing checkpoint directory, like a user would pass.
-    overrides += [f"{key}={hf_checkpoint}" for key, value in leaves.items() if value == "???"]
+    # (task=math's data: the example rows).
+    given = {"task.path": CONF_DIR.parent / "docs" / "examples" / "math.jsonl"}
+    overrides += [f"{key}={given.get(key, hf_checkpoint)}" for key, value in leaves.items() if value == "???"]
     cfg = to_typed(compose(overrides, config_name=config_name))
     if cfg.rollout.backend == "sglang" and importlib.util.find_spec("sglang") is None:
         with pytest.raises(ConfigError, match="rollout.backend=sglang needs sglang"):  # the checks say so first
             validate(cfg, world_size=1)
+    elif cfg.sandbox.runtime == "apptainer" and not cfg.sandbox.images:  # countdown runs code: no image, no run
+        with pytest.raises(ConfigError, match=r"apptainer .* needs an image .* docs/examples/python.def"):
+            validate(cfg, world_size=1)
+        validate(to_typed(compose([*overrides, f"+sandbox.images.python={hf_checkpoint}"], config_name=config_name)),
+                 world_size=1)
     else:
         validate(cfg, world_size=1)
 
@@ -348,7 +355,7 @@ INVALID_CASES = [
     (["task.type=dataset"], 1, ["task.path=null", "task.type=dataset"]),
     (["task.type=dataset", "task.path=/nonexistent.jsonl"], 1, ["task.path=/nonexistent.jsonl", "does not exist"]),
     (["task.type=dataset", "task.path=/etc/hostname"], 1, ["task.path=/etc/hostname", "cannot tell the format"]),
-    (["task.type=math", "task.reward=tests"], 1, ["task.reward=tests", "allows auto, math, exact"]),
+    (["task.type=arithmetic", "task.reward=tests"], 1, ["task.reward=tests", "allows auto, math, exact"]),
     (["task.type=countdown", "task.reward=math"], 1, ["task.reward=math", "allows auto, countdown"]),
     (["algorithm.overlong=penalty"], 1, ["algorithm.overlong_penalty_window=0", "must be >= 1"]),
     (["algorithm.overlong=drop"], 1, ["algorithm.overlong=drop", "none, filter, penalty"]),

@@ -77,13 +77,13 @@ def test_a_function_that_cannot_serve_is_named(user_module, path, message):
 
 
 def test_the_run_checks_import_it_before_start_up(user_module):
-    cfg = load_config(["mode=rl", "task.type=math", "task.reward=my_rewards:length_match"], world_size=1)
+    cfg = load_config(["mode=rl", "task.type=arithmetic", "task.reward=my_rewards:length_match"], world_size=1)
     check_run(cfg)
     with pytest.raises(ConfigError, match=r"^task.reward='my_rewards:missing' cannot be loaded"):
-        load_config(["mode=rl", "task.type=math", "task.reward=my_rewards:missing"], world_size=1)
+        load_config(["mode=rl", "task.type=arithmetic", "task.reward=my_rewards:missing"], world_size=1)
     with pytest.raises(ConfigError, match=r"^domains.a.task.reward='my_rewards:missing'"):
-        load_config(["mode=rl", "+domains={a:{task:{type:math,num_train:4,num_eval:2,"
-                     "reward:'my_rewards:missing'}},b:{task:{type:math,num_train:4,num_eval:2}}}"], world_size=1)
+        load_config(["mode=rl", "+domains={a:{task:{type:arithmetic,num_train:4,num_eval:2,"
+                     "reward:'my_rewards:missing'}},b:{task:{type:arithmetic,num_train:4,num_eval:2}}}"], world_size=1)
     with pytest.raises(ConfigError, match="agent tasks are scored by their environment"):
         load_config(["mode=rl", "task.type=agent", "task.reward=my_rewards:length_match"], world_size=1)
 

@@ -12,6 +12,7 @@ from megatron_rl.config.checks import PRETRAINED_LR_LIMIT, config_warnings
 from megatron_rl.config.schema import TrainConfig
 
 REAL_MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if not p.stem.startswith("tiny_"))
+MATH_DATA = CONF_DIR.parent / "docs" / "examples" / "math.jsonl"
 TINY_MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("tiny_*.yaml"))
 
 
@@ -22,7 +23,8 @@ def _typed(*overrides: str) -> TrainConfig:
 @pytest.mark.parametrize("model", REAL_MODELS)
 @pytest.mark.parametrize("cluster", ["local", "slurm"])
 def test_a_real_model_gets_no_demo_value(model, cluster):
-    cfg = _typed(f"model={model}", "model.path=/ckpt/x", "task=math", f"cluster={cluster}")
+    cfg = _typed(f"model={model}", "model.path=/ckpt/x", "task=math", f"task.path={MATH_DATA}", f"cluster={cluster}")
+    assert (cfg.task.type, cfg.task.reward, cfg.task.num_train) == ("dataset", "math", None)  # the user's rows, all
     assert cfg.optimizer.lr <= 1e-5
     assert cfg.rollout.max_new_tokens >= 2048
     assert cfg.rollout.max_new_tokens < cfg.model.max_position_embeddings
@@ -30,8 +32,8 @@ def test_a_real_model_gets_no_demo_value(model, cluster):
     assert cfg.task.chat_template is None  # the tokenizer's template whenever it has one
     assert cfg.checkpoint.save_every >= 1
     assert cfg.task.sft_warmup_lr <= 1e-4
-    if cluster == "slurm":  # cluster/slurm.yaml: cluster.device=cuda
-        assert cfg.rollout.backend == "sglang"
+    if cluster == "slurm":  # cluster/slurm.yaml: cluster.device=cuda, code rewards in Apptainer
+        assert (cfg.rollout.backend, cfg.sandbox.runtime) == ("sglang", "apptainer")
     assert config_warnings(cfg) == []
 
 

@@ -347,7 +347,7 @@ def test_a_joint_request_completes_single_turn_prompts_and_plays_agent_ones(tmp_
     from megatron_rl.rollout.multiturn import Episode
     from megatron_rl.rollout.scripted import ScriptedPolicy
 
-    domains = ("+domains={math:{task:{type:math,num_train:4,num_eval:1}},"
+    domains = ("+domains={math:{task:{type:arithmetic,num_train:4,num_eval:1}},"
                "cd:{task:{type:agent,generator:countdown,environment:countdown,num_train:4,num_eval:1,max_turns:2}}}")
     cfg = to_typed(compose(["+experiment=demo_countdown", domains, "rollout.mode=disaggregated"]))
     tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -418,7 +418,7 @@ def test_a_bounded_wait_stamps_progress_while_it_waits():
 def _cfg(overrides: list[str]):
     from megatron_rl.config import compose, to_typed
 
-    return to_typed(compose(["+experiment=demo_countdown", "task=math", *overrides]))
+    return to_typed(compose(["+experiment=demo_countdown", "task=arithmetic", *overrides]))
 
 
 @pytest.mark.parametrize("overrides, message", [

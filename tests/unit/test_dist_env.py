@@ -118,7 +118,7 @@ def test_the_launcher_path_never_loads_torch(tmp_path):
              "from megatron_rl import runtime, slurm_job, train\n"
              "from megatron_rl.parallel.dist import dist_env_from, free_port\n"
              "for overrides in (['cluster.nproc=2', 'parallel.tp=2'], ['mode=sft'],\n"
-             "                  ['+experiment=demo_agent_countdown'], ['rollout.mode=disaggregated', 'task=math'],\n"
+             "                  ['+experiment=demo_agent_countdown'], ['rollout.mode=disaggregated', 'task=arithmetic'],\n"
              "                  ['model=tiny_qwen3_moe', 'algorithm.routing_replay=rollout']):\n"
              "    runtime.load_validated(overrides, runtime._world_size_for)\n"
              "assert dist_env_from({}).source == 'single' and free_port() > 0\n"

@@ -14,7 +14,7 @@ from megatron_rl.data.sampler import EpochSampler
 from megatron_rl.data.tasks import Task
 from megatron_rl.data.tokenizer import load_tokenizer
 
-TWO = "+domains={a:{weight:3,task:{type:math,num_train:6,num_eval:2}},b:{task:{type:math,seed:1,num_train:4}}}"
+TWO = "+domains={a:{weight:3,task:{type:arithmetic,num_train:6,num_eval:2}},b:{task:{type:arithmetic,seed:1,num_train:4}}}"
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_domains_compose_from_overrides_and_the_experiment_yaml():
     assert cfg.domains["b"].task.reward_scale == 10.0 and cfg.domains["a"].task.num_train == 6
     joint = load_config(["+experiment=joint_countdown_math"], world_size=1)
     assert {n: (d.task.type, d.weight) for n, d in joint.domains.items()} == {"countdown": ("countdown", 2.0),
-                                                                           "math": ("math", 1.0)}
+                                                                           "math": ("arithmetic", 1.0)}
     assert joint.algorithm.domain_calibration == "running"
     assert load_config(["mode=rl"], world_size=1).domains == {}  # default: the single-task run
 
@@ -42,7 +42,7 @@ def test_domains_compose_from_overrides_and_the_experiment_yaml():
     (["+domains={a:{weight:-1.5},b:{}}"], r"^domains\.a\.weight=-1.5 is invalid"),
     (["+domains={a:{}}"], r"^domains=a is invalid: a joint run needs >= 2 domains"),
     (["+domains={a:{task:{type:maths}},b:{}}"], r"^domains\.a\.task\.type=maths is invalid: allowed values are "
-                                                r"countdown, math, dataset.*set domains\.a\.task\.type="),
+                                                r"countdown, arithmetic, dataset.*set domains\.a\.task\.type="),
     (["+domains={a:{task:{reward_scale:0}},b:{}}"], r"^domains\.a\.task\.reward_scale=0 is invalid: must be > 0"),
     (["+domains={a:{wieght:1},b:{}}"], r"unknown key domains\.a\.wieght"),
     (["+domains={a.b:{},c:{}}"], r"letters, digits"),
@@ -69,8 +69,8 @@ def test_domains_are_an_rl_feature():
 
 
 def _joint(tokenizer, scale_b: float = 1.0) -> MultiTask:
-    return MultiTask({"a": DomainConfig(TaskConfig(chat_template=False, name="a", type="math", num_train=5, num_eval=2), weight=2.0),
-                      "b": DomainConfig(TaskConfig(chat_template=False, name="b", type="math", seed=1, num_train=3, num_eval=2,
+    return MultiTask({"a": DomainConfig(TaskConfig(chat_template=False, name="a", type="arithmetic", num_train=5, num_eval=2), weight=2.0),
+                      "b": DomainConfig(TaskConfig(chat_template=False, name="b", type="arithmetic", seed=1, num_train=3, num_eval=2,
                                                    reward_scale=scale_b))}, tokenizer)
 
 
@@ -78,7 +78,7 @@ def test_prompts_are_tagged_with_their_domain_in_config_order(tokenizer):
     task = _joint(tokenizer)
     train = task.prompts("train")
     assert [p.meta["domain"] for p in train] == ["a"] * 5 + ["b"] * 3
-    alone = Task(TaskConfig(chat_template=False, type="math", seed=1, num_train=3), tokenizer).prompts("train")
+    alone = Task(TaskConfig(chat_template=False, type="arithmetic", seed=1, num_train=3), tokenizer).prompts("train")
     assert [p.text for p in train[5:]] == [p.text for p in alone]
     assert all("domain" not in p.meta for p in alone)  # the domain tasks' own prompts are not modified
     assert [p.meta["domain"] for p in task.prompts("eval")] == ["a", "a", "b", "b"]
@@ -101,7 +101,7 @@ def test_the_verifier_sends_each_item_to_its_domain_and_scales_its_reward(tokeni
 
 
 def test_reward_scale_applies_to_a_single_task_too(tokenizer):
-    task = Task(TaskConfig(chat_template=False, type="math", num_train=2, reward_scale=4.0), tokenizer)
+    task = Task(TaskConfig(chat_template=False, type="arithmetic", num_train=2, reward_scale=4.0), tokenizer)
     prompt = task.prompts("train")[0]
     verifier = task.verifier_factory([])()
     assert asyncio.run(verifier.score([(prompt.meta, f"\\boxed{{{prompt.meta['answer']}}}")])) == [4.0]
@@ -109,7 +109,7 @@ def test_reward_scale_applies_to_a_single_task_too(tokenizer):
 
 
 def test_make_task_and_make_sampler_keep_the_single_task_path(tokenizer):
-    single = load_config(["mode=rl", "task=math", "task.num_train=4"], world_size=1)
+    single = load_config(["mode=rl", "task=arithmetic", "task.num_train=4"], world_size=1)
     task = make_task(single, tokenizer)
     assert type(task) is Task
     assert type(make_sampler(task, task.prompts("train"), seed=3)) is EpochSampler

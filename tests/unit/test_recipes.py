@@ -16,12 +16,22 @@ EXAMPLES = CONF_DIR.parent / "docs" / "examples"
 GPU_RECIPES = ["qwen2_5_7b_math", "qwen3_8b_code", "qwen3_30b_a3b_math"]
 
 
+def _sbatch_overrides(text: str) -> list[str]:
+    """The Hydra overrides of the recipe's `sbatch ...` line (its header comment, `\\` continuations joined)."""
+    header = "\n".join(line[1:].strip() for line in text.splitlines() if line.startswith("#"))
+    line = re.search(r"sbatch (.*?)(?:\n[^\n]*Never run)", header.replace("\\\n", " "), re.S).group(1)
+    words = line.split()
+    given = words[words.index(next(w for w in words if w.startswith("+experiment="))) + 1:]
+    assert {"model.path", "task.path"} <= {w.split("=")[0] for w in given}, line
+    return given
+
+
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_a_gpu_recipe_resolves_and_fits_the_ranks_it_names(name):
     text = (CONF_DIR / "experiment" / f"{name}.yaml").read_text()
     assert "Never run on a GPU" in text  # what it was tested on, said in the file
     ranks = int(re.search(r"passes the layout checks for (\d+) ranks", text).group(1))
-    cfg = to_typed(compose([f"+experiment={name}", "model.path=/ckpt/x", "task.path=/data/x.jsonl", "cluster=slurm"]))
+    cfg = to_typed(compose([f"+experiment={name}", *_sbatch_overrides(text), "cluster=slurm"]))  # as submitted
     check_layout(cfg, ranks)
     check_model(cfg)
     assert cfg.rollout.backend == "sglang" and cfg.optimizer.lr <= 1e-6
@@ -29,8 +39,11 @@ def test_a_gpu_recipe_resolves_and_fits_the_ranks_it_names(name):
     nodes = re.search(r"--nodes=(\d+) --gpus-per-node=(\d+)", text)
     if nodes:  # the sbatch line's GPUs are the ranks checked
         assert int(nodes.group(1)) * int(nodes.group(2)) == ranks
-    with pytest.raises(ConfigError, match="task.path"):  # the data is the user's: nothing is made up for it
-        to_typed(compose([f"+experiment={name}", "model.path=/ckpt/x"]))
+    for key in {w.split("=")[0] for w in _sbatch_overrides(text)} - {"model.path"}:
+        # the data (and the image) are the user's: nothing is made up for them
+        rest = [w for w in _sbatch_overrides(text) if not w.startswith(key + "=")]
+        with pytest.raises(ConfigError, match=f"{key}=.*(required|invalid)"):
+            to_typed(compose([f"+experiment={name}", *rest]))
 
 
 def test_the_math_example_reads_as_the_math_recipes_say(tmp_path):

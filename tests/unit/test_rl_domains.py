@@ -18,8 +18,8 @@ from megatron_rl.rollout.collect import Rollout
 
 
 def _task(num_domains: int = 2) -> MultiTask:
-    domains = {"a": DomainConfig(TaskConfig(chat_template=False, type="math", num_train=4, num_eval=2)),
-               "b": DomainConfig(TaskConfig(chat_template=False, type="math", seed=1, num_train=4, num_eval=2, reward_scale=10.0))}
+    domains = {"a": DomainConfig(TaskConfig(chat_template=False, type="arithmetic", num_train=4, num_eval=2)),
+               "b": DomainConfig(TaskConfig(chat_template=False, type="arithmetic", seed=1, num_train=4, num_eval=2, reward_scale=10.0))}
     return MultiTask(dict(list(domains.items())[:num_domains]), load_tokenizer("builtin:char"))
 
 

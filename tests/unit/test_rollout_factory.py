@@ -163,7 +163,7 @@ def test_without_sglang_the_run_stops_before_any_work():
     from megatron_rl.runtime import load_validated
 
     with pytest.raises(ConfigError, match="rollout.backend=sglang needs sglang.*tests/integration/sglang/setup.sh"):
-        load_validated(["mode=rl", "rollout=sglang", "task=math"], world_size=1)
+        load_validated(["mode=rl", "rollout=sglang", "task=arithmetic"], world_size=1)
 
 
 MOE_MODELS = {"qwen3_moe": ModelConfig(family="qwen3_moe", num_experts=4, moe_ffn_hidden_size=64),

@@ -77,7 +77,7 @@ def test_run_dir_is_keyed_by_job_id_so_a_requeued_job_finds_it(tmp_path):
     layout = job_layout(HET_BATCH)
     assert run_dir_for([], layout, HET_BATCH) == Path("/home/u/megatron-rl/runs/megatron-rl-42")
     assert run_dir_for([], layout, dict(HET_BATCH, MEGATRON_RL_RUN_ROOT=str(tmp_path))) == tmp_path / "megatron-rl-42"
-    assert run_dir_for(["task=math", f"run_dir={tmp_path}/x"], layout) == tmp_path / "x"
+    assert run_dir_for(["task=arithmetic", f"run_dir={tmp_path}/x"], layout) == tmp_path / "x"
 
 
 def test_first_failure_is_the_first_task_srun_names():
@@ -124,11 +124,13 @@ def test_the_steps_pass_the_allocations_cpus_per_task_on(tmp_path, monkeypatch):
     from megatron_rl.config import load_config
     from megatron_rl.slurm_job import BatchStep
 
-    cfg = load_config(["cluster=slurm", "rollout.backend=hf"], world_size=16)
+    cfg = load_config(["cluster=slurm", "rollout.backend=hf", f"+sandbox.images.python={tmp_path}"], world_size=16)
     monkeypatch.setenv("SLURM_CPUS_PER_TASK_HET_GROUP_0", "12")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK_HET_GROUP_1", "32")
     step = BatchStep(job_layout(HET_BATCH), tmp_path, [], cfg, sandbox=True, sandbox_wait_s=1)
     assert "--cpus-per-task=12" in step._srun_train() and "--cpus-per-task=32" in step._srun_sandbox()
+    # cluster=slurm's Apptainer runtime, with the configured image handed to every server
+    assert {"--runtime", "apptainer", f"--server-arg=--image=python={tmp_path}"} <= set(step._srun_sandbox())
     monkeypatch.delenv("SLURM_CPUS_PER_TASK_HET_GROUP_0")
     assert not any(a.startswith("--cpus-per-task") for a in step._srun_train())
 
@@ -146,7 +148,7 @@ def test_after_sigterm_the_stop_is_said_once_the_checkpoint_is_marked_not_when_t
     from megatron_rl.preemption import MARKER
     from megatron_rl.slurm_job import BatchStep
 
-    cfg = load_config(["cluster=slurm", "rollout.backend=hf"], world_size=16)
+    cfg = load_config(["cluster=slurm", "rollout.backend=hf", "sandbox=bwrap"], world_size=16)
     step = BatchStep(job_layout(HET_BATCH), tmp_path, [], cfg, sandbox=False, sandbox_wait_s=1)
     marker = tmp_path / MARKER
     record = json.dumps({"signal": "SIGTERM", "steps_done": 3})

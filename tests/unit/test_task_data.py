@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_rl.config import TaskConfig
-from megatron_rl.data.sources import detect_format, load_rows
-from megatron_rl.data.tasks import RuleVerifier, Task, end_of_turn
+from megatron_rl.data.sources import detect_format, first_row, load_rows
+from megatron_rl.data.tasks import RuleVerifier, Task, end_of_turn, needs_sandbox_of, reward_kind_of
 from megatron_rl.data.tokenizer import load_tokenizer
 
 ROWS = [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(10)]
@@ -40,6 +40,50 @@ def test_jsonl_parquet_and_saved_dataset_give_the_same_rows(tmp_path):
     for source in (jsonl, parquet, saved):
         assert load_rows(source, "eval", num_eval=3) == ROWS[:3], source
         assert load_rows(source, "train", num_eval=3) == ROWS[3:], source
+
+
+def test_first_row_reads_one_row_of_every_format(tmp_path):
+    import datasets
+
+    jsonl = _jsonl(tmp_path / "p.jsonl", ROWS)
+    (tmp_path / "blank_first.jsonl").write_text("\n" + json.dumps(ROWS[0]) + "\n")
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), parquet)
+    saved = tmp_path / "dd"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS[5:]),
+                          "train": datasets.Dataset.from_list(ROWS[:5])}).save_to_disk(str(saved))
+    for source in (jsonl, tmp_path / "blank_first.jsonl", parquet, saved):  # a DatasetDict: its train split's
+        assert first_row(source) == ROWS[0], source
+    assert first_row(_jsonl(tmp_path / "empty.jsonl", [])) is None
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: not a JSON object"):
+        first_row(tmp_path / "bad.jsonl")
+
+
+def test_the_checks_and_the_task_agree_on_the_verifier(tmp_path, tokenizer):
+    """reward_kind_of / needs_sandbox_of decide for the config checks and the Slurm batch step (no tokenizer, one
+    row read) what the Task that trains uses."""
+    tests = [{"prompt": "write f", "tests": [{"name": "t", "argv": ["python3", "-c", "1"]}]}] * 3
+    cases = {"rows": (ROWS, "auto", "math", False), "tests": (tests, "auto", "tests", True),
+             "exact": (ROWS, "exact", "exact", False)}
+    for name, (rows, reward, kind, sandbox) in cases.items():
+        path = str(_jsonl(tmp_path / f"{name}.jsonl", rows))
+        cfg = TaskConfig(chat_template=False, name=name, type="dataset", path=path, num_eval=1, reward=reward)
+        task = Task(cfg, tokenizer)
+        assert (reward_kind_of(cfg), needs_sandbox_of(cfg)) == (task.reward_kind, task.needs_sandbox) == (kind, sandbox)
+    assert needs_sandbox_of(TaskConfig(type="countdown")) and not needs_sandbox_of(TaskConfig(type="arithmetic"))
+    assert not needs_sandbox_of(TaskConfig(type="agent", environment="countdown", generator="countdown"))
+    assert needs_sandbox_of(TaskConfig(type="agent", environment="repo"))
+
+
+def test_every_row_by_default_and_a_cap_is_said(tmp_path, tokenizer, caplog):
+    path = str(_jsonl(tmp_path / "rows.jsonl", ROWS))
+    every = Task(TaskConfig(chat_template=False, type="dataset", path=path, num_eval=2, num_train=None), tokenizer)
+    assert len(every.prompts("train")) == len(ROWS) - 2
+    capped = Task(TaskConfig(chat_template=False, name="m", type="dataset", path=path, num_eval=2, num_train=5),
+                  tokenizer)
+    assert len(capped.prompts("train")) == 5
+    assert "task m: 5 of 8 training rows are used (task.num_train=5; null: all)" in caplog.text
 
 
 def test_dataset_dict_splits_and_a_separate_eval_file(tmp_path):
@@ -186,7 +230,7 @@ def _solve(text: str) -> int:
 def test_generated_math_prompts_ask_a_question_and_state_the_answer_format(tokenizer, steps, answer_format):
     from megatron_rl.rewards.rule import math_reward
 
-    task = Task(TaskConfig(chat_template=False, type="math", num_train=200, num_eval=50, math_steps=steps,
+    task = Task(TaskConfig(chat_template=False, type="arithmetic", num_train=200, num_eval=50, math_steps=steps,
                            answer_format=answer_format),
                 tokenizer)
     train, held_out = task.prompts("train"), task.prompts("eval")
@@ -205,4 +249,4 @@ def test_generated_math_prompts_ask_a_question_and_state_the_answer_format(token
 def test_answer_settings_are_checked():
     for key, value in [("answer_extraction", "lenient"), ("answer_format", "latex"), ("math_steps", 0)]:
         with pytest.raises(ValueError, match=f"task.{key}"):
-            TaskConfig(chat_template=False, type="math", **{key: value})
+            TaskConfig(chat_template=False, type="arithmetic", **{key: value})

@@ -63,6 +63,31 @@ def check_paths(cfg) -> None:
                 detect_format(value)
             except ValueError as err:
                 raise ConfigError(f"task.{key}={format_value(value)}: {err}") from None
+    _check_sandbox(cfg)  # after the task's files: whether it runs code is read from its first row
+
+
+def _check_sandbox(cfg) -> None:
+    """The sandbox images exist, and a run whose rewards execute code under apptainer has one: apptainer has no
+    image of its own (bwrap runs in the host's), so without one every reward would fail at the first step."""
+    sb = cfg.sandbox
+    for name, image in sb.images.items():
+        path = Path(image).expanduser()
+        if not path.exists():
+            raise ConfigError(f"sandbox.images.{name}={image} does not exist: give the path on the shared file "
+                              "system of an image built with `apptainer build python.sif docs/examples/python.def`")
+        if sb.runtime == "bwrap" and not path.is_dir():
+            raise ConfigError(f"sandbox.images.{name}={image} is not a directory: the bwrap runtime runs code in a "
+                              "root file system directory (apptainer takes .sif files: sandbox=apptainer)")
+    if sb.runtime != "apptainer" or sb.images or sb.address:
+        return
+    from megatron_rl.data.tasks import run_needs_sandbox
+
+    if run_needs_sandbox(cfg):
+        raise ConfigError("sandbox.runtime=apptainer (the default under cluster=slurm) needs an image to run the "
+                          "task's code in: build one with `apptainer build python.sif docs/examples/python.def` "
+                          "and pass +sandbox.images.python=/shared/path/python.sif; or sandbox=bwrap where the "
+                          "nodes allow unprivileged user namespaces, or sandbox.address=host:port of a running "
+                          "sandbox service")
 
 
 # A tokenizer directory holds at least one vocabulary: tokenizers' tokenizer.json, a SentencePiece or

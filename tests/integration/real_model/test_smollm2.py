@@ -218,7 +218,7 @@ def test_lora_on_the_real_model_exports_a_peft_adapter(model_dir, tmp_path):
     from tests.reference import teacher_forced_logprobs
 
     run_dir, env = tmp_path / "run", dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    args = ["mode=rl", "model=smollm2_135m", f"model.path={model_dir}", "task=math", "task.chat_template=true",
+    args = ["mode=rl", "model=smollm2_135m", f"model.path={model_dir}", "task=arithmetic", "task.chat_template=true",
             f"run_dir={run_dir}", "num_steps=1", "global_batch_size=4", "rollout.n_samples_per_prompt=2",
             "rollout.max_new_tokens=12", "model.lora_rank=8", "model.lora_alpha=16", "optimizer.lr=1e-2",
             "algorithm.entropy_coef=0.1", "algorithm.filter_zero_variance=false", "task.num_eval=0",

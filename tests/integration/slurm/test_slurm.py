@@ -24,9 +24,10 @@ REPO = Path(__file__).resolve().parents[3]
 GPU_COMPONENT = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--mem=0",
                  "--time=15"]
 CPU_COMPONENT = ["--nodes=1", "--cpus-per-task=1", "--mem=1G"]
+# sandbox=bwrap: this host allows unprivileged user namespaces; cluster=slurm's own default, Apptainer, has a test
 TINY = ["mode=rl", "cluster.device=cpu", "global_batch_size=32", "rollout.n_samples_per_prompt=8",
         "rollout.max_new_tokens=16", "task.num_train=256", "task.num_eval=8", "task.eval_every=0",
-        "task.eval_samples=1", "logging.progress=false"]
+        "task.eval_samples=1", "logging.progress=false", "sandbox=bwrap"]
 
 
 class Job:
@@ -291,15 +292,15 @@ def test_disaggregated_generator_runs_on_a_node_of_its_own(slurm_env, tmp_path):
     """rollout.generator_nodes=1 on a two-node job: the training step runs on c1 only, the
     generator step on c2, and the generator reaches trainer rank 0 over the network (the hub
     and the weight group at c1's address, found through the run directory)."""
-    env = dict(slurm_env, MEGATRON_RL_SANDBOX="none")  # math rewards are rules: no sandbox
     nodes = ["--partition=debug", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1",
              "--mem=0", "--time=15"]
-    job = Job(env, tmp_path, "slurm/run_gpu_only.sh", nodes,
-              [*TINY, "task=math", "num_steps=3", "task.sft_warmup_steps=5", "rollout.mode=disaggregated",
+    job = Job(slurm_env, tmp_path, "slurm/run_gpu_only.sh", nodes,
+              [*TINY, "task=arithmetic", "num_steps=3", "task.sft_warmup_steps=5", "rollout.mode=disaggregated",
                "rollout.generator_nodes=1", "checkpoint.save_every=0"])
     assert job.wait() == 0, job.log()[-6000:]
     log = job.log()
     assert "nodes c1=train, c2=generate" in log
+    assert "no sandbox step: the task's rewards run no code" in log  # arithmetic is checked by rule
     assert re.search(r"training step: srun .*--nodelist=c1 --ntasks=1", log), log[-4000:]
     assert re.search(r"generator step: srun .*--nodelist=c2 --ntasks=1", log), log[-4000:]
     assert [r["step"] for r in job.metrics()] == [0, 1, 2, 3]
@@ -435,3 +436,58 @@ def test_under_cpu_stress_a_cancelled_job_still_says_why_where_and_how_to_resume
     assert re.search(rf"job {job.job_id} was cancelled \(scancel\) or preempted after RL step \d+ \(the last one "
                      rf"logged\); last complete "
                      rf"checkpoint: step_\d+; .* submit again with run_dir={job.run_dir}", log), log[-6000:]
+
+
+def test_the_apptainer_default_scores_rewards_then_the_eval_and_export_scripts_run(slurm_env, tmp_path):
+    """cluster=slurm's sandbox runtime, Apptainer, runs the countdown rewards in the image that sandbox.images
+    names (no SANDBOX_SERVER_ARGS); then, submitted from the run's parent directory with a relative --run,
+    slurm/eval.sh evaluates the last checkpoint on 2 srun ranks (its countdown rewards in a sandbox server that
+    rank 0 starts from the run's sandbox.* settings) and slurm/export.sh writes an HF checkpoint transformers
+    loads."""
+    import tempfile
+
+    from tests.integration.sandbox_servers import APPTAINER_ROOT, runtime_args
+
+    if runtime_args("apptainer") is None:
+        pytest.skip(f"no Apptainer under {APPTAINER_ROOT} (bash tests/integration/apptainer/setup.sh)")
+    # the test image's apptainer runs inside bubblewrap with host /tmp bound: workspaces live under /var/tmp
+    work = Path(tempfile.mkdtemp(prefix="megatron-rl-slurm-", dir="/var/tmp"))
+    os.chmod(work, 0o711)
+    env = dict(slurm_env, PATH=f"{APPTAINER_ROOT}:{slurm_env['PATH']}", TMPDIR=str(work))
+    overrides = [o for o in TINY if o != "sandbox=bwrap"]
+    job = Job(env, tmp_path, "slurm/run_gpu_only.sh", GPU_COMPONENT,
+              [*overrides, "num_steps=2", "task.sft_warmup_steps=30", "checkpoint.save_every=2",
+               f"+sandbox.images.python={APPTAINER_ROOT / 'image'}"])
+    assert job.wait() == 0, job.log()[-6000:]
+    sandbox_log = "".join(p.read_text() for p in (job.run_dir / "logs").glob("sandbox-c*.log"))
+    assert "(runtime apptainer," in sandbox_log, sandbox_log[-2000:]
+    last = job.metrics()[-1]
+    # the verify script ran in the container and answered for every candidate: a script that fails there
+    # (no python3 in the image, a workspace it cannot reach) leaves its samples unscored, as verifier errors
+    assert last["step"] == 2 and last["reward/verifier_calls"] > 0, last
+    assert last["reward/unscored"] == 0 and last["reward/verifier_errors"] == 0, last
+
+    run = os.path.relpath(job.run_dir, tmp_path)
+    two = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--mem=0", "--time=10"]
+    (tmp_path / "eval").mkdir()
+    ev = Job(env, tmp_path / "eval", str(REPO / "slurm" / "eval.sh"), two,
+             ["--run", run, "--checkpoints", "latest", "--seeds", "1", "--name", "slurm", "--resamples", "200"],
+             cwd=tmp_path)
+    assert ev.wait() == 0, ev.log()[-6000:]
+    out = job.run_dir / "eval" / "slurm"
+    summary = json.loads((out / "summary.json").read_text())
+    assert [c["step"] for c in summary["checkpoints"]] == [2]
+    records = (out / "records.jsonl").read_text().splitlines()
+    assert len(records) == 8  # task.num_eval prompts x task.eval_samples x 1 seed, gathered from both ranks
+    assert (out / "logs" / "rank0.log").exists() and (out / "logs" / "rank1.log").exists()
+    assert "local sandbox server (apptainer)" in (out / "logs" / "rank0.log").read_text()
+
+    (tmp_path / "export").mkdir()
+    ex = Job(env, tmp_path / "export", str(REPO / "slurm" / "export.sh"), two, ["--run", run], cwd=tmp_path)
+    assert ex.wait() == 0, ex.log()[-6000:]
+    exported = job.run_dir / "hf" / "step_00000002"
+    assert f"to {exported}" in ex.log() or f"to {os.path.relpath(exported, tmp_path)}" in ex.log(), ex.log()[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert sum(p.numel() for p in model.parameters()) > 0
