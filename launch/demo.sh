@@ -7,13 +7,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup_env.sh
 sandbox=()
-if ! command -v bwrap >/dev/null; then
-  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
-  else
-    echo "[demo] bubblewrap is missing; the sandbox falls back to the process runtime (NO isolation)" >&2
-    sandbox=(sandbox.runtime=process sandbox.allow_unisolated=true)
-  fi
+if ! bash launch/ensure_bwrap.sh 2>/dev/null; then
+  echo "[demo] bubblewrap is missing; the sandbox falls back to the process runtime (NO isolation)" >&2
+  sandbox=(sandbox.runtime=process sandbox.allow_unisolated=true)
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
 exec .venv/bin/python -m megatron_rl.train +experiment=demo_countdown ${sandbox[@]+"${sandbox[@]}"} "$@"

@@ -46,9 +46,7 @@ else
       || echo "[test.sh] real-model tier unavailable; its tests will fetch the model or skip" >&2
   fi
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    if ! command -v bwrap >/dev/null; then
-      apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
-    fi
+    bash launch/ensure_bwrap.sh
     if [[ "${MEGATRON_RL_SKIP_APPTAINER:-0}" != 1 ]]; then
       bash tests/integration/apptainer/setup.sh || echo "[test.sh] apptainer tier unavailable; its tests will be skipped" >&2
     fi

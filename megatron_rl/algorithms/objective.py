@@ -64,13 +64,16 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
     KL is in the rewards), `kl_clamp` (default 10.0: each token's KL estimate is clamped to
     [-kl_clamp, kl_clamp], as verl's low_var_kl; None: unbounded), `eps_clip_c` (dual-clip bound,
     default None: off),
-    the rollout correction's `tis_cap` (default 2.0),
+    the rollout correction's `tis_cap` (default 2.0), `old_logprobs` (default "recompute"; "current": the old
+    log-probs are this forward's own),
     `rollout_is` ("token"), `rollout_mask` ("none"), `rollout_mask_low` / `rollout_mask_high`
     (0.5 / 2.0), and `loss_norm_len` (norm_len of `seq_mean_token_sum_norm`, default None).
 
     The returned function reads from `LossInputs.extras` (all [T], per target):
         "advantages"        required
-        "old_logprobs"      required: the trainer's log-probs of the policy that sampled
+        "old_logprobs"      the trainer's log-probs of the policy that sampled; required unless
+                            `old_logprobs` is "current" (then this forward's own, detached: the
+                            weights the update starts from)
         "ref_logprobs"      reference model's log-probs; required when kl_coef > 0
         "rollout_logprobs"  the rollout engine's log-probs; when present the policy loss is
                             weighted per token by `losses.rollout_correction`'s weights and keep mask
@@ -91,7 +94,8 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
     (when rollout_logprobs are given: the mean weight, the share of tokens the cap changed),
     "rollout_kept" (share of tokens the rollout mask kept), "mismatch_k1" / "mismatch_k3" (estimates
     of KL(engine || trainer) from the sampled tokens), all token means over the global batch's
-    loss tokens.
+    loss tokens; and "max/mismatch", max |old - rollout| over the loss tokens (a maximum: the trainer
+    reduces "max/" metrics with max).
     """
     policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
     KL_ESTIMATORS.get(cfg.kl_estimator)  # fail at build time, not in the first micro-batch
@@ -126,8 +130,11 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
         raise ValueError("loss_agg_mode=seq_mean_token_sum_norm needs loss_norm_len > 0 "
                          f"(e.g. the maximum response length), got {norm_len}")
 
+    old_is_current = getattr(cfg, "old_logprobs", "recompute") == "current"
+
     def loss_fn(inp: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-        missing = [k for k in ("advantages", "old_logprobs") if k not in inp.extras]
+        needed = ("advantages",) if old_is_current else ("advantages", "old_logprobs")
+        missing = [k for k in needed if k not in inp.extras]
         if missing:
             raise ValueError(f"the policy loss needs extras {missing}; samples carry {sorted(inp.extras)}")
         mask = inp.loss_mask.to(inp.logprobs.dtype)
@@ -138,7 +145,8 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
         def token_mean(values: Tensor) -> Tensor:
             return agg(values.detach().to(mask.dtype), "token_mean")
 
-        old, advantages = inp.extras["old_logprobs"], inp.extras["advantages"]
+        advantages = inp.extras["advantages"]
+        old = inp.extras["old_logprobs"] if "old_logprobs" in inp.extras else inp.logprobs.detach()
         per_token, token_metrics = policy_loss(inp.logprobs, old, advantages, eps_low=eps_low,
                                                eps_high=eps_high, loss_mask=mask, sample_ids=inp.sample_ids)
         metrics = {"clip_frac": token_mean(token_metrics["clipped"]), "ratio": token_mean(token_metrics["ratio"]),
@@ -157,6 +165,7 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
             metrics.update(tis_weight=token_mean(weights), tis_clip_frac=token_mean(capped),
                            rollout_kept=token_mean(keep), mismatch_k1=token_mean(-log_ratio),
                            mismatch_k3=token_mean(torch.exp(log_ratio.clamp(max=20.0)) - 1 - log_ratio))
+            metrics["max/mismatch"] = (log_ratio.abs() * mask).max() if mask.numel() else log_ratio.new_zeros(())
         pg_loss = agg(per_token)
         loss = pg_loss
         if "ref_logprobs" in inp.extras:

@@ -88,7 +88,7 @@ class AlgorithmConfig:
     KL_ESTIMATORS: ClassVar[tuple[str, ...]] = ("k1", "k2", "k3")
     LOSS_AGG_MODES: ClassVar[tuple[str, ...]] = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean",
                                                  "seq_mean_token_sum_norm")
-    OLD_LOGPROBS: ClassVar[tuple[str, ...]] = ("recompute", "rollout")
+    OLD_LOGPROBS: ClassVar[tuple[str, ...]] = ("auto", "recompute", "current", "rollout")
     ROUTING_REPLAYS: ClassVar[tuple[str, ...]] = ("none", "old", "rollout")
 
     tis_cap: float = 2.0
@@ -108,8 +108,12 @@ class AlgorithmConfig:
     max_staleness: int = 1
     """rollout.mode=disaggregated: a group generated with weight version v (its oldest token) is trained
     on at trainer version <= v + max_staleness; older groups are dropped (counted). 0 = on-policy."""
-    old_logprobs: str = "recompute"
-    """recompute (the trainer's forward before the update) or rollout (the engine's log-probs)."""
+    old_logprobs: str = "auto"
+    """The log-probs of the policy that sampled, the importance ratio's denominator: recompute (a forward of the
+    trainer before the update), current (the update's own forward, detached: the same weights, so the same
+    numbers without a forward of their own; one update per step only, as TRL does with num_iterations=1),
+    rollout (the engine's) or auto: current when num_inner_updates=1 and neither kl_in_reward nor
+    routing_replay=old needs them before the update, else recompute (written resolved to config.yaml)."""
     loss_norm_len: Optional[int] = None
     """Constant length normaliser for loss_agg_mode=seq_mean_token_sum_norm (Dr. GRPO)."""
     filter_zero_variance: bool = False
@@ -179,6 +183,13 @@ class AlgorithmConfig:
                            "algorithm.critic=true")
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, self.LOSS_AGG_MODES)
         _check_choice("algorithm.old_logprobs", self.old_logprobs, self.OLD_LOGPROBS)
+        if self.old_logprobs == "auto":
+            before = self.num_inner_updates > 1 or self.kl_in_reward or self.routing_replay == "old"
+            self.old_logprobs = "recompute" if before else "current"
+        if self.old_logprobs == "current" and self.num_inner_updates > 1:
+            raise _invalid("algorithm.old_logprobs", self.old_logprobs, f"takes the first update's own log-probs, but "
+                           f"num_inner_updates={self.num_inner_updates} updates change the weights before the later "
+                           "ones: use old_logprobs=recompute (or auto)")
         _check_choice("algorithm.routing_replay", self.routing_replay, self.ROUTING_REPLAYS)
         _check_choice("algorithm.overlong", self.overlong, self.OVERLONG_MODES)
         if self.overlong == "penalty" and self.overlong_penalty_window < 1:

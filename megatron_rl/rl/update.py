@@ -3,6 +3,7 @@ update(s), and with algorithm.critic the critic's values and update(s)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -12,7 +13,8 @@ from megatron_rl.rollout.collect import Rollout, is_scored
 
 def old_and_reference_logprobs(cfg, run: Any, samples: list, record_routing: bool = False) -> None:
     """Fill in the samples' "old_logprobs" (the trainer's forward, or the engine's with
-    algorithm.old_logprobs=rollout) and, with kl_coef > 0, "ref_logprobs", where not given already
+    algorithm.old_logprobs=rollout; none with current, whose update takes its own forward's) and, with
+    kl_coef > 0, "ref_logprobs", where not given already
     (`reward_kl` computed them before the advantages). Every rank holds the same samples.
     record_routing: the old forward runs over all of `samples` (the same weights give the log-probs
     `reward_kl` found) and leaves its MoE routing in the trainer's `last_routing`. With
@@ -21,7 +23,9 @@ def old_and_reference_logprobs(cfg, run: Any, samples: list, record_routing: boo
 
     trainer = run.trainer
     missing = [s for s in samples if record_routing or "old_logprobs" not in s.extras]
-    if missing and cfg.algorithm.old_logprobs == "recompute":
+    if cfg.algorithm.old_logprobs == "current":
+        pass  # the update's own forward gives them (algorithms/objective.py): no forward here
+    elif missing and cfg.algorithm.old_logprobs == "recompute":
         old, _ = trainer.forward_logprobs(missing, record_routing=record_routing,
                                           routing=ENGINE if cfg.algorithm.routing_replay == "rollout" else None)
         for s, lp in zip(missing, old):
@@ -52,17 +56,20 @@ def update_policy(cfg, run: Any, samples: list) -> dict[str, float]:
     from megatron_rl.trainer.routing_replay import ENGINE
 
     trainer, replay = run.trainer, cfg.algorithm.routing_replay
+    start = time.perf_counter()
     old_and_reference_logprobs(cfg, run, samples, record_routing=replay == "old")
+    logprobs_time = time.perf_counter() - start
     routing = {"none": None, "old": trainer.last_routing, "rollout": ENGINE}[replay]
     trainer.last_routing = None
-    mismatch = max((float((s.extras["old_logprobs"] - s.extras["rollout_logprobs"])[s.loss_mask.bool()].abs().max())
-                    for s in samples if s.loss_mask.any()), default=0.0)
     for update in range(cfg.algorithm.num_inner_updates):
         found = trainer.train_step(samples, run.loss_fn, with_entropy=True, routing=routing)
         metrics = {KL_METRICS.get(name, name): value for name, value in found.items()}
-        if update == 0:  # nothing changed yet: the importance ratio must be 1
+        if update == 0:  # nothing changed yet: the importance ratio must be 1, old log-probs are the update's
             first_kl = metrics.get("kl/policy_old_new", 0.0)
-    metrics.update({"rollout/logprob_mismatch": mismatch, "kl/policy_old_new_first_update": first_kl})
+            mismatch = max(0.0, metrics.get("max/mismatch", 0.0))  # max |old - engine| over the loss tokens
+        metrics.pop("max/mismatch", None)
+    metrics.update({"rollout/logprob_mismatch": mismatch, "kl/policy_old_new_first_update": first_kl,
+                    "time/logprobs": logprobs_time})
     if routing is not None:
         metrics["routing/drift"] = metrics.pop("routing_drift")
     return metrics

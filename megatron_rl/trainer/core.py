@@ -585,11 +585,18 @@ def _reduce_metrics(stored: list[dict], groups: ParallelGroups) -> dict[str, flo
         every: list = [None] * dist.get_world_size(groups.dp_cp_group)
         dist.all_gather_object(every, keys, group=groups.dp_cp_group)
         keys = sorted({k for ks in every for k in ks})
-    local = torch.tensor([sum(float(d[k]) for d in stored if k in d) for k in keys], dtype=torch.float64,
+    # "max/<name>" metrics are maxima (e.g. the largest rollout/trainer log-prob gap), the others sums
+    maxima = [k for k in keys if k.startswith("max/")]
+    sums = [k for k in keys if not k.startswith("max/")]
+    local = torch.tensor([sum(float(d[k]) for d in stored if k in d) for k in sums], dtype=torch.float64,
                          device=groups.device)  # NCCL groups take device tensors only
+    peak = torch.tensor([max((float(d[k]) for d in stored if k in d), default=-math.inf) for k in maxima],
+                        dtype=torch.float64, device=groups.device)
     if groups.dp_size * groups.cp_size > 1 and groups.is_last_stage:
         dist.all_reduce(local, group=groups.dp_cp_group)  # context-parallel ranks hold parts of each row
-    payload = [dict(zip(keys, local.tolist()))]
+        if maxima:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=groups.dp_cp_group)
+    payload = [{**dict(zip(sums, local.tolist())), **dict(zip(maxima, peak.tolist()))}]
     if groups.pp_size > 1:
         dist.broadcast_object_list(payload, src=groups.pp_last_rank, group=groups.pp_group)
     return payload[0]

@@ -440,7 +440,7 @@ def test_schema_refuses_disaggregated_settings_it_cannot_use(overrides, message)
 
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm.max_staleness=2"], "applies to rollout.mode=disaggregated only"),
-    (["rollout.mode=disaggregated", "algorithm.old_logprobs=rollout"], "need old_logprobs=recompute"),
+    (["rollout.mode=disaggregated", "algorithm.old_logprobs=rollout"], "need the trainer.s log-probs"),
     (["rollout.mode=disaggregated", "rollout.step_deadline_s=30"],
      "rollout.step_deadline_s=30.* is a colocated-mode setting .* the experience buffer takes groups as they finish"),
     (["rollout.mode=disaggregated", "rollout.agent_scheduler=async", "rollout.oversample=0.5"],

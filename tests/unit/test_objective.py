@@ -280,3 +280,31 @@ def test_kl_clamp_must_be_positive_or_null():
             AlgorithmConfig(kl_clamp=bad)
         with pytest.raises(ValueError, match="algorithm.kl_clamp"):
             make_policy_loss_fn(_cfg(kl_clamp=bad))
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo_clip", "clip_higher", "gspo", "cispo"])
+def test_current_old_logprobs_are_the_forwards_own(policy_loss):
+    """old_logprobs=current: without "old_logprobs" the loss takes this forward's log-probs, detached. Loss,
+    gradient and metrics equal those with the same numbers given as old log-probs (a forward of their own at the
+    same weights); max/mismatch is max |old - engine| over the loss tokens (the masked 0.9 does not count)."""
+    rollout = [-1.2, -0.45, -2.0, -1.0]
+    mask = [1, 1, 1, 0]
+
+    def run(cfg, **given):
+        logp = torch.tensor([-1.0, -0.5, -2.5, -0.1], dtype=D, requires_grad=True)
+        inp = _inputs(logp, mask, [0, 0, 1, 1], 3, 2, advantages=[1.0, 1.0, -0.5, -0.5], rollout_logprobs=rollout,
+                      **{k: (v if v is not None else logp.detach().tolist()) for k, v in given.items()})
+        loss, metrics = make_policy_loss_fn(cfg)(inp)
+        loss.backward()
+        return float(loss), logp.grad.clone(), metrics
+
+    loss, grad, metrics = run(_cfg(policy_loss=policy_loss, old_logprobs="current"))
+    want_loss, want_grad, want = run(_cfg(policy_loss=policy_loss), old_logprobs=None)
+    assert math.isclose(loss, want_loss, rel_tol=1e-12) and torch.allclose(grad, want_grad, rtol=1e-12, atol=0)
+    assert float(grad.abs().sum()) > 0
+    assert set(metrics) == set(want) and all(math.isclose(float(metrics[k]), float(want[k]), abs_tol=1e-12)
+                                             for k in metrics)
+    assert math.isclose(float(metrics["max/mismatch"]), 0.5, rel_tol=1e-12)  # |-2.5 - (-2.0)|
+    with pytest.raises(ValueError, match="old_logprobs"):  # recompute (the default) never falls back silently
+        make_policy_loss_fn(_cfg(policy_loss=policy_loss))(
+            _inputs(torch.tensor([-1.0], dtype=D), [1], [0], 1, 1, advantages=[1.0]))

@@ -33,10 +33,10 @@ def check_disaggregated_config(cfg) -> None:
         raise ConfigError(f"rollout.stop={r.stop} with rollout.partial_rollout_tokens={r.partial_rollout_tokens}: "
                           "a stop string may span two chunks of a partial rollout, which stop strings are not "
                           "checked across; use stop token ids or partial_rollout_tokens=0")
-    if algo.old_logprobs != "recompute":
+    if algo.old_logprobs == "rollout":
         raise ConfigError(f"algorithm.old_logprobs={algo.old_logprobs} is invalid with rollout.mode=disaggregated: "
-                          "stale rollouts need old_logprobs=recompute so that the truncated-IS weight "
-                          "(algorithm.tis_cap) corrects the rollout/trainer mismatch")
+                          "stale rollouts need the trainer's log-probs (old_logprobs=recompute, current or auto) so "
+                          "that the truncated-IS weight (algorithm.tis_cap) corrects the rollout/trainer mismatch")
 
 
 def check_routing_replay(cfg) -> None:
