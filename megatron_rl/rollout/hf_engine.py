@@ -92,6 +92,15 @@ class _Adapter:
         return output + torch.nn.functional.linear(torch.nn.functional.linear(args[0], self.a), self.b) * self.scaling
 
 
+def chosen_logprobs(scores: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+    """log softmax(scores / temperature)[row, tokens[row]] in fp32, [rows], with the normaliser's log-sum-exp
+    combined over blocks of `chunk` columns."""
+    blocks = [torch.logsumexp(scores[:, i:i + chunk].float() / temperature, dim=-1)
+              for i in range(0, scores.shape[-1], chunk)]
+    normaliser = blocks[0] if len(blocks) == 1 else torch.logsumexp(torch.stack(blocks, dim=-1), dim=-1)
+    return scores.gather(-1, tokens[:, None])[:, 0].float() / temperature - normaliser
+
+
 class _Sampler:
     """Draws each step's tokens itself, as a logits processor of a greedy `generate`: it sees the step's raw
     logits (greedy decoding adds no warpers, and the engine's model, built from its config, has a neutral
@@ -100,7 +109,12 @@ class _Sampler:
     transformers' own temperature, top-k and top-p warpers and one `multinomial` on the global generator, as
     `generate(do_sample=True)` does, so a seeded call gives the tokens plain transformers would. What is
     kept is one [rows] log-prob tensor per step (`output_logits=True` kept every step's [rows, vocab]
-    logits: memory growing as rows x steps x vocab). Temperature 0 is the argmax, with no multinomial."""
+    logits: memory growing as rows x steps x vocab). Temperature 0 is the argmax, with no multinomial.
+    Everything stays on the engine's device: the log-prob is the chosen logit less a log-sum-exp taken over
+    `chunk` vocabulary columns at a time (no [rows, vocab] log-softmax), and the returned scores are
+    generate's own tensor, overwritten in place; the host sees the [rows, steps] log-probs once, at the end."""
+
+    CHUNK = 32768  # vocabulary columns per log-sum-exp block: [rows, 32768] fp32 at most besides the scores
 
     def __init__(self, params: SamplingParams) -> None:
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -118,9 +132,8 @@ class _Sampler:
             tokens = scores.argmax(-1)
         else:
             tokens = torch.multinomial(torch.softmax(self.warpers(input_ids, scores), dim=-1), num_samples=1)[:, 0]
-        logprobs = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        self.logprobs.append(logprobs.gather(-1, tokens[:, None])[:, 0])
-        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+        self.logprobs.append(chosen_logprobs(scores, tokens, self.temperature, self.CHUNK))
+        return scores.fill_(float("-inf")).scatter_(1, tokens[:, None], 0.0)  # generate's argmax takes `tokens`
 
     def stacked(self, rows: int) -> torch.Tensor:
         """[rows, steps] on the host."""

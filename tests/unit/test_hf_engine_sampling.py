@@ -125,3 +125,18 @@ def test_rollout_max_batch_size_bounds_each_generate_call(setup, monkeypatch):
     got = split.generate(PROMPTS, params)
     assert sizes == [2, 2, 2]
     assert [g.output_ids for g in got] == [g.output_ids for g in whole.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("chunk", [7, 50, 64, 1000])
+def test_the_chunked_log_prob_is_the_log_softmax(chunk):
+    """The engine's per-step log-prob (a log-sum-exp over vocabulary blocks) equals log_softmax's entry, for a
+    vocabulary that the blocks divide or not, at a temperature, with -inf entries (top-k's) among the scores."""
+    from megatron_rl.rollout.hf_engine import chosen_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(5, 50, generator=gen, dtype=torch.float32) * 4
+    scores[0, :20] = float("-inf")
+    tokens = torch.tensor([25, 3, 49, 0, 17])
+    want = torch.log_softmax(scores.double() / 0.7, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    got = chosen_logprobs(scores, tokens, 0.7, chunk)
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, rtol=0, atol=2e-6)
