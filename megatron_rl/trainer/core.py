@@ -495,8 +495,8 @@ class Trainer:
 
         def loss_func_for(mb: MicroBatch):
             def loss_func(logits: Tensor):
-                if not mb.sample_indices:  # a padding row (expert parallelism): contributes nothing
-                    return logits.sum() * 0.0, {}
+                if not mb.sample_indices:  # a padding row (fewer samples than ranks, or EP): contributes nothing
+                    return self._zero_loss(logits), {}
                 lp, ent = self._target_stats(mb, logits, with_entropy)
                 inputs = LossInputs(
                     logprobs=lp, entropy=ent, loss_mask=mb.loss_mask, sample_ids=mb.sample_ids,
@@ -523,6 +523,16 @@ class Trainer:
         if drift is not None:
             metrics["routing_drift"] = drift
         return metrics
+
+    def _zero_loss(self, output: Tensor) -> Tensor:
+        """A padding row's loss: 0, with a (zero) gradient for every trained weight, as a real row has. With
+        parallel.overlap_grad_reduce a bucket's reduction starts once each of its parameters has a gradient
+        (megatron/core/distributed/param_and_grad_buffer.py:552-561); on the fused path the output weight is
+        not in the output's graph (the last stage returns hidden states), so it is added here."""
+        loss = output.sum() * 0.0
+        if self.model_cfg.fused_logprobs and self.head == "lm":
+            loss = loss + output_weight(self.module).sum() * 0.0
+        return loss
 
     # -- MoE routing replay ---------------------------------------------------------------------
     def _routing_layers(self) -> list[routing_replay.LayerRouting]:
