@@ -486,7 +486,8 @@ def load_checkpoint(trainer, path: Path, critic: Any = None, verify: bool = True
         raise ValueError(f"checkpoint {path} was written with parallel.use_distributed_optimizer="
                          f"{str(saved_distopt).lower()}, this run has "
                          f"{str(trainer.options.use_distributed_optimizer).lower()}: set "
-                         f"parallel.use_distributed_optimizer={str(saved_distopt).lower()} to resume from it")
+                         f"parallel.use_distributed_optimizer={str(saved_distopt).lower()} to resume from it (its "
+                         "default, null, is on when the trainer runs on GPUs and off on CPU)")
     start = time.perf_counter()
     _ensure_optimizer_state(trainer.optimizer)
     wanted = _sharded_state_dict(trainer, is_loading=True)
