@@ -10,7 +10,9 @@ the colocated weight sync into the hf engine, a training checkpoint with an HF e
 snapshot of the weights (the KL reference policy), and last the log-prob forward, which the forward pre-hooks
 gather for. A batch of one sample leaves one rank a row of padding, whose gradient must reach every weight for
 overlap_grad_reduce to start the reduction. Four ranks at PP=2 x DP=2 run the plain mode and the one with all
-three on again (each stage has buckets and hooks of its own; Megatron buckets only the first stage).
+three on again (each stage has buckets and hooks of its own; Megatron buckets only the first stage), and so do
+two ranks of a Qwen3-MoE at EP=2 (the experts have buffers and bucket groups of their own, reduced over the
+expert-data-parallel group; the ranks exchange tokens, so the one-sample step gives a rank rows of padding).
 
 Compared: each reader against the trainer's gathered weights right after (exactly: the same numbers must arrive),
 and every mode against the plain one (no distributed optimizer, no overlap). Tolerances (fp32): the distributed
@@ -45,9 +47,12 @@ MODES = {
     "distopt_overlap_param_gather": (True, False, True),
     "distopt_overlap_both": (True, True, True),
 }
-# layout: (tp, pp, world size, modes)
-LAYOUTS = {"dp2": (1, 1, 2, list(MODES)), "pp2_dp2": (1, 2, 4, ["plain", "distopt_overlap_both"])}
 MODEL = dict(family="qwen2", num_layers=2, tie_word_embeddings=False)  # untied: the output weight is its own
+MOE = dict(family="qwen3_moe", num_layers=2, num_experts=4, moe_ffn_hidden_size=64, tie_word_embeddings=False)
+# layout: (tp, pp, ep, world size, model, modes)
+LAYOUTS = {"dp2": (1, 1, 1, 2, MODEL, list(MODES)),
+           "pp2_dp2": (1, 2, 1, 4, MODEL, ["plain", "distopt_overlap_both"]),
+           "moe_ep2": (1, 1, 2, 2, MOE, ["plain", "distopt_overlap_both"])}
 BUCKET = 40_000  # parameters per bucket (with overlap_grad_reduce): the model's 0.4M make ten
 READERS = ("sync", "checkpoint", "snapshot", "forward")  # one after each optimizer step, in this order
 
@@ -66,11 +71,11 @@ def _batch(step: int):
     return samples
 
 
-def _trainer(groups, distopt: bool, overlap_grad: bool, overlap_param: bool):
-    from megatron_rl.config.schema import ModelConfig, OptimizerConfig
+def _trainer(model_cfg, groups, distopt: bool, overlap_grad: bool, overlap_param: bool):
+    from megatron_rl.config.schema import OptimizerConfig
     from megatron_rl.trainer.core import Trainer, TrainerOptions
 
-    return Trainer(ModelConfig(**MODEL), OptimizerConfig(lr=1e-3), groups,
+    return Trainer(model_cfg, OptimizerConfig(lr=1e-3), groups,
                    TrainerOptions(micro_batch_tokens=48, use_distributed_optimizer=distopt,
                                   overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
                                   ddp_bucket_size=BUCKET, total_steps=10))
@@ -116,7 +121,7 @@ def _run_mode(trainer, run_dir: Path) -> dict:
     return out
 
 
-def _read_back(run_dir: Path, groups, distopt: bool) -> dict:
+def _read_back(run_dir: Path, model_cfg, groups, distopt: bool) -> dict:
     """The mode's checkpoint loaded by a fresh trainer without overlap (weights), the HF export as written, and
     the refusal of a trainer with the other optimizer."""
     from safetensors.torch import load_file
@@ -124,33 +129,35 @@ def _read_back(run_dir: Path, groups, distopt: bool) -> dict:
     from megatron_rl.checkpoint.training import find_latest, load_checkpoint
 
     checkpoint = find_latest(run_dir / "checkpoints")
-    reader = _trainer(groups, distopt, False, False)
+    reader = _trainer(model_cfg, groups, distopt, False, False)
     load_checkpoint(reader, checkpoint)
     result = {"loaded": reader.full_state_dict(), "exported": load_file(run_dir / "hf" / "step_00000002" /
                                                                        "model.safetensors")}
     try:
-        load_checkpoint(_trainer(groups, not distopt, False, False), checkpoint)
+        load_checkpoint(_trainer(model_cfg, groups, not distopt, False, False), checkpoint)
     except ValueError as exc:
         result["refused"] = str(exc)
     return result
 
 
-def _worker(rank: int, world: int, tp: int, pp: int, modes: list[str], root: str, out: str) -> None:
+def _worker(rank: int, world: int, tp: int, pp: int, ep: int, model: dict, modes: list[str], root: str,
+            out: str) -> None:
     from megatron_rl.config.schema import ModelConfig
     from megatron_rl.models.hf import random_state_dict
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
-    full = random_state_dict(ModelConfig(**MODEL), seed=3)
+    model_cfg = ModelConfig(**model)
+    full = random_state_dict(model_cfg, seed=3)
     results = {}
     for name in modes:
-        groups = state.initialize(tp, pp)
-        trainer = _trainer(groups, *MODES[name])
+        groups = state.initialize(tp, pp, ep=ep)
+        trainer = _trainer(model_cfg, groups, *MODES[name])
         trainer.load_full_state_dict(full)
         run_dir = Path(root) / name
         results[name] = _run_mode(trainer, run_dir)
-        results[name].update(_read_back(run_dir, groups, MODES[name][0]))
+        results[name].update(_read_back(run_dir, model_cfg, groups, MODES[name][0]))
         state.destroy()
     if rank == 0:
         torch.save(results, out)
@@ -160,8 +167,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, modes: list[str], root: str
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overlap")
     got = {}
-    for layout, (tp, pp, world, modes) in LAYOUTS.items():
-        run_spawned(_worker, world, tp, pp, modes, str(tmp / layout), str(tmp / f"{layout}.pt"), timeout_s=600)
+    for layout, (tp, pp, ep, world, model, modes) in LAYOUTS.items():
+        run_spawned(_worker, world, tp, pp, ep, model, modes, str(tmp / layout), str(tmp / f"{layout}.pt"), timeout_s=600)
         got[layout] = torch.load(tmp / f"{layout}.pt", weights_only=False)
     return got
 
