@@ -72,6 +72,7 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
         micro_batch_tokens=cfg.micro_batch_tokens,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
         deterministic=cfg.deterministic, total_steps=cfg.num_steps,
         pad_token_id=tokenizer.pad_token_id))
     sampler = EpochSampler(len(train), cfg.seed)

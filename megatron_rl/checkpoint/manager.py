@@ -75,6 +75,7 @@ class CheckpointManager:
         if self._due(steps_done, self.cfg.save_every, self.cfg.save_at_end):
             self.save(steps_done, extra(), metrics)
         if self._due(steps_done, self.cfg.hf_export_every, self.cfg.hf_export_at_end):
+            self.trainer.gather_params()  # parallel.overlap_param_gather: the last step left the all-gather to do
             export_hf(self.trainer.module, self.trainer.groups, self.trainer.model_cfg,
                       self.hf_root / f"step_{steps_done:08d}", self.tokenizer,
                       max_shard_size=self.cfg.hf_max_shard_size)

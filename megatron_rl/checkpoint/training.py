@@ -146,7 +146,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def _sharded_state_dict(trainer, is_loading: bool, prefix: str = "") -> dict[str, Any]:
     """Model, optimizer, schedule and step counts of `trainer`; model keys under `prefix` (the critic's
-    "critic.", unique beside the policy's)."""
+    "critic.", unique beside the policy's). Saving reads the weights: gathered first (`Trainer.gather_params`)."""
+    if not is_loading:
+        trainer.gather_params()
     model_sd = trainer.module.sharded_state_dict(prefix=prefix)
     metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
     optim_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
@@ -484,7 +486,8 @@ def load_checkpoint(trainer, path: Path, critic: Any = None, verify: bool = True
         raise ValueError(f"checkpoint {path} was written with parallel.use_distributed_optimizer="
                          f"{str(saved_distopt).lower()}, this run has "
                          f"{str(trainer.options.use_distributed_optimizer).lower()}: set "
-                         f"parallel.use_distributed_optimizer={str(saved_distopt).lower()} to resume from it")
+                         f"parallel.use_distributed_optimizer={str(saved_distopt).lower()} to resume from it (its "
+                         "default, null, is on when the trainer runs on GPUs and off on CPU)")
     start = time.perf_counter()
     _ensure_optimizer_state(trainer.optimizer)
     wanted = _sharded_state_dict(trainer, is_loading=True)

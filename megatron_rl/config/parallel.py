@@ -39,10 +39,21 @@ class ParallelConfig:
     Megatron-core runs only with etp=1."""
     sequence_parallel: bool = False
     """Shard activations along the sequence inside tensor-parallel regions; needs tp > 1."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
-    overlap_grad_reduce: bool = False
-    """Overlap the data-parallel gradient reduce-scatter/all-reduce with the backward pass."""
+    use_distributed_optimizer: Optional[bool] = None
+    """Shard the optimizer state (Adam moments, fp32 master weights) over the data-parallel ranks (ZeRO-1):
+    gradients are reduce-scattered, each rank updates its shard, the parameters are all-gathered. null: on when
+    the trainer runs on GPUs (cluster.device=cuda, or auto on a machine with an NVIDIA GPU), off on CPU; resolved
+    when the config is typed (the run's config.yaml holds the choice). A training checkpoint records it: a run
+    resumes from it only with the same setting."""
+    overlap_grad_reduce: Optional[bool] = None
+    """Overlap the data-parallel gradient reduction (all-reduce, or reduce-scatter with the distributed
+    optimizer) with the backward pass, bucket by bucket; with one data-parallel rank there is nothing to overlap
+    (harmless). null: on when the trainer runs on GPUs, off on CPU (resolved as above)."""
+    overlap_param_gather: Optional[bool] = None
+    """Distributed optimizer: all-gather the updated parameters during the next forward (each bucket just before
+    its first layer runs) instead of at the end of the optimizer step; weight syncs, HF exports and checkpoints
+    gather first. Needs use_distributed_optimizer=true. null: on when the trainer runs on GPUs with the
+    distributed optimizer, else off (resolved as above)."""
 
     def __post_init__(self) -> None:
         _check_min("parallel.tp", self.tp, 1)
@@ -56,6 +67,28 @@ class ParallelConfig:
                 "parallel.sequence_parallel=true is invalid with parallel.tp=1: sequence parallelism "
                 "shards tensor-parallel regions; set parallel.tp>1 or parallel.sequence_parallel=false"
             )
+        if self.overlap_param_gather and self.use_distributed_optimizer is False:
+            raise self._overlap_param_gather_error("parallel.use_distributed_optimizer=false")
+
+    def resolve_device_defaults(self, gpus: bool) -> None:
+        """Replace the null (device-dependent) settings: on when the trainer runs on GPUs, off otherwise;
+        overlap_param_gather only with the distributed optimizer."""
+        distopt_default = self.use_distributed_optimizer is None
+        if distopt_default:
+            self.use_distributed_optimizer = gpus
+        if self.overlap_grad_reduce is None:
+            self.overlap_grad_reduce = gpus
+        if self.overlap_param_gather is None:
+            self.overlap_param_gather = gpus and self.use_distributed_optimizer
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise self._overlap_param_gather_error("parallel.use_distributed_optimizer=null, which is off on CPU"
+                                                   if distopt_default else "parallel.use_distributed_optimizer=false")
+
+    @staticmethod
+    def _overlap_param_gather_error(distopt: str) -> Exception:
+        return _invalid("parallel.overlap_param_gather", True, f"only the distributed optimizer gathers parameters, "
+                        f"and {distopt}: set parallel.use_distributed_optimizer=true or "
+                        "parallel.overlap_param_gather=false")
 
     def expert_tp(self, model: ModelConfig) -> int:
         """etp with its default applied: tp, or 1 for a model whose experts have biases."""

@@ -95,10 +95,12 @@ class TrainConfig:
         _check_min("global_batch_size", self.global_batch_size, 1)
         _check_min("micro_batch_tokens", self.micro_batch_tokens, 1)
         self._check_domains()
+        # the device-dependent defaults, resolved here so that the run's config.yaml holds the choices
+        gpus = self.cluster.device == "cuda" or (self.cluster.device == "auto" and nvidia_gpu_visible())
         if self.rollout.backend == "auto":
-            gpus = self.cluster.device == "cuda" or (self.cluster.device == "auto" and nvidia_gpu_visible())
             self.rollout.backend = "sglang" if gpus else "hf"
             self.rollout.__post_init__()  # the chosen engine's own checks
+        self.parallel.resolve_device_defaults(gpus)
         if self.rollout.weight_sync == "adapters" and not self.model.lora_rank:
             raise _invalid("rollout.weight_sync", self.rollout.weight_sync, "the model trains no LoRA adapters "
                            "(model.lora_rank=0): set model.lora_rank > 0 or rollout.weight_sync=full")

@@ -203,6 +203,7 @@ class DisaggregatedController:
         adapters_only = mode == "adapters" and self._base_of == loaded
         if self._sink is not None:
             self._sink.adapters_follow = mode == "adapters" and not adapters_only
+        self.trainer.gather_params()  # parallel.overlap_param_gather: the last step left the all-gather to do
         start = time.time()
         try:
             stats = sync_policy(self.trainer.module, self.trainer.groups, self.trainer.model_cfg, self._sink,

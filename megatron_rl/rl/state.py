@@ -91,7 +91,8 @@ def build_run(rt, evaluation: bool = False) -> RunState:
     task = make_task(cfg, tokenizer)
     options = TrainerOptions(
         micro_batch_tokens=cfg.micro_batch_tokens, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, deterministic=cfg.deterministic,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce, overlap_param_gather=cfg.parallel.overlap_param_gather,
+        deterministic=cfg.deterministic,
         total_steps=cfg.num_steps * cfg.algorithm.num_inner_updates, pad_token_id=tokenizer.pad_token_id,
         logprob_temperature=cfg.rollout.temperature or 1.0,  # 0 (greedy): log-probs at temperature 1
         routing_replay=cfg.algorithm.routing_replay != "none")

@@ -18,6 +18,11 @@ schedule multiplies the loss by cp and DDP averages over data- x context-paralle
 the gradient is again that of the global sum. Attention then runs in THD layout
 (`PackedSeqParams`), as it does on every Transformer Engine run: TE's causal attention
 ignores a dense mask, so packed rows need their `cu_seqlens` to keep samples apart.
+
+Data parallelism is Megatron's DDP (`parallel.use_distributed_optimizer`, `overlap_grad_reduce`,
+`overlap_param_gather`: on by default on GPUs). With `overlap_param_gather` an optimizer step updates only this
+rank's shard of the parameters and the next forward all-gathers the rest, bucket by bucket; anything that reads
+the weights without a forward (weight sync, export, checkpoint, snapshot) gets them through `gather_params`.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ class TrainerOptions:
     micro_batch_tokens: int = 2048
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False  # needs use_distributed_optimizer; see `gather_params`
+    ddp_bucket_size: Optional[int] = None  # parameters per bucket under overlap_grad_reduce (None: Megatron's)
     deterministic: bool = True
     total_steps: int = 100
     pad_token_id: int = 0
@@ -130,10 +137,15 @@ class Trainer:
                             100.0 * train / max(total, 1))
         self.routing_layers = routing_replay.attach(module) if options.routing_replay and head == "lm" else []
         self.last_routing: Optional[routing_replay.RoutingRecord] = None  # forward_logprobs(record_routing=True)
+        if options.overlap_param_gather and not options.use_distributed_optimizer:
+            raise ValueError("TrainerOptions(overlap_param_gather=True) needs use_distributed_optimizer=True: only "
+                             "the distributed optimizer all-gathers parameters")
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=options.overlap_grad_reduce,
+            overlap_param_gather=options.overlap_param_gather,
             use_distributed_optimizer=options.use_distributed_optimizer,
+            bucket_size=options.ddp_bucket_size,
         )
         self.model = DistributedDataParallel(module.config, ddp_config, module)
         config = module.config
@@ -142,6 +154,7 @@ class Trainer:
         if options.overlap_grad_reduce:
             config.grad_sync_func = self.model.start_grad_sync
         self.optimizer, self.scheduler = build_optimizer(self.model, optim_cfg, options)
+        self._params_behind = False  # overlap_param_gather: other ranks' parameter shards not gathered yet
         self.step = 0  # optimizer steps taken by this model (warm start included)
         self.optimizer_step = 0  # steps taken by the current optimizer (Adam's bias correction)
         # times weights were loaded (a state dict, an HF checkpoint, a training checkpoint): a LoRA model's base
@@ -158,6 +171,18 @@ class Trainer:
     @property
     def module(self) -> torch.nn.Module:
         return self.model.module
+
+    def gather_params(self) -> None:
+        """Make every parameter hold the weights of the last optimizer step. With `overlap_param_gather` the
+        distributed optimizer updates only this data-parallel rank's shard of the parameter buffer and leaves the
+        all-gather of the other ranks' shards to the next forward: Megatron's forward pre-hooks wait for each
+        bucket before its first module runs (megatron/core/distributed/distributed_data_parallel.py:384-418,
+        optimizer/distrib_optimizer.py:2612-2619). Whatever reads the weights without a forward (weight sync,
+        HF export, checkpoints, snapshots) calls this first. A collective over the data-parallel ranks when a
+        gather is due (every rank calls it: each steps alike), else nothing."""
+        if self._params_behind:
+            self.model.start_param_sync(force_sync=True)  # synchronous; the hooks then find nothing to wait for
+            self._params_behind = False
 
     def load_full_state_dict(self, full: dict[str, Tensor]) -> None:
         """Set weights from a full Megatron-named state dict (each rank takes its shard)."""
@@ -177,6 +202,7 @@ class Trainer:
 
     def snapshot_weights(self) -> list[Tensor]:
         """This rank's weights (`_weight_tensors`), copied to host memory (e.g. the reference policy)."""
+        self.gather_params()
         pin = self.groups.device.type != "cpu"
         return [p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone()
                 for p in self._weight_tensors()]
@@ -197,6 +223,7 @@ class Trainer:
         from megatron_rl.models.lora import merged_weight
         from megatron_rl.models.value_head import is_head_parameter
 
+        policy.gather_params()
         # the policy's weights as the engine sees them: a LoRA policy's merged (models/lora.py), one at a time
         source = {}
         for module_name, module in policy.module.named_modules():
@@ -291,13 +318,14 @@ class Trainer:
         return moved
 
     def onload_weights_for_sync(self, adapters_only: bool = False) -> None:
-        """Bring back only the parameters (weight sync reads them); grads and optimizer stay off. With
-        `adapters_only` (an adapter-only sync) a LoRA model's frozen base stays off too (DDP's buffers hold
-        only trainable parameters: with LoRA, the adapters)."""
+        """Bring back only the parameters (weight sync reads them), all-gathered (`gather_params`); grads and
+        optimizer stay off. With `adapters_only` (an adapter-only sync) a LoRA model's frozen base stays off too
+        (DDP's buffers hold only trainable parameters: with LoRA, the adapters)."""
         if self.groups.device.type != "cpu":
             self._params_to(self.groups.device, adapters_only)
             for buffer in self.model.buffers + self.model.expert_parallel_buffers:
                 buffer.reload_from_cpu(move_params=True, move_grads=False)
+        self.gather_params()
 
     def offload_weights_after_sync(self, adapters_only: bool = False) -> None:
         if self.groups.device.type != "cpu":
@@ -318,6 +346,7 @@ class Trainer:
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's weights, gathered over the model-parallel ranks (a collective: every rank calls it)."""
+        self.gather_params()
         return gather_full_state_dict(self.module, self.groups)
 
     # -- forward ------------------------------------------------------------------------------
@@ -495,8 +524,8 @@ class Trainer:
 
         def loss_func_for(mb: MicroBatch):
             def loss_func(logits: Tensor):
-                if not mb.sample_indices:  # a padding row (expert parallelism): contributes nothing
-                    return logits.sum() * 0.0, {}
+                if not mb.sample_indices:  # a padding row (fewer samples than ranks, or EP): contributes nothing
+                    return self._zero_loss(logits), {}
                 lp, ent = self._target_stats(mb, logits, with_entropy)
                 inputs = LossInputs(
                     logprobs=lp, entropy=ent, loss_mask=mb.loss_mask, sample_ids=mb.sample_ids,
@@ -513,6 +542,7 @@ class Trainer:
             stored = self._run(micro, loss_func_for, forward_only=False, replay=replay)
             drift = None if replay is None else self._drift(replay)
         ok, grad_norm, _ = self.optimizer.step()
+        self._params_behind = self.options.overlap_param_gather  # the next forward, or `gather_params`, gathers
         if not ok:
             raise FloatingPointError(f"optimizer step {self.step} failed: non-finite gradients")
         self.scheduler.step(increment=1)
@@ -523,6 +553,16 @@ class Trainer:
         if drift is not None:
             metrics["routing_drift"] = drift
         return metrics
+
+    def _zero_loss(self, output: Tensor) -> Tensor:
+        """A padding row's loss: 0, with a (zero) gradient for every trained weight, as a real row has. With
+        parallel.overlap_grad_reduce a bucket's reduction starts once each of its parameters has a gradient
+        (megatron/core/distributed/param_and_grad_buffer.py:552-561); on the fused path the output weight is
+        not in the output's graph (the last stage returns hidden states), so it is added here."""
+        loss = output.sum() * 0.0
+        if self.model_cfg.fused_logprobs and self.head == "lm":
+            loss = loss + output_weight(self.module).sum() * 0.0
+        return loss
 
     # -- MoE routing replay ---------------------------------------------------------------------
     def _routing_layers(self) -> list[routing_replay.LayerRouting]:

@@ -35,6 +35,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ALL_YAMLS = sorted(CONF_DIR.rglob("*.yaml"))
 # What conf/preset/tiny.yaml sets over the group defaults (the default model, tiny_qwen2, includes it)
 TINY_PRESET = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "preset" / "tiny.yaml"))
+# parallel.* null: on when the trainer runs on GPUs, off on CPU (ParallelConfig.resolve_device_defaults)
+DEVICE_DEFAULTS = (
+    "parallel.use_distributed_optimizer", "parallel.overlap_grad_reduce", "parallel.overlap_param_gather")
 
 
 @pytest.fixture
@@ -119,6 +122,9 @@ def test_every_yaml_composes_to_a_valid_typed_config(yaml_path: Path, hf_checkpo
             continue  # a group option's value that the default (tiny) model's preset replaces on purpose
         if key == "rollout.backend" and value == "auto":
             assert cfg.rollout.backend in ("hf", "sglang")  # resolved when typed
+            continue
+        if key in DEVICE_DEFAULTS and value is None:
+            assert OmegaConf.select(composed, key) in (True, False)  # resolved when typed
             continue
         # Every value the file writes must survive composition (nothing silently dropped).
         assert OmegaConf.select(composed, key) == value, f"{yaml_path.name}: {key}"
@@ -346,6 +352,11 @@ INVALID_CASES = [
     (["model=nope"], 1, ["model=nope", "tiny_qwen2", "qwen2_5_7b"]),
     (["+experiment=nope"], 1, ["experiment=nope", "demo_countdown"]),
     (["parallel.sequence_parallel=true"], 1, ["parallel.sequence_parallel=true", "parallel.tp=1"]),
+    (["parallel.use_distributed_optimizer=false", "parallel.overlap_param_gather=true"], 2,
+     ["parallel.overlap_param_gather=true", "parallel.use_distributed_optimizer=false",
+      "set parallel.use_distributed_optimizer=true or parallel.overlap_param_gather=false"]),
+    (["cluster.device=cpu", "parallel.overlap_param_gather=true"], 2,
+     ["parallel.overlap_param_gather=true", "parallel.use_distributed_optimizer=null, which is off on CPU"]),
     (["sandbox.runtime=process"], 1, ["sandbox.runtime=process", "sandbox.allow_unisolated=true"]),
     (["model.family=gpt"], 1, ["model.family=gpt", "llama, qwen2, qwen3"]),
     (["model.num_query_groups=3"], 1, ["model.num_query_groups=3", "model.num_attention_heads=4"]),

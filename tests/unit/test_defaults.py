@@ -68,6 +68,52 @@ def test_backend_auto_follows_the_device(monkeypatch):
     assert _typed("model=qwen2_5_7b", "model.path=/ckpt/x").rollout.backend == "hf"
 
 
+def _fast_path(cfg: TrainConfig) -> tuple:
+    return _flags(cfg.parallel)
+
+
+def _flags(par) -> tuple:
+    return par.use_distributed_optimizer, par.overlap_grad_reduce, par.overlap_param_gather
+
+
+def test_the_data_parallel_fast_path_is_on_with_gpus_and_off_on_cpu(monkeypatch):
+    """parallel.use_distributed_optimizer, overlap_grad_reduce and overlap_param_gather: null (the default) is
+    resolved when the config is typed, from cluster.device as rollout.backend=auto is; set values win."""
+    from megatron_rl.config import ParallelConfig, schema
+
+    assert _flags(ParallelConfig()) == (None, None, None)  # the schema's default: decided when typed
+    monkeypatch.setattr(schema, "nvidia_gpu_visible", lambda: True)
+    assert _fast_path(_typed()) == (True, True, True)  # cluster.device=auto
+    assert _fast_path(_typed("cluster.device=cuda")) == (True, True, True)
+    assert _fast_path(_typed("cluster.device=cpu")) == (False, False, False)
+    monkeypatch.setattr(schema, "nvidia_gpu_visible", lambda: False)
+    assert _fast_path(_typed()) == (False, False, False)
+    assert _fast_path(_typed("cluster.device=cuda")) == (True, True, True)
+    assert _fast_path(_typed("cluster=slurm")) == (True, True, True)  # cluster/slurm.yaml: cluster.device=cuda
+    # set values win; overlap_param_gather's default follows the distributed optimizer
+    assert _fast_path(_typed("cluster.device=cuda", "parallel.overlap_grad_reduce=false")) == (True, False, True)
+    assert _fast_path(_typed("cluster.device=cuda", "parallel.use_distributed_optimizer=false")) == (False, True, False)
+    assert _fast_path(_typed("cluster.device=cuda", "parallel.overlap_param_gather=false")) == (True, True, False)
+    assert _fast_path(_typed("cluster.device=cpu", "parallel.use_distributed_optimizer=true")) == (True, False, False)
+    assert _fast_path(_typed("cluster.device=cpu", "parallel.use_distributed_optimizer=true",
+                             "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true")) == (True,) * 3
+
+
+def test_the_run_config_holds_the_resolved_fast_path(monkeypatch, tmp_path):
+    """config.yaml (written as the runtime writes it) holds the choices, which typing it again keeps whatever
+    the machine that reads it (offline evaluation reads a run's config.yaml so)."""
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config import schema
+
+    monkeypatch.setattr(schema, "nvidia_gpu_visible", lambda: True)
+    OmegaConf.save(OmegaConf.structured(_typed()), tmp_path / "config.yaml")
+    saved = OmegaConf.load(tmp_path / "config.yaml")
+    assert (saved.parallel.use_distributed_optimizer, saved.parallel.overlap_param_gather) == (True, True)
+    monkeypatch.setattr(schema, "nvidia_gpu_visible", lambda: False)
+    assert _fast_path(to_typed(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))) == (True,) * 3
+
+
 def test_gpu_visibility_respects_cuda_visible_devices(monkeypatch):
     from megatron_rl.config.schema import nvidia_gpu_visible
 
