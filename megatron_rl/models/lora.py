@@ -267,7 +267,7 @@ def trainable(model: torch.nn.Module) -> None:
 def merged_weight(module: torch.nn.Module, name: str, param: Tensor) -> Tensor:
     """`param` (named `name` in `module`) as the engine and HF checkpoints see it: W + (alpha / rank) B A for an
     adapted linear's weight, the parameter itself otherwise."""
-    adapter = getattr(module, "lora_adapter", None)
+    adapter = module.__dict__.get("lora_adapter")  # attach_lora's; not getattr: a miss costs nn.Module a raise
     if adapter is None or name != "weight":
         return param.detach()
     return adapter.merged(param.detach())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from typing import Any, Iterator, Optional
 
@@ -26,11 +25,10 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.state import ParallelGroups
 from megatron_rl.families import get_converter
-from megatron_rl.weight_sync.sharding import gather_adapters, gathered_stage_params
+from megatron_rl.weight_sync.sharding import gather_adapters, stage_layers
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @dataclasses.dataclass
@@ -53,31 +51,15 @@ def _stage_hf_tensors(model: torch.nn.Module, groups: ParallelGroups, arch: Any,
                       merged: bool = True) -> Iterator[tuple[str, Tensor]]:
     """This stage's weights in HF names, a layer at a time (TP/EP-gathered, full tensors)."""
     converter = get_converter(arch.family)
-    current_layer: Optional[int] = None
-    pending: dict[str, Tensor] = {}
-
-    def convert(meg: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+    for layer in stage_layers(model, groups, merged):
+        # the last stage's copy of a tied embedding (PP > 1) is not sent
+        meg = {name: tensor for name, tensor, _, _ in layer
+               if not (name == "output_layer.weight" and arch.tie_word_embeddings)}
         for name, tensor in converter.megatron_to_hf(meg, arch).items():
             # A tied lm_head is the embedding (converters write it for checkpoints): engines take it from
             # model.embed_tokens.weight, so sending it would move the vocabulary's rows twice.
             if not (name == "lm_head.weight" and arch.tie_word_embeddings):
                 yield name, tensor
-
-    for global_name, tensor in gathered_stage_params(model, groups, merged):
-        match = _LAYER.match(global_name)
-        layer = int(match.group(1)) if match else None
-        if pending and layer != current_layer:
-            yield from convert(pending)
-            pending = {}
-        current_layer = layer
-        if global_name == "output_layer.weight" and arch.tie_word_embeddings:
-            continue  # the last stage's copy of the tied embedding
-        pending[global_name] = tensor
-        if layer is None:  # embedding / final norm / output layer: convertible on their own
-            yield from convert(pending)
-            pending = {}
-    if pending:
-        yield from convert(pending)
 
 
 def _buckets(tensors: Iterator[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
