@@ -6,7 +6,8 @@ to HF names and layouts (QKV and gate/up splits) with the family's converter, an
 the results into buckets of about `bucket_bytes`. Other stages receive each bucket by
 broadcast over the pipeline group. Every rank that owns an engine loads each bucket as it
 arrives, so neither the full model nor a second copy of it is ever materialised. Each
-update is stamped with a version; time and bytes/s are returned.
+update is stamped with a version; time and bytes/s are returned. An engine in the trainer's own
+process (the hf backend) at PP=1 needs no HF tensors at all: it is written in place (`in_place.py`).
 
 A LoRA model sends its merged weights W + (alpha / r) B A, or (`rollout.weight_sync=adapters`) its frozen
 base weights once (`merged=False`) and then only its adapters (`sync_adapters`): the engine adds
@@ -25,6 +26,8 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.state import ParallelGroups
 from megatron_rl.families import get_converter
+from megatron_rl.rollout.base import InPlaceEngine
+from megatron_rl.weight_sync.in_place import sync_in_place
 from megatron_rl.weight_sync.sharding import gather_adapters, stage_layers
 
 logger = logging.getLogger(__name__)
@@ -130,10 +133,14 @@ def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engi
     """Push the model's current weights into `engine` (None on ranks that own no engine); a LoRA model's
     adapted weights merged, or with `merged` False its base weights.
 
-    Every rank of the model-parallel group must call this (it contains collectives).
+    Every rank of the model-parallel group must call this (it contains collectives). An engine in this process
+    (`InPlaceEngine`) at PP=1 is written in place (`in_place.py`: no buckets, `num_buckets` 0).
     """
     _synchronize(groups.device)  # the step's kernels still in flight are not the sync's time
     start = time.perf_counter()
+    if groups.pp_size == 1 and isinstance(engine, InPlaceEngine):
+        plan = sync_in_place(model, groups, arch, engine, version, merged)
+        return _finish(SyncStats(version, plan.num_tensors, plan.num_bytes, 0, 0.0), start, groups)
     num_tensors = num_bytes = num_buckets = 0
 
     def deliver(bucket: list[tuple[str, Tensor]], last: bool) -> None:
@@ -160,10 +167,15 @@ def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engi
             pending = bucket
     if pending is not None:
         deliver(pending, last=True)
+    return _finish(SyncStats(version, num_tensors, num_bytes, num_buckets, 0.0), start, groups)
+
+
+def _finish(stats: SyncStats, start: float, groups: ParallelGroups) -> SyncStats:
     _synchronize(groups.device)  # the engine's copies are queued on the GPU: the time is when they are done
-    stats = SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
-    logger.info("weight sync v%d: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s)", version,
-                stats.num_tensors, stats.num_bytes / 1e6, stats.num_buckets, stats.seconds, stats.gb_per_s)
+    stats.seconds = time.perf_counter() - start
+    logger.info("weight sync v%d: %d tensors, %.1f MB %s, %.3fs (%.2f GB/s)", stats.version, stats.num_tensors,
+                stats.num_bytes / 1e6, f"in {stats.num_buckets} buckets" if stats.num_buckets else "in place",
+                stats.seconds, stats.gb_per_s)
     return stats
 
 
