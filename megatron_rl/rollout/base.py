@@ -10,6 +10,7 @@ unchanged weights the importance ratio of the first update is 1.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -139,15 +140,34 @@ class InPlaceEngine(Protocol):
 
 def covered_once(tensor: torch.Tensor, views: Sequence[torch.Tensor]) -> bool:
     """Whether `views` of the contiguous `tensor`'s memory hold each of its elements exactly once (the check of an
-    in-place weight sync's copies, on both sides; counted on the host where it is not plain, once per plan)."""
-    if not tensor.is_contiguous() or sum(v.numel() for v in views) != tensor.numel():
+    in-place weight sync's copies, on both sides, once per plan). Counted on the host, a block at a time: the
+    largest block that every view's contiguous runs, starts and strides are made of (a row for row slices)."""
+    storage = tensor.untyped_storage().data_ptr()
+    if not tensor.is_contiguous() or sum(v.numel() for v in views) != tensor.numel() \
+            or any(v.untyped_storage().data_ptr() != storage for v in views):
         return False
     if len(views) == 1 and _dense(views[0]):  # as many distinct elements as the tensor has, all of them its own
         return True
-    marks = torch.zeros(tensor.numel(), dtype=torch.uint8)
-    for view in views:
-        marks.as_strided(view.shape, view.stride(), view.storage_offset() - tensor.storage_offset()).add_(1)
+    shapes = [(*_runs(v), v.storage_offset() - tensor.storage_offset()) for v in views if v.numel()]
+    block = math.gcd(tensor.numel(), *(run for _, run, _ in shapes), *(start for _, _, start in shapes),
+                     *(stride for outer, _, _ in shapes for _, stride in outer))
+    marks = torch.zeros(tensor.numel() // block, dtype=torch.uint8)
+    try:
+        for outer, run, start in shapes:
+            marks.as_strided([size for size, _ in outer] + [run // block],
+                             [stride // block for _, stride in outer] + [1], start // block).add_(1)
+    except RuntimeError:  # a view that holds some element twice, or reaches beyond the tensor
+        return False
     return bool((marks == 1).all())
+
+
+def _runs(view: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
+    """`view` as (outer dims (size, stride), the length of the contiguous run its innermost dims make)."""
+    dims = [(size, stride) for size, stride in zip(view.shape, view.stride()) if size != 1]
+    run = 1
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    return dims, run
 
 
 def _dense(view: torch.Tensor) -> bool:

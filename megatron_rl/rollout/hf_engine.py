@@ -179,6 +179,7 @@ class HFEngine:
         tensor's shape (`hf_memory_slot`: a slice of a fused tensor). Valid until the weights are released."""
         return self._slot(name)[1]
 
+    @torch.no_grad()  # views of parameters that require grad: made outside autograd, as the copies into them
     def _slot(self, name: str) -> tuple[str, torch.Tensor]:
         """(the parameter or buffer that holds `name`, `weight_slot(name)`), found once per allocation."""
         slot = self._slots.get(name)
@@ -217,6 +218,7 @@ class HFEngine:
                     f"allocated (e.g. {', '.join(missing[:3])}): the update must send every weight")
             self._loaded(version)
 
+    @torch.no_grad()
     def weight_targets(self, regions: Sequence[WeightRegion], plan: object) -> list[torch.Tensor]:
         """Views of the engine's memory that an in-place weight sync (`weight_sync.in_place`) copies into, one per
         region (hub name, shape to view its slot as or None, index). Made and checked once per allocation for

@@ -10,8 +10,8 @@ tensors a layer at a time, as in the stream, and each HF tensor it returns is tr
 it is a view of (storage and offsets); where it is none (Q, K and V: the rows of every KV group; gpt-oss's
 stacked experts), the converter's `in_place_views` gives views that fill it piece by piece. Each view is a copy
 of the plan: its geometry in its Megatron tensor, and the engine region it fills. That sync copies through the
-plan and checks the result: every HF tensor in the engine equals the converter's bit for bit, every element of
-every Megatron tensor is copied exactly once, and (the engine's own check, `weight_targets`) every element of
+plan and checks the result: every HF tensor written piece by piece equals the converter's bit for bit in the
+engine, every element of every Megatron tensor is copied exactly once, and (the engine's own check, `weight_targets`) every element of
 every engine parameter is written exactly once. Any miss raises.
 
 Every later sync only walks the plan: each parameter's value (TP / EP all-gathered and LoRA-merged as the
@@ -104,7 +104,8 @@ class InPlacePlan:
                 if hf_name == "lm_head.weight" and arch.tie_word_embeddings:
                     continue
                 slot = engine.weight_slot(hf_name)
-                for (value, source, j), region, view in _views(hf_name, tensor, layer, meg, converter, arch):
+                views = _views(hf_name, tensor, layer, meg, converter, arch)
+                for (value, source, j), region, view in views:
                     target = region_view(slot, region)
                     if target.shape != view.shape:
                         raise ValueError(f"weight sync: the engine's {region} is {tuple(target.shape)}, its "
@@ -114,7 +115,7 @@ class InPlacePlan:
                     whole = start == 0 and view.shape == value.shape and view.stride() == value.stride()
                     source.copies[j].append(_Copy(tuple(view.shape), view.stride(), start, whole, region))
                     used.setdefault(id(value), []).append(view)
-                if not torch.equal(slot, tensor.to(slot.dtype)):
+                if views[0][2] is not tensor and not torch.equal(slot, tensor.to(slot.dtype)):  # built from views
                     raise AssertionError(f"weight sync: the in-place copies of {hf_name} differ from the converter's")
                 num_tensors += 1
                 num_bytes += tensor.numel() * tensor.element_size()
