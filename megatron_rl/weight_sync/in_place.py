@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_rl.families import get_converter
-from megatron_rl.models.lora import merged_weight
+from megatron_rl.models.lora import adapter_of
 from megatron_rl.parallel.state import ParallelGroups
 from megatron_rl.rollout.base import InPlaceEngine, WeightRegion, covered_once, region_view
 from megatron_rl.weight_sync import sharding
@@ -135,7 +135,8 @@ class InPlacePlan:
         targets = iter(engine.weight_targets(self.regions, self))
         for source in self.sources:
             tensor = source.table[source.attribute]
-            value = merged_weight(source.module, source.attribute, tensor) if merged else tensor
+            adapter = adapter_of(source.module, source.attribute) if merged else None
+            value = tensor if adapter is None else adapter.merged(tensor.detach())
             values = sharding.gathered(source.name, tensor, value, model, groups) if source.gathered else (value,)
             for value, (shape, stride), copies in zip(values, source.layouts, source.copies, strict=True):
                 if value.shape != shape or value.stride() != stride:
