@@ -1,12 +1,15 @@
 """The `hf` rollout backend: a `transformers` causal LM and its own `generate`.
 
 It is the CPU default and the numerical reference for the other backends. Weights arrive
-from the trainer as HF-named tensors (weight sync), so the engine starts from whatever
-architecture the config describes and never loads a checkpoint itself; where `transformers`
-holds weights differently in memory (fused experts), the family's converter says which slice
-each hub tensor fills (`hf_memory_slot`). Releasing the
-"weights" tag really frees them (the module moves to the meta device); after resuming they
-hold garbage until the next weight update, exactly like SGLang's memory saver.
+from the trainer by weight sync, so the engine starts from whatever architecture the config
+describes and never loads a checkpoint itself: as HF-named tensors (`update_weights`), or, in the
+trainer's own process, copied straight into its parameters (`weight_targets`, `weights_written`:
+`weight_sync.in_place`). Where `transformers` holds weights differently in memory (fused experts),
+the family's converter says which slice each hub tensor fills (`hf_memory_slot`); the engine finds
+each slice once per allocation (its weights move only in release_memory / resume_memory, which
+drop those views). Releasing the "weights" tag really frees them (the module moves to the meta
+device); after resuming they hold garbage until the next weight update, exactly like SGLang's
+memory saver.
 
 LoRA adapters (`update_adapters`, for `rollout.weight_sync=adapters`) run as forward hooks of the adapted
 `torch.nn.Linear` modules, which add (alpha / r) B (A x) to their output as the trainer's adapters do, on top
