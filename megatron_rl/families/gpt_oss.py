@@ -42,10 +42,14 @@ from megatron_rl.families.spec import FamilySpec
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from megatron_rl.families.convert.dense import InPlaceView
+
 
 _STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj",
             "mlp.experts.down_proj_bias")
 _HF_STACKED = re.compile(r"^(model\.layers\.\d+\.)mlp\.experts\.gate_up_proj$")
+_HF_STACKED_ANY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\."
+                             r"(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
 _MEG_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.)mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight$")
 _SWIGLU_ALPHA = 1.702  # Megatron-core's quick_gelu: x * sigmoid(1.702 x)
 # what transformers' GptOssConfig gives a config.json without rope keys (configuration_gpt_oss.py: __post_init__,
@@ -191,6 +195,29 @@ class GptOssConverter(YarnRope, DenseDecoderConverter):
                     block + "gate_up_proj_bias": torch.stack(gate_up_bias),
                     block + "down_proj": torch.stack(down), block + "down_proj_bias": torch.stack(down_bias)})
         return out
+
+    def in_place_views(self, name: str, meg: dict[str, Tensor], arch: Any) -> Optional[list[InPlaceView]]:
+        """The stacked experts, a view of each expert's tensor per row: gate_up_proj [E, H, 2I] viewed as
+        [E, H, I, 2] takes an expert's gate (transposed) at [e, ..., 0] and its up at [e, ..., 1]."""
+        match = _HF_STACKED_ANY.match(name)
+        if match is None:
+            return super().in_place_views(name, meg, arch)
+        layer, stacked = match.groups()
+        bias = stacked.endswith("_bias")
+        kind = "bias" if bias else "weight"
+        views: list[InPlaceView] = []
+        for e in range(arch.num_experts):
+            expert = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}."
+            if stacked.startswith("gate_up_proj"):
+                gate, up = meg[expert + f"linear_fc1.{kind}"].chunk(2)
+                if not bias:
+                    gate, up = gate.t(), up.t()  # HF computes x @ W
+                shape = (arch.num_experts, *gate.shape, 2)  # [..., 2I] as [..., I, 2]: gate even, up odd
+                views += [(shape, (e, ..., 0), gate), (shape, (e, ..., 1), up)]
+            else:
+                down = meg[expert + f"linear_fc2.{kind}"]
+                views.append((None, (e,), down if bias else down.t()))
+        return views
 
     def expected_hf_shapes(self, arch: Any, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
         names = list(names)

@@ -264,13 +264,17 @@ def trainable(model: torch.nn.Module) -> None:
         param.requires_grad_(is_adapter_param(name))
 
 
+def adapter_of(module: torch.nn.Module, name: str) -> Optional[LoRAAdapter]:
+    """The adapter of `module`'s parameter `name` (an adapted linear's weight), or None."""
+    # attach_lora's attribute; not getattr, for which nn.Module raises (and catches) per miss
+    return module.__dict__.get("lora_adapter") if name == "weight" else None
+
+
 def merged_weight(module: torch.nn.Module, name: str, param: Tensor) -> Tensor:
     """`param` (named `name` in `module`) as the engine and HF checkpoints see it: W + (alpha / rank) B A for an
     adapted linear's weight, the parameter itself otherwise."""
-    adapter = getattr(module, "lora_adapter", None)
-    if adapter is None or name != "weight":
-        return param.detach()
-    return adapter.merged(param.detach())
+    adapter = adapter_of(module, name)
+    return param.detach() if adapter is None else adapter.merged(param.detach())
 
 
 def peft_tensors(adapters: dict[str, tuple[Tensor, Tensor]],

@@ -10,9 +10,21 @@ unchanged weights the importance ratio of the first update is 1.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
+
+# Where an in-place weight sync copies one view of a Megatron tensor: (hub name of the engine tensor, the shape to
+# view that tensor as or None, an index into it) (`InPlaceEngine.weight_targets`)
+WeightRegion = tuple[str, Optional[tuple[int, ...]], tuple]
+
+
+def region_view(slot: torch.Tensor, region: WeightRegion) -> torch.Tensor:
+    """The view of the engine memory `slot` (the hub tensor `region[0]`'s) that `region` names."""
+    _, shape, index = region
+    return (slot if shape is None else slot.view(shape))[index]
+
 
 # Memory tags, as SGLang names them: model weights and the KV cache are released separately.
 TAG_WEIGHTS = "weights"
@@ -108,3 +120,61 @@ class RolloutEngine(Protocol):
     def health(self) -> dict: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class InPlaceEngine(Protocol):
+    """An engine in the trainer's process whose weights weight sync copies into directly, with no HF tensors or
+    buckets in between (`weight_sync.in_place`; the hf backend)."""
+
+    def weight_slot(self, name: str) -> torch.Tensor:
+        """The engine memory that the hub tensor `name` fills (a view, of the hub tensor's shape)."""
+
+    def weight_targets(self, regions: Sequence[WeightRegion], plan: object) -> list[torch.Tensor]:
+        """A view of the engine's memory per region, kept for `plan` until the weights are released; raises
+        ValueError unless the regions write every element of every parameter."""
+
+    def weights_written(self, version: int, plan: object) -> None:
+        """`plan` copied into all of its `weight_targets`: `version` takes effect."""
+
+
+def covered_once(tensor: torch.Tensor, views: Sequence[torch.Tensor]) -> bool:
+    """Whether `views` of the contiguous `tensor`'s memory hold each of its elements exactly once (the check of an
+    in-place weight sync's copies, on both sides, once per plan). Counted on the host, a block at a time: the
+    largest block that every view's contiguous runs, starts and strides are made of (a row for row slices)."""
+    storage = tensor.untyped_storage().data_ptr()
+    if not tensor.is_contiguous() or sum(v.numel() for v in views) != tensor.numel() \
+            or any(v.untyped_storage().data_ptr() != storage for v in views):
+        return False
+    if len(views) == 1 and _dense(views[0]):  # as many distinct elements as the tensor has, all of them its own
+        return True
+    shapes = [(*_runs(v), v.storage_offset() - tensor.storage_offset()) for v in views if v.numel()]
+    block = math.gcd(tensor.numel(), *(run for _, run, _ in shapes), *(start for _, _, start in shapes),
+                     *(stride for outer, _, _ in shapes for _, stride in outer))
+    marks = torch.zeros(tensor.numel() // block, dtype=torch.uint8)
+    try:
+        for outer, run, start in shapes:
+            marks.as_strided([size for size, _ in outer] + [run // block],
+                             [stride // block for _, stride in outer] + [1], start // block).add_(1)
+    except RuntimeError:  # a view that holds some element twice, or reaches beyond the tensor
+        return False
+    return bool((marks == 1).all())
+
+
+def _runs(view: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
+    """`view` as (outer dims (size, stride), the length of the contiguous run its innermost dims make)."""
+    dims = [(size, stride) for size, stride in zip(view.shape, view.stride()) if size != 1]
+    run = 1
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    return dims, run
+
+
+def _dense(view: torch.Tensor) -> bool:
+    """Whether `view`'s elements are distinct and fill a contiguous span (a permutation of a contiguous tensor)."""
+    step = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(view.shape, view.stride()) if sz != 1):
+        if stride != step:
+            return False
+        step *= size
+    return True

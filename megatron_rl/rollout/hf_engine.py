@@ -1,12 +1,15 @@
 """The `hf` rollout backend: a `transformers` causal LM and its own `generate`.
 
 It is the CPU default and the numerical reference for the other backends. Weights arrive
-from the trainer as HF-named tensors (weight sync), so the engine starts from whatever
-architecture the config describes and never loads a checkpoint itself; where `transformers`
-holds weights differently in memory (fused experts), the family's converter says which slice
-each hub tensor fills (`hf_memory_slot`). Releasing the
-"weights" tag really frees them (the module moves to the meta device); after resuming they
-hold garbage until the next weight update, exactly like SGLang's memory saver.
+from the trainer by weight sync, so the engine starts from whatever architecture the config
+describes and never loads a checkpoint itself: as HF-named tensors (`update_weights`), or, in the
+trainer's own process, copied straight into its parameters (`weight_targets`, `weights_written`:
+`weight_sync.in_place`). Where `transformers` holds weights differently in memory (fused experts),
+the family's converter says which slice each hub tensor fills (`hf_memory_slot`); the engine finds
+each slice once per allocation (its weights move only in release_memory / resume_memory, which
+drop those views). Releasing the "weights" tag really frees them (the module moves to the meta
+device); after resuming they hold garbage until the next weight update, exactly like SGLang's
+memory saver.
 
 LoRA adapters (`update_adapters`, for `rollout.weight_sync=adapters`) run as forward hooks of the adapted
 `torch.nn.Linear` modules, which add (alpha / r) B (A x) to their output as the trainer's adapters do, on top
@@ -17,16 +20,19 @@ address by their hub names.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from megatron_rl.rollout.base import (  # noqa: F401  (EngineStateError: re-exported)
-    ALL_TAGS, TAG_KV_CACHE, TAG_WEIGHTS, EngineStateError, Generation, SamplingParams)
+    ALL_TAGS, TAG_KV_CACHE, TAG_WEIGHTS, EngineStateError, Generation, SamplingParams, WeightRegion,
+    covered_once, region_view)
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +177,11 @@ class HFEngine:
         # parameters no update has written since they were last allocated (random init, or
         # uninitialised memory after release_memory / resume_memory): a flush leaving any is an error
         self._unwritten = {name for name, _ in self.model.named_parameters()}
+        # views of the weights, made once per allocation (`_slot`, `weight_targets`)
+        self._held: dict[str, torch.Tensor] = {}
+        self._slots: dict[str, tuple[str, torch.Tensor]] = {}
+        self._targets: Optional[tuple[weakref.ref, list[torch.Tensor]]] = None
+        self._checked: Optional[weakref.ref] = None  # the plan whose regions were found to cover every parameter
         self._released: set[str] = set()
         self._paused = threading.Event()
         self._weights_valid = False  # random init until the first update
@@ -179,24 +190,41 @@ class HFEngine:
         self.generated_tokens = 0
 
     # -- weights ------------------------------------------------------------------------------
+    def weight_slot(self, name: str) -> torch.Tensor:
+        """The engine's memory that the hub tensor `name` fills: a view of its parameter (or buffer), with the hub
+        tensor's shape (`hf_memory_slot`: a slice of a fused tensor). Valid until the weights are released."""
+        return self._slot(name)[1]
+
+    @torch.no_grad()  # views of parameters that require grad: made outside autograd, as the copies into them
+    def _slot(self, name: str) -> tuple[str, torch.Tensor]:
+        """(the parameter or buffer that holds `name`, `weight_slot(name)`), found once per allocation."""
+        slot = self._slots.get(name)
+        if slot is None:
+            if not self._held:  # tied lm_head included
+                self._held = {**dict(self.model.named_buffers()),
+                              **dict(self.model.named_parameters(remove_duplicate=False))}
+            held, index = self._converter.hf_memory_slot(name, self.model_cfg)
+            if held not in self._held:
+                raise ValueError(f"weight update names {name!r}, which the {type(self.model).__name__} "
+                                 f"engine does not have")
+            slot = self._slots[name] = (held, self._held[held][index])
+        return slot
+
+    def _forget_slots(self) -> None:
+        """Drop every view of the weights (they would keep released memory alive, or point at freed memory)."""
+        self._held, self._slots, self._targets = {}, {}, None
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        flush: bool = True) -> None:
         if TAG_WEIGHTS in self._released:
             raise EngineStateError("update_weights while the weights are released: resume_memory(['weights']) first")
-        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied lm_head included
-        buffers = dict(self.model.named_buffers())
         for name, tensor in named_tensors:
-            held, index = self._converter.hf_memory_slot(name, self.model_cfg)
-            target = params.get(held, buffers.get(held))
-            if target is None:
-                raise ValueError(f"weight update names {name!r}, which the {type(self.model).__name__} "
-                                 f"engine does not have")
-            target = target[index]
+            held, target = self._slot(name)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight update {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the engine expects {tuple(target.shape)}")
-            target.copy_(tensor.to(target.dtype))
+            target.copy_(tensor)  # converts the dtype as it copies
             self._unwritten.discard(held)
         if flush:
             if self._unwritten:
@@ -204,8 +232,48 @@ class HFEngine:
                 raise EngineStateError(
                     f"weight update {version} left {len(missing)} engine parameters unwritten since they were "
                     f"allocated (e.g. {', '.join(missing[:3])}): the update must send every weight")
-            self.weight_version = version
-            self._weights_valid = True
+            self._loaded(version)
+
+    @torch.no_grad()
+    def weight_targets(self, regions: Sequence[WeightRegion], plan: object) -> list[torch.Tensor]:
+        """Views of the engine's memory that an in-place weight sync (`weight_sync.in_place`) copies into, one per
+        region (hub name, shape to view its slot as or None, index). Made and checked once per allocation for
+        `plan` and kept until the weights are released: a region must fit its slot, and together the regions
+        must write every element of every parameter (counted: a plan that skips one fails here, loudly)."""
+        if TAG_WEIGHTS in self._released:
+            raise EngineStateError("weight sync while the weights are released: resume_memory(['weights']) first")
+        if self._targets is not None and self._targets[0]() is plan:
+            return self._targets[1]
+        views, written = [], collections.defaultdict(list)
+        for region in regions:
+            held, slot = self._slot(region[0])
+            try:
+                views.append(region_view(slot, region))
+            except (RuntimeError, IndexError) as exc:
+                raise ValueError(f"weight sync region {region} does not fit the engine's {tuple(slot.shape)} "
+                                 f"tensor: {exc}") from exc
+            written[held].append(views[-1])
+        if self._checked is None or self._checked() is not plan:  # the same regions in new memory: checked once
+            wrong = [f"{name} ({sum(v.numel() for v in written[name])} writes for {p.numel()} elements)"
+                     for name, p in self.model.named_parameters() if not covered_once(p, written[name])]
+            if wrong:
+                raise ValueError(f"weight sync does not write {len(wrong)} engine parameters exactly once "
+                                 f"(e.g. {', '.join(wrong[:3])}): the plan must cover every weight")
+            self._checked = weakref.ref(plan)
+        self._targets = (weakref.ref(plan), views)
+        return views
+
+    def weights_written(self, version: int, plan: object) -> None:
+        """`plan` has copied into every view `weight_targets` gave it: `version` takes effect."""
+        if self._targets is None or self._targets[0]() is not plan:
+            raise EngineStateError(f"weights_written({version}): the weights were reallocated since the plan's "
+                                   "weight_targets (release / resume), so its copies did not reach them")
+        self._unwritten.clear()
+        self._loaded(version)
+
+    def _loaded(self, version: int) -> None:
+        self.weight_version = version
+        self._weights_valid = True
 
     @torch.no_grad()
     def update_adapters(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float,
@@ -254,6 +322,7 @@ class HFEngine:
         if TAG_WEIGHTS in tags and TAG_WEIGHTS not in self._released:
             # Non-persistent buffers (rotary inv_freq) are not part of weight sync: keep them.
             self._buffers = {n: b.detach().cpu().clone() for n, b in self.model.named_buffers()}
+            self._forget_slots()
             self.model.to("meta")  # frees every parameter and buffer
             self._weights_valid = False
         self._released |= set(tags)
@@ -264,6 +333,7 @@ class HFEngine:
             # to_empty gives each tied parameter storage of its own: tie them again (a tied lm_head is the
             # embedding, which weight sync sends once)
             self.model.tie_weights()
+            self._forget_slots()
             self._unwritten = {name for name, _ in self.model.named_parameters()}
             with torch.no_grad():
                 for name, buf in self.model.named_buffers():

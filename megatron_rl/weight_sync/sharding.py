@@ -8,7 +8,7 @@ local to a pipeline stage (`decoder.layers.0` on stage 1 is global layer
 `num_layers / pp`). With tied embeddings and PP > 1 the last stage holds its own copy of
 the embedding as `output_layer.weight`. Names are the local layer spec's (`canonical_name`). A model with
 LoRA adapters gathers as its merged weights (or, asked so, its base weights) and loads into its base weights
-(`_local_params`); `gather_adapters` gathers the adapters themselves.
+(`local_tensors`); `gather_adapters` gathers the adapters themselves.
 
 Experts (`mlp.experts.local_experts.{j}`): expert-parallel rank r holds the global experts
 [r * E / ep, (r + 1) * E / ep) as local experts 0 .. E / ep - 1, each split over the expert
@@ -18,7 +18,7 @@ tensor-parallel group like a dense MLP. A full state dict names experts by globa
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,11 +39,11 @@ def layer_offset(model: torch.nn.Module) -> int:
     return layers[0].layer_number - 1
 
 
-def _num_local_experts(model: torch.nn.Module, groups: ParallelGroups) -> int:
+def num_local_experts(model: torch.nn.Module, groups: ParallelGroups) -> int:
     return (model.config.num_moe_experts or 0) // groups.ep_size
 
 
-def _global_name(local: str, offset: int, expert_offset: int = 0) -> str:
+def global_name(local: str, offset: int, expert_offset: int = 0) -> str:
     """Stage-local layer number -> global; with `expert_offset`, local expert index -> global."""
     match = _LAYER.match(local)
     if match is None:
@@ -112,11 +112,10 @@ def canonical_name(name: str) -> str:
 WEIGHT_BUFFERS = (".router.expert_bias",)
 
 
-def _local_params(model: torch.nn.Module, merged: bool = False) -> Iterator[tuple[str, Tensor, Tensor]]:
-    """(name, parameter, value): parameters (each once) and weight buffers in module order, so that a layer's
-    tensors come together (weight sync converts a layer at a time). LoRA adapters are no weights of their
-    own: with `merged` the value of an adapted linear's weight is W + (alpha / rank) B A (models/lora.py),
-    otherwise the parameter itself."""
+def local_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, Tensor]]:
+    """(name, owning module, attribute, tensor): the stage's parameters (each once) and weight buffers in module
+    order, so that a layer's tensors come together (weight sync converts a layer at a time). LoRA adapters are
+    no weights of their own: an adapted linear's weight gathers merged with its adapter (`_stage_tensors`)."""
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         if isinstance(module, LoRAAdapter):
@@ -125,16 +124,16 @@ def _local_params(model: torch.nn.Module, merged: bool = False) -> Iterator[tupl
         for name, p in module.named_parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                yield canonical_name(prefix + name), p, merged_weight(module, name, p) if merged else p
+                yield canonical_name(prefix + name), module, name, p
         for name, b in module.named_buffers(recurse=False):
             if (prefix + name).endswith(WEIGHT_BUFFERS):
-                yield prefix + name, b, b
+                yield prefix + name, module, name, b
 
 
-def _source_name(global_name: str, full: dict[str, Tensor]) -> str:
-    if global_name == "output_layer.weight" and global_name not in full:
+def _source_name(name: str, full: dict[str, Tensor]) -> str:
+    if name == "output_layer.weight" and name not in full:
         return "embedding.word_embeddings.weight"  # tied embeddings, last stage's copy
-    return global_name
+    return name
 
 
 @torch.no_grad()
@@ -145,10 +144,10 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, Tensor], groups
     model then computes `full`, which is a merged state dict (`gather_full_state_dict`) or a base model's.
     """
     offset = layer_offset(model)
-    expert_offset = groups.ep_rank * _num_local_experts(model, groups)
+    expert_offset = groups.ep_rank * num_local_experts(model, groups)
     reset_adapters(model)
-    for name, param, _ in _local_params(model):
-        src = _source_name(_global_name(name, offset, expert_offset), full)
+    for name, _, _, param in local_tensors(model):
+        src = _source_name(global_name(name, offset, expert_offset), full)
         if src not in full:
             raise ValueError(f"weights are missing tensor {src!r} needed by parameter {name!r}")
         tensor = full[src]
@@ -178,24 +177,67 @@ def _gather_tp(name: str, param: Tensor, tensor: Tensor, model: torch.nn.Module,
     return torch.cat(parts, dim=dim)
 
 
+def is_gathered(name: str, param: Tensor, groups: ParallelGroups) -> bool:
+    """Whether `gathered` all-gathers this parameter (split over TP ranks, or an expert at EP > 1)."""
+    tp_size = _tp_coords(name, groups)[0]
+    return (getattr(param, "tensor_model_parallel", False) and tp_size > 1) or (groups.ep_size > 1 and _is_expert(name))
+
+
+def gathered(name: str, param: Tensor, value: Tensor, model: torch.nn.Module, groups: ParallelGroups) -> list[Tensor]:
+    """The full tensors this rank's `value` of `param` (local name `name`) is part of: TP shards all-gathered,
+    and an expert's all-gathered over EP (one tensor per EP rank, in rank order: the local expert of each)."""
+    tensor = _gather_tp(name, param, value, model, groups)
+    if groups.ep_size > 1 and _is_expert(name):
+        # every EP rank holds the same local names: gather them in EP-rank order
+        parts = [torch.empty_like(tensor) for _ in range(groups.ep_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=groups.ep_group)
+        return parts
+    return [tensor]
+
+
+def _stage_tensors(model: torch.nn.Module, groups: ParallelGroups,
+                   merged: bool) -> Iterator[tuple[str, Tensor, int, int]]:
+    """(global name, full tensor, i, j): the j-th full tensor that the i-th of `local_tensors` becomes
+    (`gathered`), its value merged with its LoRA adapter (models/lora.py: W + (alpha / rank) B A) if `merged`."""
+    offset = layer_offset(model)
+    num_local = num_local_experts(model, groups)
+    for i, (name, module, attribute, param) in enumerate(local_tensors(model)):
+        value = merged_weight(module, attribute, param) if merged else param
+        for j, tensor in enumerate(gathered(name, param, value, model, groups)):
+            yield global_name(name, offset, j * num_local), tensor, i, j
+
+
 @torch.no_grad()
 def gathered_stage_params(model: torch.nn.Module, groups: ParallelGroups,
                           merged: bool = True) -> Iterator[tuple[str, Tensor]]:
     """This stage's parameters one at a time as full tensors with global names: TP shards
     all-gathered, experts all-gathered over EP (every rank of the stage yields the same). An adapted
     linear's weight is the merged one, or with `merged` False the frozen base weight."""
-    offset = layer_offset(model)
-    num_local = _num_local_experts(model, groups)
-    for name, param, value in _local_params(model, merged=merged):
-        tensor = _gather_tp(name, param, value, model, groups)
-        if groups.ep_size > 1 and _is_expert(name):
-            # every EP rank holds the same local names: gather them in EP-rank order
-            parts = [torch.empty_like(tensor) for _ in range(groups.ep_size)]
-            dist.all_gather(parts, tensor.contiguous(), group=groups.ep_group)
-            for r, part in enumerate(parts):
-                yield _global_name(name, offset, r * num_local), part
-            continue
-        yield _global_name(name, offset), tensor
+    for name, tensor, _, _ in _stage_tensors(model, groups, merged):
+        yield name, tensor
+
+
+@torch.no_grad()
+def stage_layers(model: torch.nn.Module, groups: ParallelGroups,
+                 merged: bool = True) -> Iterator[list[tuple[str, Tensor, int, int]]]:
+    """`gathered_stage_params` a transformer layer at a time (the embedding, the final norm and the output layer
+    each alone), which the converters convert on their own; each tensor as (global name, tensor, i, j): the j-th
+    full tensor (one per EP rank for an expert) of the i-th of `local_tensors`."""
+    layer: list[tuple[str, Tensor, int, int]] = []
+    current: Optional[int] = None
+    for entry in _stage_tensors(model, groups, merged):
+        match = _LAYER.match(entry[0])
+        index = int(match.group(1)) if match else None
+        if layer and index != current:
+            yield layer
+            layer = []
+        current = index
+        layer.append(entry)
+        if index is None:
+            yield layer
+            layer = []
+    if layer:
+        yield layer
 
 
 @torch.no_grad()
@@ -241,7 +283,7 @@ def gather_adapters(model: torch.nn.Module, groups: ParallelGroups) -> dict[str,
                 raise ValueError(f"{module_name}: experts' adapters reach engines and HF exports merged only")
             weight = module_name[: -len(SUFFIX)] + ".weight"
             a, b = (_gather_tp(weight, p, p, model, groups).cpu().clone() for p in (module.a, module.b))
-            stage[_global_name(weight, offset)] = (a, b)
+            stage[global_name(weight, offset)] = (a, b)
     if groups.pp_size == 1:
         return stage
     return {key: value for part in _all_stages(stage, groups) for key, value in part.items()}

@@ -6,7 +6,8 @@ to HF names and layouts (QKV and gate/up splits) with the family's converter, an
 the results into buckets of about `bucket_bytes`. Other stages receive each bucket by
 broadcast over the pipeline group. Every rank that owns an engine loads each bucket as it
 arrives, so neither the full model nor a second copy of it is ever materialised. Each
-update is stamped with a version; time and bytes/s are returned.
+update is stamped with a version; time and bytes/s are returned. An engine in the trainer's own
+process (the hf backend) at PP=1 needs no HF tensors at all: it is written in place (`in_place.py`).
 
 A LoRA model sends its merged weights W + (alpha / r) B A, or (`rollout.weight_sync=adapters`) its frozen
 base weights once (`merged=False`) and then only its adapters (`sync_adapters`): the engine adds
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from typing import Any, Iterator, Optional
 
@@ -26,11 +26,12 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.state import ParallelGroups
 from megatron_rl.families import get_converter
-from megatron_rl.weight_sync.sharding import gather_adapters, gathered_stage_params
+from megatron_rl.rollout.base import InPlaceEngine
+from megatron_rl.weight_sync.in_place import sync_in_place
+from megatron_rl.weight_sync.sharding import gather_adapters, stage_layers
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @dataclasses.dataclass
@@ -53,31 +54,15 @@ def _stage_hf_tensors(model: torch.nn.Module, groups: ParallelGroups, arch: Any,
                       merged: bool = True) -> Iterator[tuple[str, Tensor]]:
     """This stage's weights in HF names, a layer at a time (TP/EP-gathered, full tensors)."""
     converter = get_converter(arch.family)
-    current_layer: Optional[int] = None
-    pending: dict[str, Tensor] = {}
-
-    def convert(meg: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+    for layer in stage_layers(model, groups, merged):
+        # the last stage's copy of a tied embedding (PP > 1) is not sent
+        meg = {name: tensor for name, tensor, _, _ in layer
+               if not (name == "output_layer.weight" and arch.tie_word_embeddings)}
         for name, tensor in converter.megatron_to_hf(meg, arch).items():
             # A tied lm_head is the embedding (converters write it for checkpoints): engines take it from
             # model.embed_tokens.weight, so sending it would move the vocabulary's rows twice.
             if not (name == "lm_head.weight" and arch.tie_word_embeddings):
                 yield name, tensor
-
-    for global_name, tensor in gathered_stage_params(model, groups, merged):
-        match = _LAYER.match(global_name)
-        layer = int(match.group(1)) if match else None
-        if pending and layer != current_layer:
-            yield from convert(pending)
-            pending = {}
-        current_layer = layer
-        if global_name == "output_layer.weight" and arch.tie_word_embeddings:
-            continue  # the last stage's copy of the tied embedding
-        pending[global_name] = tensor
-        if layer is None:  # embedding / final norm / output layer: convertible on their own
-            yield from convert(pending)
-            pending = {}
-    if pending:
-        yield from convert(pending)
 
 
 def _buckets(tensors: Iterator[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
@@ -148,10 +133,14 @@ def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engi
     """Push the model's current weights into `engine` (None on ranks that own no engine); a LoRA model's
     adapted weights merged, or with `merged` False its base weights.
 
-    Every rank of the model-parallel group must call this (it contains collectives).
+    Every rank of the model-parallel group must call this (it contains collectives). An engine in this process
+    (`InPlaceEngine`) at PP=1 is written in place (`in_place.py`: no buckets, `num_buckets` 0).
     """
     _synchronize(groups.device)  # the step's kernels still in flight are not the sync's time
     start = time.perf_counter()
+    if groups.pp_size == 1 and isinstance(engine, InPlaceEngine):
+        plan = sync_in_place(model, groups, arch, engine, version, merged)
+        return _finish(SyncStats(version, plan.num_tensors, plan.num_bytes, 0, 0.0), start, groups)
     num_tensors = num_bytes = num_buckets = 0
 
     def deliver(bucket: list[tuple[str, Tensor]], last: bool) -> None:
@@ -178,10 +167,15 @@ def sync_weights(model: torch.nn.Module, groups: ParallelGroups, arch: Any, engi
             pending = bucket
     if pending is not None:
         deliver(pending, last=True)
+    return _finish(SyncStats(version, num_tensors, num_bytes, num_buckets, 0.0), start, groups)
+
+
+def _finish(stats: SyncStats, start: float, groups: ParallelGroups) -> SyncStats:
     _synchronize(groups.device)  # the engine's copies are queued on the GPU: the time is when they are done
-    stats = SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
-    logger.info("weight sync v%d: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s)", version,
-                stats.num_tensors, stats.num_bytes / 1e6, stats.num_buckets, stats.seconds, stats.gb_per_s)
+    stats.seconds = time.perf_counter() - start
+    logger.info("weight sync v%d: %d tensors, %.1f MB %s, %.3fs (%.2f GB/s)", stats.version, stats.num_tensors,
+                stats.num_bytes / 1e6, f"in {stats.num_buckets} buckets" if stats.num_buckets else "in place",
+                stats.seconds, stats.gb_per_s)
     return stats
 
 

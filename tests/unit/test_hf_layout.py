@@ -81,6 +81,34 @@ def test_stage_names_cover_exactly_the_hf_tensors(family):
     assert {n: tuple(hf[n].shape) for n in both} == shapes
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_hf_tensor_can_be_written_in_place(family):
+    """What weight sync writes into an engine in place (weight_sync.in_place): each HF tensor the converter
+    returns is either a view of one Megatron tensor, or the converter's `in_place_views` (views of Megatron
+    tensors, each into a region of it) write exactly it, every element (a NaN left over would show)."""
+    cfg = FAMILIES[family]
+    conv = get_converter(family)
+    meg = {k: v.clone() for k, v in conv.hf_to_megatron(hub_state_dict(build_hf_model(cfg, seed=0)), cfg).items()}
+    storages = {v.untyped_storage().data_ptr() for v in meg.values()}
+    needed = set()
+    for name, tensor in conv.megatron_to_hf(meg, cfg).items():
+        if tensor.untyped_storage().data_ptr() in storages:
+            continue
+        views = conv.in_place_views(name, meg, cfg)
+        assert views is not None, f"{name} is no view of a Megatron tensor and has no in_place_views"
+        filled = torch.full_like(tensor, float("nan"))
+        for shape, index, view in views:
+            assert view.untyped_storage().data_ptr() in storages, name
+            (filled if shape is None else filled.view(shape))[index].copy_(view)
+        assert torch.equal(filled, tensor), name
+        needed.add(name.split(".", 3)[-1])
+    # Q, K and V of grouped-query attention (linear_qkv interleaves them per KV group), gpt-oss's stacked experts
+    kinds = ("weight", "bias") if cfg.resolved_qkv_bias else ("weight",)
+    qkv = set() if cfg.multi_latent_attention else {f"self_attn.{p}_proj.{kind}" for p in "qkv" for kind in kinds}
+    stacked = {f"mlp.experts.{n}" for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+    assert needed == qkv | (stacked if family == "gpt_oss" else set())
+
+
 def test_qkv_rows_are_grouped_per_kv_head():
     cfg = ModelConfig(family="qwen2", num_attention_heads=4, num_query_groups=2, hidden_size=8, num_layers=1,
                       ffn_hidden_size=8, vocab_size=16)

@@ -24,8 +24,12 @@ from megatron_rl.families.convert.yarn import NO_YARN, yarn_fields, yarn_rope_pa
 if TYPE_CHECKING:
     from torch import Tensor
 
+    # (shape to view an HF tensor as, or None; index into that view; the Megatron view copied there)
+    InPlaceView = tuple[Optional[tuple[int, ...]], tuple, Tensor]
+
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MEG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_HF_QKV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
 # The HF modules each LoRA target (model.lora_targets) becomes, in the order of its fused rows: the
 # modules `adapter_to_hf` writes adapters for, and SGLang's lora_target_modules.
 LORA_HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
@@ -39,11 +43,18 @@ def qkv_fuse(q: Tensor, k: Tensor, v: Tensor, groups: int) -> Tensor:
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
-def qkv_split(qkv: Tensor, heads: int, groups: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+def qkv_groups(qkv: Tensor, heads: int, groups: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`linear_qkv`'s Q, K and V rows per KV group, [groups, rows of one group, *rest] each: views of a
+    contiguous `qkv`."""
     import torch
-    rest = qkv.shape[1:]
-    per_group = qkv.reshape(groups, (heads // groups + 2) * head_dim, *rest)
+    per_group = qkv.reshape(groups, (heads // groups + 2) * head_dim, *qkv.shape[1:])
     q, k, v = torch.split(per_group, [heads // groups * head_dim, head_dim, head_dim], dim=1)
+    return q, k, v
+
+
+def qkv_split(qkv: Tensor, heads: int, groups: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    rest = qkv.shape[1:]
+    q, k, v = qkv_groups(qkv, heads, groups, head_dim)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
@@ -347,6 +358,21 @@ class DenseDecoderConverter:
         else:
             rows = (b,)
         return {h + module: (a, part) for module, part in zip(LORA_HF_MODULES[target], rows, strict=True)}
+
+    def in_place_views(self, name: str, meg: dict[str, Tensor], arch: Any) -> Optional[list[InPlaceView]]:
+        """How weight sync writes the HF tensor `name` of `megatron_to_hf(meg, arch)` into an engine's memory
+        without building it, when it is no view of one tensor of `meg` (`weight_sync.in_place`): views of `meg`'s
+        tensors, each with where it goes, (shape, index, view): the HF tensor viewed as `shape` (None: as it is)
+        and indexed by `index` receives `view`; together they write every element. None: no such views. The dense
+        layout's are Q, K and V, each the rows of every KV group of `linear_qkv` (one strided view)."""
+        match = _HF_QKV.match(name)
+        if match is None:
+            return None
+        layer, which, kind = match.groups()
+        qkv = meg[f"decoder.layers.{layer}.self_attention.linear_qkv.{kind}"]
+        parts = qkv_groups(qkv, arch.num_attention_heads, arch.num_query_groups, arch.resolved_head_dim)
+        part = parts["qkv".index(which)]
+        return [(tuple(part.shape), (), part)]
 
     def hf_memory_slot(self, name: str, arch: Any) -> tuple[str, tuple]:
         """Where the hub-layout tensor `name` lives in a `transformers` model in memory: (parameter
