@@ -1,6 +1,6 @@
 """The GPU environment's pin file (launch/gpu-constraints.txt) against the code, offline: every pin is exact, the
 CUDA packages share one CUDA major, setup.py's requirements and the SGLang test tier admit the pins, and the
-pinned Transformer Engine, cuDNN, flash-attn and megatron-core pass the checks the code and the CPU suite make.
+pinned Transformer Engine, cuDNN and megatron-core pass the checks the code and the CPU suite make.
 That the pins resolve together from the package index is tests/integration/test_gpu_pins_resolve.py."""
 
 from __future__ import annotations
@@ -13,18 +13,13 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
 PINS = REPO / "launch" / "gpu-constraints.txt"
 REQUIRED = {"torch", "torchvision", "triton", "cuda-toolkit", "nvidia-cudnn-cu13", "megatron-core", "sglang", "transformer-engine",
-            "transformer-engine-cu13", "transformer-engine-torch", "flash-attn"}
-# The flash-attn (v2) versions each Transformer Engine release uses, from FlashAttentionUtils (version_required,
-# max_version) in transformer_engine/pytorch/attention/dot_product_attention/utils.py and the comparison in
-# backends.py of that release's wheel. Outside the range TE silently attends without flash-attn.
-TE_FLASH_ATTN_RANGE = {"2.20.2": SpecifierSet(">=2.1.1,<2.8.4")}
+            "transformer-engine-cu13", "transformer-engine-torch", "flash-attn-4"}
 
 
 def pins() -> dict[str, Version]:
@@ -103,12 +98,11 @@ def test_the_pinned_transformer_engine_and_cudnn_train_attention_sinks():
     assert te_sink_attention_problem(str(p["transformer-engine"]), cudnn, head_dim=64) is None
 
 
-def test_transformer_engine_uses_the_pinned_flash_attn():
-    p = pins()
-    te = str(p["transformer-engine"])
-    assert te in TE_FLASH_ATTN_RANGE, (f"no flash-attn range recorded for Transformer Engine {te}: read "
-                                       "FlashAttentionUtils in its wheel and add it to TE_FLASH_ATTN_RANGE")
-    assert TE_FLASH_ATTN_RANGE[te].contains(p["flash-attn"], prereleases=True)
+def test_flash_attn_2_is_not_pinned_beside_flash_attn_4():
+    """flash-attn 2.x installs an older copy of flash-attn-4's modules (flash_attn/cute/) and, as published, cannot
+    be built against torch 2.14 (C++17); setup_env.sh adds one only from a wheel (FLASH_ATTN_WHEEL) and then
+    restores flash-attn-4's files."""
+    assert "flash-attn" not in pins()
 
 
 def test_torchvision_is_the_release_of_the_pinned_torch():
