@@ -58,7 +58,8 @@ setup(
         "protobuf",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        # The versions that work together on a GPU: launch/gpu-constraints.txt (bash launch/setup_env.sh --gpu).
+        "gpu": ["transformer-engine[pytorch]", "flash-attn-4>=4.0.0b18"],
         "sglang": ["sglang==0.5.23"],
         # peft: the LoRA export test; gguf: the real-model tier's conversion (megatron_rl/checkpoint/fetch.py)
         "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "wandb", "peft", "gguf"],

@@ -7,8 +7,8 @@
 #
 #   bash tests/gpu/run_h200.sh          # on the GPU machine, from the repository root
 #
-# Needs the GPU environment: `bash launch/setup_env.sh` on the GPU machine (CUDA torch, TE,
-# flash-attn; pip install triton if torch did not bring it). On a machine without a network whose
+# Needs the GPU environment: `bash launch/setup_env.sh --gpu` (the pinned CUDA torch, triton, TE, flash-attn,
+# SGLang; docs/install.md). On a machine without a network whose
 # python already has torch, triton and transformers: WHEELS=<folder of the other wheels (megatron-core,
 # hydra-core, omegaconf, antlr4-python3-runtime)> PYTHON=python3 installs those into /tmp/site and maps the
 # checkout's packages there. Without Transformer Engine the model parts run Megatron's local spec
