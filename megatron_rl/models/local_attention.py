@@ -47,6 +47,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
+from megatron_rl.trainer.context_parallel import held_positions
+
 Tensor = torch.Tensor
 
 
@@ -84,8 +86,6 @@ class AllGatherContextAttention(_CoreAttention):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Tensor:
-        from megatron_rl.trainer.context_parallel import held_positions
-
         if query.dim() != 3 or packed_seq_params is None:
             raise ValueError("context-parallel attention takes THD inputs [t, heads, d] and the row's "
                              "PackedSeqParams (cu_seqlens of the whole row)")

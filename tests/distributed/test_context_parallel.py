@@ -97,7 +97,10 @@ def _attention_inputs(cp: int, k_width: int, v_width: int) -> dict:
                 grad=torch.randn(rows, 4 * v_width, generator=gen, dtype=torch.float64))
 
 
-ATTENTION_CASES = [(kernel, k_width, v_width) for kernel in ("cpu_flash", "plain") for k_width, v_width in ((8, 8), (12, 8))]
+# (blocks computed by: PyTorch's CPU flash kernels, or the plain operations of the path off CPU; key width,
+# value width: grouped-query heads alike, or multi-latent attention's)
+ATTENTION_CASES = [(kernel, k_width, v_width) for kernel in ("cpu_flash", "plain")
+                   for k_width, v_width in ((8, 8), (12, 8))]
 
 
 def _attention_worker(rank: int, world: int, out_path: str) -> None:
