@@ -13,13 +13,14 @@ segment); chunk k of a segment attends to the segment's chunks 0..k-1 in full an
 causally, read from the row's `cu_seqlens`, so no [S/cp, S] mask or score matrix is ever formed
 and the blocks that the causal and document masks would zero (later chunks, other segments) are
 never computed. The two blocks of a chunk are combined by their log-sum-exps (the online softmax
-of blockwise attention). On CPU each block is one call of PyTorch's flash-attention kernel for
-CPU (the kernel `scaled_dot_product_attention` runs on CPU, which returns the log-sum-exp too),
-which tiles the block itself; its backward kernel, given the merged output and log-sum-exp,
-gives each block's share of the gradients, recomputing the probabilities tile by tile. What
-a layer keeps for the backward pass is its queries, the gathered keys and values, the output and
-the log-sum-exps: O(S/cp + S) rows of head width, nothing of size S/cp x S. Off CPU (the local
-spec on a GPU) the blocks are computed with plain tensor operations instead.
+of blockwise attention). On CPU each block is one call of the flash-attention kernel that
+`scaled_dot_product_attention` runs on CPU (`aten::_scaled_dot_product_flash_attention_for_cpu`,
+called directly because it also returns the log-sum-exp), which tiles the block itself; its
+backward (`..._for_cpu_backward`), given the merged output and log-sum-exp, gives each block's
+share of the gradients, recomputing the probabilities tile by tile. What a layer keeps for the
+backward pass is its queries, the gathered keys and values, the output and the log-sum-exps:
+O(S/cp + S) rows of head width, nothing of size S/cp x S. Off CPU (the local spec on GPUs) the
+blocks are plain tensor operations instead, which form one block's scores at a time.
 
 Inputs come in THD layout (the trainer passes `PackedSeqParams(qkv_format="thd")` under
 context parallelism, and Megatron's attention squeezes the batch dimension):
@@ -28,10 +29,11 @@ query [t, heads, d], key and value [t, groups, d]; the output is [t, heads * d].
 Multi-latent attention (DeepSeek-V3) gives keys and values of different widths (`k_channels`,
 `v_channels`), which Megatron-core's local `DotProductAttention` does not take (only TE's does):
 `MaskedAttention` is its plain [s, b, heads, d] counterpart under the trainer's dense mask, and
-`AllGatherContextAttention` takes both widths too. gpt-oss's attention sinks (softmax_type "learnable")
-and sliding windows are `MaskedAttention`'s as well: Megatron-core's local attention allocates its sinks
-on the CUDA device (dot_product_attention.py:126-136), and its sliding-window mask replaces the trainer's
-packing mask instead of joining it (fused_softmax.py:321-323).
+`AllGatherContextAttention` takes both widths too (zero-padded to one width for the kernel).
+gpt-oss's attention sinks (softmax_type "learnable") and sliding windows are `MaskedAttention`'s as
+well: Megatron-core's local attention allocates its sinks on the CUDA device
+(dot_product_attention.py:126-136), and its sliding-window mask replaces the trainer's packing mask
+instead of joining it (fused_softmax.py:321-323).
 """
 
 from __future__ import annotations
