@@ -1,23 +1,32 @@
 """Context parallelism on long sequences: per-rank peak memory and step time of
-`Trainer.train_step` at CP=1 (one rank) and CP=cp (cp ranks) on the same batch, side by
+`Trainer.train_step` at CP=1 and CP=cp on the same batch and the same total cores, side by
 side in the same run, as ratios.
 
     python benchmarks/context_parallel.py [--model tiny_qwen2] [--length 4096] [--samples 2]
-        [--cp 2] [--steps 3]
+        [--cp 2] [--cores 2] [--steps 3] [--repeats 3]
 
-Each run is a fresh group of spawned gloo processes (one thread each). Memory is the growth
-of each rank's peak resident set during the measured steps over its resident set before
-them (activations, attention scores, gradients; CPU only: on GPU use torch.cuda's counters).
-On this path attention materialises its scores, [heads, S/cp, S] per layer and rank, so the
-per-rank figure should fall towards 1/cp as the sequence grows; the step time of cp ranks
-that share a machine's cores is no measure of the speed-up on separate GPUs.
+Same total cores: CP=1 is one rank with `--cores` threads, CP=cp is cp ranks with cores/cp
+threads each. Each run is a fresh group of spawned gloo processes that takes a warm-up step
+first; the two layouts alternate (cp=1, cp=cp, cp=cp, cp=1, ...) for `--repeats` rounds, so
+that other work on a shared machine weighs on both, and the figures are medians over the rounds.
+
+Time: the median of a run's `--steps` steps (the slowest rank's), and the fastest step of all runs
+(other work on the machine only adds time, so the fastest step is the nearest to a quiet machine).
+
+Memory, in runs of their own: the growth of each rank's peak resident set during one step over
+its resident set before it, the largest rank's. That is what a step adds (activations kept for
+the backward pass, attention, transient gradients) on top of the model, gradient buffers and
+optimizer state. glibc's malloc would keep memory freed by earlier steps and reuse it unseen,
+so these runs give it a fixed mmap threshold (`MALLOC_MMAP_THRESHOLD_`: blocks of 128 KiB and
+more come from the system and go back to it when freed), which costs time (hence separate runs);
+the peak is reset through /proc/self/clear_refs before the step. Linux with glibc only; on GPU
+use torch.cuda's counters.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -28,16 +37,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+MMAP_THRESHOLD = 128 * 1024  # glibc's default starting threshold, kept fixed in the memory runs
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, measure: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.cores // world)
     from megatron_rl.config import load_config
     from megatron_rl.config.schema import OptimizerConfig
     from megatron_rl.parallel import dist as mdist
@@ -55,27 +69,42 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     trainer = Trainer(model_cfg, OptimizerConfig(lr=1e-5), groups, TrainerOptions(micro_batch_tokens=args.length))
     trainer.initialize_weights()
     trainer.train_step(samples)  # warm-up: optimizer state exists from here on
-    before = _rss_bytes()
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
+    if measure == "time":
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            trainer.train_step(samples)
+            times.append(time.perf_counter() - start)
+        result = {"time": statistics.median(times), "best": min(times)}
+    else:
+        before = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
         trainer.train_step(samples)
-        times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    torch.save({"time": statistics.median(times), "growth": max(peak - before, 0)}, f"{out}.{rank}")
+        result = {"growth": max(_status_kib("VmHWM") - before, 0) * 1024, "resident": before * 1024}
+    torch.save(result, f"{out}.{rank}")
 
 
-def _run(world: int, args: argparse.Namespace) -> tuple[float, float]:
-    """(median step time, largest per-rank peak memory growth in bytes) of one layout."""
+def _run(world: int, args: argparse.Namespace, measure: str) -> dict:
+    """One run of a layout: {"time": median step seconds, "best": fastest step} of its slowest rank, or
+    {"growth", "resident"} in bytes of its largest rank."""
     import torch.multiprocessing as mp
 
     from megatron_rl.parallel.dist import free_port
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "r")
-        mp.start_processes(_worker, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
-        parts = [torch.load(f"{out}.{r}") for r in range(world)]
-    return max(p["time"] for p in parts), max(p["growth"] for p in parts)
+    env = os.environ.copy()
+    if measure == "memory":
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # read by the spawned ranks' malloc
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "r")
+            mp.start_processes(_worker, args=(world, free_port(), args, measure, out), nprocs=world,
+                               start_method="spawn")
+            parts = [torch.load(f"{out}.{r}") for r in range(world)]
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    return {key: max(p[key] for p in parts) for key in parts[0]}
 
 
 def main() -> None:
@@ -84,17 +113,37 @@ def main() -> None:
     p.add_argument("--length", type=int, default=4096, help="tokens per sample (one sample per packed row)")
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--cp", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--cores", type=int, default=2, help="threads of each layout in all (cp=1: one rank)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of runs of each layout, alternating")
     args = p.parse_args()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    base_time, base_mem = _run(1, args)
-    cp_time, cp_mem = _run(args.cp, args)
-    print(f"{args.model}: {args.samples} x {args.length} tokens per step, median of {args.steps} steps, fp32, CPU")
-    print(f"{'cp=1 (1 rank)':18s} {base_time:8.2f} s/step  peak memory growth per rank {base_mem / 2**20:8.0f} MiB")
-    print(f"{f'cp={args.cp} ({args.cp} ranks)':18s} {cp_time:8.2f} s/step  peak memory growth per rank "
-          f"{cp_mem / 2**20:8.0f} MiB")
-    print(f"ratio cp={args.cp} / cp=1: step time x{cp_time / base_time:.2f}, per-rank memory x{cp_mem / base_mem:.2f}")
+    if args.cores % args.cp:
+        raise ValueError(f"--cores={args.cores} does not split over --cp={args.cp} ranks: use a multiple of {args.cp}")
+    runs: dict[int, list[dict]] = {1: [], args.cp: []}
+    loads = []  # the machine's 1-minute load average before each timed run: how much other work shared it
+    for repeat in range(args.repeats):
+        for world in (1, args.cp) if repeat % 2 == 0 else (args.cp, 1):
+            loads.append(os.getloadavg()[0])
+            runs[world].append({**_run(world, args, "time"), **_run(world, args, "memory")})
 
+    def median(world: int, key: str) -> float:
+        return statistics.median(r[key] for r in runs[world])
+
+    def best(world: int) -> float:
+        return min(r["best"] for r in runs[world])
+
+    print(f"{args.model}: {args.samples} x {args.length} tokens per step, fp32, CPU, {args.cores} threads per "
+          f"layout; medians of {args.repeats} runs ({args.steps} timed steps each, one memory step); load average "
+          f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
+    for world in (1, args.cp):
+        times = ", ".join(f"{r['time']:.2f}" for r in runs[world])
+        growths = ", ".join(f"{r['growth'] / 2**20:.0f}" for r in runs[world])
+        print(f"{f'cp={world} ({world} x {args.cores // world} threads)':24s} {median(world, 'time'):6.2f} s/step "
+              f"[{times}], fastest {best(world):.2f}  peak growth per rank {median(world, 'growth') / 2**20:6.0f} MiB "
+              f"[{growths}]  (resident before {median(world, 'resident') / 2**20:.0f} MiB)")
+    print(f"ratio cp={args.cp} / cp=1: step time x{median(args.cp, 'time') / median(1, 'time'):.2f} "
+          f"(fastest steps x{best(args.cp) / best(1):.2f}), "
+          f"per-rank peak growth x{median(args.cp, 'growth') / median(1, 'growth'):.2f}")
 
 if __name__ == "__main__":
     main()

@@ -1,16 +1,26 @@
 """Core attention for the local (CPU) layer spec where Megatron-core's local one does not serve:
-context parallelism, and multi-latent attention.
+context parallelism, multi-latent attention, and packed rows.
 
-Megatron-core supports context parallelism only in `TEDotProductAttention` (its local
-`DotProductAttention` asserts `context_parallel_size == 1`), and Transformer Engine needs
-CUDA. This module takes the local attention's place when `parallel.cp > 1` without TE, so
-that context parallelism runs, and is tested against the single-rank model, on the CPU
-path. It is the all-gather variant of context parallelism: each rank's keys and values are
-all-gathered over the context-parallel group (Megatron's sequence-parallel all-gather, whose
-backward reduce-scatters the key/value gradients to their owners), and each local query
-attends over the gathered keys under the mask that `trainer.context_parallel.shard` built
-for this rank's positions. Memory per rank is O(S/cp x S) for the scores, which is what
-the CPU path needs; the GPU path uses TE's ring attention instead.
+Context parallelism is hand-written here because nothing upstream runs it on CPU: Megatron-core
+supports it only in `TEDotProductAttention` (its local `DotProductAttention` asserts
+`context_parallel_size == 1`), and Transformer Engine's ring attention needs CUDA.
+`AllGatherContextAttention` takes the local attention's place when `parallel.cp > 1` without TE.
+It is the all-gather variant of context parallelism: each rank's keys and values are all-gathered
+over the context-parallel group (Megatron's sequence-parallel all-gather, whose backward
+reduce-scatters the key/value gradients to their owners) and put in row order. The rank's queries
+come in the chunks of `trainer.context_parallel`'s layout (chunks k and 2cp-1-k of every packed
+segment); chunk k of a segment attends to the segment's chunks 0..k-1 in full and to itself
+causally, read from the row's `cu_seqlens`, so no [S/cp, S] mask or score matrix is ever formed
+and the blocks that the causal and document masks would zero (later chunks, other segments) are
+never computed. The two blocks of a chunk are combined by their log-sum-exps (the online softmax
+of blockwise attention). On CPU each block is one call of the flash-attention kernel that
+`scaled_dot_product_attention` runs on CPU (`aten::_scaled_dot_product_flash_attention_for_cpu`,
+called directly because it also returns the log-sum-exp), which tiles the block itself; its
+backward (`..._for_cpu_backward`), given the merged output and log-sum-exp, gives each block's
+share of the gradients, recomputing the probabilities tile by tile. What a layer keeps for the
+backward pass is its queries, the gathered keys and values, the output and the log-sum-exps:
+O(S/cp + S) rows of head width, nothing of size S/cp x S. Off CPU (the local spec on GPUs) the
+blocks are plain tensor operations instead, which form one block's scores at a time.
 
 Inputs come in THD layout (the trainer passes `PackedSeqParams(qkv_format="thd")` under
 context parallelism, and Megatron's attention squeezes the batch dimension):
@@ -19,10 +29,11 @@ query [t, heads, d], key and value [t, groups, d]; the output is [t, heads * d].
 Multi-latent attention (DeepSeek-V3) gives keys and values of different widths (`k_channels`,
 `v_channels`), which Megatron-core's local `DotProductAttention` does not take (only TE's does):
 `MaskedAttention` is its plain [s, b, heads, d] counterpart under the trainer's dense mask, and
-`AllGatherContextAttention` takes both widths too. gpt-oss's attention sinks (softmax_type "learnable")
-and sliding windows are `MaskedAttention`'s as well: Megatron-core's local attention allocates its sinks
-on the CUDA device (dot_product_attention.py:126-136), and its sliding-window mask replaces the trainer's
-packing mask instead of joining it (fused_softmax.py:321-323).
+`AllGatherContextAttention` takes both widths too (zero-padded to one width for the kernel).
+gpt-oss's attention sinks (softmax_type "learnable") and sliding windows are `MaskedAttention`'s as
+well: Megatron-core's local attention allocates its sinks on the CUDA device
+(dot_product_attention.py:126-136), and its sliding-window mask replaces the trainer's packing mask
+instead of joining it (fused_softmax.py:321-323).
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
+
+from megatron_rl.trainer.context_parallel import held_positions
 
 Tensor = torch.Tensor
 
@@ -57,7 +70,12 @@ class _CoreAttention(MegatronModule):
 
 
 class AllGatherContextAttention(_CoreAttention):
-    """Drop-in `core_attention` of Megatron's local spec for context-parallel training."""
+    """Drop-in `core_attention` of Megatron's local spec for context-parallel training (module docstring).
+
+    Inputs: query [t, heads, dk], key [t, groups, dk] and value [t, groups, dv] of this rank's positions
+    (t = S/cp, in `trainer.context_parallel.held_positions` order) and `packed_seq_params.cu_seqlens_q`
+    of the whole row; output [t, heads * dv].
+    """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         super().__init__(config, *args, **kwargs)
@@ -67,25 +85,151 @@ class AllGatherContextAttention(_CoreAttention):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.cp_group = pg_collection.cp
-        tp_size = pg_collection.tp.size()
-        self.heads = divide(config.num_attention_heads, tp_size)
-        self.groups = divide(config.num_query_groups, tp_size)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor,
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Tensor:
-        if query.dim() != 3 or attention_mask is None:
-            raise ValueError("context-parallel attention takes THD inputs [t, heads, d] and the mask "
-                             "of trainer.context_parallel.shard(with_mask=True)")
+        if query.dim() != 3 or packed_seq_params is None:
+            raise ValueError("context-parallel attention takes THD inputs [t, heads, d] and the row's "
+                             "PackedSeqParams (cu_seqlens of the whole row)")
+        cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
+        cu_seqlens = packed_seq_params.cu_seqlens_q.cpu()
+        gathered = torch.cat([held_positions(cu_seqlens, cp_size, r) for r in range(cp_size)])
+        row_order = torch.argsort(gathered).to(key.device)  # gathered index of each row position
         key = gather_from_sequence_parallel_region(key, tensor_parallel_output_grad=True, group=self.cp_group)
         value = gather_from_sequence_parallel_region(value, tensor_parallel_output_grad=True, group=self.cp_group)
-        if self.heads != self.groups:  # grouped-query attention: each key/value head serves heads/groups queries
-            key = key.repeat_interleave(self.heads // self.groups, dim=1)
-            value = value.repeat_interleave(self.heads // self.groups, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()) * self.scale
-        scores = scores.masked_fill(attention_mask.view(1, *attention_mask.shape[-2:]), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)
-        out = torch.einsum("hqk,khd->qhd", probs, value)
+        key, value = key[row_order], value[row_order]
+        v_width = value.shape[-1]
+        if query.shape[-1] != v_width:  # multi-latent attention: zero columns change no score and add zero outputs
+            width = max(query.shape[-1], v_width)
+            query, key, value = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (query, key, value))
+        blocks = _query_chunks(cu_seqlens.tolist(), cp_size, cp_rank)
+        out = _ChunkedCausalAttention.apply(query, key, value, blocks, self.scale)[..., :v_width]
         return out.reshape(out.shape[0], -1)
+
+
+def _query_chunks(bounds: list[int], cp_size: int, cp_rank: int) -> list[tuple[int, int, int, int]]:
+    """This rank's query chunks, in its local order (that of `held_positions`), as (local start, row start
+    of the chunk's segment, chunk index k in the segment, chunk length)."""
+    chunks, local = [], 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length = (end - start) // (2 * cp_size)
+        for k in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            if length:
+                chunks.append((local, start, k, length))
+                local += length
+    return chunks
+
+
+class _ChunkedCausalAttention(torch.autograd.Function):
+    """Causal attention of query chunks over the keys of their own segment, block by block.
+
+    forward(query [t, heads, d], key and value [S, groups, d] in row order, chunks of `_query_chunks`,
+    scale) -> [t, heads, d]. Each chunk k of length c at segment start s has two blocks: the keys
+    s .. s + k c (all visible; none when k = 0) and its own c keys (causal). The backward pass
+    recomputes each block's probabilities from the saved log-sum-exps."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, chunks: list, scale: float) -> Tensor:
+        q, k, v = (_heads_first(x) for x in (query, key, value))
+        out = torch.empty_like(query)
+        lse = query.new_empty(1, query.shape[1], query.shape[0], dtype=torch.promote_types(query.dtype, torch.float32))
+        out_h = _heads_first(out)
+        for local, segment, index, length in chunks:
+            rows, diagonal = slice(local, local + length), segment + index * length
+            q_chunk = q[:, :, rows]
+            o, l = _block_forward(q_chunk, k[:, :, diagonal:diagonal + length],
+                                  v[:, :, diagonal:diagonal + length], True, scale)
+            if index:  # the earlier chunks of the segment, merged by log-sum-exp
+                o_before, l_before = _block_forward(q_chunk, k[:, :, segment:diagonal], v[:, :, segment:diagonal],
+                                                    False, scale)
+                merged = torch.logaddexp(l, l_before)
+                o = (o * (l - merged).exp().unsqueeze(-1) + o_before * (l_before - merged).exp().unsqueeze(-1))
+                l = merged
+            out_h[:, :, rows] = o
+            lse[:, :, rows] = l
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.chunks, ctx.scale = chunks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor):
+        query, key, value, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grads = [torch.zeros_like(x) for x in (query, key, value)]
+        dq, dk, dv = (_heads_first(x) for x in grads)
+        q, k, v, o, g = (_heads_first(x) for x in (query, key, value, out, grad_out))
+        for local, segment, index, length in ctx.chunks:
+            rows, diagonal = slice(local, local + length), segment + index * length
+            blocks = [(diagonal, diagonal + length, True)] + ([(segment, diagonal, False)] if index else [])
+            for first, last, causal in blocks:
+                dq_block, dk_block, dv_block = _block_backward(
+                    g[:, :, rows], q[:, :, rows], k[:, :, first:last], v[:, :, first:last], o[:, :, rows],
+                    lse[:, :, rows], causal, ctx.scale)
+                dq[:, :, rows] += dq_block
+                dk[:, :, first:last] += dk_block
+                dv[:, :, first:last] += dv_block
+        return *grads, None, None
+
+
+def _heads_first(x: Tensor) -> Tensor:
+    """[t, heads, d] -> a [1, heads, t, d] view (the layout of scaled_dot_product_attention)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of one block: q [1, heads, m, d] over k, v [1, groups, n, d] (causal: m = n, query i sees
+    keys 0..i) -> (output [1, heads, m, d], log-sum-exp of the scaled scores [1, heads, m])."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return _plain_block_forward(q, k, v, causal, scale)
+
+
+def _block_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's share of the gradients (dq, dk, dv) given the output and log-sum-exp of the whole softmax
+    (all blocks of these queries): the flash-attention backward pass, per block."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return _plain_block_backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+def _plain_block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """`_block_forward` in plain tensor operations (the block's scores are formed), in at least fp32."""
+    scores = _block_scores(q, k, causal, scale)
+    lse = scores.logsumexp(-1)
+    probs = (scores - lse.unsqueeze(-1)).exp()
+    return torch.matmul(probs, _repeat_groups(v, q.shape[1]).to(probs.dtype)).to(q.dtype), lse
+
+
+def _plain_block_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`_block_backward` in plain tensor operations, in at least fp32."""
+    heads, groups = q.shape[1], k.shape[1]
+    probs = (_block_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()
+    grad_out, out = grad_out.to(probs.dtype), out.to(probs.dtype)
+    dv = torch.matmul(probs.transpose(-1, -2), grad_out)
+    dp = torch.matmul(grad_out, _repeat_groups(v, heads).to(probs.dtype).transpose(-1, -2))
+    ds = probs * (dp - (grad_out * out).sum(-1, keepdim=True)) * scale
+    dq = torch.matmul(ds, _repeat_groups(k, heads).to(probs.dtype))
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(probs.dtype))
+    dk, dv = (x.view(1, groups, heads // groups, *x.shape[2:]).sum(2) for x in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _block_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(dtype), _repeat_groups(k, q.shape[1]).to(dtype).transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    return scores
+
+
+def _repeat_groups(x: Tensor, heads: int) -> Tensor:
+    """Grouped-query attention: [1, groups, n, d] -> [1, heads, n, d], each key/value head serving heads/groups
+    query heads."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 class MaskedAttention(_CoreAttention):

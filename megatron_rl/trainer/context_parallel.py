@@ -12,8 +12,8 @@ and long samples in the row.
 Attention needs the keys and values of other ranks' chunks. On GPU, Transformer Engine's
 attention exchanges them itself (given `cu_seqlens` of the whole row). On CPU the local
 layer spec gets `megatron_rl.models.local_attention.AllGatherContextAttention`: keys and values
-are all-gathered over the group, and the mask built here (`shard(with_mask=True)`) says which
-gathered positions each local query may see: same segment, not later in the row.
+are all-gathered over the group, and each local chunk attends to the earlier chunks of its
+segment and causally to itself, read from the same `cu_seqlens` (no mask is built).
 
 Everything after the model works on the rank's own targets: the loss sums its targets'
 contributions (gradients are summed over data- x context-parallel ranks), and log-probs
@@ -48,29 +48,21 @@ def held_positions(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tensor:
     return torch.cat(parts)
 
 
-def shard(mb: MicroBatch, cp_size: int, cp_rank: int, with_mask: bool) -> MicroBatch:
-    """This rank's share of the packed row `mb`: its positions' tokens, its targets (with
-    their loss mask, extras and sample ids) and, when `with_mask`, the attention mask of
-    its queries [1, 1, S/cp, S] over the keys in all-gather order (rank 0's positions,
-    then rank 1's, ...), True = masked out."""
+def shard(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
+    """This rank's share of the packed row `mb`: its positions' tokens and its targets (with
+    their loss mask, extras and sample ids). Attention reads the row's `cu_seqlens`, which the
+    shard keeps whole; it carries no dense mask."""
     held = held_positions(mb.cu_seqlens, cp_size, cp_rank)
     local_of = torch.full((mb.row_len,), -1, dtype=torch.long)
     local_of[held] = torch.arange(held.numel())
     keep = local_of[mb.valid] >= 0  # the row's targets predicted at this rank's positions
-    mask = None
-    if with_mask:
-        gathered = torch.cat([held_positions(mb.cu_seqlens, cp_size, r) for r in range(cp_size)])
-        segment = torch.bucketize(torch.arange(mb.row_len), mb.cu_seqlens[1:].long(), right=True)
-        allowed = ((segment[held][:, None] == segment[gathered][None, :])
-                   & (gathered[None, :] <= held[:, None]))
-        mask = ~allowed.view(1, 1, held.numel(), mb.row_len)
     return dataclasses.replace(
         mb,
         input_ids=mb.input_ids[:, held],
         position_ids=mb.position_ids[:, held],
         padding=mb.padding[:, held],
         targets=mb.targets[:, held],
-        attention_mask=mask,
+        attention_mask=None,
         valid=local_of[mb.valid[keep]],
         sample_ids=mb.sample_ids[keep],
         loss_mask=mb.loss_mask[keep],

@@ -376,7 +376,7 @@ class Trainer:
             mb.sample_ids = torch.tensor(mine, dtype=torch.long)[mb.sample_ids]
             mb.sample_indices = [mine[i] for i in mb.sample_indices]
         if cp > 1:
-            micro = [context_parallel.shard(mb, cp, self.groups.cp_rank, with_mask=not self.use_te) for mb in micro]
+            micro = [context_parallel.shard(mb, cp, self.groups.cp_rank) for mb in micro]
         return shares, [mb.to(self.groups.device) for mb in micro]
 
     def _packed_seq_params(self, mb: MicroBatch):

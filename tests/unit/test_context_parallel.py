@@ -39,20 +39,20 @@ def test_packing_pads_each_sample_to_the_segment_multiple():
 
 
 @pytest.mark.parametrize("cp", [2, 3])
-def test_shards_partition_the_row_and_keep_its_mask(cp):
+def test_shards_partition_the_row_and_balance_its_attention(cp):
     samples = _samples([7, 13, 4, 10], seed=cp)
-    (mb,) = pack(samples, token_budget=128, pad_multiple=4 * cp, segment_multiple=2 * cp)
+    (mb,) = pack(samples, token_budget=128, pad_multiple=4 * cp, segment_multiple=2 * cp, dense_mask=False)
     gathered = torch.cat([held_positions(mb.cu_seqlens, cp, r) for r in range(cp)])
     assert sorted(gathered.tolist()) == list(range(mb.row_len)), "every position on exactly one rank"
+    segment_start = mb.cu_seqlens[torch.bucketize(torch.arange(mb.row_len), mb.cu_seqlens[1:], right=True)]
     row_targets = torch.full((mb.valid.numel(),), -1)
     work = []
     for rank in range(cp):
-        part = shard(mb, cp, rank, with_mask=True)
+        part = shard(mb, cp, rank)
         held = held_positions(mb.cu_seqlens, cp, rank)
-        assert part.seq_len == mb.row_len // cp
+        assert part.seq_len == mb.row_len // cp and part.attention_mask is None
         assert torch.equal(part.input_ids[0], mb.input_ids[0, held])
-        # the local mask over keys in all-gather order is the row's own mask, rows and columns permuted
-        assert torch.equal(part.attention_mask[0, 0], mb.attention_mask[0, 0][held][:, gathered])
+        assert torch.equal(part.cu_seqlens, mb.cu_seqlens)  # attention reads the whole row's segments
         # local targets: same target tokens, values and samples as in the row
         index = part.context.target_index
         assert torch.equal(part.targets[0, part.valid], mb.targets[0, mb.valid[index]])
@@ -60,12 +60,13 @@ def test_shards_partition_the_row_and_keep_its_mask(cp):
         assert torch.equal(part.loss_mask, mb.loss_mask[index])
         assert torch.equal(part.sample_ids, mb.sample_ids[index])
         row_targets[index] = rank
-        work.append(int((~part.attention_mask).sum()))
+        work.append(int((held - segment_start[held] + 1).sum()))  # causal keys of each held query
     assert (row_targets >= 0).all(), "every target predicted on some rank"
     # chunks k and 2cp-1-k of a causal segment of chunk length c attend to
     # c^2 (2cp - 1) + c (c + 1) query-key pairs together, whatever k: equal work
     assert len(set(work)) == 1, f"attention pairs per rank {work}"
-    assert sum(work) == int((~mb.attention_mask).sum())
+    lengths = mb.cu_seqlens.diff()
+    assert sum(work) == int((lengths * (lengths + 1) // 2).sum())
 
 
 def test_gspo_with_context_parallelism_is_refused_before_any_work():
@@ -83,5 +84,5 @@ def test_rows_for_thd_attention_carry_no_dense_mask():
     (thd,) = pack(samples, token_budget=64, pad_multiple=4, segment_multiple=4, dense_mask=False)
     assert thd.attention_mask is None and dense.attention_mask.shape == (1, 1, 24, 24)  # slots 8 + 16
     assert torch.equal(thd.cu_seqlens, dense.cu_seqlens) and torch.equal(thd.input_ids, dense.input_ids)
-    part = shard(thd, 2, 1, with_mask=False)
+    part = shard(thd, 2, 1)
     assert part.attention_mask is None and part.seq_len == 12
