@@ -26,6 +26,7 @@ use torch.cuda's counters.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -144,6 +145,9 @@ def main() -> None:
     print(f"ratio cp={args.cp} / cp=1: step time x{median(args.cp, 'time') / median(1, 'time'):.2f} "
           f"(fastest steps x{best(args.cp) / best(1):.2f}), "
           f"per-rank peak growth x{median(args.cp, 'growth') / median(1, 'growth'):.2f}")
+    print("RESULT " + json.dumps({"length": args.length, "cp": args.cp, "time_ratio": median(args.cp, "time") /
+                                  median(1, "time"), "fastest_time_ratio": best(args.cp) / best(1),
+                                  "memory_ratio": median(args.cp, "growth") / median(1, "growth")}))
 
 if __name__ == "__main__":
     main()

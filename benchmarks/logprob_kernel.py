@@ -133,6 +133,10 @@ def main() -> None:
                        f"{fused['peak_bytes'] / naive['peak_bytes']:9.3f} {naive['seconds']:8.2f} "
                        f"{fused['seconds']:8.2f} {fused['seconds'] / naive['seconds']:10.2f}")
             print(f"{spec:>20} {mode:>17} {row}", flush=True)
+            print("RESULT " + json.dumps({"size": spec, "mode": mode, "fused_mb": fused["peak_bytes"] / 2**20,
+                                          "fused_s": fused["seconds"],
+                                          "naive_mb": naive and naive["peak_bytes"] / 2**20,
+                                          "naive_s": naive and naive["seconds"]}), flush=True)
 
 
 if __name__ == "__main__":

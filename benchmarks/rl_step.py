@@ -10,6 +10,10 @@ each phase: offload, weight sync, generate, release, onload; the step times trai
 disaggregated mode, the process timelines `timeline/*.jsonl` (the trainer waiting for groups,
 training, publishing; the generators generating). The first step (start-up) and the last one
 (it runs the final evaluation) are left out: steps 2 to N-1, numbered as in metrics.jsonl.
+
+Both sides get the same cores (`--cores`, default 2): the disaggregated run is a trainer process and a
+generator process of one thread each; the colocated baseline is the faster of one process with that many
+threads and that many data-parallel ranks of one thread (`cluster.nproc`), both printed.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ PHASES = ("offload_trainer", "resume_engine_weights", "sync_weights", "resume_en
           "release_engine", "onload_trainer", "train")
 
 
-def _run(run_dir: Path, common: list[str], *extra: str) -> list[dict]:
+def _run(run_dir: Path, common: list[str], *extra: str, threads: int = 1) -> list[dict]:
     args = [sys.executable, "-m", "megatron_rl.train", *common, f"run_dir={run_dir}", *extra]
-    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
+    proc = subprocess.run(args, env=dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO)),
                           capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
@@ -57,6 +61,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="RL steps per run (>= 3)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--staleness", type=int, default=1, help="algorithm.max_staleness of the disaggregated run")
+    p.add_argument("--cores", type=int, default=2, help="cores each mode gets (the disaggregated run: trainer "
+                   "+ 1 generator, so --cores 2)")
     p.add_argument("overrides", nargs="*", help="more overrides for both runs")
     args = p.parse_args()
     if args.steps < 3:
@@ -65,16 +71,25 @@ def main() -> None:
               "rollout.n_samples_per_prompt=4", "task.num_eval=8", "task.eval_samples=1", "task.eval_every=0",
               f"rollout.max_new_tokens={args.new_tokens}", f"num_steps={args.steps}", "checkpoint.save_every=0",
               "checkpoint.save_at_end=false", "logging.progress=false", *args.overrides]
+    if args.cores != 2:
+        p.error("--cores 2 only: the disaggregated run is one trainer and one generator process of one thread")
     with tempfile.TemporaryDirectory() as tmp:
-        colocated = _run(Path(tmp) / "colocated", common)
+        threaded = _run(Path(tmp) / "threads", common, threads=args.cores)
+        ranks = _run(Path(tmp) / "ranks", common, f"cluster.nproc={args.cores}")
         disagg_dir = Path(tmp) / "disaggregated"
-        disagg = _run(disagg_dir, common, "rollout.mode=disaggregated", f"algorithm.max_staleness={args.staleness}")
+        disagg = _run(disagg_dir, common, "rollout.mode=disaggregated", f"algorithm.max_staleness={args.staleness}",
+                      "rollout.num_generators=1")
         events = {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
                   for path in (disagg_dir / "timeline").glob("*.jsonl")}
 
-    step = _mean(colocated, "time/step")
     print(f"settings: {' '.join(common)}")
-    print(f"\ncolocated, mean of steps 2-{args.steps - 1}: {step:.3f} s/step")
+    options = {f"1 process x {args.cores} threads": threaded, f"{args.cores} ranks x 1 thread": ranks}
+    for name, rows in options.items():
+        print(f"colocated, {name}: {_mean(rows, 'time/step'):.3f} s/step")
+    best = min(options, key=lambda name: _mean(options[name], "time/step"))
+    colocated = options[best]
+    step = _mean(colocated, "time/step")
+    print(f"\ncolocated baseline ({best}, the faster), mean of steps 2-{args.steps - 1}: {step:.3f} s/step")
     accounted = 0.0
     for phase in PHASES:
         seconds = _mean(colocated, f"time/{phase}")
@@ -106,8 +121,7 @@ def main() -> None:
         if name.startswith("generator") and span > 0:
             spans = [(max(e["start"], first), min(e["end"], last)) for e in log if e["event"] == "generate"]
             print(f"  {name}: generating {_union(spans) / span:.1%} of the trainer's steps 2-{args.steps - 1}")
-    print(f"\nstep time disaggregated / colocated: x{d_step / step:.2f} (the disaggregated run adds a "
-          f"generator process: on a machine with fewer cores than processes they compete)")
+    print(f"\nstep time disaggregated / colocated ({args.cores} cores each): x{d_step / step:.2f}")
 
 
 if __name__ == "__main__":

@@ -104,18 +104,20 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
     stop = {tokenizer.eos_token_id, *Task(cfg.task, tokenizer).stop_token_ids}
     n, dtype = r.n_samples_per_prompt, torch_dtype(cfg.model.dtype)
+    device = torch.device("cuda" if cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and
+                                                                      torch.cuda.is_available()) else "cpu")
 
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
         speeds, prompts = _loop(args.overrides, args.steps, Path(tmp) / "run")
         rows = [p for p in prompts for _ in range(n)]
         if cfg.model.path:
-            model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).eval()
+            model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(device).eval()
         else:
-            model = build_hf_model(cfg.model, seed=cfg.model.init_seed).to(dtype).eval()
+            model = build_hf_model(cfg.model, seed=cfg.model.init_seed).to(device, dtype).eval()
         width = max(map(len, rows))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
-        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+        ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], device=device)
         sampling = (dict(do_sample=False) if r.temperature == 0 else
                     dict(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0)))
 
@@ -126,7 +128,7 @@ def main() -> None:
             return _count(out[:, width:], stop)
 
         baseline = _timed(plain, args.repeats)
-        engine = make_standalone_engine(cfg, tokenizer, device=torch.device("cpu"), index=0, work_dir=Path(tmp))
+        engine = make_standalone_engine(cfg, tokenizer, device=device, index=0, work_dir=Path(tmp))
         try:
             engine.update_weights(iter(hub_state_dict(model).items()), 1)
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -136,7 +138,7 @@ def main() -> None:
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
 
-    print(f"{cfg.model.family} {cfg.model.num_layers} layers x {cfg.model.hidden_size}, {cfg.model.dtype}, "
+    print(f"{cfg.model.family} {cfg.model.num_layers} layers x {cfg.model.hidden_size}, {cfg.model.dtype} on {device}, "
           f"{len(prompts)} prompts x {n} samples ({min(map(len, prompts))}-{width} prompt tokens), up to "
           f"{r.max_new_tokens} new tokens, temperature {r.temperature}, {torch.get_num_threads()} threads; "
           f"median of {args.repeats} calls, the loop over steps 2-{args.steps}")
@@ -146,6 +148,9 @@ def main() -> None:
                                 ("in the RL loop (rollout/tokens_per_s)", (loop, None))]:
         shown = f"{tokens} tokens" if tokens is not None else f"steps {', '.join(f'{s:.0f}' for s in speeds)}"
         print(f"  {name:52s} {tps:8.1f} tokens/s  x{tps / baseline[0]:.2f}   ({shown})")
+    print("RESULT " + json.dumps({"generate_tokens_per_s": baseline[0], "engine_tokens_per_s": alone[0],
+                                  "engine_vs_generate": alone[0] / baseline[0], "loop_tokens_per_s": loop,
+                                  "backend": r.backend, "dtype": cfg.model.dtype}))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import json
 import statistics
 import sys
 import time
@@ -133,6 +134,9 @@ def main() -> None:
         if device.type == "cuda":
             line += f"  MFU {mfu:.1%}"
         print(line, flush=True)
+        print("RESULT " + json.dumps({"variant": name, "spec": "te" if use_te else "local", "params": params,
+                                      "ms_per_step": step * 1e3, "tokens_per_s": tps, "vs_first": tps / base_tps,
+                                      "mfu": mfu if device.type == "cuda" else None}), flush=True)
 
 
 @contextlib.contextmanager

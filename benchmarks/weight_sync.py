@@ -24,6 +24,7 @@ engine that holds the base), seconds and bytes of each and their ratios.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -110,6 +111,9 @@ def main() -> None:
           f"{statistics.median(c / s for c, s in zip(copy_times, sync_times)):.2f}")
     target = 0.9 if device.type == "cpu" else 0.8
     print(f"ratio sync / plain copy (medians): {copy_s / sync_s:.2f} (target >= {target} on {device.type})")
+    print("RESULT " + json.dumps({"path": path, "bytes": stats.num_bytes, "copy_s": copy_s, "sync_s": sync_s,
+                                  "ratio": copy_s / sync_s, "ratio_median_of_repeats": statistics.median(
+                                      c / s for c, s in zip(copy_times, sync_times)), "device": device.type}))
 
 
 class _ByName:
