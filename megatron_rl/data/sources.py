@@ -94,9 +94,12 @@ def first_row(path: str | Path) -> Optional[dict[str, Any]]:
 
         batch = next(pq.ParquetFile(p).iter_batches(batch_size=1), None)
         return batch.to_pylist()[0] if batch is not None and batch.num_rows else None
-    splits = _read_hf_disk(p)
-    rows = splits.get("train") or next(iter(splits.values()), [])
-    return rows[0] if rows else None
+    import datasets
+
+    loaded = datasets.load_from_disk(str(p))  # memory-mapped: row 0 alone is read
+    if isinstance(loaded, datasets.DatasetDict):
+        loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()), [])
+    return dict(loaded[0]) if len(loaded) else None
 
 
 def load_rows(path: str | Path, split: str, num_eval: int, eval_path: Optional[str | Path] = None

@@ -19,6 +19,7 @@ an assistant turn) ends warm-start responses and stops generation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 from typing import Any, Callable
@@ -287,12 +288,12 @@ class Task:
             reference = row.get(c.response_key) or (answer if self.reward_kind == "exact" else f"\\boxed{{{answer}}}")
         return self._prompt(row[c.prompt_key], meta, reference)
 
-    @property
+    @functools.cached_property
     def reward_kind(self) -> str:
-        """The verifier actually used (task.reward with `auto` resolved)."""
+        """The verifier actually used (task.reward with `auto` resolved); read once (every row asks)."""
         return reward_kind_of(self.cfg)
 
-    @property
+    @functools.cached_property
     def needs_sandbox(self) -> bool:
         return needs_sandbox_of(self.cfg)
 

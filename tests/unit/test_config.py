@@ -727,3 +727,22 @@ def test_cfg_job_shows_the_architecture_read_from_the_checkpoint(tmp_path, capsy
     assert runtime.start(["--cfg", "job", "model=llama3_8b"], "megatron_rl.train") is None
     captured = capsys.readouterr()
     assert "num_layers: 32" in captured.out and "the model.* keys below are the preset's" in captured.err
+
+
+def test_sandbox_images_are_checked_before_any_work(tmp_path):
+    """sandbox.images: every path exists; bwrap takes root file system directories; the process runtime runs no
+    image; a code task under apptainer needs one, a rule-checked task does not."""
+    sif = tmp_path / "python.sif"
+    sif.write_bytes(b"SIF")
+    cases = [(["sandbox=apptainer", f"+sandbox.images.python={tmp_path / 'no.sif'}"], "does not exist"),
+             ([f"+sandbox.images.python={sif}"], "is not a directory: the bwrap runtime"),
+             (["sandbox.runtime=process", "sandbox.allow_unisolated=true", f"+sandbox.images.python={tmp_path}"],
+              "runtime=process, which runs code on the host in no image"),
+             (["sandbox=apptainer"], r"apptainer .* needs an image .*docs/examples/python.def")]
+    for overrides, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            load_config(["mode=rl", *overrides], world_size=1)
+    assert load_config(["mode=rl", "sandbox=apptainer", f"+sandbox.images.python={sif}"], world_size=1).sandbox.images \
+        == {"python": str(sif)}
+    assert load_config(["mode=rl", "sandbox=apptainer", "task=arithmetic"], world_size=1)  # no code: no image needed
+    assert load_config(["mode=sft", "sandbox=apptainer"], world_size=1)

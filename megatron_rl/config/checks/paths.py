@@ -70,6 +70,9 @@ def _check_sandbox(cfg) -> None:
     """The sandbox images exist, and a run whose rewards execute code under apptainer has one: apptainer has no
     image of its own (bwrap runs in the host's), so without one every reward would fail at the first step."""
     sb = cfg.sandbox
+    if sb.images and sb.runtime == "process":
+        raise ConfigError(f"sandbox.images={{{', '.join(sb.images)}}} with sandbox.runtime=process, which runs code on "
+                          "the host in no image: use sandbox=apptainer (or bwrap, with root file system directories)")
     for name, image in sb.images.items():
         path = Path(image).expanduser()
         if not path.exists():
