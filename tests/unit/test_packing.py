@@ -17,8 +17,21 @@ def test_rows_respect_budget_and_cover_every_sample_once():
     rows = assign_rows(lengths, token_budget=10)
     assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in row) <= 10 for row in rows)
-    # first-fit decreasing by hand: 9 | 7+3 | 6+4 | 5+2
-    assert rows == [[3], [0, 1], [5, 6], [2, 4]]
+    # first-fit decreasing by hand: 9 | 7+3 | 6+4 | 5+2, four rows, the longest of 10 tokens; the same
+    # samples longest first to the lightest of four rows: 9 | 7+2 | 6+3 | 5+4, every row 9
+    assert rows == [[3], [0, 4], [1, 5], [2, 6]]
+
+
+def test_rows_are_balanced_so_the_last_one_is_not_mostly_padding():
+    # first-fit decreasing: 5+5 | 2, rows padded to 10 (8 padding tokens for 12 real ones); balanced:
+    # 5+2 | 5, rows of 7
+    assert assign_rows([5, 5, 2], token_budget=10) == [[0, 2], [1]]
+    assert packed_shape([5, 5, 2], token_budget=10) == (2, 7)
+    # where balancing would not shorten the longest row, first-fit's rows stay: 6 | 4+3 (balanced: 6 | 4+3 too)
+    assert assign_rows([6, 4, 3], token_budget=8) == [[0], [1, 2]]
+    # balancing that would overflow the budget is not taken: first fit 5+5 | 4+3+3; longest first to the
+    # lightest row gives 5+4 | 5+3+3 = 11 > 10
+    assert assign_rows([5, 5, 4, 3, 3], token_budget=10) == [[0, 1], [2, 3, 4]]
 
 
 def test_too_long_sample_names_the_fix():
