@@ -110,10 +110,10 @@ class AlgorithmConfig:
     on at trainer version <= v + max_staleness; older groups are dropped (counted). 0 = on-policy."""
     old_logprobs: str = "auto"
     """The log-probs of the policy that sampled, the importance ratio's denominator: recompute (a forward of the
-    trainer before the update), current (the update's own forward, detached: the same weights, so the same
-    numbers without a forward of their own; one update per step only, as TRL does with num_iterations=1),
-    rollout (the engine's) or auto: current when num_inner_updates=1 and neither kl_in_reward nor
-    routing_replay=old needs them before the update, else recompute (written resolved to config.yaml)."""
+    trainer before the first update), current (the first update's own forward, detached: the same weights, so
+    the same numbers without a forward of their own; kept for the later inner updates), rollout (the engine's)
+    or auto: current unless kl_in_reward or routing_replay=old needs them before the update, else recompute
+    (written resolved to config.yaml)."""
     loss_norm_len: Optional[int] = None
     """Constant length normaliser for loss_agg_mode=seq_mean_token_sum_norm (Dr. GRPO)."""
     filter_zero_variance: bool = False
@@ -184,12 +184,8 @@ class AlgorithmConfig:
         _check_choice("algorithm.loss_agg_mode", self.loss_agg_mode, self.LOSS_AGG_MODES)
         _check_choice("algorithm.old_logprobs", self.old_logprobs, self.OLD_LOGPROBS)
         if self.old_logprobs == "auto":
-            before = self.num_inner_updates > 1 or self.kl_in_reward or self.routing_replay == "old"
+            before = self.kl_in_reward or self.routing_replay == "old"
             self.old_logprobs = "recompute" if before else "current"
-        if self.old_logprobs == "current" and self.num_inner_updates > 1:
-            raise _invalid("algorithm.old_logprobs", self.old_logprobs, f"takes the first update's own log-probs, but "
-                           f"num_inner_updates={self.num_inner_updates} updates change the weights before the later "
-                           "ones: use old_logprobs=recompute (or auto)")
         _check_choice("algorithm.routing_replay", self.routing_replay, self.ROUTING_REPLAYS)
         _check_choice("algorithm.overlong", self.overlong, self.OVERLONG_MODES)
         if self.overlong == "penalty" and self.overlong_penalty_window < 1:

@@ -13,7 +13,8 @@ from megatron_rl.rollout.collect import Rollout, is_scored
 
 def old_and_reference_logprobs(cfg, run: Any, samples: list, record_routing: bool = False) -> None:
     """Fill in the samples' "old_logprobs" (the trainer's forward, or the engine's with
-    algorithm.old_logprobs=rollout; none with current, whose update takes its own forward's) and, with
+    algorithm.old_logprobs=rollout; none with current, whose first update takes its own forward's and keeps them
+    for the later ones) and, with
     kl_coef > 0, "ref_logprobs", where not given already
     (`reward_kl` computed them before the advantages). Every rank holds the same samples.
     record_routing: the old forward runs over all of `samples` (the same weights give the log-probs
@@ -61,8 +62,16 @@ def update_policy(cfg, run: Any, samples: list) -> dict[str, float]:
     logprobs_time = time.perf_counter() - start
     routing = {"none": None, "old": trainer.last_routing, "rollout": ENGINE}[replay]
     trainer.last_routing = None
-    for update in range(cfg.algorithm.num_inner_updates):
-        found = trainer.train_step(samples, run.loss_fn, with_entropy=True, routing=routing)
+    num_updates = cfg.algorithm.num_inner_updates
+    for update in range(num_updates):
+        # old_logprobs=current: the first update's forward ran on the weights that sampled; later updates
+        # take its log-probs as their old ones (what a forward of their own before the first would give)
+        keep = cfg.algorithm.old_logprobs == "current" and update == 0 and num_updates > 1
+        found = trainer.train_step(samples, run.loss_fn, with_entropy=True, routing=routing, keep_logprobs=keep)
+        if keep:
+            for s, lp in zip(samples, trainer.last_logprobs):
+                s.extras["old_logprobs"] = lp
+            trainer.last_logprobs = None
         metrics = {KL_METRICS.get(name, name): value for name, value in found.items()}
         if update == 0:  # nothing changed yet: the importance ratio must be 1, old log-probs are the update's
             first_kl = metrics.get("kl/policy_old_new", 0.0)

@@ -137,6 +137,7 @@ class Trainer:
                             100.0 * train / max(total, 1))
         self.routing_layers = routing_replay.attach(module) if options.routing_replay and head == "lm" else []
         self.last_routing: Optional[routing_replay.RoutingRecord] = None  # forward_logprobs(record_routing=True)
+        self.last_logprobs: Optional[list[Tensor]] = None  # train_step(keep_logprobs=True)
         if options.overlap_param_gather and not options.use_distributed_optimizer:
             raise ValueError("TrainerOptions(overlap_param_gather=True) needs use_distributed_optimizer=True: only "
                              "the distributed optimizer all-gathers parameters")
@@ -461,7 +462,6 @@ class Trainer:
         the MoE routing of this forward in `last_routing`; `routing` replays one, or with
         routing_replay.ENGINE the routing the samples carry (the trainer needs options.routing_replay)."""
         shares, micro = self._micro_batches(samples)
-        mine = shares[self.groups.dp_rank]
         local: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
 
         def loss_func_for(mb: MicroBatch):
@@ -469,15 +469,7 @@ class Trainer:
                 if not mb.sample_indices:  # a padding row (expert parallelism)
                     return logits.sum() * 0.0, {}
                 lp, ent = self._target_stats(mb, logits, with_entropy)
-                sample_ids = mb.sample_ids
-                if mb.context is not None:  # this rank's targets -> the whole row's
-                    cp_group = self.groups.cp_group
-                    lp = context_parallel.gather_targets(lp, mb.context, cp_group)
-                    ent = None if ent is None else context_parallel.gather_targets(ent, mb.context, cp_group)
-                    sample_ids = mb.context.sample_ids
-                for i in mb.sample_indices:
-                    sel = sample_ids == i
-                    local[i] = (lp[sel].float().cpu(), None if ent is None else ent[sel].float().cpu())
+                self._keep_per_sample(mb, lp, ent, local)
                 return lp.sum() * 0.0, {}
             return loss_func
 
@@ -490,6 +482,27 @@ class Trainer:
             with self._replaying(routing, micro) as replay:
                 self._run(micro, loss_func_for, forward_only=True, replay=replay)
         self.model.train()
+        return self._per_sample(samples, shares, local, with_entropy)
+
+    def _keep_per_sample(self, mb: MicroBatch, lp: Tensor, ent: Optional[Tensor],
+                         local: dict[int, tuple[Tensor, Optional[Tensor]]]) -> None:
+        """Store a micro-batch's log-probs (and entropies), detached, per sample in `local` (host tensors)."""
+        lp, ent = lp.detach(), None if ent is None else ent.detach()
+        sample_ids = mb.sample_ids
+        if mb.context is not None:  # this rank's targets -> the whole row's
+            cp_group = self.groups.cp_group
+            lp = context_parallel.gather_targets(lp, mb.context, cp_group)
+            ent = None if ent is None else context_parallel.gather_targets(ent, mb.context, cp_group)
+            sample_ids = mb.context.sample_ids
+        for i in mb.sample_indices:
+            sel = sample_ids == i
+            local[i] = (lp[sel].float().cpu(), None if ent is None else ent[sel].float().cpu())
+
+    def _per_sample(self, samples: Sequence[Sample], shares: list[list[int]],
+                    local: dict[int, tuple[Tensor, Optional[Tensor]]],
+                    with_entropy: bool) -> tuple[list[Tensor], Optional[list[Tensor]]]:
+        """Every sample's stored values (`_keep_per_sample` on the last stage of each DP rank), on every rank."""
+        mine = shares[self.groups.dp_rank]
         width = 2 if with_entropy else 1
         lengths = [samples[i].num_targets for i in mine]
         flat = torch.zeros(sum(lengths) * width)
@@ -510,14 +523,17 @@ class Trainer:
 
     # -- train --------------------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample], loss_fn: LossFn = token_mean_nll,
-                   with_entropy: bool = False, routing: Routing = None) -> dict[str, float]:
+                   with_entropy: bool = False, routing: Routing = None, keep_logprobs: bool = False) -> dict[str, float]:
         """One optimizer step on the global batch `samples`; returns summed metrics plus
         `grad_norm` (before clipping), `lr` (the one this step used) and `num_tokens` (the
         same dict on every rank). With `routing` (a recording of a forward over the same samples, or
         routing_replay.ENGINE: the samples' own) the MoE layers route every token so, and
         `routing_drift` is the share of (token, layer) expert choices that the current routers would
-        have made differently."""
-        _, micro = self._micro_batches(samples)
+        have made differently. keep_logprobs: `last_logprobs` holds every sample's log-probs of this step's forward
+        afterwards (the weights before its update, detached; lists of [L-1] on every rank), as forward_logprobs
+        would have given them before the step."""
+        shares, micro = self._micro_batches(samples)
+        kept: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
         num_tokens = int(sum(float(s.loss_mask.sum()) for s in samples))
         sample_tokens = torch.tensor([float(s.loss_mask.sum()) for s in samples])
         scale = len(micro) * self.groups.dp_size
@@ -527,6 +543,8 @@ class Trainer:
                 if not mb.sample_indices:  # a padding row (fewer samples than ranks, or EP): contributes nothing
                     return self._zero_loss(logits), {}
                 lp, ent = self._target_stats(mb, logits, with_entropy)
+                if keep_logprobs:
+                    self._keep_per_sample(mb, lp, None, kept)
                 inputs = LossInputs(
                     logprobs=lp, entropy=ent, loss_mask=mb.loss_mask, sample_ids=mb.sample_ids,
                     sample_num_tokens=sample_tokens.to(lp.device)[mb.sample_ids], extras=mb.extras,
@@ -549,6 +567,7 @@ class Trainer:
         self.step += 1
         self.optimizer_step += 1
         metrics = _reduce_metrics(stored, self.groups)
+        self.last_logprobs = self._per_sample(samples, shares, kept, False)[0] if keep_logprobs else None
         metrics.update(grad_norm=float(grad_norm), lr=lr, num_tokens=float(num_tokens))
         if drift is not None:
             metrics["routing_drift"] = drift
