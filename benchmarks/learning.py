@@ -11,9 +11,11 @@ said in the report). No model or data is downloaded: the model is the demo's tin
 1. Common start: `python -m megatron_rl.train +experiment=demo_countdown mode=sft` runs the
    demo's supervised warm start (`--warm-steps` steps at `task.sft_warmup_lr`, batch 256) and
    exports an HF checkpoint (`<work>/warm/hf/step_N`). Both frameworks start from it.
-2. Ours: `python -m megatron_rl.train +experiment=demo_countdown model.path=<start>
+2. Ours, twice: `python -m megatron_rl.train +experiment=demo_countdown model.path=<start>
    task.sft_warmup_steps=0 num_steps=<steps>` (GRPO, PPO-clip 0.2, 2 inner updates, token-mean
-   loss, kl 0, rewards from the sandbox service), exporting the final model as HF.
+   loss, kl 0), exporting the final model as HF: with rewards from the sandbox service (the demo's path:
+   each step's expressions run in one bubblewrap execution), and with `task.reward=
+   megatron_rl.data.countdown:reward`, the in-process checker TRL's arm calls (the same work as TRL's).
 3. TRL: `GRPOTrainer` in a subprocess (`--worker trl`) on the same checkpoint, the same training
    prompts (`countdown.format_prompt`, no chat template), reward `countdown.score` (the reference
    checker the sandbox verifier agrees with), and every hyperparameter read from ours' resolved
@@ -24,8 +26,9 @@ said in the report). No model or data is downloaded: the model is the demo's tin
    once at the rollout temperature with plain `transformers` `generate`, scored with
    `countdown.score`, same seed.
 
-Prints a side-by-side table (training reward over the first and last 10% of steps, held-out
-accuracy, median wall time per step, whole-run wall and CPU time) and the ratios ours / TRL.
+Prints a side-by-side table of the three arms (training reward over the first and last 10% of steps, held-out
+accuracy, tokens generated per step, median wall time per step, whole-run wall and CPU time) and the ratios of
+each of ours to TRL, and a RESULT line.
 """
 
 from __future__ import annotations
@@ -273,19 +276,21 @@ def main() -> None:
         if not (start_ckpt / "config.json").is_file():
             parser.error(f"--start {start_ckpt}: not an HF checkpoint directory (no config.json)")
 
-    # 2. ours
-    ours_dir = work / "ours"
-    shutil.rmtree(ours_dir, ignore_errors=True)
-    ours_wall, ours_cpu = _run(base + [f"run_dir={ours_dir}", f"model.path={start_ckpt}", "task.sft_warmup_steps=0",
-                                       f"num_steps={args.steps}", "task.eval_every=0", "task.num_eval=16",
-                                       "task.eval_samples=1", *args.set], work / "ours.log", "ours")
+    # 2. ours: rewards from the sandbox service (the demo's path), then from the same in-process checker as TRL's
     from megatron_rl.observability import read_metrics
 
-    rows = [r for r in read_metrics(ours_dir / "metrics.jsonl") if "reward/mean" in r]
-    ours_rewards = [r["reward/mean"] for r in rows]
-    ours_times = [r["time/step"] for r in rows]
-    ours_tokens = [r["rollout/generated_tokens"] for r in rows]
-    ours_final = ours_dir / "hf" / f"step_{args.steps:08d}"
+    ours: dict[str, dict] = {}
+    for arm, extra in (("ours", []), ("ours_inproc", ["task.reward=megatron_rl.data.countdown:reward"])):
+        run_dir = work / arm
+        shutil.rmtree(run_dir, ignore_errors=True)
+        wall, cpu = _run(base + [f"run_dir={run_dir}", f"model.path={start_ckpt}", "task.sft_warmup_steps=0",
+                                 f"num_steps={args.steps}", "task.eval_every=0", "task.num_eval=16",
+                                 "task.eval_samples=1", *extra, *args.set], work / f"{arm}.log", arm)
+        rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
+        ours[arm] = {"wall": wall, "cpu": cpu, "rewards": [r["reward/mean"] for r in rows],
+                     "times": [r["time/step"] for r in rows], "tokens": [r["rollout/generated_tokens"] for r in rows],
+                     "final": run_dir / "hf" / f"step_{args.steps:08d}"}
+    ours_dir = work / "ours"
     cfg = OmegaConf.load(ours_dir / "config.yaml")
 
     # 3. TRL
@@ -304,13 +309,11 @@ def main() -> None:
     ev = dict(tokenizer_dir=start_ckpt, problems=held_out, max_new_tokens=cfg.rollout.max_new_tokens,
               temperature=cfg.rollout.temperature, seed=cfg.seed)
     acc_start = evaluate(start_ckpt, **ev)
-    acc_ours = evaluate(ours_final, **ev)
+    for arm in ours.values():
+        arm["acc"] = evaluate(arm["final"], **ev)
     acc_trl = evaluate(trl_dir / "final", **ev)
 
     # 5. report
-    o_first, o_last = _edge_means(ours_rewards)
-    t_first, t_last = _edge_means(trl["rewards"])
-    o_step, t_step = statistics.median(ours_times), statistics.median(trl["step_times"])
     prompts = cfg.global_batch_size // cfg.rollout.n_samples_per_prompt
     import torch
 
@@ -321,27 +324,42 @@ def main() -> None:
           f"{cfg.optimizer.lr:g}, {cfg.algorithm.num_inner_updates} inner updates, seed {cfg.seed}"
           f"{' (' + ' '.join(args.set) + ')' if args.set else ''}; trl {trl_version}, "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads; CPUs busy with other "
-          f"processes just before: ours {BUSY['ours']:.2f}, TRL {BUSY['trl']:.2f}")
+          f"processes just before: " + ", ".join(f"{k} {v:.2f}" for k, v in BUSY.items()))
     print(f"held-out accuracy of the common start ({len(held_out)} prompts, 1 sample each): {acc_start:.3f}")
     print()
+
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}" if b else "n/a"
 
-    table = [("training reward, first 10% of steps", f"{o_first:.3f}", f"{t_first:.3f}", ""),
-             ("training reward, last 10% of steps", f"{o_last:.3f}", f"{t_last:.3f}", ratio(o_last, t_last)),
-             ("held-out accuracy after RL", f"{acc_ours:.3f}", f"{acc_trl:.3f}", ratio(acc_ours, acc_trl)),
-             ("tokens generated per step, mean", f"{statistics.mean(ours_tokens):.0f}",
-              f"{statistics.mean(trl['tokens']):.0f}", ratio(statistics.mean(ours_tokens), statistics.mean(trl["tokens"]))),
-             ("wall time per step, median (s)", f"{o_step:.2f}", f"{t_step:.2f}", ratio(o_step, t_step)),
-             ("whole run wall time (s)", f"{ours_wall:.0f}", f"{trl_wall:.0f}", ratio(ours_wall, trl_wall)),
-             ("whole run CPU time (s)", f"{ours_cpu:.0f}", f"{trl_cpu:.0f}", ratio(ours_cpu, trl_cpu))]
-    head = ("", "ours", "TRL GRPOTrainer", "ours / TRL")
-    widths = [max(len(r[i]) for r in table + [head]) for i in range(4)]
+    arms = [ours["ours"], ours["ours_inproc"], {"wall": trl_wall, "cpu": trl_cpu, "rewards": trl["rewards"],
+                                                 "times": trl["step_times"], "tokens": trl["tokens"], "acc": acc_trl}]
+    for arm in arms:
+        arm["first"], arm["last"] = _edge_means(arm["rewards"])
+        arm["step"] = statistics.median(arm["times"])
+        arm["mean_tokens"] = statistics.mean(arm["tokens"])
+    measures = [("training reward, first 10% of steps", "first", "{:.3f}", False),
+                ("training reward, last 10% of steps", "last", "{:.3f}", True),
+                ("held-out accuracy after RL", "acc", "{:.3f}", True),
+                ("tokens generated per step, mean", "mean_tokens", "{:.0f}", True),
+                ("wall time per step, median (s)", "step", "{:.2f}", True),
+                ("whole run wall time (s)", "wall", "{:.0f}", True),
+                ("whole run CPU time (s)", "cpu", "{:.0f}", True)]
+    table = [(label, *(fmt.format(a[key]) for a in arms),
+              *((ratio(arms[0][key], arms[2][key]), ratio(arms[1][key], arms[2][key])) if ratios else ("", "")))
+             for label, key, fmt, ratios in measures]
+    head = ("", "ours (sandbox rewards)", "ours (in-process rewards)", "TRL GRPOTrainer", "ours / TRL",
+            "ours in-process / TRL")
+    widths = [max(len(r[i]) for r in table + [head]) for i in range(len(head))]
     for r in [head, tuple("-" * w for w in widths)] + table:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
     print()
-    print(f"ratios ours / TRL: final reward (last 10% of steps) {ratio(o_last, t_last)}, "
-          f"wall time per step {ratio(o_step, t_step)}")
+    print(f"ratios ours / TRL: final reward (last 10% of steps) {ratio(arms[0]['last'], arms[2]['last'])}, "
+          f"wall time per step {ratio(arms[0]['step'], arms[2]['step'])}; with TRL's in-process reward: "
+          f"{ratio(arms[1]['last'], arms[2]['last'])}, {ratio(arms[1]['step'], arms[2]['step'])}")
+    print("RESULT " + json.dumps({"step_ratio_sandbox": arms[0]["step"] / arms[2]["step"],
+                                  "step_ratio_inprocess": arms[1]["step"] / arms[2]["step"],
+                                  "acc_ours": arms[0]["acc"], "acc_ours_inprocess": arms[1]["acc"],
+                                  "acc_trl": acc_trl}))
     if args.keep or args.work_dir:
         print(f"work directory: {work}")
     else:

@@ -170,6 +170,15 @@ def score(problem: CountdownProblem, completion: str) -> float:
     return 1.0 if value is not None and value == problem.target else 0.0
 
 
+def reward(completion: str, sample: dict) -> float:
+    """`score` as a reward function (`task.reward=megatron_rl.data.countdown:reward`, rewards/custom.py): the
+    reference checker in the trainer's process instead of the sandbox verifier. It parses the expression
+    (`ast`, + - * over integer literals) and runs none of the model's output, so it needs no sandbox; the
+    sandbox verifier (the default, `task.reward=auto`) gives the same verdicts and is the path a code task
+    takes. `sample`: the problem's fields, numbers and target."""
+    return score(CountdownProblem(tuple(sample["numbers"]), int(sample["target"]), ""), completion)
+
+
 def judge(problem: CountdownProblem, completion: str) -> tuple[Optional[int], str]:
     """(its value, "") when `completion` is a well-formed answer to `problem` (every condition of
     `score` but reaching the target), else (None, what is wrong with it). Never raises."""

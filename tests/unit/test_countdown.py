@@ -163,3 +163,14 @@ def test_score_never_raises_on_garbage():
 def test_generate_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         generate_problems(**kwargs)
+
+
+def test_reward_function_scores_as_score_from_the_prompt_fields():
+    """task.reward=megatron_rl.data.countdown:reward: the prompt's meta (numbers, target) as the sample."""
+    from megatron_rl.rewards.custom import load_reward_function
+
+    reward = load_reward_function("megatron_rl.data.countdown:reward")
+    sample = {"numbers": [3, 5, 7], "target": 22}
+    for completion in ("3*5+7", "7+3*5\nmore", "3*5+5", "3*5*7", "__import__('os')", ""):
+        assert reward(completion, sample) == score(P, completion)
+    assert reward("3*5+7", {"numbers": [3, 5, 7], "target": 23}) == 0.0
