@@ -8,7 +8,8 @@ policy away from answers that were never checked. What the candidate's own code 
 tests, hits a limit) is a verdict.
 
 - `CountdownVerifier`: the expressions of a whole batch run in ONE sandbox execution (a
-  small script evaluates each and checks the numbers used), so a step costs one round trip.
+  small script parses each, evaluates it and checks the numbers used, by the reference checker's rules:
+  `countdown.judge`), so a step costs one round trip.
   Expressions are screened first (characters of the task only, no `**`), so evaluation is
   bounded; the sandbox's limits bound it anyway.
 - `TestsVerifier`: a task's tests run against each candidate (`Verify`: passed / total). The candidate
@@ -24,6 +25,7 @@ import logging
 import re
 from typing import Any, Sequence
 
+from megatron_rl.data.countdown import MIN_NUMBERS_USED
 from megatron_rl.rewards.custom import NO_VERDICT
 
 logger = logging.getLogger(__name__)
@@ -42,21 +44,33 @@ def response_code(completion: str) -> str:
     python = [code for lang, code in blocks if lang.lower() in ("python", "py", "python3", "")]
     return python[-1] if python else answer
 
+# The rules of `megatron_rl.data.countdown.judge` (the reference checker), for a sandbox that has python3 alone:
+# binary + - * over integer literals only, at least MIN_NUMBERS_USED of them, a sub-multiset of the numbers, equal
+# to the target. An earlier script eval'd the expression, which took unary signs ("-8+9", "+3*5+7") that the
+# reference refuses: the sandbox rewarded answers the task does not allow (found by benchmarks/learning.py, whose
+# two reward paths parted at one sample of step 18).
 COUNTDOWN_SCRIPT = r'''
-import json, re, sys
+import ast, json
 from collections import Counter
+OPERATIONS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+def value(node):
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in OPERATIONS:
+        return OPERATIONS[type(node.op)](value(node.left), value(node.right))
+    raise ValueError(type(node).__name__)
 out = []
 for item in json.load(open("candidates.json")):
     try:
-        value = eval(item["expr"], {"__builtins__": {}}, {})
-        used = Counter(int(t) for t in re.findall(r"\d+", item["expr"]))
-        ok = (isinstance(value, int) and value == item["target"] and sum(used.values()) >= 2
+        tree = ast.parse(item["expr"], mode="eval").body
+        used = Counter(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant))
+        ok = (value(tree) == item["target"] and sum(used.values()) >= %(min_used)d
               and not (used - Counter(item["numbers"])))
-    except Exception:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         ok = False
     out.append(1.0 if ok else 0.0)
 print(json.dumps(out))
-'''
+''' % {"min_used": MIN_NUMBERS_USED}
 
 
 def screen_countdown(expr: str) -> bool:
