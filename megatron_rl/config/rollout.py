@@ -58,6 +58,11 @@ class RolloutConfig:
     enable_lora): a step moves r (in + out) numbers per adapted module instead of the model. Colocated, the
     engine's base weights then stay resident between rollouts (only its KV cache is released); disaggregated,
     each publish to the generators is the adapters alone after the first."""
+    weight_sync_bucket_mb: float = 256.0
+    """Size of a weight-sync bucket in MiB (the last tensor that starts a bucket may take it past this): an engine in
+    another process (sglang) or a generator (disaggregated mode) receives the weights a bucket at a time, and a
+    delta sync (weight_sync_delta) skips whole buckets, so smaller buckets skip more of a model that changes in
+    places, at more round trips per sync."""
     weight_sync_delta: bool = False
     """mode=disaggregated: publish only the weight buckets whose bytes changed since the generators' last version
     (each bucket's BLAKE2b digest against the one every generator acknowledged; an unchanged bucket is announced,
@@ -142,6 +147,7 @@ class RolloutConfig:
         _check_choice("rollout.backend", self.backend, self.BACKENDS)
         _check_choice("rollout.mode", self.mode, self.MODES)
         _check_choice("rollout.weight_sync", self.weight_sync, self.WEIGHT_SYNCS)
+        _check_min("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 0, strict=True)
         if not isinstance(self.weight_sync_delta, bool):
             raise _invalid("rollout.weight_sync_delta", self.weight_sync_delta, "must be true or false")
         _check_min("rollout.num_generators", self.num_generators, 1)

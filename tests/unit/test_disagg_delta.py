@@ -181,3 +181,5 @@ def test_weight_sync_delta_is_a_disaggregated_setting_off_by_default():
     assert load_config([], world_size=1).rollout.weight_sync_delta is False
     with pytest.raises(ConfigError, match="rollout.weight_sync_delta=yes is invalid: must be true or false"):
         RolloutConfig(mode="disaggregated", weight_sync_delta="yes")
+    with pytest.raises(ConfigError, match="rollout.weight_sync_bucket_mb=0 is invalid: must be > 0"):
+        load_config(["rollout.weight_sync_bucket_mb=0"], world_size=1)
