@@ -184,8 +184,8 @@ def decode_bucket(payload: bytes, name: str) -> Bucket:
     if not isinstance(doc, dict):
         raise _malformed(name, f"must be an object, got {type(doc).__name__}")
     weights = {"flush", "tensors", "digest"}
-    shapes = (weights, weights | {"adapters_follow"}, weights | {"unchanged"}, weights | {"adapters_follow", "unchanged"},
-              {"lora_scaling", "tensors", "digest"})
+    shapes = (weights, weights | {"adapters_follow"}, weights | {"unchanged"},
+              weights | {"adapters_follow", "unchanged"}, {"lora_scaling", "tensors", "digest"})
     if set(doc) not in shapes:
         raise _malformed(name, "keys must be exactly flush, tensors, digest (and adapters_follow, unchanged), or "
                          f"lora_scaling, tensors, digest; got {', '.join(sorted(map(str, doc)))}")

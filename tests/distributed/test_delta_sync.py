@@ -118,7 +118,8 @@ def _worker(rank, world, scenario, out):
     a, b = engine_a.model.state_dict(), engine_b.model.state_dict()
     assert list(a) == list(b)
     for name in a:
-        assert a[name].dtype == b[name].dtype and torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+        assert a[name].dtype == b[name].dtype, name
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
     assert engine_a.health()["weight_version"] == versions - 1
     torch.save({"sent": sent, "full": full, "expected": expected, "buckets": len(this)}, out)
 
