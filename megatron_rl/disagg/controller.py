@@ -190,7 +190,8 @@ class DisaggregatedController:
         signed_set(self.store, self.hub.key, GO_KEY, str(first_version).encode())
         num = len(self.hub.specs)
         group = WeightUpdateGroup(self.store, 0, 1 + num, self.device, self.cfg.rollout.weight_update_timeout_s)
-        self._sink = BroadcastSink(group, self.store, self.hub.key, delta=self.cfg.rollout.weight_sync_delta)
+        self._sink = BroadcastSink(group, self.store, self.hub.key, delta=self.cfg.rollout.weight_sync_delta,
+                                   alive=self._check_alive, answer_timeout_s=self.cfg.rollout.weight_update_timeout_s)
         self.events.write("connect", start, time.time(), generators=num)
 
     def _publish(self, version: int) -> Any:

@@ -257,14 +257,17 @@ class BroadcastSink:
     adapters: the base weights, then their adapters, one version). `delta`: send only the weight buckets that
     differ from what every generator acknowledged last (rollout.weight_sync_delta); `max_resends`: broadcasts
     of a bucket after the first that the generators may need before it is an error. `group.world_size - 1`
-    generators acknowledge every bucket."""
+    generators acknowledge every bucket; while the trainer waits for their answers it calls `alive()` (raises
+    when a generator died: the controller's liveness check) and gives up after `answer_timeout_s`."""
 
     def __init__(self, group: Any, store: Any, hub_key: bytes, delta: bool = False,
-                 max_resends: int = MAX_RESENDS) -> None:
+                 max_resends: int = MAX_RESENDS, alive: Callable[[], None] = lambda: None,
+                 answer_timeout_s: float = 1800.0) -> None:
         if max_resends < 0:
             raise ValueError(f"max_resends must be >= 0, got {max_resends}")
         self.group, self.store, self.hub_key = group, store, hub_key
         self.delta, self.max_resends = delta, max_resends
+        self.alive, self.answer_timeout_s = alive, answer_timeout_s
         self.weight_version = -1
         self.adapters_follow = False
         self.last_counts = SendCounts()  # of the last complete update
@@ -343,10 +346,23 @@ class BroadcastSink:
         for rank in range(1, self.group.world_size):
             name = _ack_key(version, index, attempt, rank)
             self._keys.append(name)
+            self._wait(name, rank)
             answer = _read_word(self.store, self.hub_key, name, ACKS)
             if answer != "ok":
                 bad[rank] = answer
         return bad
+
+    def _wait(self, name: str, rank: int) -> None:
+        """Until `name` is set; a generator that died after a broadcast would otherwise leave the trainer blocked
+        in the store for its whole timeout, so its liveness is checked meanwhile."""
+        deadline, pause = time.monotonic() + self.answer_timeout_s, 1e-4
+        while not self.store.check([name]):
+            self.alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"generator {rank - 1} has not answered {name!r} within {self.answer_timeout_s:g}s "
+                                   "(rollout.weight_update_timeout_s): it hangs in hashing or loading a bucket")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
 
     def _set(self, name: str, payload: bytes) -> None:
         signed_set(self.store, self.hub_key, name, payload)

@@ -183,3 +183,24 @@ def test_weight_sync_delta_is_a_disaggregated_setting_off_by_default():
         RolloutConfig(mode="disaggregated", weight_sync_delta="yes")
     with pytest.raises(ConfigError, match="rollout.weight_sync_bucket_mb=0 is invalid: must be > 0"):
         load_config(["rollout.weight_sync_bucket_mb=0"], world_size=1)
+
+
+def test_a_generator_that_never_answers_is_found_by_the_liveness_check_not_the_store_timeout(store):
+    class Died(RuntimeError):
+        pass
+
+    checks = []
+
+    def alive() -> None:  # the controller's check: the generator process has exited
+        checks.append(1)
+        if len(checks) > 3:
+            raise Died("generator 0 exited with code -9")
+    channel = Channel()
+    sink = BroadcastSink(channel.end(0), store, KEY, alive=alive, answer_timeout_s=60)
+    sending = send_version(sink, _version(1)[:1], 0)
+    channel.wire.get(timeout=20)  # the broadcast went out; the generator dies before it answers
+    with pytest.raises(Died, match="exited with code -9"):
+        sending.result(timeout=20)
+    sink = BroadcastSink(Channel().end(0), store, KEY, answer_timeout_s=0.2)
+    with pytest.raises(RuntimeError, match=r"generator 0 has not answered 'v5/b0/a0/g1' within 0.2s"):
+        in_thread(lambda: sink.update_weights(_version(1)[0], 5)).result(timeout=20)
