@@ -120,7 +120,8 @@ def build_run(rt, evaluation: bool = False) -> RunState:
         for model in (trainer, critic):
             if model is not None:
                 model.onload()
-    controller = ColocationController(trainer, engine, critic=critic, weight_sync=cfg.rollout.weight_sync)
+    controller = ColocationController(trainer, engine, critic=critic, weight_sync=cfg.rollout.weight_sync,
+                                      bucket_bytes=max(1, int(cfg.rollout.weight_sync_bucket_mb * 2**20)))
     controller.log_memory_plan()
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
     rewards = RewardService(task.verifier_factory(addresses))
