@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from megatron_rl.checks import ConfigError
 from megatron_rl.checks import check_choice as _check_choice
 from megatron_rl.checks import check_min as _check_min
 from megatron_rl.checks import invalid as _invalid
@@ -48,6 +49,12 @@ class JudgeConfig:
         _check_choice("task.judge.verdict", self.verdict, self.VERDICTS)
         _check_min("task.judge.max_score", self.max_score, 0, strict=True)
         _check_min("task.judge.max_new_tokens", self.max_new_tokens, 1)
+        from megatron_rl.rewards.judge import check_template
+
+        try:
+            check_template(self.template, self.show_reference)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 @dataclass
