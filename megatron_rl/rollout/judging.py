@@ -4,9 +4,10 @@ and states a verdict, greedily. It runs inside the colocation round that generat
 weight sync), so dynamic sampling and evaluation see the judge's rewards like any verifier's.
 
 A reply with no verdict leaves its sample unscored (`status="unscored"`: out of baselines and the loss, as a
-failed verifier's) and is counted in `reward/judge_parse_failures`; each step with failures logs a warning
-with the first such reply. Every data-parallel rank judges its share of the responses (model-parallel ranks
-alike, as in `collect`), and the verdicts are gathered so that every rank holds all of them.
+failed verifier's) and is counted in `reward/judge_parse_failures` (and, by the caller, in `reward/unscored`);
+each step with failures logs a warning with the first such reply. Every data-parallel rank judges its share of
+the responses (model-parallel ranks alike, as in `collect`), and the verdicts are gathered so that every rank
+holds all of them.
 """
 
 from __future__ import annotations
