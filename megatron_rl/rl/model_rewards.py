@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from megatron_rl.rollout.collect import Rollout
 from megatron_rl.rollout.judging import task_of
@@ -42,8 +42,8 @@ def build_reward_models(cfg: Any, task: Any, groups: Any, options: Any) -> dict[
 def score_with_reward_models(run: Any, rollouts: Sequence[Rollout]) -> dict[str, float]:
     """Give every scored rollout of a reward-model task its model's reward (see the module docstring); returns
     reward/model_scored and time/reward_model."""
-    models: Optional[dict] = getattr(run, "reward_models", None)
-    if not models:
+    models: dict = getattr(run, "reward_models", None) or {}
+    if not models and not model_tasks(run.task):
         return {}
     start = time.perf_counter()
     by_path: dict[str, list[tuple[Rollout, Any]]] = {}
@@ -53,6 +53,9 @@ def score_with_reward_models(run: Any, rollouts: Sequence[Rollout]) -> dict[str,
             by_path.setdefault(own.cfg.reward_model.path, []).append((r, own))
     scored = 0
     for path, members in by_path.items():
+        if path not in models:  # e.g. a regression set whose task names another reward model than the run's
+            raise ValueError(f"task.reward_model.path={path} was not loaded with the run (its reward models: "
+                             f"{', '.join(models)}): evaluate with the run's reward model")
         scores = models[path].score([r.prompt_tokens + r.output_ids for r, _ in members])
         for (r, own), score in zip(members, scores):
             if own.cfg.rule_check is not None:
