@@ -16,7 +16,7 @@ from megatron_rl.config.common import _check_unit_interval
 
 @dataclass
 class RewardModelConfig:
-    """task.reward=reward_model: a discriminative reward model served in the job (megatron_rl/rewards/reward_model.py)."""
+    """task.reward=reward_model: a discriminative reward model served in the job (megatron_rl/rl/reward_model.py)."""
 
     path: Optional[str] = None
     """HF checkpoint directory of a `*ForSequenceClassification` model with num_labels=1 (Qwen2, Llama), saved

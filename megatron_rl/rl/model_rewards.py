@@ -3,7 +3,7 @@ scored by a reward model gets that model's score of its prompt + response (times
 replacing the placeholder its verifier gave. A joint run mixes such domains with rule- and judge-scored ones;
 each domain keeps its own calibration downstream (rewards are per domain as before).
 
-The reward models (`rewards/reward_model.py`, one per distinct checkpoint) are built with the run and stay off
+The reward models (`rl/reward_model.py`, one per distinct checkpoint) are built with the run and stay off
 the accelerator except during this phase; every rank runs it with the same rollouts (a collective forward).
 With task.rule_check the rule verifier's reward is kept in the rollout's `checks` for the hacking guard
 (`rule_disagreements`).
@@ -29,7 +29,7 @@ def model_tasks(task: Any) -> list[Any]:
 
 def build_reward_models(cfg: Any, task: Any, groups: Any, options: Any) -> dict[str, Any]:
     """checkpoint path -> RewardModel, for every reward model the run's tasks name (each built once)."""
-    from megatron_rl.rewards.reward_model import RewardModel
+    from megatron_rl.rl.reward_model import RewardModel
 
     models: dict[str, Any] = {}
     for t in model_tasks(task):

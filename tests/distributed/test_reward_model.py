@@ -1,4 +1,4 @@
-"""Discriminative reward models (`rewards/reward_model.py`): a `*ForSequenceClassification` checkpoint written by
+"""Discriminative reward models (`rl/reward_model.py`): a `*ForSequenceClassification` checkpoint written by
 transformers (Qwen2 and Llama, num_labels=1, randomly initialised, fp32) loads into Megatron with its `score`
 head, and the scores of samples of different lengths packed together into one micro-batch, some ending in the
 pad token, equal transformers' on the same padded batch, at TP=1 and TP=2 (the head replicated over TP ranks).
@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, root: str, tp: int, out: str) -> None:
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
-    from megatron_rl.rewards.reward_model import RewardModel
+    from megatron_rl.rl.reward_model import RewardModel
     from megatron_rl.trainer.core import TrainerOptions
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
