@@ -4,7 +4,8 @@ random init):
 - a reward model trained in the test (plain torch, transformers' Qwen2ForSequenceClassification, 300 Adam steps)
   to prefer the answer `7` - its score is 4 x the share of `7` tokens in the sequence - is loaded into the job and
   its scores alone drive GRPO: within ten steps the policy's responses turn to `7` (counted in the decoded
-  rollouts, independently of the reward model) and the training reward rises with them;
+  rollouts, independently of the reward model) and the training reward rises with them, as does the held-out
+  reward (evaluation is scored by the same reward model);
 - a joint run mixes a reward-model domain, a judged domain (the policy's engine judges: a random policy states no
   verdict, so its samples are unscored and counted, never scored 0) and a rule-verified domain, with per-domain
   calibration, and the reward-model domain's rule check counts its disagreements.
@@ -79,7 +80,8 @@ def _share_of_sevens(run_dir: Path, step: int) -> float:
 
 def test_a_reward_model_moves_the_policy_toward_its_preferred_answer(tmp_path, reward_model):
     rows = _train(tmp_path / "run", "task=arithmetic", "task.reward=reward_model",
-                  f"task.reward_model.path={reward_model}", "task.num_eval=0", "num_steps=10",
+                  f"task.reward_model.path={reward_model}", "task.num_eval=8", "task.eval_every=10",
+                  "task.eval_samples=2", "task.eval_temperature=1.0", "num_steps=10",
                   "global_batch_size=64", "rollout.n_samples_per_prompt=8", "optimizer.lr=5e-3")
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     assert len(rewards) == 10 and all(r["reward/model_scored"] == 64 for r in rows if "reward/mean" in r)
@@ -88,6 +90,9 @@ def test_a_reward_model_moves_the_policy_toward_its_preferred_answer(tmp_path, r
     first, last = _share_of_sevens(tmp_path / "run", 1), _share_of_sevens(tmp_path / "run", 10)
     assert first < 0.03 and last > 0.2, (first, last)
     assert sum(rewards[-2:]) / 2 > 2 * sum(rewards[:2]) / 2, rewards
+    # evaluation scores the held-out responses with the same reward model (observed: 0.068 at step 0, 0.545 after)
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    assert len(evals) == 2 and evals[1] > 2 * evals[0], evals
 
 
 def test_a_joint_run_mixes_model_judge_and_rule_domains(tmp_path, reward_model):
