@@ -34,7 +34,7 @@ class RunState:
     value_loss_fn: Optional[Callable] = None
     kl_ctl: Any = None  # algorithm.kl_in_reward: the penalty's (adaptive) coefficient
     reference: Optional[dict] = None  # algorithm.kl_coef > 0: the reference policy's weights, in host memory
-    reward_models: Optional[dict] = None  # task.reward=reward_model: checkpoint path -> RewardModel (rl/model_rewards.py)
+    reward_models: Optional[dict] = None  # task.reward=reward_model: checkpoint path -> rl.reward_model.RewardModel
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint after `step` updates holds besides model, optimizer and RNG."""

@@ -100,8 +100,12 @@ class Generation:
         rollouts, stats = collect(self.engine, prompts, params, self.rewards, self.groups, self.decode,
                                   num_chunks=self.cfg.rollout.generate_chunks, reward_timeout_s=reward_wait(self.cfg))
         judged = judge_rollouts(self.engine, self.groups, self.task, prompts, rollouts, self.decode)
-        # a reply without verdict is a sample without reward, as a failed verifier's: counted with them too
-        stats["reward/unscored"] = stats.get("reward/unscored", 0.0) + judged.get("reward/judge_parse_failures", 0.0)
+        # a reply without verdict is a sample without reward, as a failed verifier's: counted with them too. Every
+        # rank judged every rollout alike, and reward/unscored is summed over the ranks (observability/reduce.py):
+        # rank 0 alone adds the judge's count
+        if self.groups.rank == 0:
+            failures = judged.get("reward/judge_parse_failures", 0.0)
+            stats["reward/unscored"] = stats.get("reward/unscored", 0.0) + failures
         return rollouts, {**stats, **judged}
 
     def episodes(self, prompts: list, params: SamplingParams, task_cfg: Any, rewards: Any, training: bool,

@@ -13,7 +13,6 @@ import shutil
 import types
 
 import pytest
-import torch
 
 from megatron_rl.checks import ConfigError
 from megatron_rl.config.task import JudgeConfig, TaskConfig
