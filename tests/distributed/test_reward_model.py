@@ -2,6 +2,7 @@
 transformers (Qwen2 and Llama, num_labels=1, randomly initialised, fp32) loads into Megatron with its `score`
 head, and the scores of samples of different lengths packed together into one micro-batch, some ending in the
 pad token, equal transformers' on the same padded batch, at TP=1 and TP=2 (the head replicated over TP ranks).
+The judge (rollout/judging.py) shares its requests over data-parallel ranks and gathers every verdict.
 
 Tolerance: fp32 on both sides, different kernels and reduction orders; the issue's bound is 1e-4.
 """
@@ -102,3 +103,26 @@ def test_scores_match_transformers(checkpoints, tmp_path, tp):
         expected = _transformers_scores(checkpoints / family)
         assert max(abs(e) for e in expected) > 0.1, "scores near 0 would compare nothing"
         assert ours[family] == pytest.approx(expected, abs=1e-4), family
+
+
+def _judge_worker(rank: int, world: int, out: str) -> None:
+    import types
+
+    from megatron_rl.parallel import dist as mdist
+    from tests.unit.test_model_rewards import judged_on
+
+    mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
+    groups = types.SimpleNamespace(dp_size=world, dp_rank=rank, is_first_model_parallel_rank=True)
+    _, seen, rollouts, stats = judged_on(groups, show_reference=True)
+    torch.save({"rewards": [r.reward for r in rollouts], "seen": len(seen), "stats": stats},
+               Path(out) / f"judge-{rank}.pt")
+
+
+def test_judging_is_shared_over_data_parallel_ranks(tmp_path):
+    """Two data-parallel ranks each judge half of the responses (3 of 6) and both end with every verdict."""
+    run_spawned(_judge_worker, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"judge-{rank}.pt") for rank in range(2)]
+    assert [r["seen"] for r in ranks] == [3, 3]
+    for r in ranks:
+        assert r["rewards"] == pytest.approx([0.8, 0.2] * 3)
+        assert r["stats"]["reward/judge_calls"] == 6 and r["stats"]["reward/judge_parse_failures"] == 0

@@ -54,6 +54,10 @@ def test_the_reference_is_shown_only_when_asked():
 
 
 def _judged(show_reference: bool, rule_check=None, reward_scale: float = 1.0):
+    return judged_on(ONE_PROCESS, show_reference, rule_check, reward_scale)
+
+
+def judged_on(groups, show_reference: bool, rule_check=None, reward_scale: float = 1.0):
     """A judged arithmetic task's prompts, one right and one wrong response to each, the scripted judge's
     inputs, and the rollouts after judging. The judge says `score: 8` when it sees the right answer as the
     reference, `score: 2` for a wrong response, and nothing it can parse without a reference."""
@@ -75,7 +79,7 @@ def _judged(show_reference: bool, rule_check=None, reward_scale: float = 1.0):
         for text in ("\\boxed{right}", "\\boxed{wrong}"):
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             rollouts.append(Rollout(i, list(p.tokens), ids, [0.0] * len(ids), "stop", 1, reward=1.0 * (i == 0)))
-    stats = judge_rollouts(engine, ONE_PROCESS, task, prompts, rollouts,
+    stats = judge_rollouts(engine, groups, task, prompts, rollouts,
                            lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     return prompts, seen, rollouts, stats
 
