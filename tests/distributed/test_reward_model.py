@@ -1,7 +1,8 @@
 """Discriminative reward models (`rl/reward_model.py`): a `*ForSequenceClassification` checkpoint written by
 transformers (Qwen2 and Llama, num_labels=1, randomly initialised, fp32) loads into Megatron with its `score`
 head, and the scores of samples of different lengths packed together into one micro-batch, some ending in the
-pad token, equal transformers' on the same padded batch, at TP=1 and TP=2 (the head replicated over TP ranks).
+pad token, equal transformers' on the same padded batch, at TP=1, TP=2 (with sequence parallelism: the head is
+replicated over TP ranks) and PP=2 (the head on the last stage, the scores broadcast).
 The judge (rollout/judging.py) shares its requests over data-parallel ranks and gathers every verdict.
 
 Tolerance: fp32 on both sides, different kernels and reduction orders; the issue's bound is 1e-4.
@@ -52,7 +53,10 @@ def save_reward_model(root: Path, family: str, seed: int = 0) -> Path:
     return path
 
 
-def _worker(rank: int, world: int, root: str, tp: int, out: str) -> None:
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}  # (tp, pp)
+
+
+def _worker(rank: int, world: int, root: str, layout: str, out: str) -> None:
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
     from megatron_rl.parallel import dist as mdist
     from megatron_rl.parallel import state
@@ -60,7 +64,8 @@ def _worker(rank: int, world: int, root: str, tp: int, out: str) -> None:
     from megatron_rl.trainer.core import TrainerOptions
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
-    groups = state.initialize(tp, 1, sequence_parallel=tp > 1)
+    tp, pp = LAYOUTS[layout]
+    groups = state.initialize(tp, pp, sequence_parallel=tp > 1)
     scores = {}
     for family in FAMILIES:
         # micro_batch_tokens fits all four samples in one row: they are packed together
@@ -68,7 +73,7 @@ def _worker(rank: int, world: int, root: str, tp: int, out: str) -> None:
                             TrainerOptions(micro_batch_tokens=80))
         scores[family] = model.score(_sequences())
     if rank == 0:
-        torch.save(scores, Path(out) / f"scores-tp{tp}.pt")
+        torch.save(scores, Path(out) / f"scores-{layout}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +100,11 @@ def _transformers_scores(path: Path) -> list[float]:
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].tolist()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_scores_match_transformers(checkpoints, tmp_path, tp):
-    run_spawned(_worker, tp, str(checkpoints), tp, str(tmp_path))
-    ours = torch.load(tmp_path / f"scores-tp{tp}.pt")
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_scores_match_transformers(checkpoints, tmp_path, layout):
+    tp, pp = LAYOUTS[layout]
+    run_spawned(_worker, tp * pp, str(checkpoints), layout, str(tmp_path))
+    ours = torch.load(tmp_path / f"scores-{layout}.pt")
     for family in FAMILIES:
         expected = _transformers_scores(checkpoints / family)
         assert max(abs(e) for e in expected) > 0.1, "scores near 0 would compare nothing"
