@@ -34,6 +34,7 @@ class RunState:
     value_loss_fn: Optional[Callable] = None
     kl_ctl: Any = None  # algorithm.kl_in_reward: the penalty's (adaptive) coefficient
     reference: Optional[dict] = None  # algorithm.kl_coef > 0: the reference policy's weights, in host memory
+    reward_models: Optional[dict] = None  # task.reward=reward_model: checkpoint path -> rl.reward_model.RewardModel
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint after `step` updates holds besides model, optimizer and RNG."""
@@ -81,6 +82,7 @@ def build_run(rt, evaluation: bool = False) -> RunState:
     from megatron_rl.data.env_pool import make_env_pool
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.rewards.service import RewardService
+    from megatron_rl.rl.model_rewards import build_reward_models
     from megatron_rl.rl_domains import make_joint
     from megatron_rl.rollout.colocated import ColocatedSource, Generation
     from megatron_rl.rollout.factory import make_engine
@@ -120,6 +122,9 @@ def build_run(rt, evaluation: bool = False) -> RunState:
         for model in (trainer, critic):
             if model is not None:
                 model.onload()
+    # reward models: built at the policy's layout once the engine has sized its memory, then kept off the
+    # accelerator except while they score
+    reward_models = build_reward_models(cfg, task, rt.groups, options)
     controller = ColocationController(trainer, engine, critic=critic, weight_sync=cfg.rollout.weight_sync,
                                       bucket_bytes=max(1, int(cfg.rollout.weight_sync_bucket_mb * 2**20)))
     controller.log_memory_plan()
@@ -152,7 +157,7 @@ def build_run(rt, evaluation: bool = False) -> RunState:
                     sampler=sampler, checkpoints=checkpoints, writer=rt.writer,
                     domains=make_joint(cfg, task, sampler), env_pool=make_env_pool(cfg, task, train_prompts),
                     critic=critic, value_loss_fn=make_value_loss_fn(cfg.algorithm.value_clip) if critic else None,
-                    kl_ctl=kl_ctl)
+                    kl_ctl=kl_ctl, reward_models=reward_models)
 
 
 def critic_optimizer(cfg):

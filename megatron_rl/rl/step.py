@@ -1,7 +1,8 @@
 """One RL step, as its phases:
 
     generate + score   the rollout source's groups, rewards computed as chunks finish (colocated: the
-                       weight sync of the last update comes first, inside the same colocation round)
+                       weight sync of the last update comes first, inside the same colocation round; a judge's
+                       verdicts in the same round), then a reward model's scores (rl/model_rewards.py)
     shape              overlong shaping, the KL penalty in the reward, critic values, advantages
     select             lost episodes, zero-variance groups and overlong responses left out
     old/ref log-probs  and the policy update(s); the critic's update(s)
@@ -19,6 +20,7 @@ import torch
 from megatron_rl.rewards.shaping import shaped_rewards
 from megatron_rl.rl.advantages import reward_kl, select_samples, step_advantages
 from megatron_rl.rl.metrics import VerifierCounts, maintain, step_metrics
+from megatron_rl.rl.model_rewards import rule_disagreements, score_with_reward_models
 from megatron_rl.rl.update import critic_values, update_critic, update_policy
 from megatron_rl.rollout.collect import Rollout, uncovered_routing
 
@@ -34,6 +36,9 @@ def rl_step(rt, run: Any, step: int) -> dict[str, float]:
     cfg, timeline = rt.cfg, Timeline()  # this step's phases, generation batches, environment waits
     counts = VerifierCounts.of(run.rewards.verifier)
     rollouts, from_source = run.source.rollouts(step, timeline)
+    with timeline.span("reward_model", "phases"):
+        from_source = {**from_source, **score_with_reward_models(run, rollouts)}
+    from_source.update(rule_disagreements(rollouts))
     uncovered_routing(rollouts)
     if cfg.logging.dump_rollouts and rt.is_main:
         from megatron_rl.rollout.dump import write_rollouts

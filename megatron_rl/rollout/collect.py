@@ -58,6 +58,9 @@ class Rollout:
     # the engine's MoE routing of every token it fed (Generation.routing), [L-1, MoE layers, k] int16: rollout
     # routing replay (algorithm.routing_replay=rollout)
     routing: Optional[torch.Tensor] = None
+    # a model-scored task (task.reward=reward_model|judge): the model's score before reward_scale ("model_score"),
+    # whether it passes task.rule_check_threshold ("model_passes") and the rule check's reward ("rule_reward")
+    checks: dict = dataclasses.field(default_factory=dict)
 
     @property
     def scored(self) -> bool:

@@ -67,6 +67,7 @@ def check_run(cfg) -> None:
 
     check_engine_config(cfg, *job_shape(cfg))
     _check_reward_functions(cfg)
+    _check_model_rewards(cfg)
     _check_replay(cfg)
     check_disaggregated_config(cfg)
     check_routing_replay(cfg)
@@ -111,6 +112,23 @@ def _check_reward_functions(cfg) -> None:
                 load_reward_function(task.reward)
             except ValueError as err:
                 raise ConfigError(str(err).replace("task.reward", f"{where}.reward", 1)) from None
+
+
+def _check_model_rewards(cfg) -> None:
+    """Model rewards (task.reward=reward_model|judge) are computed by this job's trainer processes and engine."""
+    tasks = {"task": cfg.task} if not cfg.domains else {f"domains.{n}.task": d.task for n, d in cfg.domains.items()}
+    for where, task in tasks.items():
+        if task.reward not in ("reward_model", "judge"):
+            continue
+        if cfg.rollout.mode == "disaggregated":
+            raise ConfigError(f"{where}.reward={task.reward} with rollout.mode=disaggregated: model rewards are "
+                              "computed by the trainer's processes and the colocated engine, not by generator "
+                              "processes; use rollout.mode=colocated or a rule reward")
+        if task.reward == "reward_model" and cfg.algorithm.dynamic_sampling:
+            raise ConfigError(f"{where}.reward=reward_model with algorithm.dynamic_sampling=true: the reward model "
+                              "scores a step's rollouts after generation, when the rounds of dynamic sampling are "
+                              "over; set algorithm.dynamic_sampling=false (or use task.reward=judge, which scores "
+                              "inside each round)")
 
 
 def _check_replay(cfg) -> None:
