@@ -100,8 +100,9 @@ def build_run(rt, evaluation: bool = False) -> RunState:
         routing_replay=cfg.algorithm.routing_replay != "none")
     trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, options)
     teacher = None
-    if cfg.algorithm.distill.teacher and not evaluation:  # offloaded as soon as it is loaded, before the engine sizes
-        from megatron_rl.trainer.teacher import Teacher, teacher_model_config  # its KV cache
+    if cfg.algorithm.distill.teacher and not evaluation:  # offloaded once loaded: before the engine sizes its KV cache
+        from megatron_rl.config.teacher import teacher_model_config
+        from megatron_rl.trainer.teacher import Teacher
 
         teacher = Teacher(teacher_model_config(cfg.model, cfg.algorithm.distill.teacher), cfg.optimizer, rt.groups,
                           options)

@@ -4,31 +4,17 @@ between those forwards.
 
 It is a `Trainer` (same parallel layout, packing and log-prob code as the policy, so its numbers mean the same
 thing) that never takes an optimizer step: only its parameters come onto the device, for `score`, the way a
-weight sync brings them (`onload_weights_for_sync`), and they leave again right after.
+weight sync brings them (`onload_weights_for_sync`), and they leave again right after. Its `ModelConfig` comes
+from megatron_rl/config/teacher.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
-
-
-def teacher_model_config(student: Any, path: str) -> Any:
-    """The teacher's `ModelConfig`: the architecture its config.json gives (any family and size), on the
-    student's tokenizer, dtype, attention implementation and log-prob path; no LoRA, no recomputation (it
-    only runs forwards). Raises ValueError for a config.json this build cannot run."""
-    from megatron_rl.checkpoint.hf import arch_from_hf_config
-    from megatron_rl.config.model import ModelConfig
-
-    arch = arch_from_hf_config(path)
-    return ModelConfig(name=f"teacher:{Path(path).name}", path=str(path), tokenizer=student.tokenizer,
-                       trust_remote_code=student.trust_remote_code, dtype=student.dtype,
-                       transformer_impl=student.transformer_impl, fused_logprobs=student.fused_logprobs,
-                       **arch)
 
 
 class Teacher:

@@ -6,8 +6,6 @@ rollout temperature). Its weights never train: they are the checkpoint's after s
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -29,7 +27,8 @@ def _worker(rank: int, world: int, path: str, out: str) -> None:
     from megatron_rl.parallel import state
     from megatron_rl.trainer.core import TrainerOptions
     from megatron_rl.trainer.packing import Sample
-    from megatron_rl.trainer.teacher import Teacher, teacher_model_config
+    from megatron_rl.config.teacher import teacher_model_config
+    from megatron_rl.trainer.teacher import Teacher
 
     mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=120)
     groups = state.initialize(1, 1)

@@ -53,7 +53,7 @@ def _check_teacher_files(cfg, where: str) -> None:
     if not (path / "config.json").is_file():
         raise ConfigError(f"{where} has no config.json: {fix}")
     from megatron_rl.checkpoint.hf import check_tensor_names, check_weight_files
-    from megatron_rl.trainer.teacher import teacher_model_config
+    from megatron_rl.config.teacher import teacher_model_config
 
     try:
         check_weight_files(path)
