@@ -170,13 +170,13 @@ class AlgorithmConfig:
     domain_pause_window: int = 0
     """Multi-domain runs: RL steps over which a domain's training reward gain and held-out accuracy
     gain are compared to detect reward hacking; 0 never pauses a domain."""
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    """On-policy distillation from a teacher checkpoint (its fields: algorithm.distill.*)."""
     domain_pause_min_reward_gain: float = 0.2
     """A domain is paused when its training reward (divided by its task.reward_scale) rose by more
     than this over domain_pause_window steps ..."""
     domain_pause_max_eval_gain: float = 0.02
     """... while its held-out accuracy rose by less than this over the same steps."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher checkpoint (its fields: algorithm.distill.*)."""
 
     OVERLONG_MODES: ClassVar[tuple[str, ...]] = ("none", "filter", "penalty")
     DOMAIN_CALIBRATIONS: ClassVar[tuple[str, ...]] = ("none", "running")

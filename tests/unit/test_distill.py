@@ -118,7 +118,7 @@ def _load(*overrides):
 
 
 def test_a_teacher_with_the_students_tokenizer_is_accepted_and_read(teacher_dir):
-    from megatron_rl.trainer.teacher import teacher_model_config
+    from megatron_rl.config.teacher import teacher_model_config
 
     cfg = _load(f"algorithm.distill.teacher={teacher_dir}", "algorithm.distill.mode=pure", "algorithm.distill.coef=2")
     teacher = teacher_model_config(cfg.model, cfg.algorithm.distill.teacher)
@@ -163,3 +163,25 @@ def test_bad_distill_values_are_refused(tmp_path):
         _load("algorithm.distill.mode=forward")
     with pytest.raises(ConfigError, match=r"algorithm.distill.mode=pure is invalid: distils from a teacher"):
         _load("algorithm.distill.mode=pure")
+
+
+SMOLLM2 = Path("/var/cache/megatron-rl/models/smollm2-135m")
+
+
+def test_the_smollm2_recipe_composes_and_passes_the_checks_with_any_matching_teacher(teacher_dir):
+    """Without the real checkpoint: the recipe's student is built on whatever tokenizer the teacher holds."""
+    cfg = load_config(["+experiment=smollm2_distill", f"algorithm.distill.teacher={teacher_dir}"], world_size=1)
+    assert cfg.model.tokenizer == str(teacher_dir) and cfg.model.path is None
+    assert (cfg.model.family, cfg.model.num_layers, cfg.model.vocab_size) == ("llama", 6, 49152)
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(),
+                    reason=f"no SmolLM2-135M-Instruct at {SMOLLM2}: bash launch/get_model.sh smollm2-135m")
+def test_the_smollm2_recipe_passes_every_check_with_the_real_teacher():
+    from megatron_rl.config.teacher import teacher_model_config
+
+    cfg = load_config(["+experiment=smollm2_distill", f"algorithm.distill.teacher={SMOLLM2}"], world_size=1)
+    teacher = teacher_model_config(cfg.model, cfg.algorithm.distill.teacher)
+    assert (teacher.family, teacher.num_layers, teacher.hidden_size) == ("llama", 30, 576)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.path) == (6, 192, None)  # a smaller student
+    assert cfg.model.tokenizer == str(SMOLLM2) and cfg.algorithm.distill.mode == "pure"
