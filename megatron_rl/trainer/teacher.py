@@ -30,6 +30,12 @@ class Teacher:
         for param in self.trainer.module.parameters():
             param.requires_grad_(False)  # never trained: nothing may step it by mistake
         self.trainer.offload()  # between forwards it lives in host memory
+        if groups.rank == 0:
+            plan = self.trainer.memory_plan()
+            logger.info("distillation teacher %s: %s, %d layers, width %d; this rank's parameters %.1f MB (on the "
+                        "device only for its forward), gradient buffer %.1f MB (never written)", model_cfg.path,
+                        model_cfg.family, model_cfg.num_layers, model_cfg.hidden_size, plan["params"] / 2**20,
+                        plan["grads"] / 2**20)
 
     def score(self, samples: Sequence[Any]) -> list:
         """Log-probs [L-1] of each sample's targets under the teacher (every rank gets every sample's), at
