@@ -148,6 +148,7 @@ def test_a_teacher_with_another_vocabulary_is_refused(teacher_dir, tmp_path):
     ("rollout.temperature=0", r"rollout.temperature=0: the reverse KL is estimated from sampled tokens"),
     ("rollout.mode=disaggregated", r"rollout.mode=disaggregated: the teacher is implemented and tested for the "
                                    r"colocated rollout only"),
+    ("mode=sft", r"distils on the student's own samples, which mode=sft does not draw"),
 ])
 def test_settings_distillation_cannot_run_are_refused(teacher_dir, override, message):
     with pytest.raises(ConfigError, match=message):
