@@ -197,8 +197,8 @@ class TaskConfig:
                              "docs/examples/math.jsonl show task=math's format, and task=arithmetic generates "
                              "word problems with no data")
         _check_choice("task.generator", self.generator, self.GENERATORS)
-        if self.type == "agent" and self.path is None and (self.generator == "countdown") != (
-                self.environment == "countdown"):
+        if self.type == "agent" and self.path is None and not self.plays_agent_program and (
+                self.generator == "countdown") != (self.environment == "countdown"):
             raise _invalid("task.generator", self.generator, "generated countdown tasks run in the countdown "
                            "environment and it plays no other generated tasks: set task.generator and "
                            "task.environment both to countdown, or neither")

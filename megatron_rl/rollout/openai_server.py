@@ -247,6 +247,10 @@ class OpenAIServer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "the served tokenizer has no chat template: use /v1/completions",
                            code="no_chat_template")
+        if tools and not self._renders_tools():
+            raise APIError(400, "the served tokenizer's chat template does not render `tools` (the model would "
+                                "never see them): give a template that does, or describe the tools in a message",
+                           param="tools", code="tools_not_supported")
         try:
             text = self.tokenizer.apply_chat_template([_for_template(m) for m in messages], tools=tools or None,
                                                       add_generation_prompt=True, tokenize=False)
@@ -254,6 +258,17 @@ class OpenAIServer:
             raise APIError(400, f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
                            param="messages") from None
         return self._encode(text)
+
+    def _renders_tools(self) -> bool:
+        """Whether the chat template puts a tool's name into the prompt (one it ignores would drop `tools`)."""
+        probe = [{"type": "function", "function": {"name": "megatron_rl_probe_tool",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": "u"}], tools=probe,
+                                                      add_generation_prompt=True, tokenize=False)
+        except Exception:  # a template that fails on tools renders none
+            return False
+        return "megatron_rl_probe_tool" in text
 
     def _completion_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")

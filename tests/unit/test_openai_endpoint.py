@@ -180,7 +180,7 @@ def test_a_template_that_rewrites_the_history_is_a_mismatch_not_trained_on(model
 
 
 def test_bad_requests_get_openai_errors(model_and_engine, server):
-    _, engine, _ = model_and_engine
+    _, engine, tokenizer = model_and_engine
     server.register(["x1"])
     client = _client(server, "x1")
     ok = [{"role": "user", "content": "hi"}]
@@ -210,6 +210,13 @@ def test_bad_requests_get_openai_errors(model_and_engine, server):
         with pytest.raises(openai.BadRequestError) as got:
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x" * 395}])
         assert got.value.body["code"] == "context_length_exceeded"
+        tokenizer.chat_template = REWRITING_TEMPLATE.replace("{%- if tools %}", "{%- if false %}")
+        try:  # a template that ignores `tools` would drop them: refused, not served without them
+            with pytest.raises(openai.BadRequestError) as got:
+                client.chat.completions.create(model="policy", messages=ok, tools=TOOLS)
+        finally:
+            tokenizer.chat_template = TOOLS_TEMPLATE
+        assert got.value.body["code"] == "tools_not_supported"
     assert server.take("x1") == []  # nothing refused was generated or recorded
 
 
