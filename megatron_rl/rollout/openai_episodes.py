@@ -22,8 +22,8 @@ one whose program failed, or that made no call, is `agent_failed`.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
+import time
 import uuid
 from typing import Any, Optional, Sequence
 
@@ -116,15 +116,20 @@ def run_program_episodes(engine: Any, host: Any, tokenizer: Any, tasks: Sequence
     ids = [(f"{run}-{g}-{k}", g) for g, _ in enumerate(tasks) for k in range(n)]
     server.register([eid for eid, _ in ids])
     outcomes: dict[str, Any] = {}
-    with server.serving(engine, settings), \
-            concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(ids))),
-                                                  thread_name_prefix="agent-program") as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(ids))),
+                                                 thread_name_prefix="agent-program")
+    with server.serving(engine, settings):
         running = {eid: pool.submit(host.play, server.base_url, eid, tasks[g]) for eid, g in ids}
+        give_up = time.monotonic() + host.timeout_s + 5  # a command is killed at its timeout; a function is not
         for eid, future in running.items():
             try:
-                outcomes[eid] = future.result(timeout=host.timeout_s + 30)
-            except Exception as exc:  # the program failed (or hung): said, and the episode counted as lost
+                outcomes[eid] = future.result(timeout=max(give_up - time.monotonic(), 0.0))
+            except concurrent.futures.TimeoutError:
+                outcomes[eid] = TimeoutError(f"the agent function ran past task.agent_timeout_s={host.timeout_s:g}")
+            except Exception as exc:  # the program failed: said, and the episode counted as lost
                 outcomes[eid] = exc
+        # not waiting for a function that hangs: once the endpoint closes below, its calls get 503
+        pool.shutdown(wait=False, cancel_futures=True)
     episodes = []
     for eid, g in ids:
         calls = server.take(eid)

@@ -45,6 +45,12 @@ from megatron_rl.rollout.base import SamplingParams
 logger = logging.getLogger(__name__)
 
 EPISODE_HEADER = "X-Episode-Id"
+# Request fields that would change what is sampled or returned, and the values served (None: absent). Refused
+# otherwise rather than ignored; fields that change nothing here (metadata, parallel_tool_calls, ...) pass.
+UNSUPPORTED = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+               "response_format": (None, {"type": "text"}), "logprobs": (None, False), "top_logprobs": (None,),
+               "tool_choice": (None, "auto"), "best_of": (None, 1), "echo": (None, False), "suffix": (None,),
+               "stream_options": (None,), "top_k": (None,), "min_p": (None,), "repetition_penalty": (None,)}
 _UNSERVED = None  # the place of a call that was not served (the rollout ended under it)
 
 
@@ -188,6 +194,11 @@ class OpenAIServer:
         if body.get("stream"):
             raise APIError(400, "stream=true is not supported: ask for the whole response", param="stream",
                            code="unsupported_parameter")
+        for key, allowed in UNSUPPORTED.items():
+            if body.get(key) not in allowed:
+                raise APIError(400, f"{key}={body[key]!r} is not supported by this endpoint (it serves "
+                                    f"{' or '.join(repr(a) for a in allowed if a is not None) or 'nothing'} "
+                                    "only): leave it out", param=key, code="unsupported_parameter")
         episode_id = episode_header or body.get("user")
         if not episode_id or not isinstance(episode_id, str):
             raise APIError(400, f"no episode id: send the episode id you were given in the {EPISODE_HEADER} header "

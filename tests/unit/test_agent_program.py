@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -29,6 +31,14 @@ def length_agent(base_url: str, episode_id: str, task: dict) -> dict:
     client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
     reply = client.completions.create(model="policy", prompt=task["instruction"], user=episode_id)
     return {"reward": len(reply.choices[0].text) / 10, "target": task["target"]}
+
+
+RELEASE = threading.Event()
+
+
+def hanging_agent(base_url: str, episode_id: str, task: dict) -> float:
+    RELEASE.wait(60)
+    return 1.0
 
 
 def failing_agent(base_url: str, episode_id: str, task: dict) -> float:
@@ -89,6 +99,18 @@ def test_failed_programs_lose_their_episodes(engine_and_tokenizer, tmp_path, cap
         command.play("http://127.0.0.1:9/v1", "e", TASKS[1])
     with pytest.raises(AgentProgramError, match="last stdout line 'not a reward' is not a number"):
         command.play("http://127.0.0.1:9/v1", "e", TASKS[0])
+
+
+def test_a_function_past_its_timeout_loses_its_episode_and_is_not_waited_for(engine_and_tokenizer):
+    engine, tokenizer = engine_and_tokenizer
+    host = AgentProgramHost(f"{__name__}:hanging_agent", None, timeout_s=0.5, model="policy")
+    start = time.monotonic()
+    try:
+        episodes = run_program_episodes(engine, host, tokenizer, TASKS[:1], 1, PARAMS, LIMITS)
+    finally:
+        RELEASE.set()
+        host.close()
+    assert time.monotonic() - start < 20 and [e.status for e in episodes] == ["agent_failed"]
 
 
 @pytest.mark.parametrize("fields, message", [

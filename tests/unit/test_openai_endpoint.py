@@ -192,6 +192,10 @@ def test_bad_requests_get_openai_errors(model_and_engine, server):
             (dict(model="policy", messages=ok, max_tokens=13), openai.BadRequestError, "invalid_value", "max_tokens"),
             (dict(model="policy", messages=ok, temperature=3), openai.BadRequestError, "invalid_value",
              "temperature"),
+            (dict(model="policy", messages=ok, presence_penalty=0.5), openai.BadRequestError,
+             "unsupported_parameter", "presence_penalty"),
+            (dict(model="policy", messages=ok, logprobs=True), openai.BadRequestError, "unsupported_parameter",
+             "logprobs"),
         ]
         for kwargs, error, code, param in cases:
             with pytest.raises(error) as got:
