@@ -225,7 +225,10 @@ class OpenAIServer:
                                code="unknown_episode_id")
             index = len(calls)
             calls.append(_UNSERVED)  # its place in arrival order, filled when it returns
-        futures = [asyncio.run_coroutine_threadsafe(batcher.generate(prompt_ids, params), loop) for _ in range(n)]
+        # n requests (batched together): the front end hands each request one generation. A seed makes a call
+        # reproducible when it is batched alone (a batch draws from its first request's seed).
+        futures = [asyncio.run_coroutine_threadsafe(batcher.generate(prompt_ids, dataclasses.replace(
+            params, seed=None if params.seed is None else params.seed + k)), loop) for k in range(n)]
         try:
             gens = [f.result() for f in futures]
         except Exception as exc:
