@@ -8,12 +8,14 @@ called with the real `openai` client against the hf engine on a tiny model:
 - an episode whose history re-renders as the engine saw it becomes one sample with the loss mask on the
   completions only; a template that renders past assistant turns differently is a mismatch, not trained on;
 - OpenAI-style 4xx errors, and 503 outside a rollout (after the bounded wait), a wait that a rollout ends;
-- tool calls in the model's text become `tool_calls`; n, stop and max_tokens are honoured.
+- tool calls in the model's text become `tool_calls`, and a tool-call round trip through the client, rendered by
+  the shipped character template, is one trainable episode; n, stop and max_tokens are honoured.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import threading
 import time
@@ -86,6 +88,7 @@ def test_recorded_tokens_are_the_engines_and_the_prompt_is_the_template_with_too
     with server.serving(engine, SETTINGS):
         reply = _client(server, "e1").chat.completions.create(model="policy", messages=messages, tools=TOOLS,
                                                               max_tokens=10, seed=11, temperature=0.8)
+        assert [m.id for m in _client(server).models.list()] == ["policy"]
     [call] = server.take("e1")
     want_prompt = _encode(tokenizer, tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
                                                                    add_generation_prompt=True))
@@ -268,3 +271,44 @@ def test_stop_strings_end_the_returned_text(model_and_engine, server):
     [call] = server.take("s2")  # the recorded tokens end with the token that completed the stop string
     assert tokenizer.decode(call.choices[0].output_ids).endswith(stop)
     server.take("s1")
+
+
+def test_a_tool_call_round_trip_through_the_client_is_one_trainable_episode():
+    """A model that writes the template's own tool-call format (a scripted policy here, the project's engine for
+    known turns): the reply comes back as `tool_calls`, the agent answers it with a `tool` message, and the
+    history the shipped character template renders from the client's messages extends the engine's tokens, so
+    the episode is trained on: two model turns (mask 1) around the tool result (mask 0)."""
+    from megatron_rl.rollout.scripted import ScriptedPolicy
+
+    tokenizer = load_tokenizer("builtin:char")  # its shipped template renders tools and tool calls
+    call_text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    policy = ScriptedPolicy(tokenizer, ["I add." + call_text, "5"], end_of_turn="<|im_end|>")
+    policy.weight_version = 3
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    server = OpenAIServer(tokenizer, wait_s=0.3).start()
+    try:
+        server.register(["t1"])
+        with server.serving(policy, dataclasses.replace(SETTINGS, max_tokens=100)):
+            client = _client(server, "t1")
+            messages = [{"role": "user", "content": "2 3 -> ?"}]
+            first = client.chat.completions.create(model="policy", messages=messages, tools=tools)
+            message = first.choices[0].message
+            assert first.choices[0].finish_reason == "tool_calls" and message.content == "I add."
+            [call] = message.tool_calls
+            assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+            messages += [message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+            second = client.chat.completions.create(model="policy", messages=messages, tools=tools)
+            assert second.choices[0].message.content == "5" and second.choices[0].finish_reason == "stop"
+        calls = server.take("t1")
+    finally:
+        server.shutdown()
+    assert tokenizer.decode(calls[0].prompt_ids).startswith("<|im_start|>system\nTools: add(a,b)<|im_end|>\n")
+    episode = build_episode(0, calls, 1.0, 1.0)
+    assert episode.status == "submitted" and episode.turn_versions == [3, 3]
+    c1, c2 = calls[0].choices[0].output_ids, calls[1].choices[0].output_ids
+    assert tokenizer.decode(c1) == "I add." + call_text + "<|im_end|>"
+    observation = episode.output_ids[len(c1):len(episode.output_ids) - len(c2)]
+    assert tokenizer.decode(observation) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert episode.model_mask == [1] * len(c1) + [0] * len(observation) + [1] * len(c2)
