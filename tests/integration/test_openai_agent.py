@@ -37,8 +37,10 @@ def _run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=500)
 
 
-def test_a_black_box_openai_agent_trains_on_its_recorded_tokens(tmp_path):
-    proc = _run(tmp_path)
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one_rank", "dp2"])
+def test_a_black_box_openai_agent_trains_on_its_recorded_tokens(tmp_path, nproc):
+    """At DP=2 each rank plays its share of the episodes through an endpoint of its own, on its own engine."""
+    proc = _run(tmp_path, f"cluster.nproc={nproc}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
