@@ -145,6 +145,19 @@ class TaskConfig:
     """type=agent: wall time of an episode at most (checked between turns)."""
     max_observation_chars: int = 2000
     """type=agent: tool output shown to the model at most (the middle is cut)."""
+    agent: Optional[str] = None
+    """type=agent: episodes played by your agent program instead of an environment (docs/agents.md, "Black-box
+    agents"): `package.module:function`, called per episode as function(base_url=, episode_id=, task=) and
+    returning the reward; it talks to the rollout engine through the job's OpenAI-compatible endpoint."""
+    agent_command: Optional[list[str]] = None
+    """type=agent: or a command (argv) run per episode, with OPENAI_BASE_URL, MEGATRON_RL_EPISODE_ID,
+    MEGATRON_RL_MODEL and MEGATRON_RL_TASK set; its last stdout line is the reward."""
+    agent_model: str = "policy"
+    """The model name the endpoint serves (requests naming another get 404)."""
+    agent_timeout_s: float = 300.0
+    """Seconds one episode's agent program may run; a later one is lost (agent_failed), not scored."""
+    agent_wait_s: float = 30.0
+    """Seconds a call that arrives outside a rollout waits for the next one before it gets HTTP 503."""
     pool_refresh_every: int = 0
     """RL steps between environment-pool refreshes: tasks that became trivial (pool_trivial_pass_rate
     over pool_min_samples samples) or scored one response differently twice are retired and their
@@ -188,6 +201,36 @@ class TaskConfig:
     sft_warmup_lr: float = 1e-5
     """Learning rate of the warm start (a pretrained model's; the tiny models' preset sets 1e-3)."""
 
+    def _check_agent_program(self) -> None:
+        if self.agent is None and self.agent_command is None:
+            return
+        key = "task.agent" if self.agent is not None else "task.agent_command"
+        if self.type != "agent":
+            raise _invalid(key, self.agent or self.agent_command, f"an agent program plays agent tasks, not "
+                           f"task.type={self.type}: set task.type=agent or remove {key}")
+        if self.agent is not None and self.agent_command is not None:
+            raise _invalid("task.agent_command", self.agent_command, "give task.agent (a Python function) or "
+                           "task.agent_command (a command), not both")
+        if self.agent is not None and (":" not in self.agent or self.agent.startswith(":")
+                                       or self.agent.endswith(":")):
+            raise _invalid("task.agent", self.agent, "must be package.module:function")
+        if self.agent_command is not None and (not self.agent_command or not all(
+                isinstance(a, str) and a for a in self.agent_command)):
+            raise _invalid("task.agent_command", self.agent_command, "must be a non-empty list of non-empty "
+                           "strings (argv), e.g. [python, my_agent.py]")
+        if self.reward != "auto":
+            raise _invalid("task.reward", self.reward, "an agent program gives its episodes' rewards: leave "
+                           "task.reward=auto")
+        _check_min("task.agent_timeout_s", self.agent_timeout_s, 0, strict=True)
+        _check_min("task.agent_wait_s", self.agent_wait_s, 0)
+        if not self.agent_model:
+            raise _invalid("task.agent_model", self.agent_model, "must be a non-empty model name")
+
+    @property
+    def plays_agent_program(self) -> bool:
+        """Whether its episodes are played by an agent program (task.agent / task.agent_command)."""
+        return self.agent is not None or self.agent_command is not None
+
     def __post_init__(self) -> None:
         _check_choice("task.type", self.type, self.TYPES)
         _check_min("task.eval_every", self.eval_every, 0)
@@ -213,8 +256,8 @@ class TaskConfig:
                              "docs/examples/math.jsonl show task=math's format, and task=arithmetic generates "
                              "word problems with no data")
         _check_choice("task.generator", self.generator, self.GENERATORS)
-        if self.type == "agent" and self.path is None and (self.generator == "countdown") != (
-                self.environment == "countdown"):
+        if self.type == "agent" and self.path is None and not self.plays_agent_program and (
+                self.generator == "countdown") != (self.environment == "countdown"):
             raise _invalid("task.generator", self.generator, "generated countdown tasks run in the countdown "
                            "environment and it plays no other generated tasks: set task.generator and "
                            "task.environment both to countdown, or neither")
@@ -222,6 +265,7 @@ class TaskConfig:
         _check_min("task.max_episode_tokens", self.max_episode_tokens, 16)
         _check_min("task.episode_wall_time_s", self.episode_wall_time_s, 0, strict=True)
         _check_min("task.max_observation_chars", self.max_observation_chars, 16)
+        self._check_agent_program()
         _check_min("task.pool_refresh_every", self.pool_refresh_every, 0)
         _check_min("task.pool_queue", self.pool_queue, 0)
         _check_unit_interval("task.pool_trivial_pass_rate", self.pool_trivial_pass_rate, low_open=True,

@@ -152,7 +152,8 @@ def reward_kind_of(task_cfg: Any) -> str:
     if task_cfg.type == "countdown":
         return "countdown"
     if task_cfg.type == "agent":
-        return "environment"
+        return "program" if getattr(task_cfg, "agent", None) or getattr(task_cfg, "agent_command", None) \
+            else "environment"
     if task_cfg.type == "dataset" and task_cfg.path is not None and "tests" in (first_row(task_cfg.path) or {}):
         return "tests"
     return "math"
@@ -340,6 +341,12 @@ class Task:
         if kind in ("math", "exact"):
             last_number = self.cfg.answer_extraction == "last_number"
             return lambda: RuleVerifier(kind, self.cfg.reward_tolerance, last_number)
+        if kind == "program":
+            from megatron_rl.envs.agent_program import AgentProgramHost
+
+            c = self.cfg
+            return lambda: AgentProgramHost(c.agent, c.agent_command, c.agent_timeout_s, c.agent_model,
+                                            wait_s=c.agent_wait_s)
         if kind == "custom":
             from megatron_rl.rewards.custom import CustomVerifier
 

@@ -27,8 +27,10 @@ from megatron_rl.trainer.packing import Sample
 logger = logging.getLogger(__name__)
 
 
-# sandbox failure, cut straggler, past the step deadline, no reward came (verifier late or failed)
-LOST_STATUSES = ("dropped", "aborted", "deadline", "unscored")
+# sandbox failure, cut straggler, past the step deadline, no reward came (verifier late or failed); an agent
+# program's episode whose recorded tokens do not form one sequence, sampled with other settings than the trainer
+# assumes, or whose program failed (rollout/openai_episodes.py)
+LOST_STATUSES = ("dropped", "aborted", "deadline", "unscored", "mismatch", "sampling_mismatch", "agent_failed")
 
 
 def is_scored(rollout: Any) -> bool:

@@ -68,6 +68,7 @@ def check_run(cfg) -> None:
     check_engine_config(cfg, *job_shape(cfg))
     _check_reward_functions(cfg)
     _check_model_rewards(cfg)
+    _check_agent_programs(cfg)
     _check_replay(cfg)
     check_disaggregated_config(cfg)
     check_routing_replay(cfg)
@@ -99,6 +100,41 @@ def check_run(cfg) -> None:
     if cfg.algorithm.overlong == "penalty" and cfg.algorithm.overlong_penalty_window > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.overlong_penalty_window={cfg.algorithm.overlong_penalty_window} must be <= "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+
+
+def _check_agent_programs(cfg) -> None:
+    """task.agent / task.agent_command: the function imports, the command's program exists, and the run uses
+    no option the agent-program rollout (rollout/openai_episodes.py) does not implement."""
+    import os
+    import shutil
+
+    tasks = {"task": cfg.task} if not cfg.domains else {f"domains.{n}.task": d.task for n, d in cfg.domains.items()}
+    for where, task in tasks.items():
+        if task.agent is None and task.agent_command is None:
+            continue
+        if cfg.domains:
+            raise ConfigError(f"{where}: an agent program (task.agent / task.agent_command) plays a single-task run, "
+                              "not a domain of a joint run")
+        if task.agent is not None:
+            from megatron_rl.envs.agent_program import load_agent_function
+
+            try:
+                load_agent_function(task.agent)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        else:
+            program = task.agent_command[0]
+            if shutil.which(program) is None and not os.path.isfile(program):
+                raise ConfigError(f"task.agent_command={list(task.agent_command)}: {program!r} is neither on PATH "
+                                  "nor a file")
+        unsupported = {"rollout.mode": (cfg.rollout.mode, "colocated"),
+                       "rollout.oversample": (cfg.rollout.oversample, 0.0),
+                       "rollout.step_deadline_s": (cfg.rollout.step_deadline_s, None),
+                       "task.sft_warmup_steps": (task.sft_warmup_steps, 0)}
+        for key, (value, allowed) in unsupported.items():
+            if value != allowed:
+                raise ConfigError(f"{key}={value} is not implemented for an agent program's episodes "
+                                  f"({where}.agent / agent_command): set {key}={allowed}")
 
 
 def _check_reward_functions(cfg) -> None:
