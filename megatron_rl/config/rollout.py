@@ -58,6 +58,17 @@ class RolloutConfig:
     enable_lora): a step moves r (in + out) numbers per adapted module instead of the model. Colocated, the
     engine's base weights then stay resident between rollouts (only its KV cache is released); disaggregated,
     each publish to the generators is the adapters alone after the first."""
+    weight_sync_bucket_mb: float = 256.0
+    """Size of a weight-sync bucket in MiB (the last tensor that starts a bucket may take it past this): an engine in
+    another process (sglang) or a generator (disaggregated mode) receives the weights a bucket at a time, and a
+    delta sync (weight_sync_delta) skips whole buckets, so smaller buckets skip more of a model that changes in
+    places, at more round trips per sync."""
+    weight_sync_delta: bool = False
+    """mode=disaggregated: publish only the weight buckets whose bytes changed since the generators' last version
+    (each bucket's BLAKE2b digest against the one every generator acknowledged; an unchanged bucket is announced,
+    not broadcast). Pays when most weights stay put between steps: LoRA with weight_sync=full (the merged weights
+    of un-adapted modules), frozen layers. Full fine-tuning changes every bucket each step, so it only adds the
+    hashing; hence off by default. Checksums are verified either way (docs/rollout.md, "Delta weight sync")."""
     replay_dir: Optional[str] = None
     """Debugging: train on the rollouts a run dumped (logging.dump_rollouts; its run_dir/rollouts) instead
     of generating: step k reads step_k.jsonl (megatron_rl/rollout/dump.py). Colocated mode only."""
@@ -136,6 +147,9 @@ class RolloutConfig:
         _check_choice("rollout.backend", self.backend, self.BACKENDS)
         _check_choice("rollout.mode", self.mode, self.MODES)
         _check_choice("rollout.weight_sync", self.weight_sync, self.WEIGHT_SYNCS)
+        _check_min("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 0, strict=True)
+        if not isinstance(self.weight_sync_delta, bool):
+            raise _invalid("rollout.weight_sync_delta", self.weight_sync_delta, "must be true or false")
         _check_min("rollout.num_generators", self.num_generators, 1)
         _check_min("rollout.partial_rollout_tokens", self.partial_rollout_tokens, 0)
         _check_min("rollout.generator_nodes", self.generator_nodes, 0)
@@ -149,7 +163,8 @@ class RolloutConfig:
         if self.mode == "colocated":
             for key, value, off in (("num_generators", self.num_generators, 1),
                                     ("generator_nodes", self.generator_nodes, 0),
-                                    ("partial_rollout_tokens", self.partial_rollout_tokens, 0)):
+                                    ("partial_rollout_tokens", self.partial_rollout_tokens, 0),
+                                    ("weight_sync_delta", self.weight_sync_delta, False)):
                 if value != off:
                     raise _invalid(f"rollout.{key}", value, "is a disaggregated-mode setting: set "
                                    f"rollout.mode=disaggregated or rollout.{key}={format_value(off)}")

@@ -7,10 +7,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from megatron_rl.checks import ConfigError
 from megatron_rl.checks import check_choice as _check_choice
 from megatron_rl.checks import check_min as _check_min
 from megatron_rl.checks import invalid as _invalid
 from megatron_rl.config.common import _check_unit_interval
+
+
+@dataclass
+class RewardModelConfig:
+    """task.reward=reward_model: a discriminative reward model served in the job (megatron_rl/rl/reward_model.py)."""
+
+    path: Optional[str] = None
+    """HF checkpoint directory of a `*ForSequenceClassification` model with num_labels=1 (Qwen2, Llama), saved
+    with the policy's tokenizer (it reads the policy's token ids). The reward of a sample is its score at the
+    last token that is not the checkpoint's pad token, as transformers computes it."""
+
+
+@dataclass
+class JudgeConfig:
+    """task.reward=judge: the policy's own engine reads each response and states a verdict
+    (megatron_rl/rewards/judge.py)."""
+
+    template: Optional[str] = None
+    """The judge's prompt, with {prompt}, {response} and (when show_reference) {reference}; null: the built-in
+    template of the verdict format."""
+    show_reference: bool = True
+    """Give the judge the row's reference answer (task.answer_key); false: the judge sees prompt and response only."""
+    verdict: str = "score"
+    """How the judge's reply is read: score (the last `score: X`, 0 <= X <= max_score; reward X / max_score) or
+    yes_no (the last `yes` or `no`; reward 1 or 0). A reply without one is no verdict: the sample is left
+    unscored and counted in reward/judge_parse_failures."""
+    max_score: float = 10.0
+    """verdict=score: the top of the judge's scale."""
+    max_new_tokens: int = 64
+    """Length limit of the judge's reply (greedy)."""
+
+    VERDICTS: ClassVar[tuple[str, ...]] = ("score", "yes_no")
+
+    def __post_init__(self) -> None:
+        _check_choice("task.judge.verdict", self.verdict, self.VERDICTS)
+        _check_min("task.judge.max_score", self.max_score, 0, strict=True)
+        _check_min("task.judge.max_new_tokens", self.max_new_tokens, 1)
+        from megatron_rl.rewards.judge import check_template
+
+        try:
+            check_template(self.template, self.show_reference)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 @dataclass
@@ -56,7 +100,20 @@ class TaskConfig:
     (expression executed in the sandbox), tests (the row's tests run in the sandbox: passed/total);
     auto: countdown for type=countdown, tests for dataset rows with a `tests` column, else math;
     or your own function, `package.module:function`, called as function(completion, sample) -> float
-    with sample = the prompt's dataset row (megatron_rl/rewards/custom.py)."""
+    with sample = the prompt's dataset row (megatron_rl/rewards/custom.py); or a model: reward_model (a
+    discriminative reward model, task.reward_model.path) or judge (the policy's engine judges, task.judge.*).
+    Model rewards are for arithmetic and dataset tasks."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """task.reward=reward_model: the reward model."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """task.reward=judge: the judge's prompt and verdict format."""
+    rule_check: Optional[str] = None
+    """task.reward=reward_model|judge: a rule verifier (math or exact, on task.answer_key) that also scores every
+    sample, for the reward-hacking guard: samples where it and the model disagree are counted
+    (reward/model_rule_disagree) and flagged in the audit (model_rule_disagree). The reward stays the model's."""
+    rule_check_threshold: float = 0.5
+    """The model's score (before task.reward_scale) above which it counts as passing a response, against the rule
+    verifier's reward > 0 (a judge's rewards are in [0, 1]; a reward model's scores are its own scale)."""
     reward_tolerance: float = 1e-6
     """Absolute tolerance of numeric answers (reward=math)."""
     answer_extraction: str = "strict"
@@ -88,6 +145,19 @@ class TaskConfig:
     """type=agent: wall time of an episode at most (checked between turns)."""
     max_observation_chars: int = 2000
     """type=agent: tool output shown to the model at most (the middle is cut)."""
+    agent: Optional[str] = None
+    """type=agent: episodes played by your agent program instead of an environment (docs/agents.md, "Black-box
+    agents"): `package.module:function`, called per episode as function(base_url=, episode_id=, task=) and
+    returning the reward; it talks to the rollout engine through the job's OpenAI-compatible endpoint."""
+    agent_command: Optional[list[str]] = None
+    """type=agent: or a command (argv) run per episode, with OPENAI_BASE_URL, MEGATRON_RL_EPISODE_ID,
+    MEGATRON_RL_MODEL and MEGATRON_RL_TASK set; its last stdout line is the reward."""
+    agent_model: str = "policy"
+    """The model name the endpoint serves (requests naming another get 404)."""
+    agent_timeout_s: float = 300.0
+    """Seconds one episode's agent program may run; a later one is lost (agent_failed), not scored."""
+    agent_wait_s: float = 30.0
+    """Seconds a call that arrives outside a rollout waits for the next one before it gets HTTP 503."""
     pool_refresh_every: int = 0
     """RL steps between environment-pool refreshes: tasks that became trivial (pool_trivial_pass_rate
     over pool_min_samples samples) or scored one response differently twice are retired and their
@@ -108,7 +178,9 @@ class TaskConfig:
     ANSWER_EXTRACTIONS: ClassVar[tuple[str, ...]] = ("strict", "last_number")
     ANSWER_FORMATS: ClassVar[tuple[str, ...]] = ("boxed", "gsm8k")
     GENERATORS: ClassVar[tuple[str, ...]] = ("repo", "function", "countdown")
-    REWARDS: ClassVar[tuple[str, ...]] = ("auto", "math", "exact", "countdown", "tests")
+    REWARDS: ClassVar[tuple[str, ...]] = ("auto", "math", "exact", "countdown", "tests", "reward_model", "judge")
+    MODEL_REWARDS: ClassVar[tuple[str, ...]] = ("reward_model", "judge")
+    RULE_CHECKS: ClassVar[tuple[str, ...]] = ("math", "exact")
 
     eval_every: int = 10
     """RL steps between evaluations on the held-out split (0: only at the end)."""
@@ -128,6 +200,36 @@ class TaskConfig:
     tasks: on their reference solutions played through the environment and verified."""
     sft_warmup_lr: float = 1e-5
     """Learning rate of the warm start (a pretrained model's; the tiny models' preset sets 1e-3)."""
+
+    def _check_agent_program(self) -> None:
+        if self.agent is None and self.agent_command is None:
+            return
+        key = "task.agent" if self.agent is not None else "task.agent_command"
+        if self.type != "agent":
+            raise _invalid(key, self.agent or self.agent_command, f"an agent program plays agent tasks, not "
+                           f"task.type={self.type}: set task.type=agent or remove {key}")
+        if self.agent is not None and self.agent_command is not None:
+            raise _invalid("task.agent_command", self.agent_command, "give task.agent (a Python function) or "
+                           "task.agent_command (a command), not both")
+        if self.agent is not None and (":" not in self.agent or self.agent.startswith(":")
+                                       or self.agent.endswith(":")):
+            raise _invalid("task.agent", self.agent, "must be package.module:function")
+        if self.agent_command is not None and (not self.agent_command or not all(
+                isinstance(a, str) and a for a in self.agent_command)):
+            raise _invalid("task.agent_command", self.agent_command, "must be a non-empty list of non-empty "
+                           "strings (argv), e.g. [python, my_agent.py]")
+        if self.reward != "auto":
+            raise _invalid("task.reward", self.reward, "an agent program gives its episodes' rewards: leave "
+                           "task.reward=auto")
+        _check_min("task.agent_timeout_s", self.agent_timeout_s, 0, strict=True)
+        _check_min("task.agent_wait_s", self.agent_wait_s, 0)
+        if not self.agent_model:
+            raise _invalid("task.agent_model", self.agent_model, "must be a non-empty model name")
+
+    @property
+    def plays_agent_program(self) -> bool:
+        """Whether its episodes are played by an agent program (task.agent / task.agent_command)."""
+        return self.agent is not None or self.agent_command is not None
 
     def __post_init__(self) -> None:
         _check_choice("task.type", self.type, self.TYPES)
@@ -154,8 +256,8 @@ class TaskConfig:
                              "docs/examples/math.jsonl show task=math's format, and task=arithmetic generates "
                              "word problems with no data")
         _check_choice("task.generator", self.generator, self.GENERATORS)
-        if self.type == "agent" and self.path is None and (self.generator == "countdown") != (
-                self.environment == "countdown"):
+        if self.type == "agent" and self.path is None and not self.plays_agent_program and (
+                self.generator == "countdown") != (self.environment == "countdown"):
             raise _invalid("task.generator", self.generator, "generated countdown tasks run in the countdown "
                            "environment and it plays no other generated tasks: set task.generator and "
                            "task.environment both to countdown, or neither")
@@ -163,19 +265,29 @@ class TaskConfig:
         _check_min("task.max_episode_tokens", self.max_episode_tokens, 16)
         _check_min("task.episode_wall_time_s", self.episode_wall_time_s, 0, strict=True)
         _check_min("task.max_observation_chars", self.max_observation_chars, 16)
+        self._check_agent_program()
         _check_min("task.pool_refresh_every", self.pool_refresh_every, 0)
         _check_min("task.pool_queue", self.pool_queue, 0)
         _check_unit_interval("task.pool_trivial_pass_rate", self.pool_trivial_pass_rate, low_open=True,
                              high_open=False)
         _check_min("task.pool_min_samples", self.pool_min_samples, 1)
-        allowed = {"countdown": ("auto", "countdown"), "arithmetic": ("auto", "math", "exact"),
+        allowed = {"countdown": ("auto", "countdown"), "arithmetic": ("auto", "math", "exact", *self.MODEL_REWARDS),
                    "agent": ("auto",)}.get(
-            self.type, ("auto", "math", "exact", "tests"))
+            self.type, ("auto", "math", "exact", "tests", *self.MODEL_REWARDS))
         if custom_reward and self.type == "agent":
             raise _invalid("task.reward", self.reward, "agent tasks are scored by their environment "
                            "(task.environment); a reward function serves countdown, arithmetic and dataset tasks")
         if self.reward not in allowed and not custom_reward:
             raise _invalid("task.reward", self.reward, f"task.type={self.type} allows {', '.join(allowed)}")
+        if self.reward == "reward_model" and not self.reward_model.path:
+            raise _invalid("task.reward_model.path", self.reward_model.path, "task.reward=reward_model needs the "
+                           "reward model's HF checkpoint directory (a *ForSequenceClassification with num_labels=1)")
+        if self.rule_check is not None:
+            _check_choice("task.rule_check", self.rule_check, self.RULE_CHECKS)
+            if self.reward not in self.MODEL_REWARDS:
+                raise _invalid("task.rule_check", self.rule_check, f"it cross-checks a model's rewards "
+                               f"(task.reward=reward_model|judge), but task.reward={self.reward}: set task.reward="
+                               "math|exact to train on the rule itself, or task.rule_check=null")
         _check_min("task.reward_tolerance", self.reward_tolerance, 0)
         _check_choice("task.answer_extraction", self.answer_extraction, self.ANSWER_EXTRACTIONS)
         _check_choice("task.answer_format", self.answer_format, self.ANSWER_FORMATS)

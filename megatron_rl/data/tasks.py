@@ -29,6 +29,8 @@ from megatron_rl.data.countdown import generate_problems
 from megatron_rl.data.sources import first_row, load_rows
 from megatron_rl.rewards.custom import is_reward_path
 
+MODEL_REWARDS = ("reward_model", "judge")  # task.reward values whose rewards a model gives
+
 logger = logging.getLogger(__name__)
 
 
@@ -150,7 +152,8 @@ def reward_kind_of(task_cfg: Any) -> str:
     if task_cfg.type == "countdown":
         return "countdown"
     if task_cfg.type == "agent":
-        return "environment"
+        return "program" if getattr(task_cfg, "agent", None) or getattr(task_cfg, "agent_command", None) \
+            else "environment"
     if task_cfg.type == "dataset" and task_cfg.path is not None and "tests" in (first_row(task_cfg.path) or {}):
         return "tests"
     return "math"
@@ -243,7 +246,8 @@ class Task:
             for _ in range(num):
                 question, answer = math_problem(rng, self.cfg.math_steps)
                 text = f"{question} {instruction}" + ("" if self.chat else "\n")  # a chat turn ends itself
-                out.append(self._prompt(text, {"answer": answer}, answer_line.format(answer)))
+                meta = {"answer": answer, **({"question": text} if self.model_scored else {})}
+                out.append(self._prompt(text, meta, answer_line.format(answer)))
             return out
         if kind == "agent":
             return [Prompt(t["instruction"], [], t, "") for t in self._agent_tasks(split)]
@@ -279,6 +283,13 @@ class Task:
             meta = {"tests": row["tests"], "files": row.get("files") or {},
                     "solution_path": row.get("solution_path") or "solution.py"}
             reference = row.get(c.response_key) or ""
+        elif self.model_scored:  # a model judges the response; the reference answer is optional
+            answer = row.get(c.answer_key)
+            if answer is None and c.rule_check is not None:
+                raise ValueError(f"{where} has no {c.answer_key!r} column (task.answer_key) for "
+                                 f"task.rule_check={c.rule_check}")
+            meta = {"question": row[c.prompt_key], **({} if answer is None else {"answer": str(answer)})}
+            reference = row.get(c.response_key) or ("" if answer is None else f"\\boxed{{{answer}}}")
         else:
             if row.get(c.answer_key) is None:
                 raise ValueError(f"{where} has no {c.answer_key!r} column (task.answer_key) "
@@ -292,6 +303,11 @@ class Task:
     def reward_kind(self) -> str:
         """The verifier actually used (task.reward with `auto` resolved); read once (every row asks)."""
         return reward_kind_of(self.cfg)
+
+    @property
+    def model_scored(self) -> bool:
+        """Whether a model gives the rewards (task.reward=reward_model|judge): after generation, not the verifier."""
+        return self.reward_kind in MODEL_REWARDS
 
     @functools.cached_property
     def needs_sandbox(self) -> bool:
@@ -312,13 +328,25 @@ class Task:
     def verifier_factory(self, sandbox_addresses: list[str]) -> Callable[[], Any]:
         build = self._verifier_factory(sandbox_addresses)
         scale = self.cfg.reward_scale
-        return build if scale == 1.0 else (lambda: ScaledVerifier(build(), scale))
+        # a model-scored task's verifier is its rule check (or nothing): the model's reward is the one scaled
+        return build if scale == 1.0 or self.model_scored else (lambda: ScaledVerifier(build(), scale))
 
     def _verifier_factory(self, sandbox_addresses: list[str]) -> Callable[[], Any]:
         kind = self.reward_kind
+        if kind in MODEL_REWARDS:  # the model scores after generation (rollout/judging.py, rl/model_rewards.py)
+            check = self.cfg.rule_check
+            if check is None:
+                return AwaitingModel
+            return lambda: RuleVerifier(check, self.cfg.reward_tolerance, self.cfg.answer_extraction == "last_number")
         if kind in ("math", "exact"):
             last_number = self.cfg.answer_extraction == "last_number"
             return lambda: RuleVerifier(kind, self.cfg.reward_tolerance, last_number)
+        if kind == "program":
+            from megatron_rl.envs.agent_program import AgentProgramHost
+
+            c = self.cfg
+            return lambda: AgentProgramHost(c.agent, c.agent_command, c.agent_timeout_s, c.agent_model,
+                                            wait_s=c.agent_wait_s)
         if kind == "custom":
             from megatron_rl.rewards.custom import CustomVerifier
 
@@ -334,6 +362,16 @@ class Task:
             client = SandboxClient(sandbox_addresses, deadline_s=60)
             return CountdownVerifier(client) if kind == "countdown" else TestsVerifier(client)
         return build
+
+
+class AwaitingModel:
+    """The verifier of a model-scored task without a rule check: a reward of 0 that the model's replaces before
+    any use (a sample the model gives no verdict is left unscored, never kept at this 0)."""
+
+    calls = errors = 0
+
+    async def score(self, items) -> list[float]:
+        return [0.0] * len(items)
 
 
 class EnvironmentHost:

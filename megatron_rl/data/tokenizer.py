@@ -47,9 +47,19 @@ MAX_VOCAB_SIZE = 128
 # Replacement for characters outside CHARACTERS; must itself be in CHARACTERS.
 REPLACEMENT_CHAR = "?"
 
+# Tools (OpenAI `tools`, rollout/openai_server.py) are listed in a system turn of their own, by name and argument
+# names only (every character is a token here); an assistant turn's tool calls follow its content in the Hermes
+# format the endpoint parses. Without tools or tool calls the rendering is the plain Qwen-style one.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nTools:' }}{% for tool in tools %}"
+    "{{ ' ' + tool['function']['name'] + '(' + (tool['function']['parameters']['properties'] | join(',')) + ')' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}{{ '<tool_call>' + "
+    "({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson) + '</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

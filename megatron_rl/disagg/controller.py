@@ -168,6 +168,7 @@ class DisaggregatedController:
             self.events.write("take", take_start, time.time(), step=step, groups=len(kept))
             stats["async/generator_version"] = float(max((max(g.versions) for g in kept), default=-1))
             stats.update(scheduler_metrics(kept))  # the generators' sched/... (agent episodes), summed over groups
+            stats.update(self._sink.metrics())  # weight_sync/bytes_sent, bytes_full, ...: this publish's
         rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group.rollouts]
         if self.is_main:
             stats.update(episode_stats(self.task, rollouts))
@@ -189,7 +190,8 @@ class DisaggregatedController:
         signed_set(self.store, self.hub.key, GO_KEY, str(first_version).encode())
         num = len(self.hub.specs)
         group = WeightUpdateGroup(self.store, 0, 1 + num, self.device, self.cfg.rollout.weight_update_timeout_s)
-        self._sink = BroadcastSink(group, self.store, self.hub.key)
+        self._sink = BroadcastSink(group, self.store, self.hub.key, delta=self.cfg.rollout.weight_sync_delta,
+                                   alive=self._check_alive, answer_timeout_s=self.cfg.rollout.weight_update_timeout_s)
         self.events.write("connect", start, time.time(), generators=num)
 
     def _publish(self, version: int) -> Any:

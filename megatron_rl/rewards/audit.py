@@ -10,6 +10,10 @@ that flag a likely shortcut:
 - `repeated_answer`: the response states a final answer (a `\\boxed{}` or `####` line that is not empty)
   more than once, the pattern of a policy that learned to repeat `#### N` until the length limit (a
   strict verifier reads the last one, so the repeats cost nothing but the end of the response).
+- `model_rule_disagree`: a task scored by a model (task.reward=reward_model|judge) with a rule check
+  (task.rule_check): the model passes the response (its score above task.rule_check_threshold) and the rule
+  gives 0, or the other way round - a policy that learned to please the model rather than to be right shows
+  here first. The record's `checks` hold both verdicts.
 
 A flag is a prompt to look, not a verdict: the first two already zero the reward in the
 `repo` environment, so a flagged high-reward trajectory means a guard was bypassed.
@@ -46,6 +50,9 @@ def flags_of(rollout: Any, typical_length: float, short_fraction: float, text: s
         flags.append("suspiciously_short")
     if len(_STATED_ANSWER.findall(text)) > 1:
         flags.append("repeated_answer")
+    checks = getattr(rollout, "checks", None) or {}
+    if "rule_reward" in checks and "model_passes" in checks and checks["model_passes"] != (checks["rule_reward"] > 0):
+        flags.append("model_rule_disagree")
     return flags
 
 
@@ -63,8 +70,11 @@ def audit(step: int, rollouts: Sequence[Any], decode: Callable[[list[int]], str]
         records.append({"step": step, "group": r.prompt_index, "reward": r.reward, "model_tokens": model_tokens(r),
                         "flags": flags_of(r, typical, short_fraction, texts[id(r)]),
                         "prompt": decode(list(r.prompt_tokens)), "response": texts[id(r)],
-                        "info": getattr(r, "info", {}) or {}})
+                        "info": getattr(r, "info", {}) or {}, "checks": getattr(r, "checks", {}) or {}})
     (out_dir / f"step_{step:08d}.jsonl").write_text("".join(json.dumps(x, default=str) + "\n" for x in records))
     flagged_all = [flags_of(r, typical, short_fraction, texts[id(r)]) for r in rollouts]
-    return {"audit/flagged": float(sum(bool(f) for f in flagged_all)),
-            "audit/flagged_rewarded": float(sum(bool(f) and r.reward > 0 for f, r in zip(flagged_all, rollouts)))}
+    counts = {"audit/flagged": float(sum(bool(f) for f in flagged_all)),
+              "audit/flagged_rewarded": float(sum(bool(f) and r.reward > 0 for f, r in zip(flagged_all, rollouts)))}
+    if any("rule_reward" in (getattr(r, "checks", None) or {}) for r in rollouts):  # a task with a rule check
+        counts["audit/model_rule_disagree"] = float(sum("model_rule_disagree" in f for f in flagged_all))
+    return counts

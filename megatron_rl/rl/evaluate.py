@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_rl.evaluation.records import eval_metrics, records_from_rollouts
 from megatron_rl.rl.metrics import sandbox_client
+from megatron_rl.rl.model_rewards import score_with_reward_models
 from megatron_rl.rollout.collect import Rollout, is_scored
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ def evaluation_records(rt, run: Any, repeat: int = 0) -> tuple[list[dict[str, An
     finally:
         if trained_as is not None:
             client.priority_class = trained_as
+    score_with_reward_models(run, rollouts)  # a reward-model task's held-out reward is its model's score
     return records_from_rollouts(prompts, rollouts, run.task.reward_scale_of), rollouts
 
 

@@ -34,6 +34,8 @@ class RunState:
     value_loss_fn: Optional[Callable] = None
     kl_ctl: Any = None  # algorithm.kl_in_reward: the penalty's (adaptive) coefficient
     reference: Optional[dict] = None  # algorithm.kl_coef > 0: the reference policy's weights, in host memory
+    reward_models: Optional[dict] = None  # task.reward=reward_model: checkpoint path -> rl.reward_model.RewardModel
+    teacher: Any = None  # algorithm.distill.teacher: trainer.teacher.Teacher, frozen, in host memory between forwards
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint after `step` updates holds besides model, optimizer and RNG."""
@@ -69,7 +71,8 @@ class RunState:
 
 def build_run(rt, evaluation: bool = False) -> RunState:
     """Everything one RL run holds: tokenizer, task, trainer, engine, controller, rollout source, rewards (and,
-    with algorithm.critic, the critic; with algorithm.kl_in_reward, the KL controller).
+    with algorithm.critic, the critic; with algorithm.kl_in_reward, the KL controller; with
+    algorithm.distill.teacher, the teacher).
 
     `evaluation` (offline evaluation of checkpoints, rl/evaluate.py): no critic, and the rollouts come from
     this job's own engine, also for a disaggregated run's config (no generators start). A disaggregated
@@ -81,6 +84,7 @@ def build_run(rt, evaluation: bool = False) -> RunState:
     from megatron_rl.data.env_pool import make_env_pool
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.rewards.service import RewardService
+    from megatron_rl.rl.model_rewards import build_reward_models
     from megatron_rl.rl_domains import make_joint
     from megatron_rl.rollout.colocated import ColocatedSource, Generation
     from megatron_rl.rollout.factory import make_engine
@@ -97,6 +101,13 @@ def build_run(rt, evaluation: bool = False) -> RunState:
         logprob_temperature=cfg.rollout.temperature or 1.0,  # 0 (greedy): log-probs at temperature 1
         routing_replay=cfg.algorithm.routing_replay != "none")
     trainer = Trainer(cfg.model, cfg.optimizer, rt.groups, options)
+    teacher = None
+    if cfg.algorithm.distill.teacher and not evaluation:  # offloaded once loaded: before the engine sizes its KV cache
+        from megatron_rl.config.teacher import teacher_model_config
+        from megatron_rl.trainer.teacher import Teacher
+
+        teacher = Teacher(teacher_model_config(cfg.model, cfg.algorithm.distill.teacher), cfg.optimizer, rt.groups,
+                          options)
     # PPO's value model: the policy's architecture with a value head, its weights copied from the policy
     # once RL starts (`rl.loop.start_critic`)
     critic = None
@@ -120,7 +131,11 @@ def build_run(rt, evaluation: bool = False) -> RunState:
         for model in (trainer, critic):
             if model is not None:
                 model.onload()
-    controller = ColocationController(trainer, engine, critic=critic, weight_sync=cfg.rollout.weight_sync)
+    # reward models: built at the policy's layout once the engine has sized its memory, then kept off the
+    # accelerator except while they score
+    reward_models = build_reward_models(cfg, task, rt.groups, options)
+    controller = ColocationController(trainer, engine, critic=critic, weight_sync=cfg.rollout.weight_sync,
+                                      bucket_bytes=max(1, int(cfg.rollout.weight_sync_bucket_mb * 2**20)))
     controller.log_memory_plan()
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
     rewards = RewardService(task.verifier_factory(addresses))
@@ -151,7 +166,7 @@ def build_run(rt, evaluation: bool = False) -> RunState:
                     sampler=sampler, checkpoints=checkpoints, writer=rt.writer,
                     domains=make_joint(cfg, task, sampler), env_pool=make_env_pool(cfg, task, train_prompts),
                     critic=critic, value_loss_fn=make_value_loss_fn(cfg.algorithm.value_clip) if critic else None,
-                    kl_ctl=kl_ctl)
+                    kl_ctl=kl_ctl, reward_models=reward_models, teacher=teacher)
 
 
 def critic_optimizer(cfg):

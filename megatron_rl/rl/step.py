@@ -1,8 +1,10 @@
 """One RL step, as its phases:
 
     generate + score   the rollout source's groups, rewards computed as chunks finish (colocated: the
-                       weight sync of the last update comes first, inside the same colocation round)
-    shape              overlong shaping, the KL penalty in the reward, critic values, advantages
+                       weight sync of the last update comes first, inside the same colocation round; a judge's
+                       verdicts in the same round), then a reward model's scores (rl/model_rewards.py)
+    shape              overlong shaping, the KL penalty in the reward, critic values, advantages (with a
+                       distillation teacher, its per-token reverse-KL term)
     select             lost episodes, zero-variance groups and overlong responses left out
     old/ref log-probs  and the policy update(s); the critic's update(s)
     metrics            assembled in one place (rl/metrics.py), reduced over the ranks
@@ -18,7 +20,9 @@ import torch
 
 from megatron_rl.rewards.shaping import shaped_rewards
 from megatron_rl.rl.advantages import reward_kl, select_samples, step_advantages
+from megatron_rl.rl.distill import distill_shaping
 from megatron_rl.rl.metrics import VerifierCounts, maintain, step_metrics
+from megatron_rl.rl.model_rewards import rule_disagreements, score_with_reward_models
 from megatron_rl.rl.update import critic_values, update_critic, update_policy
 from megatron_rl.rollout.collect import Rollout, uncovered_routing
 
@@ -34,6 +38,9 @@ def rl_step(rt, run: Any, step: int) -> dict[str, float]:
     cfg, timeline = rt.cfg, Timeline()  # this step's phases, generation batches, environment waits
     counts = VerifierCounts.of(run.rewards.verifier)
     rollouts, from_source = run.source.rollouts(step, timeline)
+    with timeline.span("reward_model", "phases"):
+        from_source = {**from_source, **score_with_reward_models(run, rollouts)}
+    from_source.update(rule_disagreements(rollouts))
     uncovered_routing(rollouts)
     if cfg.logging.dump_rollouts and rt.is_main:
         from megatron_rl.rollout.dump import write_rollouts
@@ -54,7 +61,7 @@ def rl_step(rt, run: Any, step: int) -> dict[str, float]:
 def _shape(cfg, run: Any, rollouts: list[Rollout], rewards: torch.Tensor) -> tuple[list, list[dict], dict, float]:
     """Per rollout: its token advantages (None for a lost one) and the sample extras the update needs besides
     them (reward_kl's old and reference log-probs; the critic's returns and old values); the KL penalty's
-    metrics; the time the critic's forward took."""
+    and the distillation's metrics; the time the critic's forward took."""
     penalised, kl = reward_kl(cfg, run, rollouts) if cfg.algorithm.kl_in_reward else ([None] * len(rollouts), {})
     start = time.perf_counter()
     values = critic_values(run, rollouts) if run.critic is not None else None
@@ -62,6 +69,9 @@ def _shape(cfg, run: Any, rollouts: list[Rollout], rewards: torch.Tensor) -> tup
     advantages, returns = step_advantages(cfg, rollouts, rewards, run.domains,  # a joint run calibrates per domain
                                           [p and p["penalty"] for p in penalised]
                                           if cfg.algorithm.kl_in_reward else None, values)
+    if run.teacher is not None:  # on-policy distillation: the teacher's per-token term joins (or replaces) them
+        advantages, distilled = distill_shaping(cfg, run, rollouts, advantages)
+        kl = {**kl, **distilled}
     extras = [{k: v for k, v in (p or {}).items() if k != "penalty"} for p in penalised]
     if values is not None:
         for i, (r, x) in enumerate(zip(rollouts, extras)):

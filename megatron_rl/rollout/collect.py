@@ -27,8 +27,10 @@ from megatron_rl.trainer.packing import Sample
 logger = logging.getLogger(__name__)
 
 
-# sandbox failure, cut straggler, past the step deadline, no reward came (verifier late or failed)
-LOST_STATUSES = ("dropped", "aborted", "deadline", "unscored")
+# sandbox failure, cut straggler, past the step deadline, no reward came (verifier late or failed); an agent
+# program's episode whose recorded tokens do not form one sequence, sampled with other settings than the trainer
+# assumes, or whose program failed (rollout/openai_episodes.py)
+LOST_STATUSES = ("dropped", "aborted", "deadline", "unscored", "mismatch", "sampling_mismatch", "agent_failed")
 
 
 def is_scored(rollout: Any) -> bool:
@@ -58,6 +60,9 @@ class Rollout:
     # the engine's MoE routing of every token it fed (Generation.routing), [L-1, MoE layers, k] int16: rollout
     # routing replay (algorithm.routing_replay=rollout)
     routing: Optional[torch.Tensor] = None
+    # a model-scored task (task.reward=reward_model|judge): the model's score before reward_scale ("model_score"),
+    # whether it passes task.rule_check_threshold ("model_passes") and the rule check's reward ("rule_reward")
+    checks: dict = dataclasses.field(default_factory=dict)
 
     @property
     def scored(self) -> bool:

@@ -93,8 +93,20 @@ class Generation:
         return self.episodes(prompts, params, self.task.cfg, self.rewards, training)
 
     def _completions(self, prompts: list, params: SamplingParams) -> tuple[list[Rollout], dict[str, float]]:
-        return collect(self.engine, prompts, params, self.rewards, self.groups, self.decode,
-                       num_chunks=self.cfg.rollout.generate_chunks, reward_timeout_s=reward_wait(self.cfg))
+        """Single-turn completions and their rewards; a judged task's (task.reward=judge) from the judge, on the
+        same engine in the same round (rollout/judging.py)."""
+        from megatron_rl.rollout.judging import judge_rollouts
+
+        rollouts, stats = collect(self.engine, prompts, params, self.rewards, self.groups, self.decode,
+                                  num_chunks=self.cfg.rollout.generate_chunks, reward_timeout_s=reward_wait(self.cfg))
+        judged = judge_rollouts(self.engine, self.groups, self.task, prompts, rollouts, self.decode)
+        # a reply without verdict is a sample without reward, as a failed verifier's: counted with them too. Every
+        # rank judged every rollout alike, and reward/unscored is summed over the ranks (observability/reduce.py):
+        # rank 0 alone adds the judge's count
+        if self.groups.rank == 0:
+            failures = judged.get("reward/judge_parse_failures", 0.0)
+            stats["reward/unscored"] = stats.get("reward/unscored", 0.0) + failures
+        return rollouts, {**stats, **judged}
 
     def episodes(self, prompts: list, params: SamplingParams, task_cfg: Any, rewards: Any, training: bool,
                  target: Optional[int] = None) -> tuple[list[Rollout], dict[str, float]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Sequence
 
+from megatron_rl.envs.agent_program import AgentProgramHost
 from megatron_rl.observability.timeline import Timeline
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.multiturn import (Episode, EpisodeLimits, TurnFormat, episode_metrics, run_episodes,
@@ -66,7 +67,12 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
     if plays and mine:
         verifier = reward_service.verifier
         tasks = [prompts[i].meta for i in mine]
-        if scheduler == "async":
+        if isinstance(verifier, AgentProgramHost):  # a black-box agent program against the OpenAI endpoint
+            from megatron_rl.rollout.openai_episodes import run_program_episodes
+
+            local = run_program_episodes(engine, verifier, fmt.tokenizer, tasks, params.n, params, limits,
+                                         max_concurrency)
+        elif scheduler == "async":
             local_target = None if target_groups is None else -(-target_groups * len(mine) // len(prompts))
             client = getattr(verifier, "client", None)
             local, stats = run_episodes_async(engine, tasks, params.n, params, verifier.make_env, fmt, limits,
@@ -82,8 +88,9 @@ def collect_episodes(engine: Any, prompts: Sequence[Any], params: SamplingParams
             stats = scheduler_stats(local, timeline, begun, time.perf_counter() - begun)
         for episode in local:
             episode.prompt_index = mine[episode.prompt_index]
-        verifier.calls += len(local)
-        verifier.errors += sum(e.status == "dropped" for e in local)
+        if not isinstance(verifier, AgentProgramHost):  # the host counts its own
+            verifier.calls += len(local)
+            verifier.errors += sum(e.status == "dropped" for e in local)
     elapsed = time.perf_counter() - start
     # every engine's scheduler metrics travel with the episodes, combined on every rank
     merged, engines = gather_rollouts_with(local if plays else None,

@@ -61,7 +61,9 @@ class Episode(Rollout):
 
     model_mask: list[int] = dataclasses.field(default_factory=list)  # per output token: 1 = model's
     num_turns: int = 0
-    status: str = ""  # submitted | max_turns | max_tokens | wall_time | dropped | aborted (cut) | deadline | partial
+    # submitted | max_turns | max_tokens | wall_time | dropped | aborted (cut) | deadline | partial; an agent
+    # program's (rollout/openai_episodes.py): mismatch | sampling_mismatch | agent_failed
+    status: str = ""
     model_errors: int = 0
     infra_errors: int = 0
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -315,7 +317,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
            "agent/hacking_flagged": float(sum(bool(e.info.get("tampered") or e.info.get("hardcoded"))
                                               for e in episodes))}
     for status in ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline",
-                   "partial"):
+                   "partial", "mismatch", "sampling_mismatch", "agent_failed"):
         out[f"agent/{status}"] = float(sum(e.status == status for e in episodes))
     reported: dict[str, list[float]] = {}  # what the environments' evaluate() found: means of its numbers
     for e in episodes:

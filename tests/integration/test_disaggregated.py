@@ -292,6 +292,26 @@ def test_a_lora_run_publishes_the_base_once_and_then_the_adapters_alone(tmp_path
     assert [e["bytes"] for e in publishes] == [r["sync/bytes"] for r in rows]
 
 
+def test_a_delta_publish_sends_only_what_changed_and_the_generator_computes_the_trainers_logprobs(tmp_path):
+    """rollout.weight_sync_delta=true with LoRA on linear_qkv and the merged weights published (weight_sync=full):
+    the first publish sends every bucket (of 0.1 MiB: 18 for the model's 3 MB), later ones only those holding
+    a changed QKV (the embedding, the attention output and the MLPs stay put). On-policy, the generator's log-probs equal the trainer's at every
+    step: after each delta publish it holds the trainer's weights."""
+    run_dir = tmp_path / "run"
+    rows, _ = _run(run_dir, "num_steps=3", "model.lora_rank=4", "model.lora_targets=[linear_qkv]",
+                   "optimizer.lr=1e-2", "rollout.weight_sync_delta=true", "rollout.weight_sync_bucket_mb=0.1",
+                   "algorithm.max_staleness=0",
+                   "rollout.max_new_tokens=16", "task.sft_warmup_steps=5")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    first, *later = rows
+    assert first["weight_sync/bytes_sent"] == first["weight_sync/bytes_full"] == first["sync/bytes"]
+    for r in later:
+        assert 0 < r["weight_sync/bytes_sent"] < 0.5 * r["weight_sync/bytes_full"], r
+        assert r["weight_sync/bytes_full"] == r["sync/bytes"] and r["weight_sync/resends"] == 0
+    for r in rows:
+        assert r["async/staleness_max"] == 0 and r["rollout/logprob_mismatch"] <= 1e-4, r
+
+
 def test_a_mixture_of_experts_replays_the_generators_routing(tmp_path):
     """algorithm.routing_replay=rollout (R3) with a generator: it returns each sample's routing with its
     group, and the trainer's old-log-prob forward and both updates route every token as the generator did,

@@ -5,16 +5,21 @@ trainer writes to it (each bucket's names, shapes and dtypes; the start signal) 
 authenticated with a key derived from the hub's key, so a value set by anyone else is refused
 before any of it is used and nothing of it is ever executed (it was unpickled: remote code
 execution on the generators). A store for generators on this node listens on the loopback only.
-The bucket bytes themselves travel over the process group, faked here by an in-process wire.
+The bucket bytes themselves travel over the process group, faked here by an in-process channel
+(threads); each bucket carries a checksum that the receiver checks (test_disagg_delta.py: resends, delta).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import pickle
+import queue
 import socket
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -24,6 +29,7 @@ from megatron_rl.disagg.weights import (BroadcastSink, WeightReceiver, WeightSto
 from megatron_rl.parallel.dist import free_port, weight_update_store
 
 KEY = bytes(range(32))  # the hub's key of this run
+D = b"0" * 32  # a well-formed digest
 _EXECUTED: list[str] = []
 
 
@@ -36,28 +42,60 @@ class _Exploit:
         return (_record, ())
 
 
-class _Wire:
-    """Both ends of one broadcast in one process: what the sink sends, the receiver's broadcast yields."""
+class Channel:
+    """The weight group's broadcast between a sink (rank 0) and one receiver (rank 1), threads of this process:
+    what the sink sends, the receiver's next broadcast yields. `tamper(n, sent)` sits at the channel boundary: it
+    sees the n-th delivery and returns what arrives (None: nothing arrives, the receiver's buffer stays as it was
+    allocated)."""
 
+    def __init__(self, tamper: Optional[Callable[[int, torch.Tensor], Optional[torch.Tensor]]] = None) -> None:
+        self.wire: queue.Queue = queue.Queue()
+        self.tamper = tamper
+        self.deliveries = 0
+        self.sent: list[int] = []  # bytes of each broadcast the sink made
+
+    def end(self, rank: int) -> "_End":
+        return _End(self, rank)
+
+
+class _End:
     device = torch.device("cpu")
+    world_size = 2
 
-    def __init__(self) -> None:
-        self.sent: list[torch.Tensor] = []
+    def __init__(self, channel: Channel, rank: int) -> None:
+        self.channel, self.rank = channel, rank
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.sent.append(tensor.clone())
-
-
-class _Receiving:
-    device = torch.device("cpu")
-
-    def __init__(self, wire: _Wire) -> None:
-        self.wire = wire
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        sent = self.wire.sent.pop(0)
+        if self.rank == src:
+            self.channel.sent.append(tensor.numel())
+            self.channel.wire.put(tensor.clone())
+            return
+        sent = self.channel.wire.get(timeout=20)
         assert sent.shape == tensor.shape, "the receiver sized its buffer from the bucket's metadata"
-        tensor.copy_(sent)
+        n, self.channel.deliveries = self.channel.deliveries, self.channel.deliveries + 1
+        arrived = sent if self.channel.tamper is None else self.channel.tamper(n, sent.clone())
+        if arrived is not None:
+            tensor.copy_(arrived)
+
+
+def in_thread(fn: Callable[[], Any]) -> Future:
+    """The sink's side of an update, run while the test's thread receives (each bucket waits for the answers)."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(fn)
+    pool.shutdown(wait=False)
+    return future
+
+
+def announced(store: Any, version: int) -> None:
+    """Wait until the sink (another thread) has announced `version`'s first bucket, as a generator's poll sees it."""
+    store.wait([f"v{version}/b0"], datetime.timedelta(seconds=20))
+
+
+def send_version(sink: BroadcastSink, buckets: list[list[tuple[str, torch.Tensor]]], version: int) -> Future:
+    def send() -> None:
+        for i, bucket in enumerate(buckets):
+            sink.update_weights(bucket, version, flush=i == len(buckets) - 1)
+    return in_thread(send)
 
 
 class _Engine:
@@ -94,17 +132,33 @@ def _buckets() -> list[list[tuple[str, torch.Tensor]]]:
             [("steps", torch.arange(6, dtype=torch.int64)), ("empty", torch.zeros(0, 2))]]
 
 
+def raw_bytes(tensors: list[tuple[str, torch.Tensor]]) -> bytes:
+    """A bucket's bytes as numpy lays each tensor out (bf16 through int16: numpy has no bf16)."""
+    return b"".join((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes() for _, t in tensors)
+
+
+def blake2b_tree(data: bytes) -> str:
+    """weight_sync/checksum.py's digest of a bucket under 16 MiB, from hashlib: one leaf, then the root."""
+    def h(b: bytes) -> hashlib.blake2b:
+        return hashlib.blake2b(b, digest_size=16, person=b"mrl-bucket")
+    return h(len(data).to_bytes(8, "little") + h(data).digest()).hexdigest()
+
+
 def test_buckets_go_through_the_store_as_authenticated_json_and_arrive_bit_exact(store):
-    wire, engine = _Wire(), _Engine()
-    sink = BroadcastSink(wire, store, KEY)
+    channel, engine = Channel(), _Engine()
+    sink = BroadcastSink(channel.end(0), store, KEY)
     buckets = _buckets()
-    for i, bucket in enumerate(buckets):
-        sink.update_weights(bucket, 0, flush=i == len(buckets) - 1)
-    mac, _, body = store.get("v0/b0").partition(b"\n")
-    assert len(mac) == 64 and json.loads(body) == {  # by hand: names, shapes, dtype names, the flush flag
-        "flush": False, "tensors": [["a.weight", [3, 4], "float32"], ["a.bias", [4], "bfloat16"]]}
-    receiver = WeightReceiver(_Receiving(wire), store, engine, KEY)
+    sending = send_version(sink, buckets, 0)
+    peer = _client(store)  # the generator's own connection (a client's calls wait on one another)
+    receiver = WeightReceiver(channel.end(1), peer, engine, KEY)
+    announced(peer, 0)
     assert receiver.poll() and receiver.version == 0
+    sending.result(timeout=20)
+    mac, _, body = store.get("v0/b0").partition(b"\n")
+    assert len(mac) == 64 and json.loads(body) == {  # by hand: names, shapes, dtype names, the flush flag, digest
+        "flush": False, "tensors": [["a.weight", [3, 4], "float32"], ["a.bias", [4], "bfloat16"]],
+        "digest": blake2b_tree(raw_bytes(buckets[0]))}
+    assert sink.weight_version == 0 and channel.sent == [12 * 4 + 4 * 2, 6 * 8]
     assert [(version, flush) for _, version, flush in engine.calls] == [(0, False), (0, True)]
     for (got, _, _), want in zip(engine.calls, buckets):
         assert [n for n, _ in got] == [n for n, _ in want]
@@ -115,7 +169,7 @@ def test_buckets_go_through_the_store_as_authenticated_json_and_arrive_bit_exact
 
 def test_a_value_set_by_another_client_of_the_store_is_refused_and_never_unpickled(store):
     attacker, engine = _client(store), _Engine()
-    receiver = WeightReceiver(_Receiving(_Wire()), store, engine, KEY)
+    receiver = WeightReceiver(Channel().end(1), store, engine, KEY)
     _forge(attacker, "v0/b0", pickle.dumps(_Exploit()))
     with pytest.raises(WeightStoreError, match="weight store value 'v0/b0' .*not written by this run's trainer"):
         receiver.poll()
@@ -132,12 +186,15 @@ def test_a_value_set_by_another_client_of_the_store_is_refused_and_never_unpickl
 
 
 def test_a_genuine_value_replayed_under_another_name_is_refused(store):
-    wire = _Wire()
-    BroadcastSink(wire, store, KEY).update_weights(_buckets()[0], 0, flush=True)
+    channel = Channel()
+    sending = send_version(BroadcastSink(channel.end(0), store, KEY), _buckets()[:1], 0)
+    peer = _client(store)
+    receiver = WeightReceiver(channel.end(1), peer, _Engine(), KEY)
+    announced(peer, 0)
+    assert receiver.poll() and receiver.version == 0
+    sending.result(timeout=20)
     attacker = _client(store)
     _forge(attacker, "v1/b0", store.get("v0/b0"))  # replays version 0's bucket as version 1's
-    receiver = WeightReceiver(_Receiving(wire), store, _Engine(), KEY)
-    receiver.version = 0
     with pytest.raises(WeightStoreError, match="'v1/b0'"):
         receiver.poll()
 
@@ -145,30 +202,40 @@ def test_a_genuine_value_replayed_under_another_name_is_refused(store):
 def test_the_base_then_adapters_in_one_version_and_later_the_adapters_alone(store):
     """rollout.weight_sync=adapters: the base weights' last bucket says adapters follow, the adapter bucket
     (each module's A and B, alpha / r) completes the version; the next version is that bucket alone."""
-    wire, engine = _Wire(), _Engine()
-    sink = BroadcastSink(wire, store, KEY)
+    channel, engine = Channel(), _Engine()
+    sink = BroadcastSink(channel.end(0), store, KEY)
     g = torch.Generator().manual_seed(1)
     adapters = {f"model.layers.0.self_attn.{p}_proj": (torch.randn(2, 4, generator=g), torch.randn(3, 2, generator=g))
                 for p in ("q", "o")}
     sink.adapters_follow = True
     buckets = _buckets()
-    for i, bucket in enumerate(buckets):
-        sink.update_weights(bucket, 0, flush=i == len(buckets) - 1)
-    sink.update_adapters(adapters, 8.0, 0)
-    assert json.loads(store.get("v0/b1").partition(b"\n")[2])["adapters_follow"] is True
-    assert json.loads(store.get("v0/b2").partition(b"\n")[2]) == {"lora_scaling": 8.0, "tensors": [
-        [f"model.layers.0.self_attn.{p}_proj.lora_{m}", shape, "float32"]
-        for p in ("q", "o") for m, shape in (("A", [2, 4]), ("B", [3, 2]))]}
-    receiver = WeightReceiver(_Receiving(wire), store, engine, KEY)
+
+    def send() -> None:
+        for i, bucket in enumerate(buckets):
+            sink.update_weights(bucket, 0, flush=i == len(buckets) - 1)
+        sink.update_adapters(adapters, 8.0, 0)
+    sending = in_thread(send)
+    peer = _client(store)  # the generator's own connection (a client's calls wait on one another)
+    receiver = WeightReceiver(channel.end(1), peer, engine, KEY)
+    announced(peer, 0)
     assert receiver.poll() and receiver.version == 0
+    sending.result(timeout=20)
+    assert json.loads(store.get("v0/b1").partition(b"\n")[2])["adapters_follow"] is True
+    pairs = [(f"model.layers.0.self_attn.{p}_proj.lora_{m}", t) for p in ("q", "o")
+             for m, t in zip("AB", adapters[f"model.layers.0.self_attn.{p}_proj"])]
+    assert json.loads(store.get("v0/b2").partition(b"\n")[2]) == {"lora_scaling": 8.0, "tensors": [
+        [name, list(t.shape), "float32"] for name, t in pairs], "digest": blake2b_tree(raw_bytes(pairs))}
     assert [call[1:] for call in engine.calls] == [(0, False), (0, True), (0, 8.0)]
     got = engine.calls[2][0]
     assert list(got) == list(adapters) and all(torch.equal(got[m][0], adapters[m][0]) and
                                                torch.equal(got[m][1], adapters[m][1]) for m in adapters)
     assert not sink.adapters_follow and not receiver.poll()  # the version ended with the adapters
     moved = {m: (a + 1, b - 1) for m, (a, b) in adapters.items()}
-    sink.update_adapters(moved, 8.0, 1)
-    assert not store.check(["v0/b0"]) and receiver.poll() and receiver.version == 1
+    sending = in_thread(lambda: sink.update_adapters(moved, 8.0, 1))
+    announced(peer, 1)
+    assert receiver.poll() and receiver.version == 1
+    sending.result(timeout=20)
+    assert not store.check(["v0/b0"]) and not store.check(["v0/b0/a0/g1"]) and not store.check(["v0/b0/d0"])
     assert [call[1:] for call in engine.calls[3:]] == [(1, 8.0)] and torch.equal(
         engine.calls[3][0]["model.layers.0.self_attn.o_proj"][1], moved["model.layers.0.self_attn.o_proj"][1])
 
@@ -177,24 +244,29 @@ def test_the_base_then_adapters_in_one_version_and_later_the_adapters_alone(stor
     (b"\x80\x04K\x01.", "not JSON"),
     (b"[1, 2]", "must be an object"),
     (b'{"tensors": []}', "keys must be exactly"),
-    (b'{"flush": true, "tensors": [], "code": "x"}', "keys must be exactly"),
-    (b'{"flush": 1, "tensors": []}', "flush must be true or false"),
-    (b'{"flush": true, "tensors": {}}', "tensors must be a list"),
-    (b'{"flush": true, "tensors": [["w", [2], "object"]]}', "unknown dtype 'object'"),
-    (b'{"flush": true, "tensors": [["w", [2], "torch.float32"]]}', "unknown dtype 'torch.float32'"),
-    (b'{"flush": true, "tensors": [["w", "2", "float32"]]}', "shape must be a list of integers >= 0"),
-    (b'{"flush": true, "tensors": [["w", [-1], "float32"]]}', "shape must be a list of integers >= 0"),
-    (b'{"flush": true, "tensors": [["w", [true], "float32"]]}', "shape must be a list of integers >= 0"),
-    (b'{"flush": true, "tensors": [[7, [2], "float32"]]}', "name must be a string"),
-    (b'{"flush": true, "tensors": [["w", [2]]]}', r"must be \[name, shape, dtype\]"),
-    (b'{"flush": false, "adapters_follow": true, "tensors": []}', "only on a bucket with flush true"),
-    (b'{"flush": true, "adapters_follow": 1, "tensors": []}', "adapters_follow must be true or false"),
-    (b'{"lora_scaling": -2, "tensors": []}', "lora_scaling must be a finite number > 0"),
-    (b'{"lora_scaling": true, "tensors": []}', "lora_scaling must be a finite number > 0"),
-    (b'{"lora_scaling": 2, "flush": true, "tensors": []}', "keys must be exactly"),
-    (b'{"lora_scaling": 2, "tensors": [["m.lora_B", [2], "float32"], ["m.lora_A", [2], "float32"]]}',
+    (b'{"digest": "%s", "flush": true, "tensors": [], "code": "x"}' % D, "keys must be exactly"),
+    (b'{"digest": "%s", "flush": 1, "tensors": []}' % D, "flush must be true or false"),
+    (b'{"digest": "%s", "flush": true, "tensors": {}}' % D, "tensors must be a list"),
+    (b'{"digest": "%s", "flush": true, "tensors": [["w", [2], "object"]]}' % D, "unknown dtype 'object'"),
+    (b'{"digest": "%s", "flush": true, "tensors": [["w", [2], "torch.float32"]]}' % D, "unknown dtype 'torch.float32'"),
+    (b'{"digest": "%s", "flush": true, "tensors": [["w", "2", "float32"]]}' % D, "shape must be a list of integers >= 0"),
+    (b'{"digest": "%s", "flush": true, "tensors": [["w", [-1], "float32"]]}' % D, "shape must be a list of integers >= 0"),
+    (b'{"digest": "%s", "flush": true, "tensors": [["w", [true], "float32"]]}' % D, "shape must be a list of integers >= 0"),
+    (b'{"digest": "%s", "flush": true, "tensors": [[7, [2], "float32"]]}' % D, "name must be a string"),
+    (b'{"digest": "%s", "flush": true, "tensors": [["w", [2]]]}' % D, r"must be \[name, shape, dtype\]"),
+    (b'{"digest": "%s", "flush": false, "adapters_follow": true, "tensors": []}' % D, "only on a bucket with flush true"),
+    (b'{"digest": "%s", "flush": true, "adapters_follow": 1, "tensors": []}' % D, "adapters_follow must be true or false"),
+    (b'{"digest": "%s", "lora_scaling": -2, "tensors": []}' % D, "lora_scaling must be a finite number > 0"),
+    (b'{"digest": "%s", "lora_scaling": true, "tensors": []}' % D, "lora_scaling must be a finite number > 0"),
+    (b'{"digest": "%s", "lora_scaling": 2, "flush": true, "tensors": []}' % D, "keys must be exactly"),
+    (b'{"digest": "%s", "lora_scaling": 2, "tensors": [["m.lora_B", [2], "float32"], ["m.lora_A", [2], "float32"]]}' % D,
      "must be <module>.lora_A, <module>.lora_B pairs"),
-    (b'{"lora_scaling": 2, "tensors": [["m.lora_A", [2], "float32"]]}', "must be <module>.lora_A, <module>.lora_B"),
+    (b'{"digest": "%s", "lora_scaling": 2, "tensors": [["m.lora_A", [2], "float32"]]}' % D, "must be <module>.lora_A, <module>.lora_B"),
+    (b'{"flush": true, "tensors": [], "digest": "abc"}', "digest must be 32 lowercase hex digits"),
+    (b'{"flush": true, "tensors": [], "digest": 7}', "digest must be 32 lowercase hex digits"),
+    (b'{"flush": true, "tensors": []}', "keys must be exactly"),  # no digest
+    (b'{"flush": true, "unchanged": false, "tensors": [], "digest": "%s"}' % D, "unchanged must be true"),
+    (b'{"lora_scaling": 2, "unchanged": true, "tensors": [], "digest": "%s"}' % D, "keys must be exactly"),
 ])
 def test_authentic_but_malformed_metadata_is_refused_with_the_reason(store, body, message):
     """A value under the right key that is not what a sink writes (a bug, or a sink of another
@@ -202,7 +274,7 @@ def test_authentic_but_malformed_metadata_is_refused_with_the_reason(store, body
     signed_set(store, KEY, "v0/b0", body)
     engine = _Engine()
     with pytest.raises(WeightStoreError, match=f"weight store value 'v0/b0' is malformed: .*{message}"):
-        WeightReceiver(_Receiving(_Wire()), store, engine, KEY).poll()
+        WeightReceiver(Channel().end(1), store, engine, KEY).poll()
     assert engine.calls == []
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ("reward", "rollout", "time", "sync", "eval", "kl", "kl_reward", "filter", "audit", "critic", "sched",
-            "agent", "async", "buffer", "env_pool", "dynamic_sampling", "routing", "domain", "response_length")
+            "agent", "async", "buffer", "env_pool", "dynamic_sampling", "routing", "domain", "response_length",
+            "distill")
 NAME = re.compile(rf"^(?:{'|'.join(FAMILIES)})/[a-z_0-9@{{}}/]*$")
 
 

@@ -2,15 +2,17 @@
 
 `validate(cfg, world_size)` runs the areas in order: the parallel layout (`layout.py`), the model against where it
 runs (`model.py`), the run's cross-group settings for its mode (`run.py`), then the files it reads (`paths.py`,
-last because it opens them). A single group's fields are checked when the config is typed (each dataclass's
-`__post_init__` in config/<area>.py, with the same wording from megatron_rl/checks.py), which `load_config`
-does just before. Every check raises `ConfigError` (megatron_rl/checks.py) with a one-line message naming the
-key, the value, what is allowed and the fix. Nothing here imports torch.
+last because it opens them) and a distillation teacher's settings and files (`distill.py`). A single group's
+fields are checked when the config is typed (each dataclass's `__post_init__` in config/<area>.py, with the same
+wording from megatron_rl/checks.py), which `load_config` does just before. Every check raises `ConfigError`
+(megatron_rl/checks.py) with a one-line message naming the key, the value, what is allowed and the fix. Nothing
+here imports torch, except to read a checkpoint's files (model.path, algorithm.distill.teacher).
 """
 
 from __future__ import annotations
 
 from megatron_rl.checks import ConfigError
+from megatron_rl.config.checks.distill import check_distill
 from megatron_rl.config.checks.layout import check_layout
 from megatron_rl.config.checks.model import check_model
 from megatron_rl.config.checks.paths import check_paths
@@ -25,6 +27,7 @@ def validate(cfg, world_size: int) -> None:
     check_model(cfg)
     check_run(cfg)
     check_paths(cfg)
+    check_distill(cfg)  # after the student's files: the teacher's tokenizer is compared with model.tokenizer
 
 
 # A learning rate above this fine-tunes a pretrained model into noise within a few steps (RL post-training

@@ -1,5 +1,5 @@
 """The files a run reads, found before a run directory exists: model.path (config.json, every weight file),
-the tokenizer (its vocabulary against the model's and the checkpoint's), the task data, wandb."""
+the tokenizer (its vocabulary against the model's and the checkpoint's), the task data, wandb, reward models."""
 
 from __future__ import annotations
 
@@ -64,6 +64,21 @@ def check_paths(cfg) -> None:
             except ValueError as err:
                 raise ConfigError(f"task.{key}={format_value(value)}: {err}") from None
     _check_sandbox(cfg)  # after the task's files: whether it runs code is read from its first row
+    _check_reward_models(cfg)
+
+
+def _check_reward_models(cfg) -> None:
+    """Every task.reward=reward_model's checkpoint: a sequence classifier with num_labels=1 of a supported family,
+    its tensors, and the policy's tokenizer (checkpoint/reward_model.py)."""
+    from megatron_rl.checkpoint.reward_model import check_reward_model
+
+    tasks = {"task": cfg.task} if not cfg.domains else {f"domains.{n}.task": d.task for n, d in cfg.domains.items()}
+    for where, task in tasks.items():
+        if task.reward == "reward_model":
+            try:
+                check_reward_model(Path(task.reward_model.path).expanduser(), cfg.model.tokenizer, _vocabulary)
+            except ValueError as exc:
+                raise ConfigError(str(exc).replace("task.reward_model", f"{where}.reward_model")) from None
 
 
 def _check_sandbox(cfg) -> None:

@@ -67,6 +67,8 @@ def check_run(cfg) -> None:
 
     check_engine_config(cfg, *job_shape(cfg))
     _check_reward_functions(cfg)
+    _check_model_rewards(cfg)
+    _check_agent_programs(cfg)
     _check_replay(cfg)
     check_disaggregated_config(cfg)
     check_routing_replay(cfg)
@@ -100,6 +102,41 @@ def check_run(cfg) -> None:
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
 
 
+def _check_agent_programs(cfg) -> None:
+    """task.agent / task.agent_command: the function imports, the command's program exists, and the run uses
+    no option the agent-program rollout (rollout/openai_episodes.py) does not implement."""
+    import os
+    import shutil
+
+    tasks = {"task": cfg.task} if not cfg.domains else {f"domains.{n}.task": d.task for n, d in cfg.domains.items()}
+    for where, task in tasks.items():
+        if task.agent is None and task.agent_command is None:
+            continue
+        if cfg.domains:
+            raise ConfigError(f"{where}: an agent program (task.agent / task.agent_command) plays a single-task run, "
+                              "not a domain of a joint run")
+        if task.agent is not None:
+            from megatron_rl.envs.agent_program import load_agent_function
+
+            try:
+                load_agent_function(task.agent)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        else:
+            program = task.agent_command[0]
+            if shutil.which(program) is None and not os.path.isfile(program):
+                raise ConfigError(f"task.agent_command={list(task.agent_command)}: {program!r} is neither on PATH "
+                                  "nor a file")
+        unsupported = {"rollout.mode": (cfg.rollout.mode, "colocated"),
+                       "rollout.oversample": (cfg.rollout.oversample, 0.0),
+                       "rollout.step_deadline_s": (cfg.rollout.step_deadline_s, None),
+                       "task.sft_warmup_steps": (task.sft_warmup_steps, 0)}
+        for key, (value, allowed) in unsupported.items():
+            if value != allowed:
+                raise ConfigError(f"{key}={value} is not implemented for an agent program's episodes "
+                                  f"({where}.agent / agent_command): set {key}={allowed}")
+
+
 def _check_reward_functions(cfg) -> None:
     """Import every `task.reward=package.module:function` now: a typo fails before any work starts."""
     from megatron_rl.rewards.custom import is_reward_path, load_reward_function
@@ -111,6 +148,23 @@ def _check_reward_functions(cfg) -> None:
                 load_reward_function(task.reward)
             except ValueError as err:
                 raise ConfigError(str(err).replace("task.reward", f"{where}.reward", 1)) from None
+
+
+def _check_model_rewards(cfg) -> None:
+    """Model rewards (task.reward=reward_model|judge) are computed by this job's trainer processes and engine."""
+    tasks = {"task": cfg.task} if not cfg.domains else {f"domains.{n}.task": d.task for n, d in cfg.domains.items()}
+    for where, task in tasks.items():
+        if task.reward not in ("reward_model", "judge"):
+            continue
+        if cfg.rollout.mode == "disaggregated":
+            raise ConfigError(f"{where}.reward={task.reward} with rollout.mode=disaggregated: model rewards are "
+                              "computed by the trainer's processes and the colocated engine, not by generator "
+                              "processes; use rollout.mode=colocated or a rule reward")
+        if task.reward == "reward_model" and cfg.algorithm.dynamic_sampling:
+            raise ConfigError(f"{where}.reward=reward_model with algorithm.dynamic_sampling=true: the reward model "
+                              "scores a step's rollouts after generation, when the rounds of dynamic sampling are "
+                              "over; set algorithm.dynamic_sampling=false (or use task.reward=judge, which scores "
+                              "inside each round)")
 
 
 def _check_replay(cfg) -> None:
