@@ -78,30 +78,16 @@ def check_tokenizer(path: str | Path, policy_tokenizer: str, vocabulary) -> None
                          "reads the policy's token ids; use a reward model trained with the policy's tokenizer")
 
 
-def check_reward_model(path: str | Path, policy_tokenizer: str, vocabulary) -> None:
-    """Everything about a reward-model checkpoint that can be found before any work (see the module docstring)."""
+def check_reward_model(path: str | Path, policy_tokenizer: str, vocabulary, arch_of) -> None:
+    """Everything about a reward-model checkpoint that can be found before any work (see the module docstring).
+    `arch_of(path)`: its decoder's ModelConfig (config/reward_model.py: the config package builds ModelConfigs,
+    and importing it from here would close an import circle through the config checks)."""
     from megatron_rl.checkpoint.hf import check_weight_files
 
     reward_model_config(path)
     check_weight_files(path)
-    check_tensors(path, reward_model_arch(path))
+    check_tensors(path, arch_of(path))
     check_tokenizer(path, policy_tokenizer, vocabulary)
-
-
-# How the policy runs (not what it is): the reward model runs the same way
-_RUNTIME_FIELDS = ("tokenizer", "trust_remote_code", "dtype", "transformer_impl", "init_seed")
-
-
-def reward_model_arch(path: str | Path, policy: Optional[Any] = None) -> Any:
-    """The ModelConfig of the reward model's decoder (untied: its head is `score`, not the embedding), run as
-    `policy` (a ModelConfig) runs: its dtype and transformer implementation."""
-    from megatron_rl.checkpoint.hf import arch_from_hf_config
-    from megatron_rl.config.model import ModelConfig
-
-    fields = arch_from_hf_config(path)
-    fields["tie_word_embeddings"] = False
-    runtime = {k: getattr(policy, k) for k in _RUNTIME_FIELDS} if policy is not None else {}
-    return ModelConfig(**fields, **runtime, name=f"reward_model:{Path(path).name}", path=str(path))
 
 
 def _needed(arch: Any, layers: range, first_stage: bool, last_stage: bool) -> set[str]:

@@ -378,22 +378,25 @@ def _packed_plan(bounds: list[int], device: torch.device):
     its longest, the flat positions of their real tokens in the group's [n * L] output, or None when none
     is padding)], and the permutation that puts the groups' tokens back in row order (None if they are
     in order already)."""
-    starts, lengths = zip(*[(a, b - a) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]) if bounds[-1] > 0 \
-        else ((), ())
+    pairs = [(a, b - a) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    if not pairs:
+        return [], None
+    starts = torch.tensor([a for a, _ in pairs])
+    lengths = torch.tensor([n for _, n in pairs])
     groups, positions = [], []
-    for members in _length_groups(list(lengths)):
-        longest = lengths[members[0]]
-        steps = torch.arange(longest)
-        index = torch.stack([torch.clamp(steps, max=lengths[m] - 1) + starts[m] for m in members])
-        real = torch.stack([steps < lengths[m] for m in members]).reshape(-1)
+    for members in _length_groups(lengths.tolist()):
+        chosen = torch.tensor(members)
+        size = lengths[chosen][:, None]  # [n, 1]
+        steps = torch.arange(int(size[0, 0]))[None, :]  # the group's longest first
+        index = starts[chosen][:, None] + torch.minimum(steps, size - 1)  # padding repeats the last token
+        real = (steps < size).reshape(-1)
         keep = None if bool(real.all()) else real.nonzero().squeeze(1).to(device)
         groups.append((index.to(device), keep))
         positions.append(index.reshape(-1)[real])
+    flat = torch.cat(positions)
     order = None
-    if positions:
-        flat = torch.cat(positions)
-        if not torch.equal(flat, torch.arange(flat.numel())):
-            order = torch.empty_like(flat)
-            order[flat] = torch.arange(flat.numel())
-            order = order.to(device)
+    if not torch.equal(flat, torch.arange(flat.numel())):
+        order = torch.empty_like(flat)
+        order[flat] = torch.arange(flat.numel())
+        order = order.to(device)
     return groups, order

@@ -36,7 +36,8 @@ class RewardModel:
     """The reward model at `path`, built at the policy's parallel layout (see the module docstring)."""
 
     def __init__(self, path: str, policy_model_cfg: Any, optim_cfg: Any, groups: Any, options: Any) -> None:
-        from megatron_rl.checkpoint.reward_model import load_reward_model, reward_model_arch, reward_model_config
+        from megatron_rl.checkpoint.reward_model import load_reward_model, reward_model_config
+        from megatron_rl.config.reward_model import reward_model_arch
         from megatron_rl.trainer.core import Trainer
 
         self.path = path

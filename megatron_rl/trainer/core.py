@@ -494,9 +494,17 @@ class Trainer:
             lp = context_parallel.gather_targets(lp, mb.context, cp_group)
             ent = None if ent is None else context_parallel.gather_targets(ent, mb.context, cp_group)
             sample_ids = mb.context.sample_ids
-        for i in mb.sample_indices:
-            sel = sample_ids == i
-            local[i] = (lp[sel].float().cpu(), None if ent is None else ent[sel].float().cpu())
+        # a row's targets come sample after sample (packing.pack): split them by runs of sample id
+        ids, counts = torch.unique_consecutive(sample_ids.cpu(), return_counts=True)
+        assert ids.numel() == len(set(ids.tolist())), "a packed sample's targets are not contiguous"
+        split = {int(i): k for k, i in enumerate(ids)}
+        lps = lp.float().cpu().split(counts.tolist())
+        ents = None if ent is None else ent.float().cpu().split(counts.tolist())
+        empty = torch.zeros(0)
+        for i in mb.sample_indices:  # a one-token sample has no target: no run of its own
+            k = split.get(i)
+            local[i] = (empty if k is None else lps[k],
+                        None if ent is None else (empty if k is None else ents[k]))
 
     def _per_sample(self, samples: Sequence[Sample], shares: list[list[int]],
                     local: dict[int, tuple[Tensor, Optional[Tensor]]],

@@ -71,12 +71,14 @@ def _check_reward_models(cfg) -> None:
     """Every task.reward=reward_model's checkpoint: a sequence classifier with num_labels=1 of a supported family,
     its tensors, and the policy's tokenizer (checkpoint/reward_model.py)."""
     from megatron_rl.checkpoint.reward_model import check_reward_model
+    from megatron_rl.config.reward_model import reward_model_arch
 
     tasks = {"task": cfg.task} if not cfg.domains else {f"domains.{n}.task": d.task for n, d in cfg.domains.items()}
     for where, task in tasks.items():
         if task.reward == "reward_model":
             try:
-                check_reward_model(Path(task.reward_model.path).expanduser(), cfg.model.tokenizer, _vocabulary)
+                check_reward_model(Path(task.reward_model.path).expanduser(), cfg.model.tokenizer, _vocabulary,
+                                   reward_model_arch)
             except ValueError as exc:
                 raise ConfigError(str(exc).replace("task.reward_model", f"{where}.reward_model")) from None
 
