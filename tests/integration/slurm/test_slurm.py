@@ -367,6 +367,20 @@ def _job_pids(job_id: str, marker: bytes) -> list[int]:
     return [pid for pid, cmdline, _ in _job_processes(job_id) if marker in b"\0".join(cmdline)]
 
 
+def _kill_sandbox_step(job_id: str) -> None:
+    """SIGKILL the sandbox step's server and its `slurm_job sandbox` wrapper. The wrapper may exit on its own
+    between the two kills, once its server is gone: a pid already gone is that outcome, not an error. The first
+    kill must land, or the test would pass without killing anything."""
+    pids = _job_pids(job_id, b"megatron_rl_sandbox.server") + _job_pids(job_id, b"megatron_rl.slurm_job\0sandbox")
+    assert pids, "the sandbox step's processes were not found"
+    os.kill(pids[0], signal.SIGKILL)
+    for pid in pids[1:]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_dead_sandbox_step_is_reported_and_its_discovery_files_go(slurm_env, tmp_path):
     """The het job's sandbox server and its step are SIGKILLed mid-run, leaving their discovery file: the
     supervisor says so in job.log (exit status, the step training had reached), removes the stale file, and
@@ -378,10 +392,7 @@ def test_a_dead_sandbox_step_is_reported_and_its_discovery_files_go(slurm_env, t
                "sandbox.max_restarts=0"])
     job.wait_for_steps(1)
     assert list((job.run_dir / "sandbox").glob("*.json"))
-    pids = _job_pids(job.job_id, b"megatron_rl_sandbox.server") + _job_pids(job.job_id, b"megatron_rl.slurm_job\0sandbox")
-    assert pids, "the sandbox step's processes were not found"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+    _kill_sandbox_step(job.job_id)
     assert job.wait(timeout=400) == 0, job.log()[-6000:]
     log = job.log()
     assert re.search(r"the sandbox step ended with exit code -?\d+ while training ran \(after RL step \d+\).*"
@@ -403,9 +414,7 @@ def test_a_dead_sandbox_step_is_restarted_on_its_ports_and_rewards_resume(slurm_
               [*TINY, "num_steps=6", "task.sft_warmup_steps=30"])
     job.wait_for_steps(1)
     address = json.loads(next((job.run_dir / "sandbox").glob("*.json")).read_text())["address"]
-    pids = _job_pids(job.job_id, b"megatron_rl_sandbox.server") + _job_pids(job.job_id, b"megatron_rl.slurm_job\0sandbox")
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+    _kill_sandbox_step(job.job_id)
     assert job.wait(timeout=400) == 0, job.log()[-6000:]
     log = job.log()
     assert "restarting it in 5 s (3 restart(s) left)" in log, log[-6000:]
