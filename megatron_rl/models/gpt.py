@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_rl.models import packed_rope
 from megatron_rl.parallel.state import ParallelGroups
 
 logger = logging.getLogger(__name__)
@@ -454,6 +455,7 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
         if problem:
             raise RuntimeError(f"model.family={model_cfg.family} on the Transformer Engine spec: {problem}")
     config = transformer_config(model_cfg, groups, deterministic=deterministic)
+    packed_rope.install()  # packed rows' RoPE in one gather, not a Python loop per sample
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(model_cfg, config, use_te, groups.cp_size),
