@@ -3,7 +3,10 @@ scheduler, all episodes of a step in one synchronous batch (lockstep: every turn
 live episodes, then all their tool calls), in the same run, on a synthetic environment whose tool calls take
 U(0.1, 2.0) s.
 
-    python benchmarks/scheduling.py [--episodes 32] [--turns 3] [--oversample 0.25] [--max-batch 8]
+    python benchmarks/scheduling.py [--episodes 32] [--turns 3] [--oversample 0] [--max-batch 256]
+
+The scheduler's settings default to the product's (rollout.max_batch_size, rollout.oversample), so that the
+figure is what a user gets; smaller batches or an early cut are options.
 
 Both arms drive the same hf engine (a small Qwen2-style model with random weights, sized
 with --hidden/--layers so that generating a turn costs about as much as a tool call, as
@@ -25,6 +28,7 @@ def main() -> None:
     import torch
 
     from megatron_rl.config import load_config
+    from megatron_rl.config.rollout import RolloutConfig
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.envs import make_environment
     from megatron_rl.models.hf import build_hf_model
@@ -40,9 +44,12 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--oversample", type=float, default=0.25, help="scheduler: start this many more episodes and "
-                   "cut the stragglers once --episodes have finished (issue 11's early cut)")
+    defaults = RolloutConfig()
+    p.add_argument("--max-batch", type=int, default=defaults.max_batch_size,
+                   help="scheduler: most rows per engine call (default: rollout.max_batch_size's)")
+    p.add_argument("--oversample", type=float, default=defaults.oversample, help="scheduler: start this many more "
+                   "episodes and cut the stragglers once --episodes have finished (rollout.oversample; default: its "
+                   "default)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--trace", default=None, help="write the scheduler's Chrome trace here")
     args = p.parse_args()
