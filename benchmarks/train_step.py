@@ -5,6 +5,11 @@ the variants, side by side in the same run, as ratios; MFU on GPU.
     python benchmarks/train_step.py [--model tiny_qwen2] [--samples 32] [--length 256] [--steps 5]
         [--device cpu|cuda] [--peak-tflops 989]
 
+The last arm is the baseline a TRL user gets: `transformers`' model of the same architecture (its own random
+weights, the same dtype and device), all samples in one forward and backward right-padded to the longest
+with an attention mask, as TRL's `GRPOTrainer` runs a batch, the same clipped policy-gradient loss per token
+from a log-softmax of the logits, then an Adam step (`--no-transformers` leaves it out).
+
 Variants: fused log-probs (model.fused_logprobs=true), full activation recomputation
 (model.recompute=full), LoRA adapters of rank --lora-rank with fused log-probs (model.lora_rank: the
 frozen weights get no gradients nor optimizer state; the column "grads+optim" shows what each variant
@@ -50,6 +55,8 @@ def main() -> None:
     p.add_argument("--lora-rank", type=int, default=16, help="the LoRA variant's rank (0: no LoRA variant)")
     p.add_argument("--transformer-impl", default="auto", choices=["auto", "transformer_engine", "local"],
                    help="model.transformer_impl (local: Megatron's local spec, also on a GPU without TE)")
+    p.add_argument("--no-transformers", action="store_true", help="leave out the transformers arm")
+    p.add_argument("--lengths", default=None, help="min:max: sample lengths drawn uniformly (default: all --length)")
     args = p.parse_args()
 
     from megatron_rl.algorithms.objective import make_policy_loss_fn
@@ -77,9 +84,11 @@ def main() -> None:
     groups = state.initialize(1, 1, device=device)
     gen = torch.Generator().manual_seed(0)
     samples = []
+    low, high = (int(x) for x in args.lengths.split(":")) if args.lengths else (args.length, args.length)
     for _ in range(args.samples):
-        tokens = torch.randint(0, base.vocab_size, (args.length,), generator=gen)
-        n = args.length - 1
+        length = int(torch.randint(low, high + 1, (1,), generator=gen))
+        tokens = torch.randint(0, base.vocab_size, (length,), generator=gen)
+        n = length - 1
         extras = {"advantages": torch.randn(n, generator=gen), "old_logprobs": torch.full((n,), -5.0),
                   "rollout_logprobs": torch.full((n,), -5.0)}
         samples.append(Sample(tokens, torch.ones(n), extras))
@@ -92,9 +101,23 @@ def main() -> None:
                                                                      lora_alpha=2.0 * args.lora_rank)
     if device.type == "cpu":
         variants["dense-mask attention"] = dict(fused_logprobs=False, dense_attention=True)
+    if not args.no_transformers:
+        variants["transformers, one padded batch"] = dict(transformers=True)
     results = {}
     for name, change in variants.items():
         change = dict(change)
+        if change.pop("transformers", False):
+            results[name] = transformers_arm(base, samples, args.steps, device)
+            base_tps = next(iter(results.values()))[1]
+            step, tps = results[name][:2]
+            print(f"{name:34s} {step * 1e3:9.1f} ms/step {tps:11.0f} tokens/s  x{tps / base_tps:.2f}", flush=True)
+            ours = results.get("fused log-probs")
+            if ours:
+                print(f"fused log-probs (the default) / transformers: tokens/s x{ours[1] / tps:.2f}", flush=True)
+            print("RESULT " + json.dumps({"variant": name, "ms_per_step": step * 1e3, "tokens_per_s": tps,
+                                          "vs_first": tps / base_tps,
+                                          "default_vs_transformers": ours[1] / tps if ours else None}), flush=True)
+            continue
         dense = change.pop("dense_attention", False)
         cfg = dataclasses.replace(base, **change)
         with dense_mask_attention() if dense else contextlib.nullcontext():
@@ -114,7 +137,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         step = statistics.median(times)
-        tokens = args.samples * args.length
+        tokens = sum(len(sample.tokens) for sample in samples)
         flops_per_param = 4 if cfg.lora_rank else 6
         plan = trainer.memory_plan()
         results[name] = (step, tokens / step, flops_per_param * active * tokens / step / (args.peak_tflops * 1e12),
@@ -125,7 +148,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         if len(results) == 1:  # each line as soon as it is known: a run cut short keeps what it measured
             print(f"{args.model}: {params / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token), "
-                  f"{args.samples} x {args.length} tokens per step, device {args.device}, {base.dtype}, "
+                  f"{args.samples} samples of {low}-{high} tokens per step, device {args.device}, {base.dtype}, "
                   f"{'TE' if use_te else 'local'} spec, median of {args.steps} steps", flush=True)
         base_tps = next(iter(results.values()))[1]
         step, tps, mfu, state_mb = results[name]
@@ -137,6 +160,49 @@ def main() -> None:
         print("RESULT " + json.dumps({"variant": name, "spec": "te" if use_te else "local", "params": params,
                                       "ms_per_step": step * 1e3, "tokens_per_s": tps, "vs_first": tps / base_tps,
                                       "mfu": mfu if device.type == "cuda" else None}), flush=True)
+
+
+def transformers_arm(model_cfg, samples, steps: int, device: torch.device) -> tuple[float, float]:
+    """(median s/step, tokens/s) of `transformers`' model trained on `samples` as TRL's GRPOTrainer trains a
+    batch: one right-padded forward and backward with an attention mask, PPO's clipped loss (clip 0.2) over the
+    real target tokens, an Adam step. Tokens/s counts the samples' own tokens, not the padding."""
+    from megatron_rl.models.gpt import torch_dtype
+    from megatron_rl.models.hf import build_hf_model
+
+    model = build_hf_model(model_cfg, seed=0).to(device=device, dtype=torch_dtype(model_cfg.dtype)).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
+    longest = max(len(sample.tokens) for sample in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    advantages, old = torch.zeros(len(samples), longest - 1), torch.zeros(len(samples), longest - 1)
+    for i, sample in enumerate(samples):
+        n = len(sample.tokens)
+        ids[i, :n], mask[i, :n] = sample.tokens, 1
+        advantages[i, :n - 1], old[i, :n - 1] = sample.extras["advantages"], sample.extras["old_logprobs"]
+    ids, mask, advantages, old = (t.to(device) for t in (ids, mask, advantages, old))
+    targets, real = ids[:, 1:], mask[:, 1:].float()
+
+    def step() -> None:
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        logprobs = logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+        ratio = torch.exp(logprobs - old)
+        per_token = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+        ((per_token * real).sum() / real.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    return median, sum(len(sample.tokens) for sample in samples) / median
 
 
 @contextlib.contextmanager
