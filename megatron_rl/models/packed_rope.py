@@ -3,7 +3,7 @@
 Megatron-core's unfused RoPE for packed rows (`rope_utils._apply_rotary_pos_emb_thd`, megatron-core 0.16) splits
 the row into its samples and slices the frequency table once per sample (with `.item()` and `.tolist()` on
 `cu_seqlens`), for the query and the key of every layer. An RL step packs hundreds of short samples per row, so
-on CPU that loop was about a tenth of a training step (py-spy, the demo's countdown run). This module computes
+on CPU that loop was about a tenth of the trainer's update (py-spy, the demo's countdown run). This module computes
 every token's position in its sample at once, gathers the frequencies in one index, and rotates with Megatron's
 own `_apply_rotary_pos_emb_bshd`, so the numbers are Megatron's: `tests/unit/test_packed_rope.py` compares the
 two on both of Megatron's frequency layouts (a table of the longest sample's positions, or one row per packed
