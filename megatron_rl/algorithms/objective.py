@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from megatron_rl.algorithms.distill import DISTILL_MASK, TEACHER_LOGPROBS, topk_reverse_kl
 from megatron_rl.algorithms.kl import kl_estimate
 from megatron_rl.algorithms.losses import ROLLOUT_IS_LEVELS, ROLLOUT_MASK_LEVELS, rollout_correction
 from megatron_rl.algorithms.registry import KL_ESTIMATORS, POLICY_LOSSES
@@ -77,9 +78,12 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
         "ref_logprobs"      reference model's log-probs; required when kl_coef > 0
         "rollout_logprobs"  the rollout engine's log-probs; when present the policy loss is
                             weighted per token by `losses.rollout_correction`'s weights and keep mask
-    and `LossInputs.entropy` (required when entropy_coef > 0).
+    and `LossInputs.entropy` (required when entropy_coef > 0). With `distill.estimator` "topk" (algorithm.distill)
+    it also reads `LossInputs.support_logprobs` (the policy's log-probs of the teacher's top-k tokens) and extras
+    TEACHER_LOGPROBS and DISTILL_MASK (algorithms/distill.py), and adds distill.coef * agg(d_t) with d_t the top-k
+    reverse KL on the student's tokens (`topk_reverse_kl`; metric "distill_topk_kl", its token mean).
 
-        loss = agg(pg_loss_t * tis_t) + kl_coef * agg(kl_t) - entropy_coef * agg(entropy_t)
+        loss = agg(pg_loss_t * tis_t) + kl_coef * agg(kl_t) - entropy_coef * agg(entropy_t) [+ coef * agg(d_t)]
 
     with agg = `aggregate(..., mode=loss_agg_mode)` and kl_t the clamped estimate: a token whose estimate
     is beyond the bound contributes the bound and no gradient (otherwise one token the reference finds
@@ -131,6 +135,9 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
                          f"(e.g. the maximum response length), got {norm_len}")
 
     old_is_current = getattr(cfg, "old_logprobs", "recompute") == "current"
+    distill = getattr(cfg, "distill", None)
+    topk_distill = distill is not None and distill.teacher and getattr(distill, "estimator", "sampled") == "topk"
+    distill_coef = float(distill.coef) if topk_distill else None
 
     def loss_fn(inp: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
         needed = ("advantages",) if old_is_current else ("advantages", "old_logprobs")
@@ -185,6 +192,20 @@ def make_policy_loss_fn(cfg: Any) -> LossFn:
         elif entropy_coef > 0:
             raise ValueError(f"entropy_coef={entropy_coef} needs LossInputs.entropy: call "
                              "train_step(..., with_entropy=True) or set algorithm.entropy_coef=0")
+        if inp.support_logprobs is not None:  # top-k distillation: KL(student || teacher) over the teacher's top k
+            if distill_coef is None:
+                raise ValueError("the samples carry a teacher's top-k tokens, but algorithm.distill.estimator is not "
+                                 "topk: the loss has no coefficient for them")
+            missing = [k for k in (TEACHER_LOGPROBS, DISTILL_MASK) if k not in inp.extras]
+            if missing:
+                raise ValueError(f"the top-k distillation term needs extras {missing}; samples carry "
+                                 f"{sorted(inp.extras)}")
+            distill_kl = topk_reverse_kl(inp.support_logprobs, inp.extras[TEACHER_LOGPROBS]) * inp.extras[DISTILL_MASK]
+            loss = loss + distill_coef * agg(distill_kl)
+            metrics["distill_topk_kl"] = token_mean(distill_kl)
+        elif distill_coef is not None:
+            raise ValueError("algorithm.distill.estimator=topk needs the teacher's top-k tokens in the samples "
+                             "(extras['support_ids']); the samples carry none")
         metrics["pg_loss"] = pg_loss.detach()
         metrics["loss"] = loss.detach()
         return loss, metrics

@@ -24,16 +24,31 @@ class DistillConfig:
     hold a tokenizer.json with the student's vocabulary (the same token at every id, checked before the run
     starts). null: no distillation."""
     coef: float = 1.0
-    """Weight of the distillation advantage -(log pi_student(y_t) - log pi_teacher(y_t)) added to each response
-    token's advantage."""
+    """Weight of the distillation term: with estimator=sampled of the advantage -(log pi_student(y_t) -
+    log pi_teacher(y_t)) added to each response token's advantage; with estimator=topk of the top-k KL loss term."""
     mode: str = "mixed"
-    """mixed (the RL advantage from the rewards plus coef times the distillation advantage) or pure (the
-    distillation advantage alone: rewards are still computed and logged but do not enter the update)."""
+    """mixed (the RL objective from the rewards plus coef times the distillation term) or pure (the distillation
+    term alone: rewards are still computed and logged but do not enter the update)."""
+
+    estimator: str = "sampled"
+    """How the per-token reverse KL reaches the update. sampled: the sampled-token estimate log pi_s(y_t) -
+    log pi_t(y_t) as an advantage (the teacher's log-prob of each sampled token only; cheapest). topk: the KL over
+    the teacher's `topk` likeliest tokens at each position plus one bucket for the rest, as a loss term with its
+    exact gradient (coef x token mean, in loss_agg_mode; with mode=pure the only term): a signal on k tokens per
+    position instead of one, which a student far from the teacher (a new model built from config) needs. It costs
+    the teacher's top k per token in host memory (12 bytes x k per token on every rank) and a second pass over the
+    student's output layer per micro-batch."""
+    topk: int = 64
+    """estimator=topk: the teacher's tokens kept per position (at most the student's vocabulary; at the vocabulary
+    size the KL is the exact full-vocabulary one)."""
 
     MODES: ClassVar[tuple[str, ...]] = ("mixed", "pure")
+    ESTIMATORS: ClassVar[tuple[str, ...]] = ("sampled", "topk")
 
     def __post_init__(self) -> None:
         _check_choice("algorithm.distill.mode", self.mode, self.MODES)
+        _check_choice("algorithm.distill.estimator", self.estimator, self.ESTIMATORS)
+        _check_min("algorithm.distill.topk", self.topk, 1)
         _check_min("algorithm.distill.coef", self.coef, 0, strict=True)
         if self.teacher is not None and not str(self.teacher).strip():
             raise _invalid("algorithm.distill.teacher", self.teacher, "give the teacher's HF checkpoint directory, "

@@ -1,5 +1,7 @@
-"""The step's distillation phase (algorithm.distill.teacher): the teacher scores the step's scored rollouts, and
-each response token's advantage gains the distillation term (mixed) or becomes it (pure). The estimator itself is
+"""The step's distillation phase (algorithm.distill.teacher): the teacher scores the step's scored rollouts. With
+estimator=sampled each response token's advantage gains the distillation term (mixed) or becomes it (pure); with
+estimator=topk the samples carry the teacher's top-k tokens and log-probs for the loss's KL term
+(algorithms/objective.py), and the advantages stay the RL ones (mixed) or become 0 (pure). The per-token math is
 megatron_rl/algorithms/distill.py."""
 
 from __future__ import annotations
@@ -9,26 +11,56 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_rl.algorithms.distill import DISTILL_MASK, TEACHER_LOGPROBS
 from megatron_rl.rollout.collect import Rollout, is_scored, model_tokens
+from megatron_rl.trainer.core import SUPPORT_IDS
 
 
 def distill_shaping(cfg, run: Any, rollouts: list[Rollout], advantages: list[Optional[torch.Tensor]]
-                    ) -> tuple[list[Optional[torch.Tensor]], dict[str, float]]:
-    """Each scored rollout's advantages [len(output_ids)] with the distillation advantage added (mixed) or in
-    their place (pure); a lost rollout keeps None. The student's log-probs are the engine's of the tokens it
-    sampled (`Rollout.logprobs`, at rollout.temperature), the teacher's its forward at the same temperature.
+                    ) -> tuple[list[Optional[torch.Tensor]], list[dict[str, torch.Tensor]], dict[str, float]]:
+    """Each scored rollout's advantages [len(output_ids)] and the sample extras the update needs (a lost rollout
+    keeps None and no extras). estimator=sampled: the distillation advantage added (mixed) or in their place (pure);
+    no extras. estimator=topk: the RL advantages (mixed) or zeros (pure), and extras SUPPORT_IDS [L-1, k] (the
+    teacher's top-k tokens below the student's vocabulary size at each target position), TEACHER_LOGPROBS
+    [L-1, k] and DISTILL_MASK [L-1]. The student's log-probs here are the engine's of the tokens it sampled
+    (`Rollout.logprobs`, at rollout.temperature), the teacher's its forward at the same temperature.
 
     Metrics: distill/reverse_kl, the mean over the step's scored model tokens of log pi_s(y_t) - log pi_t(y_t)
-    (the sampled-token estimate of the per-position KL(student || teacher)); distill/teacher_logprob, the mean
-    teacher log-prob of those tokens; time/teacher, the teacher's forward (its onload and offload included)."""
+    (the sampled-token estimate of the per-position KL(student || teacher), whatever the estimator trains on);
+    distill/teacher_logprob, the mean teacher log-prob of those tokens; with topk distill/teacher_topk_mass, the
+    mean probability the teacher's top k hold; time/teacher, the teacher's forward (its onload and offload
+    included)."""
     scored = [r for r in rollouts if is_scored(r)]
+    none: list[dict[str, torch.Tensor]] = [{} for _ in rollouts]
     if not scored:
-        return advantages, {}
+        return advantages, none, {}
+    spec = cfg.algorithm.distill
     start = time.perf_counter()
-    teacher = run.teacher.score([r.sample({}) for r in scored])
+    samples = [r.sample({}) for r in scored]
+    if spec.estimator == "topk":
+        found = run.teacher.score_topk(samples, spec.topk, vocab_limit=cfg.model.vocab_size)
+        teacher = [lp for lp, _, _ in found]
+    else:
+        teacher = run.teacher.score(samples)
     elapsed = time.perf_counter() - start
-    out, metrics = combine(cfg.algorithm.distill, rollouts, advantages, dict(zip(map(id, scored), teacher)))
-    return out, {**metrics, "time/teacher": elapsed}
+    out, metrics = combine(spec, rollouts, advantages, dict(zip(map(id, scored), teacher)))
+    metrics["time/teacher"] = elapsed
+    if spec.estimator != "topk":
+        return out, none, metrics
+    by_rollout = dict(zip(map(id, scored), found))
+    extras, mass, num_tokens = [], 0.0, 0.0
+    for i, (r, a) in enumerate(zip(rollouts, advantages)):
+        if id(r) not in by_rollout or a is None:
+            extras.append({})
+            continue
+        _, ids, lps = by_rollout[id(r)]
+        mask = r.response_extra(model_tokens(r))
+        out[i] = torch.zeros_like(out[i]) if spec.mode == "pure" else a.to(torch.float32)
+        extras.append({SUPPORT_IDS: ids, TEACHER_LOGPROBS: lps, DISTILL_MASK: mask})
+        mass += float((lps.exp().sum(dim=-1) * mask).sum())
+        num_tokens += float(mask.sum())
+    metrics["distill/teacher_topk_mass"] = mass / max(num_tokens, 1.0)
+    return out, extras, metrics
 
 
 def combine(spec: Any, rollouts: list[Rollout], advantages: list[Optional[torch.Tensor]],

@@ -17,10 +17,11 @@ from megatron_rl.rl.warm_start import begin_warm_start, warm_start
 logger = logging.getLogger(__name__)
 SUMMARY = {"reward/mean": "reward", "eval/accuracy": "eval", "kl/policy_old_new": "kl_old_new", "kl/ref": "kl_ref",
            "entropy": "ent", "clip_frac": "clip", "critic/value_loss": "vloss", "distill/reverse_kl": "distill_kl",
-           "response_length/mean": "len", "rollout/tokens_per_s": "gen_tok/s", "tokens_per_s": "train_tok/s",
-           "time/step": "time"}
+           "distill/topk_kl": "topk_kl", "response_length/mean": "len", "rollout/tokens_per_s": "gen_tok/s",
+           "tokens_per_s": "train_tok/s", "time/step": "time"}
 PLOTS = ["reward/mean", "eval/accuracy", "eval/pass@k", "kl/policy_old_new", "kl/ref", "entropy", "tokens_per_s",
-         "rollout/tokens_per_s", "time/step", "critic/value_loss", "critic/explained_variance", "distill/reverse_kl"]
+         "rollout/tokens_per_s", "time/step", "critic/value_loss", "critic/explained_variance", "distill/reverse_kl",
+         "distill/topk_kl"]
 
 
 def run_rl(rt) -> dict[str, float]:

@@ -69,10 +69,12 @@ def _shape(cfg, run: Any, rollouts: list[Rollout], rewards: torch.Tensor) -> tup
     advantages, returns = step_advantages(cfg, rollouts, rewards, run.domains,  # a joint run calibrates per domain
                                           [p and p["penalty"] for p in penalised]
                                           if cfg.algorithm.kl_in_reward else None, values)
-    if run.teacher is not None:  # on-policy distillation: the teacher's per-token term joins (or replaces) them
-        advantages, distilled = distill_shaping(cfg, run, rollouts, advantages)
-        kl = {**kl, **distilled}
     extras = [{k: v for k, v in (p or {}).items() if k != "penalty"} for p in penalised]
+    if run.teacher is not None:  # on-policy distillation: the teacher's per-token term joins (or replaces) them
+        advantages, distill_extras, distilled = distill_shaping(cfg, run, rollouts, advantages)
+        kl = {**kl, **distilled}
+        for x, found in zip(extras, distill_extras):
+            x.update(found)
     if values is not None:
         for i, (r, x) in enumerate(zip(rollouts, extras)):
             if advantages[i] is not None:

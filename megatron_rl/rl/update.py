@@ -44,7 +44,7 @@ def old_and_reference_logprobs(cfg, run: Any, samples: list, record_routing: boo
 
 
 # The policy loss's KL terms (algorithms/objective.py) by what they compare, as metrics.jsonl names them
-KL_METRICS = {"ppo_kl": "kl/policy_old_new", "kl": "kl/ref"}
+KL_METRICS = {"ppo_kl": "kl/policy_old_new", "kl": "kl/ref", "distill_topk_kl": "distill/topk_kl"}
 
 
 def update_policy(cfg, run: Any, samples: list) -> dict[str, float]:

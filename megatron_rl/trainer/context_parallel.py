@@ -73,9 +73,9 @@ def shard(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
 
 
 def gather_targets(values: Tensor, context: ContextShard, group: dist.ProcessGroup) -> Tensor:
-    """Per-target values of this rank's targets [T_local] -> those of the whole row [T_row],
+    """Per-target values of this rank's targets [T_local, ...] -> those of the whole row [T_row, ...],
     in row order, on every rank of the context-parallel group (each target has one owner)."""
-    row = torch.zeros(context.num_targets, dtype=values.dtype, device=values.device)
+    row = torch.zeros((context.num_targets, *values.shape[1:]), dtype=values.dtype, device=values.device)
     row[context.target_index] = values
     dist.all_reduce(row, group=group)
     return row

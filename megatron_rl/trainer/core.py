@@ -67,6 +67,12 @@ class LossInputs:
     extras: dict[str, Tensor]  # [T] per-target values supplied with the samples
     num_tokens: int  # loss tokens in the global batch
     num_samples: int  # samples in the global batch
+    # [T, k] log p(token) under the current policy, with grad, of the tokens extras[SUPPORT_IDS] [T, k] names at
+    # each target position (None when the samples carry no SUPPORT_IDS): e.g. a distillation teacher's top k
+    support_logprobs: Optional[Tensor] = None
+
+
+SUPPORT_IDS = "support_ids"  # a sample extra [L-1, k] of token ids: the loss sees their log-probs (support_logprobs)
 
 
 LossFn = Callable[[LossInputs], tuple[Tensor, dict[str, Tensor]]]
@@ -454,6 +460,74 @@ class Trainer:
         logprobs = vocab_parallel_logprobs(logits, mb.targets[0])[mb.valid]
         return logprobs, entropy
 
+    def _fused_inputs(self, mb: MicroBatch, output: Tensor) -> tuple[Tensor, Tensor, Any, int]:
+        """(hidden [T, h] of the row's valid targets, this rank's output weight shard [V/tp, h], the TP group or
+        None, the shard's first vocabulary row) on the fused path, whose last stage returns hidden states."""
+        if not self.model_cfg.fused_logprobs or self.head != "lm":
+            raise ValueError("several tokens' log-probs per position (top-k distillation) need an lm trainer with "
+                             "model.fused_logprobs=true: the model must return its final hidden states")
+        weight = output_weight(self.module)
+        tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
+        return output[0][mb.valid], weight, tp_group, self.groups.tp_rank * weight.shape[0]
+
+    def _support_logprobs(self, mb: MicroBatch, output: Tensor) -> Tensor:
+        """[T, k] log-probs, with grad, of the tokens mb.extras[SUPPORT_IDS] names at each valid target."""
+        from megatron_rl_kernels import logprobs_at
+
+        hidden, weight, tp_group, vocab_start = self._fused_inputs(mb, output)
+        return logprobs_at(hidden, weight, mb.extras[SUPPORT_IDS], tp_group=tp_group, vocab_start=vocab_start,
+                           temperature=self.options.logprob_temperature)
+
+    @torch.no_grad()
+    def forward_topk(self, samples: Sequence[Sample], k: int, vocab_limit: Optional[int] = None
+                     ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Per sample, on every rank: (log p(target) [L-1], the k likeliest tokens' ids [L-1, k] and their log-probs
+        [L-1, k], most likely first) at each target position, at the options' logprob_temperature, over the whole
+        vocabulary (megatron_rl_kernels.topk_logprobs); vocab_limit: only ids below it are candidates. Needs the
+        fused path (model.fused_logprobs)."""
+        from megatron_rl_kernels import topk_logprobs
+
+        if self.model_cfg.vocab_size >= 1 << 24:
+            raise ValueError(f"forward_topk carries token ids as float32, exact below 2**24; vocab_size="
+                             f"{self.model_cfg.vocab_size} is not")
+        shares, micro = self._micro_batches(samples)
+        local: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
+
+        def loss_func_for(mb: MicroBatch):
+            def loss_func(output: Tensor):
+                if not mb.sample_indices:  # a padding row (expert parallelism)
+                    return output.sum() * 0.0, {}
+                hidden, weight, tp_group, vocab_start = self._fused_inputs(mb, output)
+                lp, ids, lps = topk_logprobs(hidden, weight, mb.targets[0][mb.valid], k, tp_group=tp_group,
+                                             vocab_start=vocab_start, temperature=self.options.logprob_temperature,
+                                             vocab_limit=vocab_limit)
+                self._keep_per_sample(mb, torch.cat([lp[:, None], ids.float(), lps], dim=1), None, local)
+                return output.sum() * 0.0, {}
+            return loss_func
+
+        self.model.eval()
+        self._run(micro, loss_func_for, forward_only=True)
+        self.model.train()
+        rows = self._per_sample_rows(samples, shares, local, 1 + 2 * k)
+        # copies: views would keep each [L-1, 1 + 2k] float32 block alive (16 bytes x k per token, not 12)
+        return [(r[:, 0].clone(), r[:, 1:1 + k].long(), r[:, 1 + k:].clone()) for r in rows]
+
+    def _per_sample_rows(self, samples: Sequence[Sample], shares: list[list[int]],
+                         local: dict[int, tuple[Tensor, Optional[Tensor]]], width: int) -> list[Tensor]:
+        """Every sample's stored [L-1, width] rows (`_keep_per_sample` of 2-D values), on every rank."""
+        sizes = [s.num_targets * width for s in samples]
+        mine = shares[self.groups.dp_rank]
+        flat = torch.zeros(sum(sizes[i] for i in mine))
+        if self.groups.is_last_stage:
+            parts = [local[i][0].reshape(-1) for i in mine]
+            flat = torch.cat(parts) if parts else torch.zeros(0)
+        per_rank = _share_across_ranks(flat, samples, shares, self.groups, width)
+        rows: list[Optional[Tensor]] = [None] * len(samples)
+        for share, values in zip(shares, per_rank):
+            for i, chunk in zip(share, values.split([sizes[i] for i in share])):
+                rows[i] = chunk.reshape(-1, width)
+        return rows  # type: ignore[return-value]
+
     @torch.no_grad()
     def forward_logprobs(self, samples: Sequence[Sample], with_entropy: bool = False, record_routing: bool = False,
                          routing: Routing = None) -> tuple[list[Tensor], Optional[list[Tensor]]]:
@@ -500,7 +574,7 @@ class Trainer:
         split = {int(i): k for k, i in enumerate(ids)}
         lps = lp.float().cpu().split(counts.tolist())
         ents = None if ent is None else ent.float().cpu().split(counts.tolist())
-        empty = torch.zeros(0)
+        empty = torch.zeros((0, *lp.shape[1:]))
         for i in mb.sample_indices:  # a one-token sample has no target: no run of its own
             k = split.get(i)
             local[i] = (empty if k is None else lps[k],
@@ -553,10 +627,11 @@ class Trainer:
                 lp, ent = self._target_stats(mb, logits, with_entropy)
                 if keep_logprobs:
                     self._keep_per_sample(mb, lp, None, kept)
+                support = self._support_logprobs(mb, logits) if SUPPORT_IDS in mb.extras else None
                 inputs = LossInputs(
                     logprobs=lp, entropy=ent, loss_mask=mb.loss_mask, sample_ids=mb.sample_ids,
                     sample_num_tokens=sample_tokens.to(lp.device)[mb.sample_ids], extras=mb.extras,
-                    num_tokens=num_tokens, num_samples=len(samples))
+                    num_tokens=num_tokens, num_samples=len(samples), support_logprobs=support)
                 loss, metrics = loss_fn(inputs)
                 return loss * scale, {k: v.detach().float().reshape(()) for k, v in metrics.items()}
             return loss_func

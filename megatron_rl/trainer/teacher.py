@@ -1,6 +1,6 @@
 """The distillation teacher (algorithm.distill.teacher): a frozen model of its own architecture, read from an HF
-checkpoint, that scores the student's samples (log-probs of the sampled tokens) and holds no accelerator memory
-between those forwards.
+checkpoint, that scores the student's samples (log-probs of the sampled tokens, and with the topk estimator its k
+likeliest tokens at each position) and holds no accelerator memory between those forwards.
 
 It is a `Trainer` (same parallel layout, packing and log-prob code as the policy, so its numbers mean the same
 thing) that never takes an optimizer step: only its parameters come onto the device, for `score`, the way a
@@ -46,3 +46,13 @@ class Teacher:
         finally:
             self.trainer.offload_weights_after_sync()
         return logprobs
+
+    def score_topk(self, samples: Sequence[Any], k: int, vocab_limit: int) -> list:
+        """Per sample (every rank gets every sample's): the teacher's log-probs of its targets [L-1], and its k
+        likeliest tokens below `vocab_limit` (the student's vocabulary) at each target position, ids [L-1, k] and
+        log-probs [L-1, k] under its softmax over its whole vocabulary (Trainer.forward_topk)."""
+        self.trainer.onload_weights_for_sync()
+        try:
+            return self.trainer.forward_topk(samples, k, vocab_limit=vocab_limit)
+        finally:
+            self.trainer.offload_weights_after_sync()

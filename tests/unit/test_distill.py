@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_rl.algorithms import make_policy_loss_fn
-from megatron_rl.algorithms.distill import distill_advantages
+from megatron_rl.algorithms.distill import DISTILL_MASK, TEACHER_LOGPROBS, distill_advantages, topk_reverse_kl
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.schema import CHAR_TOKENIZER_DIR, ModelConfig
 from megatron_rl.rollout.collect import Rollout
@@ -81,6 +81,116 @@ def test_expected_gradient_is_the_reverse_kl_gradient():
     (kl_grad,) = torch.autograd.grad(coef * exact_kl, theta)
     assert torch.allclose(expected_grad, kl_grad, atol=1e-12), (expected_grad, kl_grad)
     assert kl_grad.abs().max() > 1e-2  # the two distributions differ: the check is not 0 == 0
+
+
+def _coarsened_kl(p: torch.Tensor, q: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) of two distributions [V] lumped into the tokens `top` and one bucket for the others, by hand."""
+    p_rest, q_rest = 1 - p[top].sum(), 1 - q[top].sum()
+    return (p[top] * (p[top] / q[top]).log()).sum() + p_rest * (p_rest / q_rest).log()
+
+
+def test_topk_reverse_kl_by_hand_and_against_the_full_kl():
+    """The top-k KL against the coarsened KL computed from the two whole distributions (V = 12, k = 4), below the
+    full KL; with k = V it is the full KL, and its gradient in the student's logits is autograd's of the full KL."""
+    gen = torch.Generator().manual_seed(1)
+    theta = torch.randn(3, 12, generator=gen, dtype=D, requires_grad=True)
+    teacher = torch.log_softmax(torch.randn(3, 12, generator=gen, dtype=D) * 2, -1)
+    student = torch.log_softmax(theta, -1)
+    top = teacher.topk(4, dim=-1).indices
+    got = topk_reverse_kl(student.gather(1, top), teacher.gather(1, top))
+    full = (student.exp() * (student - teacher)).sum(-1)
+    for t in range(3):
+        want = _coarsened_kl(student[t].exp(), teacher[t].exp(), top[t])
+        assert float(got[t].detach()) == pytest.approx(float(want.detach()), rel=1e-5)  # float32 against float64
+        assert float(got[t].detach()) < float(full[t].detach())  # coarsening loses information: a lower bound
+    assert float(full.detach().min()) > 0.3  # the distributions differ: the comparisons above are not of zeros
+    everything = torch.arange(12).expand(3, 12)
+    whole = topk_reverse_kl(student.gather(1, everything), teacher.gather(1, everything), whole_vocabulary=True)
+    # without the flag, both tails are rounding noise below TAIL_FLOOR: the rest term is exactly 0 (no gradient)
+    floored = topk_reverse_kl(student.gather(1, everything), teacher.gather(1, everything))
+    assert torch.allclose(whole.double(), full, atol=1e-6) and torch.allclose(floored.double(), full, atol=1e-6)
+    (got_grad,) = torch.autograd.grad(floored.sum(), theta, retain_graph=True)
+    (want_grad,) = torch.autograd.grad(full.sum(), theta, retain_graph=True)
+    assert torch.allclose(got_grad.double(), want_grad, atol=1e-6) and want_grad.abs().max() > 1e-2
+    # a student whose mass lies outside the teacher's top k is pushed into it: its tail term has a gradient
+    (tail_grad,) = torch.autograd.grad(got.sum(), theta)
+    outside = torch.ones(3, 12, dtype=torch.bool).scatter(1, top, False)
+    assert (tail_grad[outside] > 0).all()  # descent lowers every logit outside the top k (p_rest > q_rest here)
+    with pytest.raises(ValueError, match=r"equal \[T, k\] shapes"):
+        topk_reverse_kl(student[:, :4], teacher[:, :3])
+
+
+def _topk_loss_fn(coef=1.5):
+    distill = SimpleNamespace(teacher="/teacher", estimator="topk", coef=coef)
+    return make_policy_loss_fn(SimpleNamespace(policy_loss="ppo_clip", eps_clip=0.2, eps_clip_high=0.2, kl_coef=0.0,
+                                               kl_estimator="k3", entropy_coef=0.0, loss_agg_mode="token_mean",
+                                               distill=distill))
+
+
+def test_the_policy_loss_adds_the_topk_term_on_the_students_tokens():
+    """loss = pg_loss + coef * token_mean(KL_t * distill_mask) over the global batch's loss tokens: tool output
+    (mask 0) and the prompt (loss mask 0) add nothing; with zero advantages (mode=pure) pg_loss is 0."""
+    gen = torch.Generator().manual_seed(2)
+    student = torch.log_softmax(torch.randn(5, 10, generator=gen, dtype=D), -1)
+    teacher = torch.log_softmax(torch.randn(5, 10, generator=gen, dtype=D) * 2, -1)
+    top = teacher.topk(3, dim=-1).indices
+    loss_mask = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0], dtype=D)  # target 0: the prompt's
+    distill_mask = torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0], dtype=D)  # target 2: tool output
+    logprobs = student.gather(1, torch.arange(5)[:, None])[:, 0]
+    inp = LossInputs(logprobs=logprobs, entropy=None, loss_mask=loss_mask, sample_ids=torch.zeros(5, dtype=torch.long),
+                     sample_num_tokens=torch.full((5,), 4.0, dtype=D),
+                     extras={"advantages": torch.zeros(5, dtype=D), "old_logprobs": logprobs,
+                             TEACHER_LOGPROBS: teacher.gather(1, top), DISTILL_MASK: distill_mask},
+                     num_tokens=8, num_samples=2, support_logprobs=student.gather(1, top))
+    loss, metrics = _topk_loss_fn(coef=1.5)(inp)
+    by_hand = sum(float(_coarsened_kl(student[t].exp(), teacher[t].exp(), top[t])) for t in (1, 3, 4)) / 8
+    assert float(metrics["pg_loss"]) == 0.0
+    assert float(metrics["distill_topk_kl"]) == pytest.approx(by_hand, rel=1e-5)
+    assert float(loss) == pytest.approx(1.5 * by_hand, rel=1e-5)
+    missing = dict(inp.extras)
+    del missing[DISTILL_MASK]
+    with pytest.raises(ValueError, match=r"needs extras \['distill_mask'\]"):
+        _topk_loss_fn()(LossInputs(**{**inp.__dict__, "extras": missing}))
+    with pytest.raises(ValueError, match=r"needs the teacher's top-k tokens in the samples"):
+        _topk_loss_fn()(LossInputs(**{**inp.__dict__, "support_logprobs": None}))
+    sampled = make_policy_loss_fn(SimpleNamespace(policy_loss="ppo_clip", eps_clip=0.2, eps_clip_high=0.2, kl_coef=0.0,
+                                                  kl_estimator="k3", entropy_coef=0.0, loss_agg_mode="token_mean"))
+    with pytest.raises(ValueError, match=r"carry a teacher's top-k tokens, but algorithm.distill.estimator is not"):
+        sampled(inp)
+
+
+def test_topk_shaping_gives_the_samples_the_teachers_tokens():
+    """estimator=topk: pure zeroes the advantages, mixed keeps the RL ones; every scored sample carries the teacher's
+    ids and log-probs [L-1, k] and the student-token mask [L-1]; a lost one carries nothing; the sampled-token KL
+    is still reported, and the top-k mass is the mean over the student's tokens."""
+    from megatron_rl.rl.distill import distill_shaping
+    from megatron_rl.trainer.core import SUPPORT_IDS
+
+    rollouts = [Rollout(0, [1, 2], [7, 5], [-1.0, -2.0], "stop", 1),
+                Rollout(1, [1], [9], [-1.0], "stop", 1, status="unscored")]
+    rollouts[0].model_mask = [1, 0]  # the second response token is tool output
+    k = 2
+    ids = torch.tensor([[3, 4], [7, 1], [5, 2]])
+    lps = torch.log(torch.tensor([[0.5, 0.2], [0.6, 0.3], [0.1, 0.05]]))
+    teacher_lp = torch.tensor([-7.0, -2.0, -1.0])
+
+    class FakeTeacher:
+        def score_topk(self, samples, topk, vocab_limit):
+            assert (topk, vocab_limit, len(samples)) == (k, 128, 1)
+            return [(teacher_lp, ids, lps)]
+
+    rl = [torch.tensor([1.0, -1.0]), None]
+    for mode in ("pure", "mixed"):
+        cfg = SimpleNamespace(algorithm=SimpleNamespace(distill=SimpleNamespace(mode=mode, coef=2.0, estimator="topk",
+                                                                                topk=k)),
+                              model=SimpleNamespace(vocab_size=128))
+        out, extras, metrics = distill_shaping(cfg, SimpleNamespace(teacher=FakeTeacher()), rollouts, rl)
+        assert out[0].tolist() == ([0.0, 0.0] if mode == "pure" else [1.0, -1.0]) and out[1] is None
+        assert torch.equal(extras[0][SUPPORT_IDS], ids) and torch.equal(extras[0][TEACHER_LOGPROBS], lps)
+        assert extras[0][DISTILL_MASK].tolist() == [0.0, 1.0, 0.0] and extras[1] == {}
+        assert metrics["distill/teacher_topk_mass"] == pytest.approx(0.9)  # target 1 only: 0.6 + 0.3
+        assert metrics["distill/reverse_kl"] == pytest.approx(-1.0 + 2.0)  # the student's token: -1 - (-2)
+        assert metrics["time/teacher"] >= 0
 
 
 def _shape(mode, rollouts, advantages, teacher):
@@ -164,6 +274,22 @@ def test_bad_distill_values_are_refused(tmp_path):
         _load("algorithm.distill.mode=forward")
     with pytest.raises(ConfigError, match=r"algorithm.distill.mode=pure is invalid: distils from a teacher"):
         _load("algorithm.distill.mode=pure")
+    with pytest.raises(ConfigError, match=r"algorithm.distill.estimator=full is invalid: allowed values are sampled, "
+                                          r"topk"):
+        _load("algorithm.distill.estimator=full")
+    with pytest.raises(ConfigError, match=r"algorithm.distill.topk=0 is invalid"):
+        _load("algorithm.distill.topk=0")
+
+
+def test_topk_settings_it_cannot_run_are_refused(teacher_dir):
+    base = (f"algorithm.distill.teacher={teacher_dir}", "algorithm.distill.estimator=topk")
+    with pytest.raises(ConfigError, match=r"algorithm.distill.topk=129 is more tokens than the student's vocabulary "
+                                          r"\(model.vocab_size=128\): at most 128"):
+        _load(*base, "algorithm.distill.topk=129")
+    with pytest.raises(ConfigError, match=r"estimator=topk takes the student's log-probs .* set "
+                                          r"model.fused_logprobs=true"):
+        _load(*base, "model.fused_logprobs=false")
+    assert _load(*base, "algorithm.distill.topk=128").algorithm.distill.topk == 128  # the whole vocabulary
 
 
 SMOLLM2 = Path("/var/cache/megatron-rl/models/smollm2-135m")
@@ -186,3 +312,4 @@ def test_the_smollm2_recipe_passes_every_check_with_the_real_teacher():
     assert (teacher.family, teacher.num_layers, teacher.hidden_size) == ("llama", 30, 576)
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.path) == (6, 192, None)  # a smaller student
     assert cfg.model.tokenizer == str(SMOLLM2) and cfg.algorithm.distill.mode == "pure"
+    assert (cfg.algorithm.distill.estimator, cfg.algorithm.distill.topk) == ("topk", 64)

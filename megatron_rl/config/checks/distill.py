@@ -29,6 +29,16 @@ def check_distill(cfg) -> None:
         raise ConfigError(f"{where} with rollout.temperature=0: the reverse KL is estimated from sampled tokens, "
                           "and greedy decoding samples none; use rollout.temperature > 0 (1.0: the student's own "
                           "distribution)")
+    if spec.estimator == "topk":
+        if not cfg.model.fused_logprobs:
+            raise ConfigError(f"algorithm.distill.estimator=topk takes the student's log-probs of the teacher's top "
+                              "k tokens from its final hidden states (megatron_rl_kernels.logprobs_at), which "
+                              "model.fused_logprobs=false does not hand over: set model.fused_logprobs=true (the "
+                              "default), or algorithm.distill.estimator=sampled")
+        if spec.topk > cfg.model.vocab_size:
+            raise ConfigError(f"algorithm.distill.topk={spec.topk} is more tokens than the student's vocabulary "
+                              f"(model.vocab_size={cfg.model.vocab_size}): at most {cfg.model.vocab_size} (the "
+                              "exact full-vocabulary KL)")
     algo = cfg.algorithm
     if spec.mode == "pure":
         for key, value, why in (
