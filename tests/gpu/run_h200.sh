@@ -91,7 +91,7 @@ else
   SYNC=(--model qwen2_5_0_5b --repeats 5)
   ROLLOUT=(model=qwen2_5_0_5b global_batch_size=64 rollout.max_new_tokens=256 micro_batch_tokens=16384)
 fi
-part kernel_tests 75 "${PYTEST[@]}" tests/gpu/test_fused_logprobs_gpu.py
+part kernel_tests 90 "${PYTEST[@]}" tests/gpu/test_fused_logprobs_gpu.py tests/gpu/test_topk_logprobs_gpu.py
 part kernel_bench 110 "$PY" benchmarks/logprob_kernel.py --device $DEV --dtype $DTYPE --threads 16 \
   --sizes "${KERNEL_SIZES[@]}" --max-naive-gb 60
 part train_step_local 120 "$PY" benchmarks/train_step.py "${TRAIN[@]}" --device $DEV --transformer-impl local
