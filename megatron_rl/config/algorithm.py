@@ -34,7 +34,8 @@ class DistillConfig:
     """How the per-token reverse KL reaches the update. sampled: the sampled-token estimate log pi_s(y_t) -
     log pi_t(y_t) as an advantage (the teacher's log-prob of each sampled token only; cheapest). topk: the KL over
     the teacher's `topk` likeliest tokens at each position plus one bucket for the rest, as a loss term with its
-    exact gradient (coef x token mean, in loss_agg_mode; with mode=pure the only term): a signal on k tokens per
+    exact gradient (coef x agg over the student's tokens, in loss_agg_mode; with mode=pure it replaces the
+    policy-gradient term, while a kl_coef or entropy_coef term still applies): a signal on k tokens per
     position instead of one, which a student far from the teacher (a new model built from config) needs. It costs
     the teacher's top k per token in host memory (12 bytes x k per token on every rank) and a second pass over the
     student's output layer per micro-batch."""

@@ -108,6 +108,14 @@ def build_run(rt, evaluation: bool = False) -> RunState:
 
         teacher = Teacher(teacher_model_config(cfg.model, cfg.algorithm.distill.teacher), cfg.optimizer, rt.groups,
                           options)
+        spec = cfg.algorithm.distill
+        if spec.estimator == "topk" and rt.is_main:  # what the teacher's top k cost in host memory, said up front
+            per_token = 12 * spec.topk
+            responses = cfg.global_batch_size * cfg.rollout.max_new_tokens * per_token
+            logger.info("top-k distillation keeps the teacher's %d likeliest tokens at every position of every sample "
+                        "(prompts included): %d bytes per token in host memory on every rank, %.1f MB for a step's "
+                        "responses alone (%d samples x up to %d tokens)", spec.topk, per_token, responses / 1e6,
+                        cfg.global_batch_size, cfg.rollout.max_new_tokens)
     # PPO's value model: the policy's architecture with a value head, its weights copied from the policy
     # once RL starts (`rl.loop.start_critic`)
     critic = None

@@ -627,7 +627,9 @@ class Trainer:
                 lp, ent = self._target_stats(mb, logits, with_entropy)
                 if keep_logprobs:
                     self._keep_per_sample(mb, lp, None, kept)
-                support = self._support_logprobs(mb, logits) if SUPPORT_IDS in mb.extras else None
+                # a critic trains on the same samples: the tokens' log-probs are the policy's affair
+                wanted = SUPPORT_IDS in mb.extras and self.head == "lm"
+                support = self._support_logprobs(mb, logits) if wanted else None
                 inputs = LossInputs(
                     logprobs=lp, entropy=ent, loss_mask=mb.loss_mask, sample_ids=mb.sample_ids,
                     sample_num_tokens=sample_tokens.to(lp.device)[mb.sample_ids], extras=mb.extras,

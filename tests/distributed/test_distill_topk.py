@@ -75,6 +75,13 @@ def _worker(rank: int, world: int, path: str, layouts: dict, out: str) -> None:
         trainer.load_full_state_dict(random_state_dict(student, seed=3))
         metrics = trainer.train_step(_samples(extras), _loss_fn())
         found[name] = dict(scored=scored, metrics=metrics, weights=trainer.full_state_dict())
+        if name == "single":  # a critic (mixed mode with GAE) trains on the same samples: it ignores the top k
+            from megatron_rl.algorithms.objective import make_value_loss_fn
+
+            critic = Trainer(student, OptimizerConfig(lr=1e-3), groups, options, head="value")
+            for x in extras:
+                x.update(returns=torch.ones(len(x["advantages"])), old_values=torch.zeros(len(x["advantages"])))
+            found[name]["critic"] = critic.train_step(_samples(extras), make_value_loss_fn(None))
         state.destroy()
     if rank == 0:
         torch.save(found, out)
@@ -112,6 +119,7 @@ def test_the_students_topk_update_is_the_same_in_every_layout_and_matches_transf
 
     _, found = results
     single = found["single"]
+    assert single["critic"]["value_loss"] == pytest.approx(0.5)  # values 0 at init, returns 1: 0.5 * 1^2
     # the reported KL (token mean over the loss tokens) from transformers' forward of the same student
     student = build_hf_model(ModelConfig(), seed=3).eval()
     total, count = 0.0, 0

@@ -292,6 +292,19 @@ def test_topk_settings_it_cannot_run_are_refused(teacher_dir):
     assert _load(*base, "algorithm.distill.topk=128").algorithm.distill.topk == 128  # the whole vocabulary
 
 
+def test_topk_beyond_a_smaller_teachers_vocabulary_is_refused(tmp_path):
+    """A teacher whose vocabulary covers the tokenizer (99 tokens) but not the student's 128 rows: k up to its own
+    size runs, more is refused before the run rather than at the first step's top-k."""
+    import dataclasses
+
+    small = save_teacher(tmp_path / "small", arch=dataclasses.replace(TEACHER_ARCH, vocab_size=100))
+    base = (f"algorithm.distill.teacher={small}", "algorithm.distill.estimator=topk")
+    assert _load(*base, "algorithm.distill.topk=100").algorithm.distill.topk == 100
+    with pytest.raises(ConfigError, match=r"algorithm.distill.topk=101 is more tokens than the teacher's vocabulary "
+                                          r"\(100, algorithm.distill.teacher=.*\): at most 100"):
+        _load(*base, "algorithm.distill.topk=101")
+
+
 SMOLLM2 = Path("/var/cache/megatron-rl/models/smollm2-135m")
 
 

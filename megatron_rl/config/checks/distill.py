@@ -79,6 +79,10 @@ def _check_teacher_files(cfg, where: str) -> None:
         if value % size:
             raise ConfigError(f"{where}: its {key}={value} does not split over parallel.{name}={size} (the teacher "
                               "runs in the student's parallel layout): pick a parallel layout that divides both")
+    spec = cfg.algorithm.distill
+    if spec.estimator == "topk" and spec.topk > teacher.vocab_size:
+        raise ConfigError(f"algorithm.distill.topk={spec.topk} is more tokens than the teacher's vocabulary "
+                          f"({teacher.vocab_size}, {where}): at most {teacher.vocab_size}")
     student = _vocabulary(cfg.model.tokenizer)
     if student is None:
         raise ConfigError(f"{where}: model.tokenizer={cfg.model.tokenizer} has no tokenizer.json to compare the "
