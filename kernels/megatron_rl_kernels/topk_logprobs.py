@@ -182,8 +182,10 @@ def logprobs_at(hidden: Tensor, weight: Tensor, ids: Tensor, tp_group: Optional[
     if ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"ids must be [T, K] with T = {hidden.shape[0]}, got {tuple(ids.shape)}")
     total = weight.shape[0] * (1 if tp_group is None else dist.get_world_size(tp_group))
-    if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < total):
-        raise ValueError(f"ids must lie in [0, {total}) (the vocabulary), got [{int(ids.min())}, {int(ids.max())}]")
+    if ids.numel():
+        low, high = torch.stack([ids.min(), ids.max()]).tolist()  # one device sync, not two
+        if low < 0 or high >= total:
+            raise ValueError(f"ids must lie in [0, {total}) (the vocabulary), got [{low}, {high}]")
     if hidden.shape[0] == 0:  # no token here: the same on every rank of tp_group (they hold the same tokens)
         return (hidden.sum() + weight.sum()).float().reshape(1, 1)[:0].expand(0, ids.shape[1]) * 0.0
     return _LogprobsAt.apply(hidden, weight, ids.long(), tp_group, vocab_start, float(temperature),
