@@ -10,19 +10,21 @@ most likely first, and the log-prob of the position's target under the same soft
 
 How: the tokens are taken in chunks of `chunk_tokens`; each chunk's [chunk, V_local] logits are formed once (the
 logits' GEMM rounded to the inputs' dtype and divided by the temperature, then fp32, as `fused_logprobs` and the
-naive path do), reduced to per-token statistics (max, sum of exp, the wanted logits; `topk` of the local shard)
-and freed. Across tensor-parallel ranks the log-normaliser is combined as Megatron's `vocab_parallel_cross_entropy`
+naive path do), reduced to per-token statistics (max, sum of exp, the wanted logits; `topk` of the local shard) and
+freed. Across tensor-parallel ranks the log-normaliser is combined as Megatron's `vocab_parallel_cross_entropy`
 combines it (all-reduce MAX, then SUM of the rescaled sums); a wanted token's logit comes from the one rank whose
-shard holds it (all-reduce SUM of the others' zeros); the top-k of the whole vocabulary is the top-k of every
-rank's local top-k (all-gather of [T, k] values and ids). `logprobs_at`'s backward recomputes each chunk's logits
-from the saved [T] log-normaliser: d log p(id_j) / d l_v = 1[v = id_j] - p_v, so with g [T, K] the upstream
-gradient the logits' gradient is scatter(g) - p * sum_j g_j; then grad_hidden += g_l @ w, grad_weight += g_l.T @ h
-(GEMMs in the inputs' dtype, accumulated in fp32). Like `fused_logprobs`, grad_hidden is this rank's contribution
-from its vocabulary shard; the caller sums it over the tensor-parallel group (Megatron's
-`copy_to_tensor_model_parallel_region`, or the sequence-parallel gather, in front of `hidden`).
+shard holds it (all-reduce SUM of the others' zeros); the top-k of the whole vocabulary is the top-k of every rank's
+local top-k (all-gather of [T, k] values and ids). `logprobs_at`'s backward recomputes the logits block by block
+(`chunk_vocab` columns by `chunk_tokens` tokens, by default as many as fit BLOCK_ELEMENTS) from the saved [T]
+log-normaliser: d log p(id_j) / d l_v = 1[v = id_j] - p_v, so with g [T, K] the upstream gradient the logits'
+gradient is scatter(g) - p * sum_j g_j; then grad_hidden += g_l @ w, grad_weight[chunk] += g_l.T @ h (GEMMs in the
+inputs' dtype, accumulated in fp32 one vocabulary chunk at a time, as `fused_logprobs` does). Like `fused_logprobs`,
+grad_hidden is this rank's contribution from its vocabulary shard; the caller sums it over the tensor-parallel group
+(Megatron's `copy_to_tensor_model_parallel_region`, or the sequence-parallel gather, in front of `hidden`).
 
-Peak extra memory: a few fp32 [chunk_tokens, V_local] blocks plus O(T * K). PyTorch only (any device); there is no
-Triton version.
+Peak extra memory: a few fp32 blocks of BLOCK_ELEMENTS, an fp32 [T, H] and [chunk_vocab, H] for the backward's
+sums, the gradient of the weight in its dtype, plus O(T * K). PyTorch only (any device); there is no Triton
+version.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .fused_logprobs import _apply_temperature, _block_logits, _chunks
+from .fused_logprobs import DEFAULT_CHUNK_VOCAB, _apply_temperature, _block_logits, _chunks
 
 Tensor = torch.Tensor
 
@@ -123,13 +125,13 @@ def topk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, k: int, tp_gr
 
 class _LogprobsAt(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ids, group, vocab_start, temperature, chunk_tokens, logits_dtype):
+    def forward(ctx, hidden, weight, ids, group, vocab_start, temperature, chunk_tokens, chunk_vocab, logits_dtype):
         num_tokens, num_vocab = hidden.shape[0], weight.shape[0]
         here, columns = _local_columns(ids, vocab_start, num_vocab)
         m = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
         s = torch.empty_like(m)
         picked = torch.zeros(ids.shape, dtype=torch.float32, device=hidden.device)
-        for t0, t1 in _chunks(num_tokens, chunk_tokens):
+        for t0, t1 in _chunks(num_tokens, _chunk_tokens(chunk_tokens, num_vocab)):
             logits = _apply_temperature(_block_logits(hidden[t0:t1], weight, logits_dtype), temperature)
             picked[t0:t1] = torch.where(here[t0:t1], logits.gather(1, columns[t0:t1]), 0.0)
             m[t0:t1] = logits.max(dim=-1).values
@@ -140,40 +142,52 @@ class _LogprobsAt(torch.autograd.Function):
             dist.all_reduce(picked, group=group)
         logz = m + s.log()
         ctx.save_for_backward(hidden, weight, here, columns, logz)
-        ctx.args = (temperature, chunk_tokens, logits_dtype)
+        ctx.args = (temperature, chunk_tokens, chunk_vocab, logits_dtype)
         return picked - logz[:, None]
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, here, columns, logz = ctx.saved_tensors
-        temperature, chunk_tokens, logits_dtype = ctx.args
+        temperature, chunk_tokens, chunk_vocab, logits_dtype = ctx.args
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
-            return (None,) * 8
-        grad_out = torch.where(here, grad_out.float(), 0.0), grad_out.float().sum(dim=-1)
-        scattered, total = grad_out
+            return (None,) * 9
+        scattered = torch.where(here, grad_out.float(), 0.0)  # g_j, on the shard that holds id_j
+        total = grad_out.float().sum(dim=-1)
+        num_tokens, num_vocab = hidden.shape[0], weight.shape[0]
+        # vocabulary chunks outside, token chunks inside (as fused_logprobs): the fp32 sums are one chunk of
+        # grad_weight at a time, never a whole [V_local, H] copy of it
+        block_tokens = chunk_tokens or max(1, BLOCK_ELEMENTS // max(min(chunk_vocab, num_vocab), 1))
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for t0, t1 in _chunks(hidden.shape[0], chunk_tokens):
-            h = hidden[t0:t1]
-            logits = _apply_temperature(_block_logits(h, weight, logits_dtype), temperature)
-            g = logits.sub_(logz[t0:t1, None]).exp_().mul_(-total[t0:t1, None])  # -p_v * sum_j g_j
-            g.scatter_add_(1, columns[t0:t1], scattered[t0:t1])  # + g_j at id_j (this shard's ids only)
-            g = g.to(hidden.dtype)
-            if temperature != 1.0:
-                g = g / temperature
-            if need_h:
-                grad_hidden[t0:t1] += g @ weight
+        grad_weight = torch.empty_like(weight) if need_w else None
+        for v0, v1 in _chunks(num_vocab, chunk_vocab):
+            w = weight[v0:v1]
+            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+            in_chunk = here & (columns >= v0) & (columns < v1)
+            for t0, t1 in _chunks(num_tokens, block_tokens):
+                h = hidden[t0:t1]
+                logits = _apply_temperature(_block_logits(h, w, logits_dtype), temperature)
+                g = logits.sub_(logz[t0:t1, None]).exp_().mul_(-total[t0:t1, None])  # -p_v * sum_j g_j
+                mine = in_chunk[t0:t1]
+                g.scatter_add_(1, torch.where(mine, columns[t0:t1] - v0, 0),  # + g_j at id_j (ids in this chunk)
+                               torch.where(mine, scattered[t0:t1], 0.0))
+                g = g.to(hidden.dtype)
+                if temperature != 1.0:
+                    g = g / temperature
+                if need_h:
+                    grad_hidden[t0:t1] += g @ w
+                if need_w:
+                    grad_w += g.T @ h
+                del logits, g
             if need_w:
-                grad_weight += g.T @ h
-            del logits, g
-        return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
-                None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None, None)
+                grad_weight[v0:v1] = grad_w
+        return (None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight,
+                None, None, None, None, None, None, None)
 
 
 def logprobs_at(hidden: Tensor, weight: Tensor, ids: Tensor, tp_group: Optional[dist.ProcessGroup] = None,
                 vocab_start: int = 0, temperature: float = 1.0, chunk_tokens: Optional[int] = None,
-                logits_dtype: Optional[torch.dtype] = None) -> Tensor:
+                chunk_vocab: int = DEFAULT_CHUNK_VOCAB, logits_dtype: Optional[torch.dtype] = None) -> Tensor:
     """log p(ids) [T, K] fp32 under the softmax of the whole vocabulary (`weight` is this rank's shard, rows
     `vocab_start ..`; the other shards are on the other ranks of `tp_group`), differentiable in hidden and weight
     (grad_hidden: this rank's contribution, see the module docstring). ids [T, K]: indices into the whole
@@ -188,8 +202,11 @@ def logprobs_at(hidden: Tensor, weight: Tensor, ids: Tensor, tp_group: Optional[
             raise ValueError(f"ids must lie in [0, {total}) (the vocabulary), got [{low}, {high}]")
     if hidden.shape[0] == 0:  # no token here: the same on every rank of tp_group (they hold the same tokens)
         return (hidden.sum() + weight.sum()).float().reshape(1, 1)[:0].expand(0, ids.shape[1]) * 0.0
+    _chunk_tokens(chunk_tokens, weight.shape[0])  # refuses chunk_tokens < 1
+    if chunk_vocab < 1:
+        raise ValueError(f"chunk_vocab={chunk_vocab} must be >= 1")
     return _LogprobsAt.apply(hidden, weight, ids.long(), tp_group, vocab_start, float(temperature),
-                             _chunk_tokens(chunk_tokens, weight.shape[0]), logits_dtype or hidden.dtype)
+                             chunk_tokens, chunk_vocab, logits_dtype or hidden.dtype)
 
 
 def naive_topk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, k: int, temperature: float = 1.0,
