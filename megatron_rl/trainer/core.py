@@ -491,7 +491,7 @@ class Trainer:
             raise ValueError(f"forward_topk carries token ids as float32, exact below 2**24; vocab_size="
                              f"{self.model_cfg.vocab_size} is not")
         shares, micro = self._micro_batches(samples)
-        local: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
+        local: dict[int, Tensor] = {}
 
         def loss_func_for(mb: MicroBatch):
             def loss_func(output: Tensor):
@@ -501,7 +501,7 @@ class Trainer:
                 lp, ids, lps = topk_logprobs(hidden, weight, mb.targets[0][mb.valid], k, tp_group=tp_group,
                                              vocab_start=vocab_start, temperature=self.options.logprob_temperature,
                                              vocab_limit=vocab_limit)
-                self._keep_per_sample(mb, torch.cat([lp[:, None], ids.float(), lps], dim=1), None, local)
+                self._keep_per_sample(mb, torch.cat([lp[:, None], ids.float(), lps], dim=1), local)
                 return output.sum() * 0.0, {}
             return loss_func
 
@@ -512,22 +512,6 @@ class Trainer:
         # copies: views would keep each [L-1, 1 + 2k] float32 block alive (16 bytes x k per token, not 12)
         return [(r[:, 0].clone(), r[:, 1:1 + k].long(), r[:, 1 + k:].clone()) for r in rows]
 
-    def _per_sample_rows(self, samples: Sequence[Sample], shares: list[list[int]],
-                         local: dict[int, tuple[Tensor, Optional[Tensor]]], width: int) -> list[Tensor]:
-        """Every sample's stored [L-1, width] rows (`_keep_per_sample` of 2-D values), on every rank."""
-        sizes = [s.num_targets * width for s in samples]
-        mine = shares[self.groups.dp_rank]
-        flat = torch.zeros(sum(sizes[i] for i in mine))
-        if self.groups.is_last_stage:
-            parts = [local[i][0].reshape(-1) for i in mine]
-            flat = torch.cat(parts) if parts else torch.zeros(0)
-        per_rank = _share_across_ranks(flat, samples, shares, self.groups, width)
-        rows: list[Optional[Tensor]] = [None] * len(samples)
-        for share, values in zip(shares, per_rank):
-            for i, chunk in zip(share, values.split([sizes[i] for i in share])):
-                rows[i] = chunk.reshape(-1, width)
-        return rows  # type: ignore[return-value]
-
     @torch.no_grad()
     def forward_logprobs(self, samples: Sequence[Sample], with_entropy: bool = False, record_routing: bool = False,
                          routing: Routing = None) -> tuple[list[Tensor], Optional[list[Tensor]]]:
@@ -536,14 +520,14 @@ class Trainer:
         the MoE routing of this forward in `last_routing`; `routing` replays one, or with
         routing_replay.ENGINE the routing the samples carry (the trainer needs options.routing_replay)."""
         shares, micro = self._micro_batches(samples)
-        local: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
+        local: dict[int, Tensor] = {}
 
         def loss_func_for(mb: MicroBatch):
             def loss_func(logits: Tensor):
                 if not mb.sample_indices:  # a padding row (expert parallelism)
                     return logits.sum() * 0.0, {}
                 lp, ent = self._target_stats(mb, logits, with_entropy)
-                self._keep_per_sample(mb, lp, ent, local)
+                self._keep_per_sample(mb, lp[:, None] if ent is None else torch.stack([lp, ent], dim=1), local)
                 return lp.sum() * 0.0, {}
             return loss_func
 
@@ -558,50 +542,47 @@ class Trainer:
         self.model.train()
         return self._per_sample(samples, shares, local, with_entropy)
 
-    def _keep_per_sample(self, mb: MicroBatch, lp: Tensor, ent: Optional[Tensor],
-                         local: dict[int, tuple[Tensor, Optional[Tensor]]]) -> None:
-        """Store a micro-batch's log-probs (and entropies), detached, per sample in `local` (host tensors)."""
-        lp, ent = lp.detach(), None if ent is None else ent.detach()
+    def _keep_per_sample(self, mb: MicroBatch, values: Tensor, local: dict[int, Tensor]) -> None:
+        """Store a micro-batch's per-target values [T, width] (log-probs, entropies, ...), detached, per sample in
+        `local` (host tensors [targets of the sample, width])."""
+        values = values.detach()
         sample_ids = mb.sample_ids
         if mb.context is not None:  # this rank's targets -> the whole row's
-            cp_group = self.groups.cp_group
-            lp = context_parallel.gather_targets(lp, mb.context, cp_group)
-            ent = None if ent is None else context_parallel.gather_targets(ent, mb.context, cp_group)
+            values = context_parallel.gather_targets(values, mb.context, self.groups.cp_group)
             sample_ids = mb.context.sample_ids
         # a row's targets come sample after sample (packing.pack): split them by runs of sample id
         ids, counts = torch.unique_consecutive(sample_ids.cpu(), return_counts=True)
         assert ids.numel() == len(set(ids.tolist())), "a packed sample's targets are not contiguous"
         split = {int(i): k for k, i in enumerate(ids)}
-        lps = lp.float().cpu().split(counts.tolist())
-        ents = None if ent is None else ent.float().cpu().split(counts.tolist())
-        empty = torch.zeros((0, *lp.shape[1:]))
+        runs = values.float().cpu().split(counts.tolist())
+        empty = torch.zeros((0, *values.shape[1:]))
         for i in mb.sample_indices:  # a one-token sample has no target: no run of its own
             k = split.get(i)
-            local[i] = (empty if k is None else lps[k],
-                        None if ent is None else (empty if k is None else ents[k]))
+            local[i] = empty if k is None else runs[k]
 
-    def _per_sample(self, samples: Sequence[Sample], shares: list[list[int]],
-                    local: dict[int, tuple[Tensor, Optional[Tensor]]],
-                    with_entropy: bool) -> tuple[list[Tensor], Optional[list[Tensor]]]:
-        """Every sample's stored values (`_keep_per_sample` on the last stage of each DP rank), on every rank."""
+    def _per_sample_rows(self, samples: Sequence[Sample], shares: list[list[int]], local: dict[int, Tensor],
+                         width: int) -> list[Tensor]:
+        """Every sample's stored [L-1, width] values (`_keep_per_sample` on the last stage of each DP rank), on
+        every rank."""
+        sizes = [s.num_targets * width for s in samples]
         mine = shares[self.groups.dp_rank]
-        width = 2 if with_entropy else 1
-        lengths = [samples[i].num_targets for i in mine]
-        flat = torch.zeros(sum(lengths) * width)
+        flat = torch.zeros(sum(sizes[i] for i in mine))
         if self.groups.is_last_stage:
-            parts = [local[i][0] for i in mine] + ([local[i][1] for i in mine] if with_entropy else [])
+            parts = [local[i].reshape(-1) for i in mine]
             flat = torch.cat(parts) if parts else torch.zeros(0)
         per_rank = _share_across_ranks(flat, samples, shares, self.groups, width)
-        logprobs: list[Optional[Tensor]] = [None] * len(samples)
-        entropies: list[Optional[Tensor]] = [None] * len(samples)
+        rows: list[Optional[Tensor]] = [None] * len(samples)
         for share, values in zip(shares, per_rank):
-            sizes = [samples[i].num_targets for i in share]
-            chunks = values.split(sizes * width)
-            for k, i in enumerate(share):
-                logprobs[i] = chunks[k]
-                if with_entropy:
-                    entropies[i] = chunks[len(share) + k]
-        return logprobs, (entropies if with_entropy else None)  # type: ignore[return-value]
+            for i, chunk in zip(share, values.split([sizes[i] for i in share])):
+                rows[i] = chunk.reshape(-1, width)
+        return rows  # type: ignore[return-value]
+
+    def _per_sample(self, samples: Sequence[Sample], shares: list[list[int]], local: dict[int, Tensor],
+                    with_entropy: bool) -> tuple[list[Tensor], Optional[list[Tensor]]]:
+        """Every sample's log-probs [L-1] (and entropies [L-1]: `local` holds [targets, 2] then), on every rank."""
+        rows = self._per_sample_rows(samples, shares, local, 2 if with_entropy else 1)
+        logprobs = [r[:, 0].contiguous() for r in rows]
+        return logprobs, ([r[:, 1].contiguous() for r in rows] if with_entropy else None)
 
     # -- train --------------------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample], loss_fn: LossFn = token_mean_nll,
@@ -615,7 +596,7 @@ class Trainer:
         afterwards (the weights before its update, detached; lists of [L-1] on every rank), as forward_logprobs
         would have given them before the step."""
         shares, micro = self._micro_batches(samples)
-        kept: dict[int, tuple[Tensor, Optional[Tensor]]] = {}
+        kept: dict[int, Tensor] = {}
         num_tokens = int(sum(float(s.loss_mask.sum()) for s in samples))
         sample_tokens = torch.tensor([float(s.loss_mask.sum()) for s in samples])
         scale = len(micro) * self.groups.dp_size
@@ -626,7 +607,7 @@ class Trainer:
                     return self._zero_loss(logits), {}
                 lp, ent = self._target_stats(mb, logits, with_entropy)
                 if keep_logprobs:
-                    self._keep_per_sample(mb, lp, None, kept)
+                    self._keep_per_sample(mb, lp[:, None], kept)
                 # a critic trains on the same samples: the tokens' log-probs are the policy's affair
                 wanted = SUPPORT_IDS in mb.extras and self.head == "lm"
                 support = self._support_logprobs(mb, logits) if wanted else None
