@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -39,21 +37,12 @@ ARMS = {"sampled": ["algorithm.distill.estimator=sampled"],
 
 
 def run_arm(name: str, teacher: Path, work: Path, steps: int) -> list[dict]:
-    from tests.integration.test_distill_loop import distill_args
+    from tests.integration.test_distill_loop import run_distill
 
-    run_dir = work / name
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run(distill_args(teacher, run_dir, steps) + ARMS[name], env=env, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"[distill] arm {name} failed:\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if "distill/reverse_kl" in r]
-
-
-def read_run(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if "distill/reverse_kl" in r]
+    try:
+        return run_distill(teacher, work / name, steps, tuple(ARMS[name]))
+    except RuntimeError as exc:
+        sys.exit(f"[distill] arm {name}: {exc}")
 
 
 def main() -> None:
@@ -67,7 +56,9 @@ def main() -> None:
     parser.add_argument("--title", default=None, help="the plot's title")
     args = parser.parse_args()
     if args.compare:
-        found = {str(path): read_run(path) for path in args.compare}
+        from tests.integration.test_distill_loop import distill_rows
+
+        found = {str(path): distill_rows(path) for path in args.compare}
         title = "the runs compared"
     else:
         from tests.unit.test_distill import save_teacher

@@ -32,15 +32,27 @@ def distill_args(teacher: Path, run_dir: Path, steps: int = STEPS) -> list[str]:
             "logging.progress=false"]
 
 
-def test_reverse_kl_to_the_teacher_falls(tmp_path):
-    teacher = save_teacher(tmp_path / "teacher", sharpen=30.0)
-    run_dir = tmp_path / "run"
+def run_distill(teacher: Path, run_dir: Path, steps: int = STEPS, extra: tuple[str, ...] = ()) -> list[dict]:
+    """`distill_args`' run (plus `extra` overrides) in a subprocess of one thread; its steps' metrics.jsonl rows
+    (those with distill/reverse_kl). Raises RuntimeError with the run's stderr when it fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run(distill_args(teacher, run_dir), env=env, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.run(distill_args(teacher, run_dir, steps) + list(extra), env=env, capture_output=True,
+                          text=True, timeout=800)
+    if proc.returncode:
+        raise RuntimeError(f"the distillation run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return distill_rows(run_dir)
+
+
+def distill_rows(run_dir: Path) -> list[dict]:
+    """A finished run's steps in metrics.jsonl (the rows with distill/reverse_kl)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "distill/reverse_kl" in r]
+    return [r for r in rows if "distill/reverse_kl" in r]
+
+
+def test_reverse_kl_to_the_teacher_falls(tmp_path):
+    run_dir = tmp_path / "run"
+    rows = run_distill(save_teacher(tmp_path / "teacher", sharpen=30.0), run_dir)
     assert len(rows) == STEPS
     kl = [r["distill/reverse_kl"] for r in rows]
     first, last = sum(kl[:5]) / 5, sum(kl[-5:]) / 5
@@ -57,15 +69,10 @@ def test_topk_distillation_trains_on_the_teachers_top_tokens(tmp_path):
     advantages, so pg_loss is 0 and the loss is the term). The sampled-token KL it logs alongside falls to below
     half; the 40-step run in docs/rl.md took it from 7.52 to 1.98 nats per token, where the sampled estimator's
     took 7.88 to 3.92."""
-    teacher = save_teacher(tmp_path / "teacher", sharpen=30.0)
     run_dir = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    args = distill_args(teacher, run_dir) + ["algorithm.distill.estimator=topk", "algorithm.distill.topk=16"]
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "distill/topk_kl" in r]
+    rows = run_distill(save_teacher(tmp_path / "teacher", sharpen=30.0), run_dir,
+                       extra=("algorithm.distill.estimator=topk", "algorithm.distill.topk=16"))
+    assert all("distill/topk_kl" in r for r in rows)
     assert len(rows) == STEPS
     kl = [r["distill/reverse_kl"] for r in rows]
     first, last = sum(kl[:5]) / 5, sum(kl[-5:]) / 5
