@@ -89,6 +89,30 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
     if run_as is not None and not args.work_dir:
         os.chmod(work_dir, 0o711)  # mkdtemp's 0700 would keep the sandbox's user from its workspaces
     try:
+        await _serve_in(args, work_dir, runtime, limiter, defaults, maximum, classes, run_as, ready)
+    finally:
+        if not args.work_dir:  # the directory this server made for itself: gone with it, unless it kept something
+            _remove_own_work_dir(work_dir)
+
+
+def _remove_own_work_dir(work_dir: Path) -> None:
+    """Remove the server's own temporary directory at its exit. Only empty directories are removed: every
+    workspace and snapshot was destroyed when its session closed or the pool closed, so whatever is left (a
+    workspace whose command outlived the drain, a tmpfs that would not unmount) is reported, not deleted."""
+    for path in (work_dir / "workspaces", work_dir / "snapshots", work_dir):
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            left = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+            logger.warning("sandbox work directory %s not removed: %s left in it", path, left[:10])
+            return
+
+
+async def _serve_in(args: argparse.Namespace, work_dir: Path, runtime, limiter, defaults: Limits, maximum: Limits,
+                    classes: dict, run_as: Optional[RunAs], ready: Optional[asyncio.Event]) -> None:
+    try:
         pool = WorkspacePool(work_dir / "workspaces", defaults.disk_bytes, prewarm=args.prewarm,
                              owner=(run_as.uid, run_as.gid) if run_as is not None else None)
     except RuntimeError as exc:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -125,7 +126,7 @@ def inspect(args: argparse.Namespace) -> list[dict[str, Any]]:
         addresses = [address]
     runner = Runner(addresses, tokenizer, args.environment, attempts=args.attempts)
     engine = policy_engine(args.policy, tokenizer) if args.policy else None
-    verdicts_of_tasks = None
+    verdicts_of_tasks, finished = None, False
     try:
         from tqdm import tqdm
 
@@ -149,6 +150,7 @@ def inspect(args: argparse.Namespace) -> list[dict[str, Any]]:
                     row["difficulty"] = checks.difficulty_bucket(rate)
                     if row["difficulty"] in ("always", "never"):
                         row["flags"].append(f"{row['difficulty']}_solved")
+        finished = True
     finally:
         if verdicts_of_tasks is not None:  # before the runner closes: no verification left running
             verdicts_of_tasks.close()
@@ -157,6 +159,10 @@ def inspect(args: argparse.Namespace) -> list[dict[str, Any]]:
             from megatron_rl.rewards.service import stop_local_sandbox
 
             stop_local_sandbox(server)
+            if finished:  # the local server's logs are kept only where they can explain a failure
+                shutil.rmtree(scratch, ignore_errors=True)
+            else:
+                logger.error("the local sandbox server's logs are kept in %s", scratch / "logs")
     return rows
 
 

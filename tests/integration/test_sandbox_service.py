@@ -169,10 +169,17 @@ def test_server_killed_mid_call_fails_over_with_exactly_one_result():
     assert result.stdout == b"finished\n"
 
 
-def test_sigterm_drains_running_calls_and_removes_discovery(tmp_path):
+def test_sigterm_drains_running_calls_and_removes_discovery(tmp_path, monkeypatch):
     from megatron_rl_sandbox.client import discover, pb2
 
+    # the server's TMPDIR, where its own work directory goes: outside pytest's 0700 tree, which a root server's
+    # sandbox user could not traverse
+    scratch = Path(tempfile.mkdtemp(prefix="sandbox-tmpdir-"))
+    os.chmod(scratch, 0o711)
+    monkeypatch.setenv("TMPDIR", str(scratch))
     srv = start_server("bwrap", run_dir=tmp_path)
+    made = [p for p in scratch.iterdir() if p.name.startswith("megatron-rl-sandbox-")]
+    assert len(made) == 1 and (made[0] / "workspaces").is_dir(), list(scratch.iterdir())
     assert discover(tmp_path) == [srv.address]
 
     async def go():
@@ -189,6 +196,8 @@ def test_sigterm_drains_running_calls_and_removes_discovery(tmp_path):
     assert late.termination == pb2.TIMEOUT and late.server == "", "a draining server accepted new work"
     assert srv.proc.returncode == 0
     assert discover(tmp_path) == []
+    assert not made[0].exists(), f"the server left its work directory behind: {list(made[0].rglob('*'))}"
+    scratch.rmdir()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
