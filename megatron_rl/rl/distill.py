@@ -21,8 +21,8 @@ def distill_shaping(cfg, run: Any, rollouts: list[Rollout], advantages: list[Opt
     """Each scored rollout's advantages [len(output_ids)] and the sample extras the update needs (a lost rollout
     keeps None and no extras). estimator=sampled: the distillation advantage added (mixed) or in their place (pure);
     no extras. estimator=topk: the RL advantages (mixed) or zeros (pure), and extras SUPPORT_IDS [L-1, k] (the
-    teacher's top-k tokens below the student's vocabulary size at each target position), TEACHER_LOGPROBS
-    [L-1, k] and DISTILL_MASK [L-1]. The student's log-probs here are the engine's of the tokens it sampled
+    teacher's top-k tokens below the student's vocabulary size at each response position; 0 on the prompt's),
+    TEACHER_LOGPROBS [L-1, k] (NaN on the prompt's: not computed) and DISTILL_MASK [L-1]. The student's log-probs here are the engine's of the tokens it sampled
     (`Rollout.logprobs`, at rollout.temperature), the teacher's its forward at the same temperature.
 
     Metrics: distill/reverse_kl, the mean over the step's scored model tokens of log pi_s(y_t) - log pi_t(y_t)
@@ -57,7 +57,7 @@ def distill_shaping(cfg, run: Any, rollouts: list[Rollout], advantages: list[Opt
         mask = r.response_extra(model_tokens(r))
         out[i] = torch.zeros_like(out[i]) if spec.mode == "pure" else a.to(torch.float32)
         extras.append({SUPPORT_IDS: ids, TEACHER_LOGPROBS: lps, DISTILL_MASK: mask})
-        mass += float((lps.exp().sum(dim=-1) * mask).sum())
+        mass += float(lps[mask.bool()].exp().sum())  # the teacher computed the response's positions only
         num_tokens += float(mask.sum())
     metrics["distill/teacher_topk_mass"] = mass / max(num_tokens, 1.0)
     return out, extras, metrics

@@ -16,7 +16,8 @@ def old_and_reference_logprobs(cfg, run: Any, samples: list, record_routing: boo
     algorithm.old_logprobs=rollout; none with current, whose first update takes its own forward's and keeps them
     for the later ones) and, with
     kl_coef > 0, "ref_logprobs", where not given already
-    (`reward_kl` computed them before the advantages). Every rank holds the same samples.
+    (`reward_kl` computed them before the advantages). Every rank holds the same samples. Both are computed at the
+    targets of each sample's loss mask only, and NaN at the others (the losses read nothing else).
     record_routing: the old forward runs over all of `samples` (the same weights give the log-probs
     `reward_kl` found) and leaves its MoE routing in the trainer's `last_routing`. With
     algorithm.routing_replay=rollout the old forward routes as the engine did (the reference's routes freely)."""
@@ -28,7 +29,8 @@ def old_and_reference_logprobs(cfg, run: Any, samples: list, record_routing: boo
         pass  # the update's own forward gives them (algorithms/objective.py): no forward here
     elif missing and cfg.algorithm.old_logprobs == "recompute":
         old, _ = trainer.forward_logprobs(missing, record_routing=record_routing,
-                                          routing=ENGINE if cfg.algorithm.routing_replay == "rollout" else None)
+                                          routing=ENGINE if cfg.algorithm.routing_replay == "rollout" else None,
+                                          loss_targets_only=True)
         for s, lp in zip(missing, old):
             s.extras["old_logprobs"] = lp
     elif missing:
@@ -37,7 +39,7 @@ def old_and_reference_logprobs(cfg, run: Any, samples: list, record_routing: boo
     missing = [s for s in samples if "ref_logprobs" not in s.extras]
     if cfg.algorithm.kl_coef > 0 and missing:  # the reference policy lives in host memory except for this forward
         current = trainer.swap_weights(run.reference)
-        ref, _ = trainer.forward_logprobs(missing)
+        ref, _ = trainer.forward_logprobs(missing, loss_targets_only=True)
         trainer.swap_weights(current)
         for s, lp in zip(missing, ref):
             s.extras["ref_logprobs"] = lp

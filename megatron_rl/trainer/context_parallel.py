@@ -66,6 +66,7 @@ def shard(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
         valid=local_of[mb.valid[keep]],
         sample_ids=mb.sample_ids[keep],
         loss_mask=mb.loss_mask[keep],
+        loss_rows=None,  # `MicroBatch.to` finds the shard's own
         extras={k: v[keep] for k, v in mb.extras.items()},
         context=ContextShard(target_index=keep.nonzero().flatten(), sample_ids=mb.sample_ids,
                              num_targets=mb.valid.numel()),

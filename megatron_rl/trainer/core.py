@@ -75,6 +75,18 @@ class LossInputs:
 SUPPORT_IDS = "support_ids"  # a sample extra [L-1, k] of token ids: the loss sees their log-probs (support_logprobs)
 
 
+def _scatter_rows(values: Tensor, rows: Optional[Tensor], num_targets: int,
+                  id_columns: tuple[int, int] = (0, 0)) -> Tensor:
+    """values [len(rows), width] computed at `rows` of a micro-batch's num_targets targets, as [num_targets, width]
+    with NaN at the other targets (0 in the columns id_columns = [start, end), which hold token ids)."""
+    if rows is None:
+        return values
+    out = values.new_full((num_targets, values.shape[1]), float("nan"))
+    out[:, id_columns[0]:id_columns[1]] = 0.0
+    out[rows] = values
+    return out
+
+
 LossFn = Callable[[LossInputs], tuple[Tensor, dict[str, Tensor]]]
 Routing = Optional[Any]  # a routing_replay.RoutingRecord, routing_replay.ENGINE or None (routers choose)
 
@@ -439,43 +451,57 @@ class Trainer:
                 forward_only=forward_only,
             )
 
-    def _target_stats(self, mb: MicroBatch, output: Tensor, with_entropy: bool):
+    def _target_stats(self, mb: MicroBatch, output: Tensor, with_entropy: bool, rows: Optional[Tensor] = None):
         """(log-probs, entropies) of the row's valid targets from the model output: final hidden
         states [1, S, h] on the fused path, else vocab-parallel logits [1, S, V/tp]. A critic's: (values
-        from its [1, S, 1] output, None)."""
+        from its [1, S, 1] output, None). rows: only those targets (indices into the valid ones, `_loss_rows`)."""
+        positions = mb.valid if rows is None else mb.valid[rows]
         if self.head == "value":
-            return output[0, :, 0][mb.valid], None
+            return output[0, :, 0][positions], None
         if self.model_cfg.fused_logprobs:
             tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
-            return fused_vocab_parallel_stats(output[0][mb.valid], output_weight(self.module), mb.targets[0][mb.valid],
-                                              tp_group, self.groups.tp_rank, self.options.logprob_temperature,
-                                              with_entropy)
+            return fused_vocab_parallel_stats(output[0][positions], output_weight(self.module),
+                                              mb.targets[0][positions], tp_group, self.groups.tp_rank,
+                                              self.options.logprob_temperature, with_entropy)
         logits = output[0]  # [S, V/tp]
         if self.options.logprob_temperature != 1.0:
             logits = logits / self.options.logprob_temperature
         entropy = None
         if with_entropy:  # first: Megatron's cross entropy overwrites the logits in place
             tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
-            entropy = vocab_parallel_entropy(logits[mb.valid], tp_group)
-        logprobs = vocab_parallel_logprobs(logits, mb.targets[0])[mb.valid]
+            entropy = vocab_parallel_entropy(logits[positions], tp_group)
+        logprobs = vocab_parallel_logprobs(logits, mb.targets[0])[positions]
         return logprobs, entropy
 
-    def _fused_inputs(self, mb: MicroBatch, output: Tensor) -> tuple[Tensor, Tensor, Any, int]:
-        """(hidden [T, h] of the row's valid targets, this rank's output weight shard [V/tp, h], the TP group or
-        None, the shard's first vocabulary row) on the fused path, whose last stage returns hidden states."""
+    @staticmethod
+    def _loss_rows(mb: MicroBatch) -> Optional[Tensor]:
+        """Indices of the micro-batch's valid targets whose loss mask is set, or None when all are. The update's
+        losses see only these (every loss term is masked): the output layer's work on a prompt's positions, or a
+        tool's output, would be spent on numbers multiplied by 0."""
+        rows = mb.loss_rows if mb.loss_rows is not None else (mb.loss_mask != 0).nonzero().squeeze(1)
+        return None if rows.numel() == mb.valid.numel() else rows
+
+    def _fused_inputs(self, mb: MicroBatch, output: Tensor, rows: Optional[Tensor] = None
+                      ) -> tuple[Tensor, Tensor, Any, int]:
+        """(hidden [T, h] of the row's valid targets (rows: only those), this rank's output weight shard [V/tp, h],
+        the TP group or None, the shard's first vocabulary row) on the fused path, whose last stage returns hidden
+        states."""
         if not self.model_cfg.fused_logprobs or self.head != "lm":
             raise ValueError("several tokens' log-probs per position (top-k distillation) need an lm trainer with "
                              "model.fused_logprobs=true: the model must return its final hidden states")
         weight = output_weight(self.module)
         tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
-        return output[0][mb.valid], weight, tp_group, self.groups.tp_rank * weight.shape[0]
+        positions = mb.valid if rows is None else mb.valid[rows]
+        return output[0][positions], weight, tp_group, self.groups.tp_rank * weight.shape[0]
 
-    def _support_logprobs(self, mb: MicroBatch, output: Tensor) -> Tensor:
-        """[T, k] log-probs, with grad, of the tokens mb.extras[SUPPORT_IDS] names at each valid target."""
+    def _support_logprobs(self, mb: MicroBatch, output: Tensor, rows: Optional[Tensor] = None) -> Tensor:
+        """[T, k] log-probs, with grad, of the tokens mb.extras[SUPPORT_IDS] names at each valid target (rows: only
+        those)."""
         from megatron_rl_kernels import logprobs_at
 
-        hidden, weight, tp_group, vocab_start = self._fused_inputs(mb, output)
-        return logprobs_at(hidden, weight, mb.extras[SUPPORT_IDS], tp_group=tp_group, vocab_start=vocab_start,
+        hidden, weight, tp_group, vocab_start = self._fused_inputs(mb, output, rows)
+        ids = mb.extras[SUPPORT_IDS] if rows is None else mb.extras[SUPPORT_IDS][rows]
+        return logprobs_at(hidden, weight, ids, tp_group=tp_group, vocab_start=vocab_start,
                            temperature=self.options.logprob_temperature)
 
     @torch.no_grad()
@@ -484,7 +510,9 @@ class Trainer:
         """Per sample, on every rank: (log p(target) [L-1], the k likeliest tokens' ids [L-1, k] and their log-probs
         [L-1, k], most likely first) at each target position, at the options' logprob_temperature, over the whole
         vocabulary (megatron_rl_kernels.topk_logprobs); vocab_limit: only ids below it are candidates. Needs the
-        fused path (model.fused_logprobs)."""
+        fused path (model.fused_logprobs). Only the positions of each sample's loss mask are computed (a prompt's
+        are not: the top k over the whole vocabulary costs an output layer's pass per position); the others hold
+        NaN log-probs and token id 0, so that a reader who forgot the mask gets NaN, not a plausible number."""
         from megatron_rl_kernels import topk_logprobs
 
         if self.model_cfg.vocab_size >= 1 << 24:
@@ -497,11 +525,14 @@ class Trainer:
             def loss_func(output: Tensor):
                 if not mb.sample_indices:  # a padding row (expert parallelism)
                     return output.sum() * 0.0, {}
-                hidden, weight, tp_group, vocab_start = self._fused_inputs(mb, output)
-                lp, ids, lps = topk_logprobs(hidden, weight, mb.targets[0][mb.valid], k, tp_group=tp_group,
+                rows = self._loss_rows(mb)
+                hidden, weight, tp_group, vocab_start = self._fused_inputs(mb, output, rows)
+                targets = mb.targets[0][mb.valid if rows is None else mb.valid[rows]]
+                lp, ids, lps = topk_logprobs(hidden, weight, targets, k, tp_group=tp_group,
                                              vocab_start=vocab_start, temperature=self.options.logprob_temperature,
                                              vocab_limit=vocab_limit)
-                self._keep_per_sample(mb, torch.cat([lp[:, None], ids.float(), lps], dim=1), local)
+                found = torch.cat([lp[:, None], ids.float(), lps], dim=1)
+                self._keep_per_sample(mb, _scatter_rows(found, rows, mb.valid.numel(), id_columns=(1, 1 + k)), local)
                 return output.sum() * 0.0, {}
             return loss_func
 
@@ -514,20 +545,29 @@ class Trainer:
 
     @torch.no_grad()
     def forward_logprobs(self, samples: Sequence[Sample], with_entropy: bool = False, record_routing: bool = False,
-                         routing: Routing = None) -> tuple[list[Tensor], Optional[list[Tensor]]]:
+                         routing: Routing = None, loss_targets_only: bool = False
+                         ) -> tuple[list[Tensor], Optional[list[Tensor]]]:
         """Log-probs (and entropies) of every sample's targets, on every rank: lists of [L-1]. A critic
         (head="value") returns its values V(s_t) at those positions instead. record_routing=True keeps
         the MoE routing of this forward in `last_routing`; `routing` replays one, or with
-        routing_replay.ENGINE the routing the samples carry (the trainer needs options.routing_replay)."""
+        routing_replay.ENGINE the routing the samples carry (the trainer needs options.routing_replay).
+        loss_targets_only: an lm computes the targets of each sample's loss mask only (the output layer's work on a
+        prompt's positions is skipped), and the others hold NaN."""
         shares, micro = self._micro_batches(samples)
         local: dict[int, Tensor] = {}
+        width = 2 if with_entropy else 1
 
         def loss_func_for(mb: MicroBatch):
             def loss_func(logits: Tensor):
                 if not mb.sample_indices:  # a padding row (expert parallelism)
                     return logits.sum() * 0.0, {}
-                lp, ent = self._target_stats(mb, logits, with_entropy)
-                self._keep_per_sample(mb, lp[:, None] if ent is None else torch.stack([lp, ent], dim=1), local)
+                rows = self._loss_rows(mb) if loss_targets_only and self.head == "lm" else None
+                if rows is not None and rows.numel() == 0:
+                    self._keep_per_sample(mb, torch.full((mb.valid.numel(), width), float("nan")), local)
+                    return logits.sum() * 0.0, {}
+                lp, ent = self._target_stats(mb, logits, with_entropy, rows)
+                found = lp[:, None] if ent is None else torch.stack([lp, ent], dim=1)
+                self._keep_per_sample(mb, _scatter_rows(found, rows, mb.valid.numel()), local)
                 return lp.sum() * 0.0, {}
             return loss_func
 
@@ -592,9 +632,10 @@ class Trainer:
         same dict on every rank). With `routing` (a recording of a forward over the same samples, or
         routing_replay.ENGINE: the samples' own) the MoE layers route every token so, and
         `routing_drift` is the share of (token, layer) expert choices that the current routers would
-        have made differently. keep_logprobs: `last_logprobs` holds every sample's log-probs of this step's forward
-        afterwards (the weights before its update, detached; lists of [L-1] on every rank), as forward_logprobs
-        would have given them before the step."""
+        have made differently. The loss function sees the targets whose loss mask is set, only (LossInputs' T).
+        keep_logprobs: `last_logprobs` holds every sample's log-probs of this step's forward afterwards (the weights
+        before its update, detached; lists of [L-1] on every rank), as forward_logprobs would have given them before
+        the step at the loss-mask targets, and NaN at the others (not computed)."""
         shares, micro = self._micro_batches(samples)
         kept: dict[int, Tensor] = {}
         num_tokens = int(sum(float(s.loss_mask.sum()) for s in samples))
@@ -605,15 +646,24 @@ class Trainer:
             def loss_func(logits: Tensor):
                 if not mb.sample_indices:  # a padding row (fewer samples than ranks, or EP): contributes nothing
                     return self._zero_loss(logits), {}
-                lp, ent = self._target_stats(mb, logits, with_entropy)
+                # the loss terms are all masked: they see the loss-mask targets only (_loss_rows), and the others'
+                # kept log-probs are NaN (the weights before the step give them: forward_logprobs)
+                rows = self._loss_rows(mb)
+                if rows is not None and rows.numel() == 0:  # prompts, tool output or filtered samples only
+                    if keep_logprobs:
+                        self._keep_per_sample(mb, torch.full((mb.valid.numel(), 1), float("nan")), kept)
+                    return self._zero_loss(logits), {}
+                lp, ent = self._target_stats(mb, logits, with_entropy, rows)
                 if keep_logprobs:
-                    self._keep_per_sample(mb, lp[:, None], kept)
+                    self._keep_per_sample(mb, _scatter_rows(lp[:, None], rows, mb.valid.numel()), kept)
                 # a critic trains on the same samples: the tokens' log-probs are the policy's affair
                 wanted = SUPPORT_IDS in mb.extras and self.head == "lm"
-                support = self._support_logprobs(mb, logits) if wanted else None
+                support = self._support_logprobs(mb, logits, rows) if wanted else None
+                sample_ids = mb.sample_ids if rows is None else mb.sample_ids[rows]
                 inputs = LossInputs(
-                    logprobs=lp, entropy=ent, loss_mask=mb.loss_mask, sample_ids=mb.sample_ids,
-                    sample_num_tokens=sample_tokens.to(lp.device)[mb.sample_ids], extras=mb.extras,
+                    logprobs=lp, entropy=ent, loss_mask=mb.loss_mask if rows is None else mb.loss_mask[rows],
+                    sample_ids=sample_ids, sample_num_tokens=sample_tokens.to(lp.device)[sample_ids],
+                    extras=mb.extras if rows is None else {name: v[rows] for name, v in mb.extras.items()},
                     num_tokens=num_tokens, num_samples=len(samples), support_logprobs=support)
                 loss, metrics = loss_fn(inputs)
                 return loss * scale, {k: v.detach().float().reshape(()) for k, v in metrics.items()}

@@ -76,6 +76,8 @@ class MicroBatch:
     # Set on a context-parallel rank's shard of a row (`context_parallel.shard`): the
     # tensors above then describe this rank's positions and targets only.
     context: Optional["ContextShard"] = None
+    # Set by `to`, from the host's loss mask (no device sync): indices of the targets whose loss mask is set
+    loss_rows: Optional[Tensor] = None
 
     @property
     def seq_len(self) -> int:
@@ -89,6 +91,8 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.loss_rows is None:
+            moved["loss_rows"] = (self.loss_mask != 0).nonzero().squeeze(1)
         for key, value in moved.items():
             if isinstance(value, Tensor):
                 moved[key] = value.to(device)

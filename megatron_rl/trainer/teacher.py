@@ -39,10 +39,11 @@ class Teacher:
 
     def score(self, samples: Sequence[Any]) -> list:
         """Log-probs [L-1] of each sample's targets under the teacher (every rank gets every sample's), at
-        the trainer options' logprob_temperature like the policy's. Only the parameters visit the device."""
+        the trainer options' logprob_temperature like the policy's; at the targets of each sample's loss mask only
+        (NaN at the others). Only the parameters visit the device."""
         self.trainer.onload_weights_for_sync()
         try:
-            logprobs, _ = self.trainer.forward_logprobs(samples)
+            logprobs, _ = self.trainer.forward_logprobs(samples, loss_targets_only=True)
         finally:
             self.trainer.offload_weights_after_sync()
         return logprobs

@@ -1,7 +1,8 @@
 """Top-k distillation through the trainer (gloo): the teacher's top-k tokens (Teacher.score_topk) equal
 transformers' log_softmax top-k of the same checkpoint, restricted to the student's vocabulary, on one rank and at
 tp=2, pp=2, cp=2 and dp=2 (each layout's own gathers: vocabulary shards, the last stage's results broadcast, a row's
-targets split over context-parallel ranks, samples split over data-parallel ranks). Then the student's update with the top-k term (pure distillation,
+targets split over context-parallel ranks, samples split over data-parallel ranks), at the samples' loss-mask
+targets (the prompt's hold NaN: not computed). Then the student's update with the top-k term (pure distillation,
 zero advantages) at the same layouts: its reported KL equals the one computed from transformers' forward of the
 same student weights with `topk_reverse_kl` (the kernels under test never touch that side), and every layout
 gives the same loss, gradient norm and weights after one Adam step as one rank.
@@ -106,9 +107,11 @@ def test_teacher_topk_is_transformers_topk_in_every_layout(results):
             with torch.no_grad():
                 logp = torch.log_softmax(model(seq[None]).logits[0, :-1].double() / TEMPERATURE, -1)
             top = logp[:, :LIMIT].topk(K, dim=-1)
-            assert torch.equal(ids, top.indices), name
-            assert torch.allclose(lps.double(), top.values, atol=1e-4), name
-            assert torch.allclose(lp.double(), logp.gather(1, seq[1:, None])[:, 0], atol=1e-4), name
+            # the loss-mask targets only (the prompt's are not computed: NaN log-probs, token 0)
+            assert torch.equal(ids[3:], top.indices[3:]), name
+            assert torch.allclose(lps[3:].double(), top.values[3:], atol=1e-4), name
+            assert torch.allclose(lp[3:].double(), logp.gather(1, seq[1:, None])[3:, 0], atol=1e-4), name
+            assert torch.isnan(lps[:3]).all() and torch.isnan(lp[:3]).all() and not ids[:3].any(), name
             assert ids.dtype == torch.long and int(ids.max()) < LIMIT
 
 

@@ -26,6 +26,14 @@ def _samples():
     return out
 
 
+def _no_loss_sample():
+    from megatron_rl.trainer.packing import Sample
+
+    gen = torch.Generator().manual_seed(2)
+    return Sample(torch.randint(0, 128, (12,), generator=gen), torch.zeros(11),
+                  {"advantage": torch.randn(11, generator=gen)})
+
+
 def _worker(rank: int, world: int, out_path: str) -> None:
     from megatron_rl.config.schema import ModelConfig, OptimizerConfig
     from megatron_rl.models.hf import random_state_dict
@@ -96,6 +104,29 @@ def _worker(rank: int, world: int, out_path: str) -> None:
     moe.swap_weights(current)
     results["moe_swap"] = (before, trained, swapped_in, moe.full_state_dict())
 
+    # 6. the loss sees the loss-mask targets only; the kept log-probs are NaN at the others (on both output paths)
+    for fused in (True, False):
+        cfg = ModelConfig(num_layers=2, fused_logprobs=fused)
+        keeper = Trainer(cfg, OptimizerConfig(), groups, TrainerOptions(micro_batch_tokens=64))
+        keeper.load_full_state_dict(full)
+        lp_full, _ = keeper.forward_logprobs(_samples())
+        # forward_logprobs likewise with loss_targets_only, a sample without loss tokens among them
+        lp_loss, _ = keeper.forward_logprobs(_samples() + [_no_loss_sample()], loss_targets_only=True)
+        results[f"forward_{fused}"] = (lp_full, lp_loss)
+        keeper.train_step(_samples(), keep_logprobs=True)
+        results[f"kept_{fused}"] = (lp_full, keeper.last_logprobs)
+
+        # 7. a sample without loss tokens (a filtered one), alone in its micro-batch, changes nothing: SGD from the
+        # same weights lands on the same weights with or without it
+        after = []
+        for extra in ([], [_no_loss_sample()]):
+            sgd = Trainer(cfg, OptimizerConfig(name="sgd", lr=0.5, clip_grad=0.0), groups,
+                          TrainerOptions(micro_batch_tokens=13))
+            sgd.load_full_state_dict(full)
+            metrics = sgd.train_step(_samples() + extra, keep_logprobs=True)
+            after.append((sgd.full_state_dict(), metrics, sgd.last_logprobs))
+        results[f"no_loss_{fused}"] = after
+
     # 5. LR schedule: warmup then cosine decay
     sched = Trainer(model_cfg, OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_style="cosine",
                                                lr_decay_steps=6), groups, TrainerOptions(micro_batch_tokens=64))
@@ -117,6 +148,7 @@ def test_packing_does_not_change_logprobs(results):
 
 
 def test_loss_inputs_are_aligned_with_the_samples(results):
+    """The loss sees each sample's loss-mask targets (the first two of each are masked out), in order."""
     samples = _samples()
     seen = results["seen"]
     total_tokens = int(sum(s.loss_mask.sum() for s in samples))
@@ -124,9 +156,10 @@ def test_loss_inputs_are_aligned_with_the_samples(results):
         assert mb["num_tokens"] == total_tokens and mb["num_samples"] == len(samples)
         for i in mb["sample_ids"].unique().tolist():
             sel = mb["sample_ids"] == i
-            assert torch.equal(mb["advantage"][sel], samples[i].extras["advantage"])
-            assert torch.equal(mb["mask"][sel], samples[i].loss_mask)
-            assert torch.allclose(mb["logprobs"][sel], results["lp_big"][i], atol=1e-5)
+            counted = samples[i].loss_mask.bool()
+            assert torch.equal(mb["advantage"][sel], samples[i].extras["advantage"][counted])
+            assert torch.equal(mb["mask"][sel], samples[i].loss_mask[counted])
+            assert torch.allclose(mb["logprobs"][sel], results["lp_big"][i][counted], atol=1e-5)
             assert torch.all(mb["sample_num_tokens"][sel] == samples[i].loss_mask.sum())
     covered = sorted(i for mb in seen for i in mb["sample_ids"].unique().tolist())
     assert covered == list(range(len(samples)))
@@ -178,3 +211,31 @@ def test_lr_schedule_warmup_then_cosine(results):
     got = results["lrs"]
     want = [expected(k + 1) for k in range(7)]
     assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits"])
+def test_kept_logprobs_are_the_forwards_at_the_loss_targets_and_nan_elsewhere(results, fused):
+    full, kept = results[f"kept_{fused}"]
+    for s, lp, k in zip(_samples(), full, kept, strict=True):
+        counted = s.loss_mask.bool()
+        assert torch.allclose(k[counted], lp[counted], atol=1e-5)
+        assert torch.isnan(k[~counted]).all(), "a target the step did not compute holds a number"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits"])
+def test_a_sample_without_loss_tokens_alone_in_its_micro_batch_changes_nothing(results, fused):
+    (without, m0, kept0), (with_it, m1, kept1) = results[f"no_loss_{fused}"]
+    assert m0["grad_norm"] > 0 and m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-5)
+    assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-5) and m1["num_tokens"] == m0["num_tokens"]
+    for name, value in without.items():
+        assert torch.allclose(with_it[name], value, atol=1e-6), name
+    assert len(kept1) == len(kept0) + 1 and torch.isnan(kept1[-1]).all() and kept1[-1].shape == (11,)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits"])
+def test_forward_logprobs_of_the_loss_targets_only(results, fused):
+    full, restricted = results[f"forward_{fused}"]
+    assert len(restricted) == len(full) + 1 and torch.isnan(restricted[-1]).all()
+    for s, lp, r in zip(_samples(), full, restricted):
+        counted = s.loss_mask.bool()
+        assert torch.allclose(r[counted], lp[counted], atol=1e-5) and torch.isnan(r[~counted]).all()
