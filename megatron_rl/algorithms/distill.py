@@ -34,14 +34,15 @@ def distill_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, model
 
     student_logprobs, teacher_logprobs: [T] log-probs of the sampled response tokens (the student's as it
     sampled them); model_mask: [T] 1 on the model's tokens, 0 on tool or environment output (not sampled by the
-    student: no KL, no advantage). Returns (advantages [T] = -coef * kl_t, kl [T] = (student - teacher) * mask)."""
+    student: no KL, no advantage, and whatever the log-probs hold there, NaN included, is not read). Returns
+    (advantages [T] = -coef * kl_t, kl [T] = student - teacher on the model's tokens, 0 elsewhere)."""
     if student_logprobs.shape != teacher_logprobs.shape or student_logprobs.shape != model_mask.shape:
         raise ValueError(f"distill_advantages needs equal shapes, got student {tuple(student_logprobs.shape)}, "
                          f"teacher {tuple(teacher_logprobs.shape)}, mask {tuple(model_mask.shape)}")
     if coef <= 0:
         raise ValueError(f"coef={coef} is invalid: the distillation weight must be > 0")
-    mask = model_mask.to(torch.float32)
-    kl = (student_logprobs.to(torch.float32) - teacher_logprobs.to(torch.float32)) * mask
+    # where, not a product: the teacher computes the model's tokens only (NaN on tool output, Trainer.forward_logprobs)
+    kl = torch.where(model_mask > 0, student_logprobs.to(torch.float32) - teacher_logprobs.to(torch.float32), 0.0)
     return -coef * kl, kl
 
 

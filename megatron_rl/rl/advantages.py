@@ -101,8 +101,10 @@ def reward_kl(cfg, run: Any, rollouts: list[Rollout]) -> tuple[list[Optional[dic
     coef, found, kls = ctl.coef, {}, []
     for r, s in zip(scored, samples):
         model = torch.tensor(model_tokens(r), dtype=torch.float)
-        kl = kl_estimate(r.response_part(s.extras["old_logprobs"]), r.response_part(s.extras["ref_logprobs"]),
-                         cfg.algorithm.kl_estimator, clamp=cfg.algorithm.kl_clamp) * model
+        # where, not a product: the log-probs are the loss mask's (the model's tokens) only, NaN on tool output
+        kl = torch.where(model > 0, kl_estimate(r.response_part(s.extras["old_logprobs"]),
+                                                r.response_part(s.extras["ref_logprobs"]), cfg.algorithm.kl_estimator,
+                                                clamp=cfg.algorithm.kl_clamp), 0.0)
         kls.append(float(kl.sum() / model.sum().clamp(min=1)))
         found[id(r)] = {"old_logprobs": s.extras["old_logprobs"], "ref_logprobs": s.extras["ref_logprobs"],
                         "penalty": coef * kl}

@@ -78,7 +78,7 @@ def combine(spec: Any, rollouts: list[Rollout], advantages: list[Optional[torch.
         gain, kl = distill_advantages(torch.tensor(r.logprobs, dtype=torch.float32), teacher_lp, mask, spec.coef)
         found[id(r)] = gain
         kl_sum += float(kl.sum())
-        teacher_sum += float((teacher_lp * mask).sum())
+        teacher_sum += float(teacher_lp[mask > 0].sum())  # NaN on tool output: the teacher computed the model's only
         num_tokens += float(mask.sum())
     out: list[Optional[torch.Tensor]] = []
     for r, a in zip(rollouts, advantages):

@@ -9,6 +9,7 @@ tokenized exactly once, log-probs only where the model sampled."""
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import signal
@@ -569,14 +570,16 @@ def test_countdown_with_feedback_runs_without_a_sandbox_over_several_turns(tmp_p
     the environment, no sandbox server started), and the environment's own counts reach the
     metrics (agent/env/...): one attempt per turn, solved exactly when rewarded. With a mixture of
     experts and rollout routing replay: the trainer routes every episode's tokens as the engine's last
-    turn did, and its log-probs equal the engine's (routing that missed by a position would not)."""
+    turn did, and its log-probs equal the engine's (routing that missed by a position would not). With the KL
+    in the reward: the old and reference log-probs exist at the model's tokens only (NaN on the environment's
+    answers), and the penalty reads those alone (a finite KL)."""
     import json
 
     run_dir = tmp_path / "run"
     proc = _main_job(run_dir, "num_steps=2", "task.sft_warmup_steps=5", "task.num_train=16", "task.num_eval=4",
                      "task.eval_samples=1", "task.eval_every=0", "global_batch_size=16",
                      "rollout.n_samples_per_prompt=4", "model=tiny_qwen3_moe", "algorithm.routing_replay=rollout",
-                     experiment="demo_agent_countdown")
+                     "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", experiment="demo_agent_countdown")
     assert "warm start: 16 of 16 reference episodes verified (episode ends: submitted 16" in proc.stderr
     assert "local sandbox server" not in proc.stderr and not (run_dir / "logs" / "sandbox-server.log").exists()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -589,6 +592,7 @@ def test_countdown_with_feedback_runs_without_a_sandbox_over_several_turns(tmp_p
         assert r["agent/env/solved"] == pytest.approx(r["reward/mean"])
         assert r["agent/env/solved_first"] <= r["agent/env/solved"]
         assert r["rollout/logprob_mismatch"] < 1e-4 and 0 <= r["routing/drift"] < 0.5
+        assert math.isfinite(r["kl_reward/kl"]) and math.isfinite(r["loss"]) and r["kl_reward/coef"] == 0.05
 
 
 def test_an_agent_domain_trains_beside_a_single_turn_domain(tmp_path):

@@ -326,3 +326,83 @@ def test_the_smollm2_recipe_passes_every_check_with_the_real_teacher():
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.path) == (6, 192, None)  # a smaller student
     assert cfg.model.tokenizer == str(SMOLLM2) and cfg.algorithm.distill.mode == "pure"
     assert (cfg.algorithm.distill.estimator, cfg.algorithm.distill.topk) == ("topk", 64)
+
+
+def _episode():
+    """A two-turn episode: prompt [1, 2], response [7, 5, 6] of which 5 is tool output (model_mask 0)."""
+    from megatron_rl.rollout.multiturn import Episode
+
+    return Episode(0, [1, 2], [7, 5, 6], [-1.0, 0.0, -0.5], "stop", 1, model_mask=[1, 0, 1])
+
+
+def _only_at_the_loss_mask(sample, values):
+    """What the trainer's forwards give with loss_targets_only (and forward_topk): NaN off the loss mask."""
+    mask = sample.loss_mask.bool().reshape(-1, *[1] * (values.dim() - 1))
+    return torch.where(mask, values, torch.full_like(values, float("nan")))
+
+
+@pytest.mark.parametrize("estimator", ["sampled", "topk"])
+def test_the_teachers_nan_off_the_models_tokens_is_never_read(estimator):
+    """The teacher computes an episode's model tokens only (its sample's loss mask): NaN on the prompt and on tool
+    output. Shaping reads nothing else: the advantages and metrics are those of the model's tokens, by hand."""
+    from megatron_rl.rl.distill import distill_shaping
+
+    episode = _episode()
+    full_lp = torch.tensor([-9.0, -2.0, -3.0, -1.5])  # targets: 2 (prompt), 7, 5 (tool), 6
+    ids = torch.tensor([[3, 4], [7, 1], [5, 2], [6, 0]])
+    lps = torch.log(torch.tensor([[0.5, 0.2], [0.6, 0.3], [0.1, 0.05], [0.7, 0.1]]))
+
+    class Teacher:
+        def score(self, samples):
+            return [_only_at_the_loss_mask(s, full_lp) for s in samples]
+
+        def score_topk(self, samples, topk, vocab_limit):
+            (s,) = samples
+            return [(_only_at_the_loss_mask(s, full_lp), torch.where(s.loss_mask.bool()[:, None], ids, 0),
+                     _only_at_the_loss_mask(s, lps))]
+
+    assert torch.isnan(Teacher().score([episode.sample({})])[0][[0, 2]]).all()  # the real trainer's contract
+    cfg = SimpleNamespace(algorithm=SimpleNamespace(distill=SimpleNamespace(mode="mixed", coef=2.0,
+                                                                            estimator=estimator, topk=2)),
+                          model=SimpleNamespace(vocab_size=128))
+    rl = [torch.tensor([1.0, 1.0, 1.0])]
+    out, extras, metrics = distill_shaping(cfg, SimpleNamespace(teacher=Teacher()), [episode], rl)
+    # kl on the model's tokens: 7: -1 - (-2) = 1; 6: -0.5 - (-1.5) = 1; the tool output's 0
+    assert metrics["distill/reverse_kl"] == pytest.approx((1.0 + 1.0) / 2)
+    assert metrics["distill/teacher_logprob"] == pytest.approx((-2.0 - 1.5) / 2)
+    if estimator == "sampled":
+        assert out[0].tolist() == pytest.approx([1.0 - 2.0, 1.0, 1.0 - 2.0])
+    else:
+        assert out[0].tolist() == [1.0, 1.0, 1.0]  # mixed: the RL advantages; the KL term is the loss's
+        assert metrics["distill/teacher_topk_mass"] == pytest.approx((0.9 + 0.8) / 2)
+        assert extras[0][DISTILL_MASK].tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_the_kl_in_the_reward_reads_the_models_tokens_only():
+    """kl_in_reward: the old and reference log-probs are the loss mask's only (NaN on tool output and prompt, as the
+    trainer gives them); each token's penalty is kl_coef * (old - ref) on the model's tokens (k1), 0 on tool output."""
+    from megatron_rl.rl.advantages import reward_kl
+
+    episode = _episode()
+    old = torch.tensor([-9.0, -1.0, -3.0, -0.5])
+    ref = torch.tensor([-8.0, -1.5, -2.0, -1.5])
+
+    class Trainer:
+        weights = "policy"
+
+        def forward_logprobs(self, samples, loss_targets_only=False, **_):
+            assert loss_targets_only
+            return [_only_at_the_loss_mask(s, old if self.weights == "policy" else ref) for s in samples], None
+
+        def swap_weights(self, weights):
+            current, self.weights = self.weights, weights
+            return current
+
+    seen = []
+    run = SimpleNamespace(trainer=Trainer(), reference="reference",
+                          kl_ctl=SimpleNamespace(coef=0.1, update=lambda kl, n: seen.append((kl, n))))
+    cfg = SimpleNamespace(algorithm=SimpleNamespace(old_logprobs="recompute", routing_replay="none", kl_coef=0.1,
+                                                    kl_estimator="k1", kl_clamp=None))
+    found, metrics = reward_kl(cfg, run, [episode])
+    assert found[0]["penalty"].tolist() == pytest.approx([0.1 * 0.5, 0.0, 0.1 * 1.0])
+    assert metrics["kl_reward/kl"] == pytest.approx((0.5 + 1.0) / 2) and seen == [(pytest.approx(0.75), 1)]
