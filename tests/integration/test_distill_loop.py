@@ -84,3 +84,23 @@ def test_topk_distillation_trains_on_the_teachers_top_tokens(tmp_path):
         assert 0.0 < r["distill/teacher_topk_mass"] <= 1.0 + 1e-6
     assert rows[-1]["distill/topk_kl"] < 0.5 * rows[0]["distill/topk_kl"]
     assert (run_dir / "plots" / "distill_topk_kl.png").is_file()
+
+
+@pytest.mark.parametrize("estimator", ["sampled", "topk"])
+def test_distillation_on_multi_turn_episodes_reads_the_models_tokens_only(tmp_path, estimator):
+    """Episodes of the countdown environment (task.type=agent: the environment's answers sit between the model's
+    turns, outside the loss mask): the teacher computes the model's tokens only, NaN on the environment's, and
+    neither estimator reads those: every step's KL, loss and gradient are finite numbers."""
+    import math
+
+    run_dir = tmp_path / "run"
+    rows = run_distill(save_teacher(tmp_path / "teacher", sharpen=30.0), run_dir, steps=2,
+                       extra=("task.name=countdown_feedback", "task.type=agent", "task.generator=countdown",
+                              "task.environment=countdown", "task.system_prompt=Countdown", "task.max_turns=3",
+                              "task.max_episode_tokens=256", "task.num_train=32", "task.num_eval=0",
+                              f"algorithm.distill.estimator={estimator}", "algorithm.distill.topk=16"))
+    assert len(rows) == 2
+    for r in rows:
+        assert r["agent/turns_mean"] > 1, "no environment answer between turns: the test tests nothing"
+        for key in ("distill/reverse_kl", "distill/teacher_logprob", "loss", "grad_norm"):
+            assert math.isfinite(r[key]) and r[key] != 0.0, (key, r[key])
