@@ -104,9 +104,12 @@ def _remove_own_work_dir(work_dir: Path) -> None:
             path.rmdir()
         except FileNotFoundError:
             pass
-        except OSError:
-            left = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-            logger.warning("sandbox work directory %s not removed: %s left in it", path, left[:10])
+        except OSError as exc:
+            try:
+                left = sorted(p.name for p in path.iterdir())[:10]
+            except OSError:
+                left = []
+            logger.warning("sandbox work directory %s not removed (%s): %s left in it", path, exc.strerror, left)
             return
 
 

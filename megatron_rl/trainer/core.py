@@ -87,6 +87,12 @@ def _scatter_rows(values: Tensor, rows: Optional[Tensor], num_targets: int,
     return out
 
 
+def _not_computed(mb: MicroBatch, width: int) -> Tensor:
+    """NaN [T, width] for a micro-batch without loss targets, on its device: under context parallelism it joins the
+    other ranks' gather (context_parallel.gather_targets), which an NCCL group runs on the device only."""
+    return torch.full((mb.valid.numel(), width), float("nan"), device=mb.valid.device)
+
+
 LossFn = Callable[[LossInputs], tuple[Tensor, dict[str, Tensor]]]
 Routing = Optional[Any]  # a routing_replay.RoutingRecord, routing_replay.ENGINE or None (routers choose)
 
@@ -563,7 +569,7 @@ class Trainer:
                     return logits.sum() * 0.0, {}
                 rows = self._loss_rows(mb) if loss_targets_only and self.head == "lm" else None
                 if rows is not None and rows.numel() == 0:
-                    self._keep_per_sample(mb, torch.full((mb.valid.numel(), width), float("nan")), local)
+                    self._keep_per_sample(mb, _not_computed(mb, width), local)
                     return logits.sum() * 0.0, {}
                 lp, ent = self._target_stats(mb, logits, with_entropy, rows)
                 found = lp[:, None] if ent is None else torch.stack([lp, ent], dim=1)
@@ -651,7 +657,7 @@ class Trainer:
                 rows = self._loss_rows(mb)
                 if rows is not None and rows.numel() == 0:  # prompts, tool output or filtered samples only
                     if keep_logprobs:
-                        self._keep_per_sample(mb, torch.full((mb.valid.numel(), 1), float("nan")), kept)
+                        self._keep_per_sample(mb, _not_computed(mb, 1), kept)
                     return self._zero_loss(logits), {}
                 lp, ent = self._target_stats(mb, logits, with_entropy, rows)
                 if keep_logprobs:

@@ -192,8 +192,23 @@ def _model_worker(rank: int, world: int, out_path: str) -> None:
     metrics = trainer.train_step(samples)
     # the gradient DDP reduced over the context-parallel ranks, as the optimizer took it (no clipping)
     grads = {name: param.main_grad.detach().clone() for name, param in trainer.module.named_parameters()}
+    # prompt-heavy samples (the last 2 targets count): the ranks that hold only middle chunks have no loss target
+    # in their shard, and still take part in the step and in the gathers of what was not computed (NaN)
+    heavy = [Sample(torch.randint(0, 128, (n,), generator=gen), _last_targets(n, 2)) for n in HEAVY_LENGTHS]
+    heavy_lp, _ = trainer.forward_logprobs(heavy, loss_targets_only=True)
+    heavy_metrics = trainer.train_step(heavy, keep_logprobs=True)
     if rank == 0:
-        torch.save(dict(logprobs=logprobs, metrics=metrics, grads=grads), out_path)
+        torch.save(dict(logprobs=logprobs, metrics=metrics, grads=grads, heavy_logprobs=heavy_lp,
+                        heavy_metrics=heavy_metrics, heavy_kept=trainer.last_logprobs), out_path)
+
+
+HEAVY_LENGTHS = (12, 30, 45, 20)
+
+
+def _last_targets(n: int, k: int) -> torch.Tensor:
+    mask = torch.zeros(n - 1)
+    mask[-k:] = 1.0
+    return mask
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +235,18 @@ def test_uneven_packed_samples_match_cp1(uneven_runs, cp):
         assert want.abs().max() > 0, f"{name}: no gradient in the reference"
         diff = (got["grads"][name] - want).abs().max()
         assert diff <= 1e-5 * want.abs().max(), f"{name}: max abs diff {diff:.3e} of {want.abs().max():.3e}"
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_ranks_without_loss_targets_take_part(uneven_runs, cp):
+    """Each prompt-heavy sample's last 2 targets sit in its last chunk, held by rank 0: the other ranks' shards
+    have no loss target. The log-probs of the loss targets (loss_targets_only, and those train_step keeps) equal
+    CP=1's, NaN elsewhere; the step's loss and gradient norm equal CP=1's."""
+    ref, got = uneven_runs[1], uneven_runs[cp]
+    for key in ("heavy_logprobs", "heavy_kept"):
+        for n, a, b in zip(HEAVY_LENGTHS, got[key], ref[key], strict=True):
+            counted = _last_targets(n, 2).bool()
+            assert torch.allclose(a[counted], b[counted], atol=2e-5), (key, (a - b)[counted].abs().max())
+            assert torch.isnan(a[~counted]).all() and torch.isnan(b[~counted]).all(), key
+    assert got["heavy_metrics"]["loss"] == pytest.approx(ref["heavy_metrics"]["loss"], rel=1e-5, abs=1e-6)
+    assert got["heavy_metrics"]["grad_norm"] == pytest.approx(ref["heavy_metrics"]["grad_norm"], rel=1e-5)
