@@ -21,9 +21,10 @@ def distill_shaping(cfg, run: Any, rollouts: list[Rollout], advantages: list[Opt
     """Each scored rollout's advantages [len(output_ids)] and the sample extras the update needs (a lost rollout
     keeps None and no extras). estimator=sampled: the distillation advantage added (mixed) or in their place (pure);
     no extras. estimator=topk: the RL advantages (mixed) or zeros (pure), and extras SUPPORT_IDS [L-1, k] (the
-    teacher's top-k tokens below the student's vocabulary size at each response position; 0 on the prompt's),
-    TEACHER_LOGPROBS [L-1, k] (NaN on the prompt's: not computed) and DISTILL_MASK [L-1]. The student's log-probs here are the engine's of the tokens it sampled
-    (`Rollout.logprobs`, at rollout.temperature), the teacher's its forward at the same temperature.
+    teacher's top-k tokens below the student's vocabulary size at each of the model's response tokens; 0 on the
+    prompt and on tool output), TEACHER_LOGPROBS [L-1, k] (NaN there: not computed) and DISTILL_MASK [L-1]. The
+    student's log-probs here are the engine's of the tokens it sampled (`Rollout.logprobs`, at
+    rollout.temperature), the teacher's its forward at the same temperature.
 
     Metrics: distill/reverse_kl, the mean over the step's scored model tokens of log pi_s(y_t) - log pi_t(y_t)
     (the sampled-token estimate of the per-position KL(student || teacher), whatever the estimator trains on);

@@ -87,6 +87,11 @@ def _scatter_rows(values: Tensor, rows: Optional[Tensor], num_targets: int,
     return out
 
 
+def _positions(mb: MicroBatch, rows: Optional[Tensor]) -> Tensor:
+    """The row positions of the micro-batch's valid targets, or of those `rows` among them (Trainer._loss_rows)."""
+    return mb.valid if rows is None else mb.valid[rows]
+
+
 def _not_computed(mb: MicroBatch, width: int) -> Tensor:
     """NaN [T, width] for a micro-batch without loss targets, on its device: under context parallelism it joins the
     other ranks' gather (context_parallel.gather_targets), which an NCCL group runs on the device only."""
@@ -461,7 +466,7 @@ class Trainer:
         """(log-probs, entropies) of the row's valid targets from the model output: final hidden
         states [1, S, h] on the fused path, else vocab-parallel logits [1, S, V/tp]. A critic's: (values
         from its [1, S, 1] output, None). rows: only those targets (indices into the valid ones, `_loss_rows`)."""
-        positions = mb.valid if rows is None else mb.valid[rows]
+        positions = _positions(mb, rows)
         if self.head == "value":
             return output[0, :, 0][positions], None
         if self.model_cfg.fused_logprobs:
@@ -497,8 +502,7 @@ class Trainer:
                              "model.fused_logprobs=true: the model must return its final hidden states")
         weight = output_weight(self.module)
         tp_group = self.groups.tp_group if self.groups.tp_size > 1 else None
-        positions = mb.valid if rows is None else mb.valid[rows]
-        return output[0][positions], weight, tp_group, self.groups.tp_rank * weight.shape[0]
+        return output[0][_positions(mb, rows)], weight, tp_group, self.groups.tp_rank * weight.shape[0]
 
     def _support_logprobs(self, mb: MicroBatch, output: Tensor, rows: Optional[Tensor] = None) -> Tensor:
         """[T, k] log-probs, with grad, of the tokens mb.extras[SUPPORT_IDS] names at each valid target (rows: only
@@ -533,10 +537,9 @@ class Trainer:
                     return output.sum() * 0.0, {}
                 rows = self._loss_rows(mb)
                 hidden, weight, tp_group, vocab_start = self._fused_inputs(mb, output, rows)
-                targets = mb.targets[0][mb.valid if rows is None else mb.valid[rows]]
-                lp, ids, lps = topk_logprobs(hidden, weight, targets, k, tp_group=tp_group,
-                                             vocab_start=vocab_start, temperature=self.options.logprob_temperature,
-                                             vocab_limit=vocab_limit)
+                lp, ids, lps = topk_logprobs(hidden, weight, mb.targets[0][_positions(mb, rows)], k,
+                                             tp_group=tp_group, vocab_start=vocab_start,
+                                             temperature=self.options.logprob_temperature, vocab_limit=vocab_limit)
                 found = torch.cat([lp[:, None], ids.float(), lps], dim=1)
                 self._keep_per_sample(mb, _scatter_rows(found, rows, mb.valid.numel(), id_columns=(1, 1 + k)), local)
                 return output.sum() * 0.0, {}
