@@ -80,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "outputs are cut to fit and flagged truncated")
     p.add_argument("--remember-bytes", type=int, default=256 * 2**20,
                    help="most bytes of replies kept for idempotent retries (the oldest are forgotten first)")
-    p.add_argument("--work-dir", default=None, help="where workspaces live (default: a fresh temp dir)")
+    p.add_argument("--work-dir", default=None,
+                   help="where workspaces live (default: a fresh temp dir, removed at exit; one that a killed "
+                   "server left is removed by the next server started with the same TMPDIR). Locked while the "
+                   "server runs: a second server on the same directory is refused")
     p.add_argument("--run-dir", default=None, help="write the discovery file into <run-dir>/sandbox/")
     p.add_argument("--name", default=None, help="server name in results and the discovery file")
     p.add_argument("--drain-s", type=float, default=30.0,

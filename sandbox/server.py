@@ -35,6 +35,7 @@ from megatron_rl_sandbox.limits import Limiter, Limits, detect_limiter
 from megatron_rl_sandbox.options import build_parser, class_policies, parse_images
 from megatron_rl_sandbox.runtimes import make_runtime
 from megatron_rl_sandbox.service import MAXIMUM, SandboxService, pb2_grpc
+from megatron_rl_sandbox.workdir import PREFIX, WorkDirClaim, WorkDirInUse, claim, reap_dead_servers
 from megatron_rl_sandbox.workspace import WorkspacePool
 
 logger = logging.getLogger(__name__)
@@ -85,21 +86,36 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
         if shutil.which("setpriv") is None:
             raise SystemExit("sandbox server: running as root needs `setpriv` (util-linux) to drop commands to "
                              "--sandbox-uid")
-    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="megatron-rl-sandbox-"))
+    reap_dead_servers(Path(tempfile.gettempdir()))  # what servers killed without a chance to clean up left
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix=PREFIX))
     if run_as is not None and not args.work_dir:
         os.chmod(work_dir, 0o711)  # mkdtemp's 0700 would keep the sandbox's user from its workspaces
     try:
+        if args.work_dir:
+            work_dir.mkdir(parents=True, exist_ok=True)
+        owned = claim(work_dir, temporary=not args.work_dir)
+    except WorkDirInUse as exc:
+        raise SystemExit(f"sandbox server: {exc}") from None
+    except OSError as exc:
+        if not args.work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)  # just made, still empty
+        raise SystemExit(f"sandbox server: work directory {work_dir}: {exc}") from None
+    try:
         await _serve_in(args, work_dir, runtime, limiter, defaults, maximum, classes, run_as, ready)
     finally:
-        if not args.work_dir:  # the directory this server made for itself: gone with it, unless it kept something
-            _remove_own_work_dir(work_dir)
+        if args.work_dir:
+            owned.release(remove_owner=True)
+        else:  # the directory this server made for itself: gone with it, unless it kept something
+            _remove_own_work_dir(owned)
 
 
-def _remove_own_work_dir(work_dir: Path) -> None:
+def _remove_own_work_dir(owned: WorkDirClaim) -> None:
     """Remove the server's own temporary directory at its exit. Only empty directories are removed: every
     workspace and snapshot was destroyed when its session closed or the pool closed, so whatever is left (a
-    workspace whose command outlived the drain, a tmpfs that would not unmount) is reported, not deleted."""
-    for path in (work_dir / "workspaces", work_dir / "snapshots", work_dir):
+    workspace whose command outlived the drain, a tmpfs that would not unmount) is reported, not deleted here;
+    the directory keeps its `.owner`, so the next server started with the same TMPDIR reaps it (workdir.py)."""
+    work_dir = owned.work_dir
+    for path in (work_dir / "workspaces", work_dir / "snapshots"):
         try:
             path.rmdir()
         except FileNotFoundError:
@@ -109,8 +125,15 @@ def _remove_own_work_dir(work_dir: Path) -> None:
                 left = sorted(p.name for p in path.iterdir())[:10]
             except OSError:
                 left = []
-            logger.warning("sandbox work directory %s not removed (%s): %s left in it", path, exc.strerror, left)
+            logger.warning("sandbox work directory %s not removed (%s): %s left in it; the next sandbox server "
+                           "started with the same TMPDIR removes it", path, exc.strerror, left)
+            owned.release(remove_owner=False)
             return
+    owned.release(remove_owner=True)
+    try:
+        work_dir.rmdir()
+    except OSError as exc:
+        logger.warning("sandbox work directory %s not removed: %s", work_dir, exc.strerror)
 
 
 async def _serve_in(args: argparse.Namespace, work_dir: Path, runtime, limiter, defaults: Limits, maximum: Limits,

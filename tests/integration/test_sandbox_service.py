@@ -200,6 +200,50 @@ def test_sigterm_drains_running_calls_and_removes_discovery(tmp_path, monkeypatc
     scratch.rmdir()
 
 
+def test_the_next_server_removes_what_a_sigkilled_one_left_and_two_never_share_a_work_dir(tmp_path, monkeypatch):
+    """SIGKILL (Slurm's after KillWait, the OOM killer) gives a server no chance to clean up: its work directory
+    stays, its prewarmed workspaces mounted (as root). The next server with the same TMPDIR removes it, mounts
+    first; a server that lives is never touched, and an explicit --work-dir another server holds is refused."""
+    from megatron_rl_sandbox.workdir import mounts_below
+
+    scratch = Path(tempfile.mkdtemp(prefix="sandbox-tmpdir-"))
+    os.chmod(scratch, 0o711)
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    killed = start_server("bwrap", "--prewarm", "3")
+    live = start_server("bwrap", "--prewarm", "3")
+    try:
+        owners = {json.loads((d / ".owner").read_text())["pid"]: d for d in scratch.iterdir()}
+        dirs = [owners[killed.proc.pid], owners[live.proc.pid]]
+        assert len(owners) == 2 and all((d / "workspaces").is_dir() for d in dirs), owners
+        expected_mounts = 3 if os.geteuid() == 0 else 0
+        assert [len(mounts_below(d)) for d in dirs] == [expected_mounts] * 2
+        killed.kill(signal.SIGKILL)
+        killed.proc.wait(timeout=30)
+        assert dirs[0].exists() and len(mounts_below(dirs[0])) == expected_mounts  # what SIGKILL leaves
+
+        third = start_server("bwrap", "--prewarm", "1")
+        third.stop()
+        assert not dirs[0].exists() and mounts_below(dirs[0]) == []
+        assert f"removed the work directory {dirs[0]} of a sandbox server that did not stop cleanly" in \
+            third.log.read_text()
+        assert (dirs[1] / "workspaces").is_dir() and len(mounts_below(dirs[1])) == expected_mounts  # alive
+        assert sorted(scratch.iterdir()) == [dirs[1]]  # the third removed its own at its exit
+
+        work_dir = scratch / "explicit"
+        holder = start_server("bwrap", "--work-dir", str(work_dir), "--prewarm", "1")
+        try:
+            with pytest.raises(RuntimeError, match=f"--work-dir {work_dir} is in use by another sandbox server "
+                                                   f"\\(pid {holder.proc.pid} on "):
+                start_server("bwrap", "--work-dir", str(work_dir), log=tmp_path / "refused.log")
+        finally:
+            holder.stop()
+    finally:
+        live.stop()
+        killed.kill()
+    assert sorted(p.name for p in scratch.iterdir()) == ["explicit"] and mounts_below(scratch) == []
+    shutil.rmtree(scratch)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_command_killed_by_a_stop_signal_the_server_got_too_runs_again(sig):
     """Slurm signals every process of a step, the commands a sandbox server runs too (SIGTERM at the job's end,
