@@ -57,7 +57,7 @@ def test_planted_defects_are_caught_and_clean_tasks_kept(tmp_path):
     out = tmp_path / "report"
     # 12 reruns: a coin-flip test looks stable in all of them with probability 2 * 0.5**12 = 0.05%.
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.quality", str(_write(tmp_path / "tasks.jsonl", tasks)),
-                           "--eval-set", str(_write(tmp_path / "eval.jsonl", [planted["eval"]])), "--reruns", "12",
+                           "--eval-set", str(_write(tmp_path / "eval.jsonl", [planted["eval"]])), "--reruns", "12", "--concurrency", "2",
                            "--out", str(out)], env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-3000:]
