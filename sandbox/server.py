@@ -35,7 +35,7 @@ from megatron_rl_sandbox.limits import Limiter, Limits, detect_limiter
 from megatron_rl_sandbox.options import build_parser, class_policies, parse_images
 from megatron_rl_sandbox.runtimes import make_runtime
 from megatron_rl_sandbox.service import MAXIMUM, SandboxService, pb2_grpc
-from megatron_rl_sandbox.workdir import PREFIX, WorkDirClaim, WorkDirInUse, claim, reap_dead_servers
+from megatron_rl_sandbox.workdir import PREFIX, WorkDirClaim, WorkDirInUse, WorkDirUnsafe, claim, reap_dead_servers
 from megatron_rl_sandbox.workspace import WorkspacePool
 
 logger = logging.getLogger(__name__)
@@ -92,9 +92,9 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
         os.chmod(work_dir, 0o711)  # mkdtemp's 0700 would keep the sandbox's user from its workspaces
     try:
         if args.work_dir:
-            work_dir.mkdir(parents=True, exist_ok=True)
+            work_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         owned = claim(work_dir, temporary=not args.work_dir)
-    except WorkDirInUse as exc:
+    except (WorkDirInUse, WorkDirUnsafe) as exc:
         raise SystemExit(f"sandbox server: {exc}") from None
     except OSError as exc:
         if not args.work_dir:
@@ -104,7 +104,7 @@ async def serve(args: argparse.Namespace, ready: Optional[asyncio.Event] = None)
         await _serve_in(args, work_dir, runtime, limiter, defaults, maximum, classes, run_as, ready)
     finally:
         if args.work_dir:
-            owned.release(remove_owner=True)
+            owned.release(remove_owner=False)  # marked stopped: the next server there has nothing to clean
         else:  # the directory this server made for itself: gone with it, unless it kept something
             _remove_own_work_dir(owned)
 

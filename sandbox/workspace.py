@@ -331,7 +331,9 @@ def _make_removable(path: Path) -> None:
         directory = stack.pop()
         try:
             mode = os.lstat(directory).st_mode
-            if stat.S_ISDIR(mode) and stat.S_IMODE(mode) & stat.S_IRWXU != stat.S_IRWXU:
+            if not stat.S_ISDIR(mode):  # a symlink (in place of `path` itself too) is neither changed nor listed
+                continue
+            if stat.S_IMODE(mode) & stat.S_IRWXU != stat.S_IRWXU:
                 os.chmod(directory, stat.S_IMODE(mode) | stat.S_IRWXU)
             with os.scandir(directory) as entries:
                 stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
