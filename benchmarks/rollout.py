@@ -15,8 +15,8 @@ every core):
 - the rollout engine alone (the hf engine, or the configured backend, e.g. SGLang from its test venv), one
   call on the same rows;
 - in the loop: `python -m megatron_rl.train mode=rl` for `--steps` steps, read from its own metrics
-  (`rollout/tokens_per_s`: the tokens rank 0's engine generated over its generation time, weight sync and
-  rewards excluded), the median over steps 2.. (step 1 warms up).
+  (`rollout/tokens_per_s`: the step's generated tokens over rank 0's generation time, weight sync and
+  rewards excluded; the loop runs on one rank), the median over steps 2.. (step 1 warms up).
 
 The first two arms generate for the prompts of the loop's step 1, read back from its dumped rollouts, so
 every arm sees the same rows. Tokens count up to and including the stop token; each arm's median over

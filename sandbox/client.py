@@ -154,6 +154,8 @@ class _ClassWaits:
         ordered = sorted(self.wait)
         p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else 0.0
         return {"calls": self.calls, "timeouts": self.timeouts, "refused": self.refused,
+                # what the means and maxima are over: the last `window` calls (and their server-reported waits)
+                "recent_calls": len(self.latency), "recent_server_waits": len(self.server_wait),
                 "latency_mean_s": mean(self.latency), "latency_max_s": max(self.latency, default=0.0),
                 "wait_mean_s": mean(self.wait), "wait_p95_s": p95, "wait_max_s": max(self.wait, default=0.0),
                 "server_wait_mean_s": mean(self.server_wait),

@@ -33,6 +33,9 @@ class ExperienceGroup:
     generator: int
     generated: tuple[float, float]  # wall-clock start and end of its generation (and scoring) in its request
     sched: dict[str, float] = dataclasses.field(default_factory=dict)  # its `scheduler_shares` (agent episodes)
+    # the reward counts of its request (`reward/verifier_calls`, `reward/unscored`...): on the request's first
+    # group, the others empty, so that summing over groups counts each request once (`reward_counts`)
+    rewards: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def version(self) -> int:
@@ -154,6 +157,18 @@ def scheduler_metrics(groups: Sequence[ExperienceGroup]) -> dict[str, float]:
         else:
             out[key] = value
     return out
+
+
+def reward_counts(groups: Sequence[ExperienceGroup]) -> dict[str, float]:
+    """The generators' reward counts (their verifiers' calls, errors and answers; unscored samples, late and
+    failed reward batches) for the requests of the groups a step trains on, summed: the trainer's own verifier
+    scores none of them. A request whose first group was dropped as stale or trains at another step counts there,
+    whole."""
+    totals: dict[str, float] = {}
+    for group in groups:
+        for key, value in group.rewards.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return totals
 
 
 def _size(source: Any) -> int:

@@ -61,8 +61,9 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from megatron_rl.disagg.buffer import ExperienceBuffer, ExperienceGroup, scheduler_metrics
+from megatron_rl.disagg.buffer import ExperienceBuffer, ExperienceGroup, reward_counts, scheduler_metrics
 from megatron_rl.disagg.events import EventLog
+from megatron_rl.observability.reduce import rule_of
 from megatron_rl.preemption import children_block_stop_signals
 from megatron_rl.rollout.base import SamplingParams
 
@@ -168,6 +169,7 @@ class DisaggregatedController:
             self.events.write("take", take_start, time.time(), step=step, groups=len(kept))
             stats["async/generator_version"] = float(max((max(g.versions) for g in kept), default=-1))
             stats.update(scheduler_metrics(kept))  # the generators' sched/... (agent episodes), summed over groups
+            stats.update(reward_counts(kept))  # the generators' reward/verifier_calls, reward/unscored...
             stats.update(self._sink.metrics())  # weight_sync/bytes_sent, bytes_full, ...: this publish's
         rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group.rollouts]
         if self.is_main:
@@ -176,6 +178,8 @@ class DisaggregatedController:
             payload = [(rollouts, stats)]
             dist.broadcast_object_list(payload, src=0)
             rollouts, stats = payload[0]
+            if not self.is_main:  # counts the step sums over ranks (observability/reduce.py): rank 0 holds them
+                stats = {key: value for key, value in stats.items() if rule_of(key) is None}
         return rollouts, {**self.metrics(), **stats, **self.timings}
 
     def _connect(self, first_version: int) -> None:

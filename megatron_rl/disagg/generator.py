@@ -198,6 +198,10 @@ def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, reward
     run's request may hold both, each agent domain played with its own environments.
     `between_calls()` runs between engine calls that may take a weight update (partial rollouts);
     `progress()` before and after every engine call, and while rewards are awaited."""
+    from megatron_rl.rl.metrics import VerifierCounts
+
+    counts = VerifierCounts.of(rewards.verifier)
+    faults = {"reward/timeouts": 0.0, "reward/failed_batches": 0.0}
     agents = {"": task.cfg} if task.is_agent else {d: task.tasks[d].cfg for d in getattr(task, "agent_domains", ())}
     shares: dict[Optional[str], list[int]] = {}  # agent domain ("": the agent task) or None: single-turn
     for p, (_, meta) in enumerate(request.prompts):
@@ -209,7 +213,8 @@ def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, reward
     for domain, positions in shares.items():
         start = time.time()
         if domain is None:
-            got = _complete(cfg, request, positions, engine, rewards, tokenizer, between_calls, events, progress)
+            got = _complete(cfg, request, positions, engine, rewards, tokenizer, between_calls, events, progress,
+                            faults)
         else:
             host = rewards.verifier if task.is_agent else rewards.verifier.verifiers[domain]
             got, stats = _play(cfg, request, positions, agents[domain], engine, host, rewards.loop, tokenizer,
@@ -218,21 +223,24 @@ def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, reward
             sched.update(scheduler_shares(stats, played, f"domain/{domain}/" if domain else ""))
         samples.update(got)
         spans.update({p: (start, time.time()) for p in positions})
+    unscored = sum(r.status == "unscored" for p in samples for r, _ in samples[p])
+    counted = {**counts.since(rewards.verifier), **faults, "reward/unscored": float(unscored)}
     out = []
     for p, (tokens, meta) in enumerate(request.prompts):
         for rollout, _ in samples[p]:
             rollout.prompt_index, rollout.source_index = p, request.source_indices[p]
             rollout.domain = meta.get("domain", "")
         out.append(ExperienceGroup(request.request_id, [r for r, _ in samples[p]], [v for _, v in samples[p]],
-                                   index, spans[p], sched.get(p, {})))
+                                   index, spans[p], sched.get(p, {}), counted if p == 0 else {}))
     return out
 
 
 def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rewards: Any, tokenizer: Any,
-              between_chunks: Callable[[], None], events: EventLog,
-              progress: Callable[[], None]) -> dict[int, list[tuple[Any, list[int]]]]:
+              between_chunks: Callable[[], None], events: EventLog, progress: Callable[[], None],
+              faults: dict[str, float]) -> dict[int, list[tuple[Any, list[int]]]]:
     """Single-turn prompts: `params.n` completions each, generated in chunks of
-    rollout.partial_rollout_tokens (updates applied between chunks), then scored."""
+    rollout.partial_rollout_tokens (updates applied between chunks), then scored; a late or failed reward batch
+    is counted in `faults` (`reward/timeouts`, `reward/failed_batches`)."""
     from megatron_rl.rollout.collect import Rollout
     from megatron_rl.rollout.partial import generate_partial
 
@@ -247,9 +255,11 @@ def _complete(cfg: Any, request: Request, positions: list[int], engine: Any, rew
     try:
         scores = _result(rewards.submit(list(zip(metas, texts))), 300.0, progress)
     except Exception as exc:  # noqa: BLE001  (late or failed: unscored, as in rollout.collect)
+        late = isinstance(exc, concurrent.futures.TimeoutError)
         logger.warning("request %d: rewards %s; its samples are left out of the update", request.request_id,
-                       "timed out" if isinstance(exc, concurrent.futures.TimeoutError) else f"failed: {exc!r}")
+                       "timed out" if late else f"failed: {exc!r}")
         scores, status = [0.0] * len(gens), "unscored"
+        faults["reward/timeouts" if late else "reward/failed_batches"] += 1.0
     events.write("score", end, time.time(), request=request.request_id)
     out: dict[int, list[tuple[Any, list[int]]]] = {}
     for g, score in zip(gens, scores):

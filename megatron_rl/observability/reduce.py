@@ -33,8 +33,10 @@ RULES = (
     Rule(re.compile(r"reward/(answers|unformatted_answers|last_number_answers)"), "sum"),
     # the sandbox client's own calls (sandbox/client.py, `stats`), per priority class; its servers'
     # queues and back-pressure (`server_queued`, `backpressure`, `servers_up`...) are the same for every client
-    Rule(re.compile(r"sandbox/([^/]+)/(calls|timeouts|refused)"), "sum"),
-    Rule(re.compile(r"sandbox/([^/]+)/(latency|wait|server_wait)_mean_s"), "mean", r"sandbox/\1/calls"),
+    Rule(re.compile(r"sandbox/([^/]+)/(calls|timeouts|refused|recent_calls|recent_server_waits)"), "sum"),
+    # a client's means are over its last 1024 calls (`recent_calls`), not over all it made (`calls`)
+    Rule(re.compile(r"sandbox/([^/]+)/(latency|wait)_mean_s"), "mean", r"sandbox/\1/recent_calls"),
+    Rule(re.compile(r"sandbox/([^/]+)/server_wait_mean_s"), "mean", r"sandbox/\1/recent_server_waits"),
     Rule(re.compile(r"sandbox/([^/]+)/(latency|wait|server_wait)_max_s"), "max"),
     Rule(re.compile(r"sandbox/([^/]+)/wait_p95_s"), "max"),  # the largest rank's 95th percentile: a bound
 )

@@ -58,13 +58,14 @@ def step_metrics(rt, run: Any, step: int, rollouts: list[Rollout], rewards: torc
                     "reward/zero_variance_groups":
                         (~zero_variance_groups(scored_values, group_ids)).float().mean().item(),
                     "time/train": train_time, "tokens_per_s": tokens / max(train_time, 1e-9),
-                    "weight_version": float(rollouts[0].weight_version) if rollouts else float(run.source.version),
-                    **counts.since(run.rewards.verifier)})
+                    "weight_version": float(rollouts[0].weight_version) if rollouts else float(run.source.version)})
+    for key, value in counts.since(run.rewards.verifier).items():  # added to the generators' (disaggregated mode)
+        metrics[key] = metrics.get(key, 0.0) + value
     if run.domains:
         kept = [(r, a) for r, a in zip(rollouts, advantages) if a is not None]
         metrics.update(run.domains.step_metrics(step, [r for r, _ in kept],
                                                 torch.tensor([a.mean().item() if a.numel() else 0.0 for _, a in kept])))
-    if metrics.get("time/generate_only"):  # single-turn rollouts: rank 0's engine, summed over dynamic sampling rounds
+    if metrics.get("time/generate_only"):  # single-turn rollouts: the job's tokens over rank 0's generation time
         metrics["rollout/tokens_per_s"] = metrics.get("rollout/generated_tokens", 0.0) / metrics["time/generate_only"]
     if warming:  # the critic's warm-up: the policy trained on nothing, no throughput to report
         metrics.pop("tokens_per_s")

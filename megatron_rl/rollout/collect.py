@@ -129,7 +129,8 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
             decode, num_chunks: int = 1, reward_timeout_s: float = 300.0) -> tuple[list[Rollout], dict[str, float]]:
     """Completions and rewards for `prompts` (objects with `.tokens` and `.meta`), on every rank; this rank's share
     in `num_chunks` engine calls (rollout.generate_chunks). Its metrics: `rollout/generated_tokens`, the response
-    tokens this rank's engine generated in `time/generate_only` seconds (rewards not included)."""
+    tokens of every rank's rollouts (the same on every rank), and `time/generate_only`, the seconds this rank's
+    engine calls took (rewards not included)."""
     mine = _share(len(prompts), groups.dp_size, groups.dp_rank)
     local: list[Rollout] = []
     pending: list[tuple[int, concurrent.futures.Future]] = []
@@ -159,7 +160,7 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
             scores = future.result(timeout=reward_timeout_s)
         except Exception as exc:  # noqa: BLE001  (late or failed: unscored, never a hung or crashed step)
             late = isinstance(exc, concurrent.futures.TimeoutError)
-            timeouts, failures = timeouts + late, failures + (not late)
+            timeouts, failures, unscored = timeouts + late, failures + (not late), unscored + end - offset
             if not late:
                 logger.warning("rewards of %d samples failed (left out of the update): %s: %s", end - offset,
                                type(exc).__name__, exc, exc_info=exc)
@@ -172,8 +173,11 @@ def collect(engine: Any, prompts: Sequence[Any], params: SamplingParams, reward_
             else:
                 local[offset + k].reward = score
     wait = time.perf_counter() - start
-    generated = sum(len(r.output_ids) for r in local)
-    return gather_rollouts(local if first_mp_rank else None), {
+    rollouts = gather_rollouts(local if first_mp_rank else None)
+    # the whole step's tokens, alike on every rank: a rank's own share would undercount a job of several engines
+    # (and an engine shared by ranks, rollout.tp > 1, generates their shares in one call of its time)
+    generated = sum(len(r.output_ids) for r in rollouts)
+    return rollouts, {
         "rollout/generated_tokens": float(generated), "time/generate_only": gen_time, "time/reward_wait": wait,
         "reward/timeouts": float(timeouts), "reward/failed_batches": float(failures),
         "reward/unscored": float(unscored)}

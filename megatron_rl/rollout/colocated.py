@@ -202,38 +202,38 @@ def apportion(sizes: list[int], total: int) -> list[int]:
     return shares
 
 
-_EPISODE_STATUSES = ("submitted", "max_turns", "max_tokens", "wall_time", "dropped", "aborted", "deadline", "partial")
-
-
-def _episode_mean_prefix(key: str) -> Optional[str]:
-    """The prefix ("" or "domain/<d>/") of an episode mean (`agent/turns_mean`, `agent/env/...`), else None."""
-    for marker in ("agent/turns_mean", "agent/env/"):
+def _episode_mean_weight(key: str, stats: dict[str, float]) -> Optional[float]:
+    """For an episode mean (`agent/turns_mean`, `agent/env/<k>`, also under a joint run's "domain/<d>/"), the
+    count it is a mean over in `stats` (`agent/episodes`, `agent/env_count/<k>`); None for any other key."""
+    for marker, count in (("agent/turns_mean", "agent/episodes"), ("agent/env/", "agent/env_count/")):
         at = key.find(marker)
         if at >= 0 and (at == 0 or key[:at].startswith("domain/")):
-            return key[:at]
+            name = key[at + len(marker):] if marker.endswith("/") else ""
+            return stats.get(f"{key[:at]}{count}{name}", 0.0)
     return None
 
 
 def combine_rounds(per_round: Sequence[dict[str, float]]) -> dict[str, float]:
     """One step's generation metrics from its dynamic-sampling rounds: times and counts add up; the
     episode means (`agent/turns_mean`, `agent/env/...`, also a joint run's `domain/<d>/...`) are
-    weighted by each round's episodes (its `agent/<status>` counts); `sched/engine_busy` by each round's
-    `sched/wall_s`, the fraction of all the rounds' wall time the engine was busy (a sum would report
-    2 for an engine busy throughout two rounds)."""
+    weighted by the episodes each round's mean is over (`agent/episodes`, `agent/env_count/...`);
+    `sched/engine_busy` by each round's `sched/wall_s`, the fraction of all the rounds' wall time the
+    engine was busy (a sum would report 2 for an engine busy throughout two rounds)."""
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
+    means = set()
     for stats in per_round:
         for key, value in stats.items():
             weight = 1.0
             if key.endswith("sched/engine_busy"):
                 weight = stats.get(key[:-len("engine_busy")] + "wall_s", 0.0)
-            elif (prefix := _episode_mean_prefix(key)) is not None:
-                weight = sum(stats.get(f"{prefix}agent/{s}", 0.0) for s in _EPISODE_STATUSES)
+                means.add(key)
+            elif (count := _episode_mean_weight(key, stats)) is not None:
+                weight = count
+                means.add(key)
             sums[key] = sums.get(key, 0.0) + value * weight
             weights[key] = weights.get(key, 0.0) + weight
-    return {key: (total / max(weights[key], 1e-9) if key.endswith("sched/engine_busy")
-                  or _episode_mean_prefix(key) is not None else total)
-            for key, total in sums.items()}
+    return {key: total / max(weights[key], 1e-9) if key in means else total for key, total in sums.items()}
 
 
 class ColocatedSource(ControllerVersion):

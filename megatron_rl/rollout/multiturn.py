@@ -309,9 +309,10 @@ def scheduler_stats(episodes: Sequence[Episode], timeline: Timeline, start: floa
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Counts for the step's metrics: attribution of failures, turns, statuses; and the mean of each
-    number the environments put in `info` (`agent/env/<key>`, over the episodes that report it)."""
+    number the environments put in `info` (`agent/env/<key>`, over the `agent/env_count/<key>` episodes that
+    report it). `agent/episodes` counts them all, lost ones included: the count `agent/turns_mean` is over."""
     count = max(len(episodes), 1)
-    out = {"agent/turns_mean": sum(e.num_turns for e in episodes) / count,
+    out = {"agent/episodes": float(len(episodes)), "agent/turns_mean": sum(e.num_turns for e in episodes) / count,
            "agent/model_errors": float(sum(e.model_errors for e in episodes)),
            "agent/infra_errors": float(sum(e.infra_errors for e in episodes)),
            "agent/hacking_flagged": float(sum(bool(e.info.get("tampered") or e.info.get("hardcoded"))
@@ -325,4 +326,5 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
             if isinstance(value, (bool, int, float)):
                 reported.setdefault(key, []).append(float(value))
     out.update({f"agent/env/{key}": sum(v) / len(v) for key, v in sorted(reported.items())})
+    out.update({f"agent/env_count/{key}": float(len(v)) for key, v in sorted(reported.items())})
     return out

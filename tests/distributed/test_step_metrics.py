@@ -2,7 +2,7 @@
 function that gives no verdict on rank 1), started from the fork server (tests/distributed/launcher.py).
 
 - Counts each rank takes on its own share of the prompts (`reward/unscored`, `reward/verifier_errors`,
-  `reward/verifier_calls`) are the totals over both ranks, not rank 0's.
+  `reward/verifier_calls`) are the totals over both ranks, not rank 0's; so is `rollout/generated_tokens`.
 - One step number everywhere: a row's `step` is the updates done when it was written; the evaluation
   before any update is row 0; the log's `step k` and `eval at step k` lines, the metrics.jsonl rows, the
   TensorBoard events and the checkpoints agree.
@@ -68,6 +68,9 @@ def test_counts_are_summed_over_the_ranks(run):
         assert row["reward/verifier_calls"] == 2, row  # a reward call per engine call: one per rank
         assert row["reward/timeouts"] == 0 and row["reward/failed_batches"] == 0
         assert row["filter/dropped_episodes"] == per_rank  # from the gathered rollouts: global before too
+        # every rank's tokens, not rank 0's share: the mean response length is over all the step's samples
+        assert row["rollout/generated_tokens"] == pytest.approx(row["response_length/mean"] * BATCH), row
+        assert row["rollout/tokens_per_s"] == pytest.approx(row["rollout/generated_tokens"] / row["time/generate_only"])
 
 
 def test_log_lines_rows_tensorboard_and_checkpoints_agree(run):

@@ -109,6 +109,16 @@ def test_every_trained_group_obeys_the_staleness_bound(one_step_off):
     assert max(r["async/staleness_max"] for r in rows) == 1  # one step off-policy did happen
 
 
+def test_the_generators_reward_counts_are_the_steps(one_step_off):
+    """The generators score every sample and the trainer's own verifier none: the step's reward counts are the
+    generators' (they were 0 before), each of its 32 samples' answer read once, by its last number or not."""
+    _, rows, _ = one_step_off
+    for r in rows:
+        assert r["reward/answers"] == 32 and r["reward/verifier_calls"] >= 1, r
+        assert r["reward/unscored"] == r["reward/timeouts"] == r["reward/failed_batches"] == 0, r
+        assert 0 <= r["reward/last_number_answers"] <= 32
+
+
 def test_generator_weight_versions_advance(one_step_off):
     run_dir, rows, _ = one_step_off
     generator = read_events(run_dir / "timeline" / "generator0.jsonl")
@@ -262,6 +272,7 @@ def test_tensor_parallel_trainer_publishes_the_gathered_weights(tmp_path):
     assert rows[0]["async/staleness_max"] == 0 and rows[0]["rollout/logprob_mismatch"] <= 1e-4
     assert all(r["async/staleness_max"] <= 1 for r in rows)
     assert max(r["rollout/logprob_mismatch"] for r in rows[1:]) > 1e-3
+    assert all(r["reward/answers"] == 32 for r in rows)  # the generator's counts, once: not once per trainer rank
 
 
 def test_a_lora_run_publishes_the_base_once_and_then_the_adapters_alone(tmp_path):

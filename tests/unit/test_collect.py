@@ -48,6 +48,7 @@ def test_a_failing_verifier_leaves_its_chunk_unscored():
     assert [r.status for r in rollouts] == [""] * 4 + ["unscored"] * 4
     assert [r.reward for r in rollouts[:4]] == [1.0, 1.0, 0.0, 0.0]
     assert stats["reward/failed_batches"] == 1.0 and stats["reward/timeouts"] == 0.0
+    assert stats["reward/unscored"] == 4.0  # the failed batch's samples are samples without a verdict too
     assert [is_scored(r) for r in rollouts] == [True] * 4 + [False] * 4
     assert [r.scored for r in rollouts] == [True] * 4 + [False] * 4
 
@@ -63,6 +64,7 @@ def test_a_late_verifier_leaves_its_samples_unscored(tmp_path, monkeypatch):
     finally:
         importlib.import_module("slow_reward").GATE.set()
     assert [r.status for r in rollouts] == ["unscored"] * 4 and stats["reward/timeouts"] >= 1.0
+    assert stats["reward/unscored"] == 4.0
     cfg = types.SimpleNamespace(algorithm=types.SimpleNamespace(advantage_estimator="grpo"))
     assert step_advantages(cfg, rollouts, torch.zeros(4)) == ([None] * 4, None)
 

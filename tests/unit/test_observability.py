@@ -201,24 +201,30 @@ def test_metrics_to_wandb_offline_continue_one_run_across_restarts(tmp_path, mon
 
 
 def test_rank_local_metrics_combine_by_what_they_are():
-    """Counts add up, a sandbox client's mean latency is weighted by its calls, maxima take the largest;
-    metrics every rank holds alike are left out (the caller keeps its own), and a rank without a key
-    (no sandbox call) adds nothing to it."""
+    """Counts add up, a sandbox client's mean latency is weighted by the calls it is a mean over (its recent
+    window, not all its calls), maxima take the largest; metrics every rank holds alike are left out (the caller
+    keeps its own), and a rank without a key (no sandbox call) adds nothing to it."""
     from megatron_rl.observability.reduce import combine
 
     rank0 = {"reward/unscored": 0.0, "reward/verifier_errors": 0.0, "reward/verifier_calls": 2.0,
-             "sandbox/training/calls": 3.0, "sandbox/training/latency_mean_s": 1.0,
+             "sandbox/training/calls": 3000.0, "sandbox/training/recent_calls": 1024.0,
+             "sandbox/training/latency_mean_s": 1.0, "sandbox/training/server_wait_mean_s": 0.5,
+             "sandbox/training/recent_server_waits": 1.0,
              "sandbox/training/wait_max_s": 4.0, "sandbox/training/wait_p95_s": 2.0, "reward/mean": 0.25,
              "sandbox/servers_up": 2.0, "time/generate": 1.0, "reward/answers": 6.0,
              "reward/unformatted_answers": 1.0}
     rank1 = {"reward/unscored": 8.0, "reward/verifier_errors": 8.0, "reward/verifier_calls": 2.0,
-             "sandbox/training/calls": 1.0, "sandbox/training/latency_mean_s": 5.0,
+             "sandbox/training/calls": 1000.0, "sandbox/training/recent_calls": 1000.0,
+             "sandbox/training/latency_mean_s": 5.0, "sandbox/training/server_wait_mean_s": 2.0,
+             "sandbox/training/recent_server_waits": 3.0,
              "sandbox/training/wait_max_s": 3.0, "sandbox/training/wait_p95_s": 3.0, "reward/mean": 0.75,
              "reward/answers": 4.0, "reward/unformatted_answers": 3.0, "reward/unformatted_share": 0.75}
     rank2 = {"reward/unscored": 1.0, "reward/verifier_errors": 0.0, "reward/verifier_calls": 1.0}
     assert combine([rank0, rank1, rank2]) == {
         "reward/unscored": 9.0, "reward/verifier_errors": 8.0, "reward/verifier_calls": 5.0,
-        "sandbox/training/calls": 4.0, "sandbox/training/latency_mean_s": (3 * 1.0 + 1 * 5.0) / 4,
+        "sandbox/training/calls": 4000.0, "sandbox/training/recent_calls": 2024.0,
+        "sandbox/training/latency_mean_s": (1024 * 1.0 + 1000 * 5.0) / 2024,
+        "sandbox/training/recent_server_waits": 4.0, "sandbox/training/server_wait_mean_s": (1 * 0.5 + 3 * 2.0) / 4,
         "sandbox/training/wait_max_s": 4.0, "sandbox/training/wait_p95_s": 3.0, "reward/answers": 10.0,
         "reward/unformatted_answers": 4.0}  # a share is no count: the step recomputes it from the sums
 

@@ -69,11 +69,13 @@ def test_dynamic_sampling_rounds_combine_into_one_steps_metrics():
     """Two rounds: 4 s at 50 % engine busy and 2 s at 25 % are 2.5 of 6 s busy; times and counts add up;
     episode means are weighted by the rounds' episodes (5 + 1 here, of a joint run's domain 2 + 6)."""
     rounds = [{"time/episodes": 4.0, "sched/wall_s": 4.0, "sched/engine_busy": 0.5, "agent/turns_mean": 3.0,
-               "agent/submitted": 5.0, "agent/env/tests_passed": 0.2, "domain/cd/sched/wall_s": 1.0,
-               "domain/cd/sched/engine_busy": 1.0, "domain/cd/agent/turns_mean": 1.0, "domain/cd/agent/submitted": 2.0},
+               "agent/episodes": 5.0, "agent/submitted": 5.0, "agent/env/tests_passed": 0.2,
+               "agent/env_count/tests_passed": 5.0, "domain/cd/sched/wall_s": 1.0,
+               "domain/cd/sched/engine_busy": 1.0, "domain/cd/agent/turns_mean": 1.0, "domain/cd/agent/episodes": 2.0},
               {"time/episodes": 2.0, "sched/wall_s": 2.0, "sched/engine_busy": 0.25, "agent/turns_mean": 5.0,
-               "agent/submitted": 1.0, "agent/env/tests_passed": 0.6, "domain/cd/sched/wall_s": 3.0,
-               "domain/cd/sched/engine_busy": 0.0, "domain/cd/agent/turns_mean": 3.0, "domain/cd/agent/max_turns": 6.0}]
+               "agent/episodes": 1.0, "agent/submitted": 1.0, "agent/env/tests_passed": 0.6,
+               "agent/env_count/tests_passed": 1.0, "domain/cd/sched/wall_s": 3.0,
+               "domain/cd/sched/engine_busy": 0.0, "domain/cd/agent/turns_mean": 3.0, "domain/cd/agent/episodes": 6.0}]
     got = combine_rounds(rounds)
     assert got["sched/engine_busy"] == pytest.approx(2.5 / 6)
     assert got["domain/cd/sched/engine_busy"] == pytest.approx(1.0 / 4)
@@ -82,6 +84,25 @@ def test_dynamic_sampling_rounds_combine_into_one_steps_metrics():
     assert got["agent/env/tests_passed"] == pytest.approx((0.2 * 5 + 0.6 * 1) / 6)
     assert got["domain/cd/agent/turns_mean"] == pytest.approx((1.0 * 2 + 3.0 * 6) / 8)
     assert combine_rounds(rounds[:1]) == rounds[0]
+
+
+def test_rounds_of_episodes_combine_to_the_means_over_all_their_episodes():
+    """Per-round `episode_metrics`, combined, equal `episode_metrics` of every round's episodes at once: lost
+    episodes (an agent program's agent_failed) count in the turns' mean, and an environment number is a mean over
+    the episodes that report it."""
+    from megatron_rl.rollout.multiturn import Episode, episode_metrics
+
+    def episode(turns, status, info):
+        return Episode(0, [1], [], [], "stop", 0, num_turns=turns, status=status, info=info)
+
+    first = [episode(1, "agent_failed", {}) for _ in range(4)] + \
+        [episode(1, "submitted", {"tests_passed": 1.0}) for _ in range(4)]
+    second = [episode(3, "submitted", {"tests_passed": 0.0}) for _ in range(2)] + \
+        [episode(3, "max_turns", {}) for _ in range(6)]
+    got = combine_rounds([episode_metrics(first), episode_metrics(second)])
+    whole = episode_metrics(first + second)
+    assert whole["agent/turns_mean"] == 2.0 and whole["agent/env/tests_passed"] == pytest.approx(4 / 6)
+    assert got == pytest.approx(whole)
 
 
 def test_engines_of_one_step_combine_into_its_scheduler_metrics():
