@@ -198,7 +198,7 @@ def serve(cfg: Any, index: int, request: Request, task: Any, engine: Any, reward
     run's request may hold both, each agent domain played with its own environments.
     `between_calls()` runs between engine calls that may take a weight update (partial rollouts);
     `progress()` before and after every engine call, and while rewards are awaited."""
-    from megatron_rl.rl.metrics import VerifierCounts
+    from megatron_rl.rewards.counts import VerifierCounts
 
     counts = VerifierCounts.of(rewards.verifier)
     faults = {"reward/timeouts": 0.0, "reward/failed_batches": 0.0}

@@ -4,37 +4,16 @@ own share; `reduce_over_ranks` sums the counts and averages the rest before rank
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
 
 import torch
 
+from megatron_rl.rewards.counts import VerifierCounts
 from megatron_rl.rollout.collect import Rollout, is_scored
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class VerifierCounts:
-    """The reward verifier's running counts when a step began (calls, errors, how rule verifiers read answers)."""
-
-    calls: float
-    errors: float
-    answers: dict
-
-    @classmethod
-    def of(cls, verifier: Any) -> "VerifierCounts":
-        return cls(getattr(verifier, "calls", 0), getattr(verifier, "errors", 0),
-                   dict(getattr(verifier, "answer_counts", {})))
-
-    def since(self, verifier: Any) -> dict[str, float]:
-        out = {"reward/verifier_calls": float(getattr(verifier, "calls", 0) - self.calls),
-               "reward/verifier_errors": float(getattr(verifier, "errors", 0) - self.errors)}
-        out.update({f"reward/{k}": float(v - self.answers.get(k, 0))
-                    for k, v in getattr(verifier, "answer_counts", {}).items()})
-        return out
 
 
 def step_metrics(rt, run: Any, step: int, rollouts: list[Rollout], rewards: torch.Tensor, advantages: list,
