@@ -62,10 +62,35 @@ def arch_from_hf_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not supported: the "
                          "weights must be dequantised to bf16 or fp32 first (and quantization_config removed)")
     converter.check_config(hf, where)
+    hf = with_transformers_defaults(hf)
     try:
         return converter.arch_from_config(hf, where)
     except KeyError as exc:
         raise ValueError(f"{where}: missing key {exc}") from None
+
+
+def with_transformers_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """`hf` (a config.json) with the keys it leaves out that change the math (`rms_norm_eps`,
+    `max_position_embeddings`, the RoPE theta) set to what transformers' config class for its model_type
+    defaults to: what transformers runs such a checkpoint with, which differs between families (Mixtral's
+    theta 1e6 and eps 1e-5, Llama's 2048 positions), and not ModelConfig's own defaults."""
+    import transformers
+
+    try:
+        defaults = transformers.AutoConfig.for_model(hf["model_type"])
+    except (KeyError, ValueError):  # an unknown model_type was refused before this is reached
+        return hf
+    out = dict(hf)
+    for key in ("rms_norm_eps", "max_position_embeddings"):
+        if key not in out and getattr(defaults, key, None) is not None:
+            out[key] = getattr(defaults, key)
+    entries = [out.get(key) for key in ("rope_scaling", "rope_parameters")]
+    if "rope_theta" not in out and not any(isinstance(e, dict) and "rope_theta" in e for e in entries):
+        theta = getattr(defaults, "default_theta", None) or (getattr(defaults, "rope_parameters", None) or {}).get(
+            "rope_theta")
+        if theta is not None:
+            out["rope_theta"] = theta
+    return out
 
 
 def describe_names(names: Any) -> str:
@@ -295,6 +320,11 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
             hf.pop("lm_head.weight", None)  # transformers re-ties it on load
         eos = getattr(tokenizer, "eos_token_id", None) or 0
         config = hf_config(arch, eos)
+        source = _source_checkpoint(arch)
+        if source is not None:  # its special tokens as they were (Llama 3.1's three end ids, a bos apart from eos)
+            for key, value in read_config(source).items():
+                if key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                    setattr(config, key, value)
         keep = fp32_tensors(config)  # not rounded to `dtype`: transformers holds them in fp32
         hf = {k: (v.to(dtype) if dtype and not kept_in_fp32(k, keep) else v).contiguous() for k, v in hf.items()}
         tmp = _staging_dir(out_dir)
@@ -309,11 +339,20 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
         config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if source is not None and (source / "generation_config.json").is_file():
+            # where generate() and the engines take the end-of-turn ids and the model's sampling defaults from
+            shutil.copyfile(source / "generation_config.json", tmp / "generation_config.json")
         _into_place(tmp, out_dir)
         logger.info("exported HF checkpoint to %s (%d tensors)", out_dir, len(hf))
     if dist.is_initialized():
         dist.barrier()
     return out_dir
+
+
+def _source_checkpoint(arch: Any) -> Optional[Path]:
+    """The HF checkpoint directory the model was loaded from (model.path), if it is one."""
+    path = getattr(arch, "path", None)
+    return Path(path) if path and (Path(path) / "config.json").is_file() else None
 
 
 def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path, base_model: Optional[str],

@@ -59,6 +59,7 @@ _ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_a
                 "sliding_window", "sliding_window_layers", "swiglu_limit",
                 "rope_scaling_original_max_position_embeddings", "rope_scaling_beta_fast", "rope_scaling_beta_slow",
                 "rope_scaling_mscale", "rope_scaling_mscale_all_dim", "rope_scaling_truncate", "rope_scaling_type",
+                "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor", "rope_theta", "norm_eps",
                 "lora_rank", "lora_alpha", "lora_targets")  # LoRA: the adapters' shapes and the merged model
 
 

@@ -116,7 +116,8 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     loss_agg_mode: str = "token_mean"
-    """Loss normalisation: token_mean, seq_mean_token_sum or seq_mean_token_mean."""
+    """Loss normalisation: token_mean, seq_mean_token_sum, seq_mean_token_mean or seq_mean_token_sum_norm (Dr.
+    GRPO: each sequence's token sum over loss_norm_len)."""
     num_inner_updates: int = 1
     """Optimizer steps taken on each batch of rollouts."""
     routing_replay: str = "none"

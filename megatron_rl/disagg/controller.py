@@ -271,13 +271,13 @@ class DisaggregatedController:
         if not algo.dynamic_sampling:
             return {}
         from megatron_rl.algorithms.filters import has_reward_variance
-        from megatron_rl.rewards.shaping import scored_rewards
+        from megatron_rl.rewards.shaping import group_verdicts
 
         def replace(group: ExperienceGroup) -> None:
             self._consumed(group)
             self._request(self.sampler.next_batch(1))
 
-        return {"accept": lambda group: has_reward_variance(scored_rewards(self.cfg, group.rollouts)),
+        return {"accept": lambda group: has_reward_variance(group_verdicts(group.rollouts)),
                 "on_reject": replace, "max_rejects": (algo.dynamic_sampling_max_rounds - 1) * self.num_groups}
 
     def _drop(self, group: ExperienceGroup) -> None:

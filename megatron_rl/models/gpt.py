@@ -466,7 +466,7 @@ def build_model(model_cfg: Any, groups: ParallelGroups, *, deterministic: bool =
         parallel_output=True,  # logits stay vocab-parallel: never gathered to the full vocabulary
         share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
         position_embedding_type="yarn" if _gpt_yarn(model_cfg) else "rope",
-        rotary_base=int(model_cfg.rope_theta),
+        rotary_base=model_cfg.rope_theta,  # a float: a fractional theta must not be truncated
         # Llama 3.1 scaling; its other parameters are Megatron's fixed ones, which ModelConfig enforces.
         # (multi-latent attention builds its own RoPE, YaRN-scaled or not: `_mla_fields`; gpt-oss's YaRN:
         # `_set_yarn`)

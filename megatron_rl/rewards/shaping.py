@@ -1,5 +1,5 @@
 """Reward shaping before the advantages: the verifier's reward plus the overlong penalty
-(algorithm.overlong=penalty), per sample; and a group's shaped rewards over its scored samples,
+(algorithm.overlong=penalty), per sample; and a group's verifier rewards over its scored samples,
 which is what dynamic sampling (colocated and disaggregated) judges a group by."""
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def shaped_rewards(cfg, rollouts: list[Rollout]) -> torch.Tensor:
     return rewards + adjustment * single
 
 
-def scored_rewards(cfg, group: Sequence[Rollout]) -> torch.Tensor:
-    """The shaped rewards of a group's scored samples (what dynamic sampling judges a group by)."""
-    return shaped_rewards(cfg, [r for r in group if is_scored(r)])
+def group_verdicts(group: Sequence[Rollout]) -> torch.Tensor:
+    """The verifier rewards of a group's scored samples: what dynamic sampling (colocated and disaggregated)
+    judges a group by, as DAPO does (0 < correct < n, its eq. 11). Not the shaped rewards: a group whose answers
+    are all right but of different lengths differs only by the overlong penalty, and DAPO drops it."""
+    return torch.tensor([float(r.reward) for r in group if is_scored(r)])

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from typing import Any, Optional, Sequence
 
-from megatron_rl.rewards.shaping import scored_rewards
+from megatron_rl.rewards.shaping import group_verdicts
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.collect import Rollout, collect
 from megatron_rl.rollout.source import ControllerVersion
@@ -277,7 +277,7 @@ class ColocatedSource(ControllerVersion):
                 if cfg.rollout.oversample:
                     timing["sched/groups_cut"] = timing.get("sched/groups_cut", 0.0) + sum(cut)
                 groups = [group for group, was_cut in zip(groups, cut) if not was_cut]
-                rounds.add_round(groups, [scored_rewards(cfg, group) for group in groups])
+                rounds.add_round(groups, [group_verdicts(group) for group in groups])
             return {**combine_rounds(per_round), **timing}
 
         timing, kept = self.controller.rollout(run), rounds.batch()

@@ -10,6 +10,8 @@ are ~1e-6, the issue's bound is 1e-4.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,12 @@ def checkpoints(tmp_path_factory):
     tokenizer = load_tokenizer("builtin:char")
     for family in FAMILY_CONFIGS:
         model = build_hf_model(_model_cfg(family), seed=21)
+        if family == "llama":  # special tokens as Llama 3.1 has them: several end ids, bos apart, sampling defaults
+            from transformers import GenerationConfig
+
+            model.config.update({"bos_token_id": 1, "eos_token_id": [0, 3], "pad_token_id": None})
+            model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[0, 3], do_sample=True,
+                                                       temperature=0.6, top_p=0.9)
         shard = "150KB" if family in ("qwen2", "qwen3_moe") else "50GB"
         model.save_pretrained(root / family, max_shard_size=shard)
         tokenizer.save_pretrained(root / family)
@@ -145,4 +153,10 @@ def test_export_round_trip_is_bit_exact(checkpoints, results, family, layout):
         assert torch.equal(loaded[key], value), key
     tokenizer = load_tokenizer(str(exported))
     assert tokenizer.decode(tokenizer("3 5 7 -> 22")["input_ids"]) == "3 5 7 -> 22"
+    source, written = (json.loads((d / "config.json").read_text()) for d in (checkpoints / family, exported))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert written.get(key) == source.get(key), key  # the checkpoint's special tokens, not the tokenizer's eos
+    if (checkpoints / family / "generation_config.json").exists():
+        assert (exported / "generation_config.json").read_text() == \
+            (checkpoints / family / "generation_config.json").read_text()
     assert not list(out.glob("*.tmp")), "no temporary directory may be left behind"

@@ -240,6 +240,11 @@ def test_mismatched_architecture_names_the_checkpoint_and_field(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"config": {"model": {"rope_scaling_factor": 8.0}}}))
     with pytest.raises(ValueError, match=r"model.rope_scaling_factor=8.0, this run has model.rope_scaling_factor=None"):
         check_compatible(tmp_path, ModelConfig())
+    # nor do the RoPE base and the norms' epsilon (a resume or export that rebuilds the model from another config)
+    for key, saved in (("rope_theta", 1000000.0), ("norm_eps", 1e-05)):
+        (tmp_path / "meta.json").write_text(json.dumps({"config": {"model": {key: saved}}}))
+        with pytest.raises(ValueError, match=rf"model.{key}={saved}, this run has model.{key}="):
+            check_compatible(tmp_path, ModelConfig())
     # nor does how much of each head RoPE turns, or the expert layout
     glm = ModelConfig(family="glm4_moe", num_experts=4, moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=64,
                       moe_dense_layers=[0], rotary_percent=0.5)

@@ -475,6 +475,28 @@ def test_deepseek_v3_without_yarn_resets_every_rope_field(tmp_path):
             arch["rope_scaling_original_max_position_embeddings"]) == (None, 0.0, 1.0, 8192)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_keys_a_config_leaves_out_mean_what_transformers_reads(tmp_path, family):
+    """A config.json without the RoPE base, the norms' epsilon or the context length: each family's values are
+    the ones transformers builds that checkpoint's model with (Mixtral's theta 1e6 and eps 1e-5, Llama's 2048
+    positions), not ModelConfig's defaults."""
+    from transformers import AutoConfig
+
+    cfg = get_converter(family).config_dict(FAMILIES[family])
+    for key in ("rope_theta", "rms_norm_eps", "max_position_embeddings"):
+        cfg.pop(key, None)
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(cfg.get(key), dict):
+            cfg[key].pop("rope_theta", None)
+            if cfg[key].get("rope_type", cfg[key].get("type")) in ("default", None) and len(cfg[key]) <= 1:
+                del cfg[key]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = arch_from_hf_config(tmp_path)
+    ref = AutoConfig.from_pretrained(tmp_path)
+    assert arch["rope_theta"] == ref.rope_parameters["rope_theta"]
+    assert arch["norm_eps"] == ref.rms_norm_eps and arch["max_position_embeddings"] == ref.max_position_embeddings
+
+
 def test_deepseek_v3_defaults_are_transformers_defaults(tmp_path):
     """Keys absent from config.json mean what transformers' DeepseekV3Config defaults to."""
     from transformers import DeepseekV3Config

@@ -84,6 +84,12 @@ FLIPS: dict[str, tuple[Flip, str]] = {
     "rms_norm_eps": (_set(rms_norm_eps=0.1), "rms_norm_eps="),
     "layer_norm_eps": (_set(layer_norm_eps=0.1), "layer_norm_eps="),
     "rope_theta": (_theta, "rope_theta="),
+    # a base that is not a whole number (was truncated to 2 on the way into Megatron-core)
+    "rope_theta_fractional": (lambda hf, cfg: {**hf, "rope_parameters": {**hf["rope_parameters"], "rope_theta": 2.5}},
+                              "rope_theta="),
+    # transformers reads mscale_all_dim without mscale differently from Megatron-core: refused wherever YaRN is not
+    "rope_yarn_mscale_all_dim": (_rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                                       mscale_all_dim=1.0), "rope_(scaling|parameters)"),
     "hidden_act": (_set(hidden_act="gelu"), "hidden_act="),
     "attn_logit_softcapping": (_set(attn_logit_softcapping=30.0), "attn_logit_softcapping="),
     "final_logit_softcapping": (_set(final_logit_softcapping=30.0), "final_logit_softcapping="),

@@ -153,12 +153,26 @@ def test_lost_episodes_take_no_part_in_the_group_baseline():
 
 def test_dynamic_sampling_judges_a_group_by_its_scored_samples():
     from megatron_rl.algorithms.filters import has_reward_variance
-    from megatron_rl.rewards.shaping import scored_rewards
+    from megatron_rl.rewards.shaping import group_verdicts
 
-    cfg = _cfg()
-    assert not has_reward_variance(scored_rewards(cfg, [_episode(0, 1.0, "submitted"), _episode(0, 0.0, "dropped")]))
-    assert not has_reward_variance(scored_rewards(cfg, [_episode(0, 0.0, "deadline")] * 2))
-    assert has_reward_variance(scored_rewards(cfg, [_episode(0, 1.0, "submitted"), _episode(0, 0.0, "max_turns")]))
+    assert not has_reward_variance(group_verdicts([_episode(0, 1.0, "submitted"), _episode(0, 0.0, "dropped")]))
+    assert not has_reward_variance(group_verdicts([_episode(0, 0.0, "deadline")] * 2))
+    assert has_reward_variance(group_verdicts([_episode(0, 1.0, "submitted"), _episode(0, 0.0, "max_turns")]))
+
+
+def test_dynamic_sampling_drops_a_group_whose_answers_differ_only_in_length():
+    """DAPO keeps a group when 0 < correct < n (its eq. 11): four right answers of lengths 10, 18, 12 and 19
+    under the overlong penalty (limit 20, window 4) have shaped rewards 1, 0.5, 1, 0.25, yet the group is
+    dropped; one wrong answer among them keeps it."""
+    from megatron_rl.algorithms.filters import has_reward_variance
+    from megatron_rl.rewards.shaping import group_verdicts, shaped_rewards
+
+    cfg = _cfg("algorithm.overlong=penalty", "algorithm.overlong_penalty_window=4", "rollout.max_new_tokens=20")
+    group = [Rollout(0, [1], [5] * n, [0.0] * n, "stop", 0, reward=1.0) for n in (10, 18, 12, 19)]
+    assert shaped_rewards(cfg, group).tolist() == [1.0, 0.5, 1.0, 0.25]
+    assert not has_reward_variance(group_verdicts(group))
+    group[0].reward = 0.0
+    assert has_reward_variance(group_verdicts(group))
 
 
 def test_overlong_shaping_leaves_agent_episodes_alone():

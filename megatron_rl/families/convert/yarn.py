@@ -40,6 +40,12 @@ def yarn_fields(rope: dict[str, Any], where: Path) -> dict[str, Any]:
     fields = {"rope_scaling_factor": float(rope["factor"]),
               "rope_scaling_original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
               "rope_scaling_truncate": bool(rope.get("truncate", True))}
+    if rope.get("mscale_all_dim") and rope.get("mscale") is None:
+        # transformers then scales cos and sin by 0.1 ln(factor) + 1 and reads mscale_all_dim only in DeepSeek's
+        # softmax scale; Megatron-core applies mscale / mscale_all_dim to both: no field values agree with it
+        raise ValueError(f"{where}: rope_parameters mscale_all_dim={rope['mscale_all_dim']} without mscale is not "
+                         "supported: transformers and Megatron-core would scale attention differently (give both, "
+                         "as DeepSeek-V3's 1.0 and 1.0, or neither)")
     for hf_key, key, default in YARN_KEYS:
         value = rope.get(hf_key)
         fields[key] = float(default if value is None else value)
