@@ -63,6 +63,10 @@ def run_value(records: Sequence[dict[str, Any]], ks: Sequence[int], step: Option
     if chosen not in steps:
         raise ValueError(f"step {step} was not evaluated (steps {', '.join(map(str, steps)) or 'none'})")
     rows = [r for r in rows if r.get("step") == chosen]
+    checkpoints = sorted({str(r.get("checkpoint")) for r in rows})
+    if len(checkpoints) > 1:  # e.g. a training checkpoint and its HF export: pooled, their samples would mix
+        raise ValueError(f"step {chosen} has records of several checkpoints ({', '.join(checkpoints)}): pool "
+                         "evaluations of one checkpoint per run (evaluate the others into another directory)")
     out = {"checkpoint": rows[0].get("checkpoint"), "step": chosen, "metrics": _seed_mean(rows, ks)}
     domains = group_by(rows, lambda r: r.get("domain", ""))
     if len(domains) > 1:
@@ -71,8 +75,14 @@ def run_value(records: Sequence[dict[str, Any]], ks: Sequence[int], step: Option
 
 
 def _seed_mean(rows: Sequence[dict[str, Any]], ks: Sequence[int]) -> dict[str, float]:
+    """Each metric's mean over the seeds where it is defined (a seed whose samples were all lost has nan), as
+    `records.summarize` takes it; nan when no seed has it."""
     per_seed = [eval_metrics(seed_rows, ks) for seed_rows in group_by(rows, lambda r: r.get("seed", 0)).values()]
-    return {name: sum(m[name] for m in per_seed) / len(per_seed) for name in per_seed[0]}
+    out = {}
+    for name in per_seed[0]:
+        values = [m[name] for m in per_seed if not math.isnan(m[name])]
+        out[name] = sum(values) / len(values) if values else float("nan")
+    return out
 
 
 def welch(baseline: Sequence[float], candidate: Sequence[float], confidence: float = 0.95) -> dict[str, Any]:
@@ -83,16 +93,20 @@ def welch(baseline: Sequence[float], candidate: Sequence[float], confidence: flo
     if len(baseline) < 2 or len(candidate) < 2:
         raise ValueError(f"comparing groups of runs needs >= 2 runs in each, got {len(baseline)} and {len(candidate)}")
     difference = sum(candidate) / len(candidate) - sum(baseline) / len(baseline)
-    if len(set(baseline)) == 1 and len(set(candidate)) == 1:  # no spread in either group: nothing to test
-        p_value, low, high, df = (1.0 if difference == 0 else 0.0), difference, difference, math.nan
+    if len(set(baseline)) == 1 and len(set(candidate)) == 1:
+        # no spread in either group: no test (scipy's is nan too), and no difference is shown significant
+        p_value, low, high, df = math.nan, math.nan, math.nan, math.nan
     else:
         with warnings.catch_warnings():  # one constant group (e.g. pass@k = 1 in every run) is fine for
             warnings.filterwarnings("ignore", "Precision loss occurred", RuntimeWarning)  # Welch: its variance is 0
             result = stats.ttest_ind(candidate, baseline, equal_var=False)
         ci = result.confidence_interval(confidence)
         p_value, low, high, df = float(result.pvalue), float(ci.low), float(ci.high), float(result.df)
-    return {"difference": difference, "low": low, "high": high, "p_value": p_value,
-            "df": None if math.isnan(df) else df, "significant": p_value < 1 - confidence,
+    def number(x: float) -> Optional[float]:  # JSON has no nan: None, as the intervals write it
+        return None if math.isnan(x) else x
+
+    return {"difference": difference, "low": number(low), "high": number(high), "p_value": number(p_value),
+            "df": number(df), "significant": bool(p_value < 1 - confidence),
             "alpha": 1 - confidence, "method": "welch-t"}
 
 
@@ -155,7 +169,9 @@ def pooled_markdown(result: dict[str, Any]) -> str:
                                                 for d, by_metric in result.get("domain_comparison", {}).items()]
         for label, by_metric in parts:
             for metric, c in by_metric.items():
-                lines.append(f"| {metric}{label} | {c['difference']:+.3f} | [{c['low']:+.3f}, {c['high']:+.3f}] | "
-                             f"{c['p_value']:.3g} | {'yes' if c['significant'] else 'no'} |")
+                interval = "-" if c["low"] is None else f"[{c['low']:+.3f}, {c['high']:+.3f}]"
+                p_value = "- (no spread)" if c["p_value"] is None else f"{c['p_value']:.3g}"
+                lines.append(f"| {metric}{label} | {c['difference']:+.3f} | {interval} | {p_value} | "
+                             f"{'yes' if c['significant'] else 'no'} |")
         lines.append("")
     return "\n".join(lines)

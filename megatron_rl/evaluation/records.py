@@ -70,20 +70,28 @@ def counts_per_prompt(records: Sequence[Mapping[str, Any]]) -> dict[int, tuple[i
 
 
 def eval_metrics(records: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, float]:
-    """One evaluation's metrics: `accuracy` (mean reward over the scored samples) and `pass@<k>` for
-    each k (unbiased pass@k per prompt, averaged over the prompts with at least k scored samples);
-    nan where nothing qualifies (every sample lost). `truncated`: the share of all samples cut at the
-    length limit (records written before it was recorded count as not cut)."""
+    """One evaluation's metrics: `accuracy` (each prompt's mean reward over its scored samples, averaged over
+    the prompts: a prompt that lost samples to the sandbox weighs as much as the others, and on 0/1 rewards it
+    equals pass@1) and `pass@<k>` for each k (unbiased pass@k per prompt, averaged over the prompts with at
+    least k scored samples: `pass_at_k_prompts` counts them); nan where nothing qualifies (every sample lost).
+    `truncated`: the share of all samples cut at the length limit (records written before it was recorded count
+    as not cut)."""
     if not records:
         raise ValueError("no evaluation records: the evaluation set is empty")
-    counted = scored(records)
     counts = list(counts_per_prompt(records).values())
-    out = {"accuracy": sum(float(r["reward"]) for r in counted) / len(counted) if counted else float("nan")}
+    out = {"accuracy": sum(total / n for n, _, total in counts) / len(counts) if counts else float("nan")}
     for k in ks:
         full = [(n, c) for n, c, _ in counts if n >= k]
         out[f"pass@{k}"] = mean_pass_at_k([n for n, _ in full], [c for _, c in full], k) if full else float("nan")
     out["truncated"] = sum(bool(r.get("truncated")) for r in records) / len(records)
     return out
+
+
+def pass_at_k_prompts(records: Sequence[Mapping[str, Any]], k: int) -> tuple[int, int]:
+    """(prompts pass@k is over: those with >= k scored samples, prompts with any verdict). Lost samples
+    cluster on hard prompts (sandbox timeouts), so fewer of the first than the second inflates pass@k."""
+    counts = counts_per_prompt(records)
+    return sum(n >= k for n, _, _ in counts.values()), len(counts)
 
 
 def per_prompt_scores(records: Sequence[Mapping[str, Any]], metric: str) -> dict[int, float]:
@@ -130,7 +138,10 @@ def _summary(records, ks, confidence, num_resamples, seed) -> dict[str, Any]:
     counts = counts_per_prompt(records)
     counted = len(scored(records))
     out = {"num_prompts": len(counts), "num_samples": counted, "num_lost": len(records) - counted,
-           "num_seeds": len(per_seed), "metrics": metrics}
+           "num_seeds": len(per_seed), "metrics": metrics,
+           # per seed, the prompts each pass@k is over (fewer than num_prompts: prompts that lost samples left out)
+           "pass_at_k_prompts": {f"pass@{k}": [pass_at_k_prompts(rows, k)[0] for _, rows in sorted(by_seed.items())]
+                                 for k in ks}}
     episodes = [r for r in records if "turns" in r]
     if episodes:
         out["episodes"] = episode_summary(episodes)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.evaluation.records import eval_metrics, records_from_rollouts
+from megatron_rl.evaluation.records import eval_metrics, pass_at_k_prompts, records_from_rollouts
 from megatron_rl.rl.metrics import sandbox_client
 from megatron_rl.rl.model_rewards import score_with_reward_models
 from megatron_rl.rollout.collect import Rollout, is_scored
@@ -52,8 +52,10 @@ def evaluate(rt, run: Any, step: int) -> dict[str, float]:
     per_domain = run.domains.eval_metrics(step, prompts, rollouts) if run.domains else {}
     lost = sum(bool(r["lost"]) for r in records)
     if lost:
+        over, judged = pass_at_k_prompts(records, k)
         logger.warning("eval at step %d: %d of %d samples got no verdict (sandbox or verifier failures) and are "
-                       "left out of the metrics", step, lost, len(records))
+                       "left out of the metrics; pass@%d is over the %d of %d prompts that kept all %d samples",
+                       step, lost, len(records), k, over, judged, k)
     return {"eval/accuracy": accuracy, "eval/pass@k": pass_k, "eval/samples": float(len(rollouts) - lost),
             "eval/lost": float(lost), "eval/truncated": found["truncated"], **lenient_accuracy(run, rollouts),
             **per_domain}

@@ -67,6 +67,20 @@ def test_run_value_is_the_seed_mean_at_the_latest_step_unless_chosen():
         run_value(records, ks=[1], set_name="regression")
 
 
+def test_two_checkpoints_of_one_step_are_not_pooled_and_a_lost_seed_is_left_out():
+    """A training checkpoint and its HF export at one step would mix their samples into one value: refused.
+    A seed whose every sample was lost has no value: the run's value is its other seeds' mean, not nan."""
+    rewards = _run_rewards(2)
+    export = [dict(r, checkpoint="hf/step_00000010") for r in _records(rewards, 10)]
+    with pytest.raises(ValueError, match="step 10 has records of several checkpoints .*hf/step_00000010"):
+        run_value(_records(rewards, 10) + export, ks=[1])
+    records = [dict(r, lost=True) if r["seed"] == 1 else r for r in _records(rewards, 10)]
+    got = run_value(records, ks=[1, 3])["metrics"]
+    assert got["accuracy"] == pytest.approx(float(rewards[0].mean()))
+    assert got["pass@3"] == pytest.approx(np.mean([_pass_at_k(SAMPLES, int(rewards[0, p].sum()), 3)
+                                                   for p in range(PROMPTS)]))
+
+
 def test_interval_over_runs_and_welch_comparison(tmp_path):
     a = [_write(tmp_path, f"a{i}", _records(_run_rewards(i), 20)) for i in range(3)]
     b = [_write(tmp_path, f"b{i}", _records(_run_rewards(10 + i), 20)) for i in range(3)]
@@ -97,7 +111,10 @@ def test_welch_needs_two_runs_a_side_and_handles_constant_groups():
     with pytest.raises(ValueError, match=">= 2 runs in each"):
         welch([0.5], [0.6, 0.7])
     same = welch([0.5, 0.5], [0.5, 0.5])
-    assert same["difference"] == 0 and same["p_value"] == 1.0 and not same["significant"]
+    assert same["difference"] == 0 and same["p_value"] is None and not same["significant"]
+    apart = welch([0.5, 0.5], [0.52, 0.52])  # no spread on either side is no evidence of a difference
+    assert apart["difference"] == pytest.approx(0.02) and apart["p_value"] is None and not apart["significant"]
+    assert apart["low"] is None and apart["high"] is None
 
 
 def test_domains_are_pooled_and_compared_per_domain(tmp_path):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from megatron_rl.evaluation.records import compare, eval_metrics, per_prompt_scores, records_from_rollouts, summarize
+from megatron_rl.evaluation.records import (compare, eval_metrics, pass_at_k_prompts, per_prompt_scores,
+                                            records_from_rollouts, summarize)
 from megatron_rl.evaluation.stats import (
     bootstrap_interval,
     mean_pass_at_k,
@@ -177,18 +178,22 @@ def test_records_and_metrics_by_hand():
 
 def test_lost_samples_count_in_no_metric():
     """Prompt 0: samples 1, lost, 0, 1 (three scored); prompt 1: 0, 0, lost, lost (two scored). Accuracy
-    over the five scored samples; pass@2 over both prompts; pass@3 over prompt 0 only (one prompt has 3)."""
+    is each prompt's mean over its scored samples, averaged over the prompts (2/3 and 0: a prompt that lost
+    samples weighs as much, and on 0/1 rewards accuracy is pass@1); pass@2 over both prompts; pass@3 over
+    prompt 0 only (one prompt has 3), which `pass_at_k_prompts` says."""
     prompts = [_P(), _P()]
     rollouts = [_R(0, 1.0), _R(0, 0.0, "unscored"), _R(0, 0.0), _R(0, 1.0),
                 _R(1, 0.0), _R(1, 0.0), _R(1, 0.0, "dropped"), _R(1, 0.0, "deadline")]
     recs = records_from_rollouts(prompts, rollouts, lambda meta: 1.0)
     assert [r["lost"] for r in recs] == [False, True, False, False, False, False, True, True]
-    m = eval_metrics(recs, [2, 3])
-    assert m["accuracy"] == pytest.approx(2 / 5)
+    m = eval_metrics(recs, [1, 2, 3])
+    assert m["accuracy"] == pytest.approx((2 / 3 + 0) / 2) == pytest.approx(m["pass@1"])
     assert m["pass@2"] == pytest.approx((closed_form(3, 2, 2) + 0.0) / 2)
     assert m["pass@3"] == pytest.approx(closed_form(3, 2, 3))
-    out = summarize([dict(r, seed=0) for r in recs], [2], num_resamples=100)
+    out = summarize([dict(r, seed=0) for r in recs], [2, 3], num_resamples=100)
     assert (out["num_samples"], out["num_lost"], out["num_prompts"]) == (5, 3, 2)
+    assert out["pass_at_k_prompts"] == {"pass@2": [2], "pass@3": [1]} and pass_at_k_prompts(recs, 3) == (1, 2)
+    assert out["metrics"]["accuracy"]["seeds"]["mean"] == pytest.approx(out["metrics"]["accuracy"]["prompts"]["mean"])
     assert math.isnan(eval_metrics([dict(recs[1])], [1])["accuracy"])
     # a domain whose every sample was lost (its sandbox down): reported empty, the report still written
     down = records_from_rollouts([_P("code"), _P("math")], [_R(0, 0.0, "dropped"), _R(0, 0.0, "dropped"),
