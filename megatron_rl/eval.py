@@ -120,7 +120,7 @@ def pool_main(args: argparse.Namespace) -> None:
     """`--pool`: read the evaluations, pool per group, write pooled.json / pooled.md, print the table."""
     import json
 
-    from megatron_rl.evaluation.pooling import pool_runs, pooled_markdown
+    from megatron_rl.evaluation.pooling import json_safe, pool_runs, pooled_markdown
 
     groups = {"pool": args.pool, **({"against": args.against} if args.against else {})}
     given = [d for dirs in groups.values() for d in dirs]
@@ -134,7 +134,7 @@ def pool_main(args: argparse.Namespace) -> None:
         raise SystemExit(2) from None
     out = Path(args.out or "pooled")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pooled.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "pooled.json").write_text(json.dumps(json_safe(result), indent=2, allow_nan=False) + "\n")
     text = pooled_markdown(result)
     (out / "pooled.md").write_text(text)
     print(text)

@@ -78,12 +78,15 @@ class JointDomains:
         """Held-out accuracy per domain after `step` steps; pauses the domains the monitor flags."""
         from megatron_rl.rollout.collect import is_scored
 
-        totals: dict[str, list[float]] = {}
+        per_prompt: dict[int, list[float]] = {}
         for r in rollouts:
             if not is_scored(r):  # no verdict (a sandbox or verifier failure): no evidence about the domain
                 continue
             meta = prompts[r.prompt_index].meta
-            totals.setdefault(meta["domain"], []).append(r.reward / self.task.reward_scale_of(meta))
+            per_prompt.setdefault(r.prompt_index, []).append(r.reward / self.task.reward_scale_of(meta))
+        totals: dict[str, list[float]] = {}  # each prompt's mean, as evaluation/records.py's accuracy
+        for p, rewards in per_prompt.items():
+            totals.setdefault(prompts[p].meta["domain"], []).append(sum(rewards) / len(rewards))
         accuracy = {d: sum(v) / len(v) for d, v in totals.items()}
         for d in self.monitor.record_eval(step, accuracy) if self.monitor is not None else []:
             self._pause(d, self.monitor.flagged[d])

@@ -86,8 +86,9 @@ def with_transformers_defaults(hf: dict[str, Any]) -> dict[str, Any]:
             out[key] = getattr(defaults, key)
     entries = [out.get(key) for key in ("rope_scaling", "rope_parameters")]
     if "rope_theta" not in out and not any(isinstance(e, dict) and "rope_theta" in e for e in entries):
+        # transformers 5: default_theta / rope_parameters; 4.x: rope_theta
         theta = getattr(defaults, "default_theta", None) or (getattr(defaults, "rope_parameters", None) or {}).get(
-            "rope_theta")
+            "rope_theta") or getattr(defaults, "rope_theta", None)
         if theta is not None:
             out["rope_theta"] = theta
     return out
@@ -320,7 +321,7 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
             hf.pop("lm_head.weight", None)  # transformers re-ties it on load
         eos = getattr(tokenizer, "eos_token_id", None) or 0
         config = hf_config(arch, eos)
-        source = _source_checkpoint(arch)
+        source = _source_checkpoint(arch, getattr(tokenizer, "eos_token_id", None))
         if source is not None:  # its special tokens as they were (Llama 3.1's three end ids, a bos apart from eos)
             for key, value in read_config(source).items():
                 if key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -349,10 +350,24 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
     return out_dir
 
 
-def _source_checkpoint(arch: Any) -> Optional[Path]:
-    """The HF checkpoint directory the model was loaded from (model.path), if it is one."""
+def _source_checkpoint(arch: Any, eos: Optional[int]) -> Optional[Path]:
+    """The HF checkpoint directory the model was loaded from (model.path), whose special token ids and
+    generation_config.json the export keeps; None (the tokenizer's eos then) when there is none, or when the
+    run's tokenizer (`eos`) is not the checkpoint's (its eos is none of the checkpoint's end ids)."""
     path = getattr(arch, "path", None)
-    return Path(path) if path and (Path(path) / "config.json").is_file() else None
+    if not path:
+        return None
+    if not (Path(path) / "config.json").is_file():
+        logger.warning("model.path=%s has no config.json from here: the export's special tokens are the tokenizer's "
+                       "eos alone, and no generation_config.json is written", path)
+        return None
+    ends = read_config(path).get("eos_token_id")
+    ends = ends if isinstance(ends, list) else [ends]
+    if eos is not None and eos not in ends:
+        logger.warning("the tokenizer's eos id %s is none of %s's end ids %s: the export takes the tokenizer's",
+                       eos, path, ends)
+        return None
+    return Path(path)
 
 
 def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path, base_model: Optional[str],

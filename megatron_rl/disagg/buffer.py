@@ -65,6 +65,7 @@ class ExperienceBuffer:
         With `accept` (dynamic sampling), fresh groups it refuses go to `on_reject`, up to
         `max_rejects` of them; after that the next fresh groups fill the batch as they come."""
         kept: list[ExperienceGroup] = []
+        seen: list[ExperienceGroup] = []  # kept, dropped or rejected: each carries its request's reward counts
         dropped = rejected = 0
         start = time.perf_counter()
         while len(kept) < num_groups:
@@ -73,6 +74,7 @@ class ExperienceBuffer:
             except queue.Empty:
                 check_alive()
                 continue
+            seen.append(group)
             if trainer_version - group.version > self.max_staleness:
                 dropped += 1
                 on_drop(group)
@@ -92,6 +94,7 @@ class ExperienceBuffer:
         if accept is not None:
             stats.update({"dynamic_sampling/rejected": float(rejected),
                           "dynamic_sampling/exhausted": float(rejected >= max_rejects)})
+        stats.update(reward_counts(seen))
         return kept, stats
 
 
@@ -161,9 +164,10 @@ def scheduler_metrics(groups: Sequence[ExperienceGroup]) -> dict[str, float]:
 
 def reward_counts(groups: Sequence[ExperienceGroup]) -> dict[str, float]:
     """The generators' reward counts (their verifiers' calls, errors and answers; unscored samples, late and
-    failed reward batches) for the requests of the groups a step trains on, summed: the trainer's own verifier
-    scores none of them. A request whose first group was dropped as stale or trains at another step counts there,
-    whole."""
+    failed reward batches), summed over `groups`: every group a step took from the buffer, kept, dropped as
+    stale or refused by dynamic sampling (a request whose rewards failed has no verdict to keep it by), since
+    the trainer's own verifier scores none of them. A request counts, whole, at the step that takes its first
+    group."""
     totals: dict[str, float] = {}
     for group in groups:
         for key, value in group.rewards.items():

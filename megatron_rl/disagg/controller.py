@@ -61,7 +61,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from megatron_rl.disagg.buffer import ExperienceBuffer, ExperienceGroup, reward_counts, scheduler_metrics
+from megatron_rl.disagg.buffer import ExperienceBuffer, ExperienceGroup, scheduler_metrics
 from megatron_rl.disagg.events import EventLog
 from megatron_rl.observability.reduce import rule_of
 from megatron_rl.preemption import children_block_stop_signals
@@ -169,7 +169,6 @@ class DisaggregatedController:
             self.events.write("take", take_start, time.time(), step=step, groups=len(kept))
             stats["async/generator_version"] = float(max((max(g.versions) for g in kept), default=-1))
             stats.update(scheduler_metrics(kept))  # the generators' sched/... (agent episodes), summed over groups
-            stats.update(reward_counts(kept))  # the generators' reward/verifier_calls, reward/unscored...
             stats.update(self._sink.metrics())  # weight_sync/bytes_sent, bytes_full, ...: this publish's
         rollouts = [dataclasses.replace(r, prompt_index=g) for g, group in enumerate(kept) for r in group.rollouts]
         if self.is_main:
@@ -263,7 +262,7 @@ class DisaggregatedController:
 
     def _dynamic_sampling(self) -> dict[str, Any]:
         """`ExperienceBuffer.take`'s filter for algorithm.dynamic_sampling: a group is kept when the
-        shaped rewards of its scored samples (lost episodes left out) vary; each refused one is
+        verifier rewards of its scored samples (lost episodes left out; `shaping.group_verdicts`) vary; each refused one is
         replaced by a new prompt from the sampler, up to (dynamic_sampling_max_rounds - 1) * groups
         per step (what the colocated rounds may draw beyond the first); past that the next groups
         fill the batch as they come."""

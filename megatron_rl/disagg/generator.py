@@ -307,6 +307,11 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
     wall = stats["sched/wall_s"]
     busy = max(stats["sched/engine_busy"] * wall - turns.before_s, 0.0)
     stats["sched/engine_busy"] = busy / max(wall, 1e-9)
+    from megatron_rl.envs.agent_program import AgentProgramHost
+
+    if not isinstance(host, AgentProgramHost):  # as colocated mode counts episodes (rollout/episodes.py)
+        host.calls += len(episodes)
+        host.errors += sum(e.status == "dropped" for e in episodes)
     out: dict[int, list[tuple[Any, list[int]]]] = {}
     for episode in episodes:
         if not episode.turn_versions:

@@ -105,8 +105,9 @@ def welch(baseline: Sequence[float], candidate: Sequence[float], confidence: flo
     def number(x: float) -> Optional[float]:  # JSON has no nan: None, as the intervals write it
         return None if math.isnan(x) else x
 
-    return {"difference": difference, "low": number(low), "high": number(high), "p_value": number(p_value),
-            "df": number(df), "significant": bool(p_value < 1 - confidence),
+    return {"difference": number(difference), "low": number(low), "high": number(high),
+            "p_value": number(p_value), "df": number(df), "significant": bool(p_value < 1 - confidence),
+            "no_spread": len(set(baseline)) == 1 and len(set(candidate)) == 1,
             "alpha": 1 - confidence, "method": "welch-t"}
 
 
@@ -148,6 +149,17 @@ def pool_runs(groups: dict[str, Sequence[str | Path]], ks: Optional[Sequence[int
     return out
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every nan float as None (strict JSON has no NaN: a run whose every sample was lost)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def pooled_markdown(result: dict[str, Any]) -> str:
     level = f"{result['confidence']:.0%}"
     lines = [f"# Pooled over training runs ({result['set']})", ""]
@@ -157,8 +169,10 @@ def pooled_markdown(result: dict[str, Any]) -> str:
                   "|---|---:|---|" + "---:|" * len(entry["runs"])]
         for metric, ci in entry["pooled"].items():
             interval = "-" if ci["low"] is None else f"[{ci['low']:.3f}, {ci['high']:.3f}]"
-            values = " | ".join(f"{r['metrics'][metric]:.3f}" for r in entry["runs"])
-            lines.append(f"| {metric} | {ci['mean']:.3f} | {interval} | {values} |")
+            values = " | ".join("-" if r["metrics"][metric] is None or math.isnan(r["metrics"][metric])
+                                else f"{r['metrics'][metric]:.3f}" for r in entry["runs"])
+            mean = "-" if ci["mean"] is None else f"{ci['mean']:.3f}"
+            lines.append(f"| {metric} | {mean} | {interval} | {values} |")
         runs = ", ".join(f"{r['eval_dir']} ({r['checkpoint']}, step {r['step']})" for r in entry["runs"])
         lines += ["", f"runs: {runs}", ""]
     if "comparison" in result:
@@ -170,8 +184,10 @@ def pooled_markdown(result: dict[str, Any]) -> str:
         for label, by_metric in parts:
             for metric, c in by_metric.items():
                 interval = "-" if c["low"] is None else f"[{c['low']:+.3f}, {c['high']:+.3f}]"
-                p_value = "- (no spread)" if c["p_value"] is None else f"{c['p_value']:.3g}"
-                lines.append(f"| {metric}{label} | {c['difference']:+.3f} | {interval} | {p_value} | "
+                p_value = f"{c['p_value']:.3g}" if c["p_value"] is not None else "- (no spread)" if c.get(
+                    "no_spread") else "-"
+                difference = "-" if c["difference"] is None else f"{c['difference']:+.3f}"
+                lines.append(f"| {metric}{label} | {difference} | {interval} | {p_value} | "
                              f"{'yes' if c['significant'] else 'no'} |")
         lines.append("")
     return "\n".join(lines)

@@ -134,7 +134,8 @@ def _summary(records, ks, confidence, num_resamples, seed) -> dict[str, Any]:
         metrics[name] = {"seeds": (t_interval(values, confidence) if values else nothing).to_dict(),
                          "prompts": (bootstrap_interval(scores, confidence, num_resamples, seed) if scores
                                      else nothing).to_dict(),
-                         "per_seed": {str(s): m[name] for s, m in per_seed.items()}}
+                         "per_seed": {str(s): None if math.isnan(m[name]) else m[name]  # strict JSON: no NaN
+                                      for s, m in per_seed.items()}}
     counts = counts_per_prompt(records)
     counted = len(scored(records))
     out = {"num_prompts": len(counts), "num_samples": counted, "num_lost": len(records) - counted,

@@ -54,6 +54,10 @@ def write_report(out: Path, records: Sequence[dict[str, Any]], spec: Any) -> dic
     return summary
 
 
+def _mean(d: dict[str, Any]) -> str:
+    return "n/a" if d["mean"] is None else f"{d['mean']:.3f}"  # None: every sample lost
+
+
 def _ci(d: dict[str, Any]) -> str:
     if d["low"] is None:
         return "n/a"
@@ -91,7 +95,7 @@ def _metric_table(summary: dict[str, Any], set_name: str, domain: str | None = N
         cells = []
         for n in names:
             m = s["metrics"][n]
-            cells += [f"{m['seeds']['mean']:.3f} {_ci(m['seeds'])}", f"{m['prompts']['mean']:.3f} {_ci(m['prompts'])}"]
+            cells += [f"{_mean(m['seeds'])} {_ci(m['seeds'])}", f"{_mean(m['prompts'])} {_ci(m['prompts'])}"]
         lines.append(f"| {ckpt['name']} | {'' if ckpt['step'] is None else ckpt['step']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -152,6 +156,8 @@ def plot_accuracy(summary: dict[str, Any], path: Path) -> Path | None:
                 continue
             m = ckpt["sets"][set_name]["metrics"]["accuracy"]
             ci = m["seeds"] if m["seeds"]["low"] is not None else m["prompts"]
+            if m["seeds"]["mean"] is None or ci["low"] is None:  # every sample lost: no point to draw
+                continue
             xs.append(index if ckpt["step"] is None else ckpt["step"])
             ys.append(m["seeds"]["mean"])
             lows.append(max(0.0, ys[-1] - max(ci["low"], 0.0)))  # shown within [0, 1], where accuracy lives

@@ -70,7 +70,7 @@ class Interval:
         def clean(x: float) -> float | None:  # strict JSON has no NaN
             return None if math.isnan(x) else float(x)
 
-        return {"mean": float(self.mean), "low": clean(self.low), "high": clean(self.high), "n": self.n,
+        return {"mean": clean(self.mean), "low": clean(self.low), "high": clean(self.high), "n": self.n,
                 "method": self.method}
 
 

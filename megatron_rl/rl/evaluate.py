@@ -52,10 +52,10 @@ def evaluate(rt, run: Any, step: int) -> dict[str, float]:
     per_domain = run.domains.eval_metrics(step, prompts, rollouts) if run.domains else {}
     lost = sum(bool(r["lost"]) for r in records)
     if lost:
-        over, judged = pass_at_k_prompts(records, k)
+        over, _ = pass_at_k_prompts(records, k)
         logger.warning("eval at step %d: %d of %d samples got no verdict (sandbox or verifier failures) and are "
                        "left out of the metrics; pass@%d is over the %d of %d prompts that kept all %d samples",
-                       step, lost, len(records), k, over, judged, k)
+                       step, lost, len(records), k, over, len(prompts), k)
     return {"eval/accuracy": accuracy, "eval/pass@k": pass_k, "eval/samples": float(len(rollouts) - lost),
             "eval/lost": float(lost), "eval/truncated": found["truncated"], **lenient_accuracy(run, rollouts),
             **per_domain}
@@ -74,12 +74,15 @@ def lenient_accuracy(run: Any, rollouts: list[Rollout]) -> dict[str, float]:
     rollouts = [r for r in rollouts if is_scored(r)]  # as the strict accuracy: over the samples with a verdict
     if not rollouts:
         return {}
-    right = unformatted = 0.0
+    per_prompt: dict[int, list[tuple[float, float]]] = {}
     for r in rollouts:
         reward, how = score_answer(decode(list(r.output_ids)), prompts[r.prompt_index].meta["answer"],
                                    task.cfg.reward_tolerance, last_number=True)
-        right, unformatted = right + reward, unformatted + (how not in ("boxed", "####"))
-    return {"eval/accuracy_last_number": right / len(rollouts), "eval/unformatted": unformatted / len(rollouts)}
+        per_prompt.setdefault(r.prompt_index, []).append((reward, float(how not in ("boxed", "####"))))
+    # each prompt's mean, averaged over the prompts, as the strict accuracy (evaluation/records.py)
+    means = [[sum(x) / len(pairs) for x in zip(*pairs)] for pairs in per_prompt.values()]
+    return {"eval/accuracy_last_number": sum(m[0] for m in means) / len(means),
+            "eval/unformatted": sum(m[1] for m in means) / len(means)}
 
 
 def evaluate_checkpoints(rt, spec: Any) -> dict[str, Any]:

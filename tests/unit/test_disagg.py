@@ -83,6 +83,23 @@ def test_buffer_refuses_groups_dynamic_sampling_rejects_up_to_its_limit():
     assert stats["dynamic_sampling/rejected"] == 0 and stats["dynamic_sampling/exhausted"] == 0
 
 
+def test_the_reward_counts_of_every_group_taken_reach_the_step():
+    """A request's reward counts ride on its first group: they count whether the step keeps that group, drops
+    it as stale, or dynamic sampling refuses it (a request whose rewards failed has no verdict: refused)."""
+    q: queue.Queue = queue.Queue()
+    counts = {"reward/verifier_calls": 1.0, "reward/failed_batches": 1.0, "reward/unscored": 2.0}
+    stale, failed, good = _group(0, [[2]]), _group(1, [[5], [5]]), _group(2, [[5]])
+    stale.rewards, failed.rewards = dict(counts), dict(counts)
+    good.rewards = {"reward/verifier_calls": 1.0, "reward/answers": 1.0}
+    for g in (stale, failed, good):
+        q.put(g)
+    kept, stats = ExperienceBuffer(q, 1).take(1, 5, on_drop=lambda g: None, poll_s=0.01,
+                                              accept=lambda g: g.request_id == 2, max_rejects=3)
+    assert [g.request_id for g in kept] == [2]
+    assert {k: stats[k] for k in (*counts, "reward/answers")} == {
+        "reward/verifier_calls": 3.0, "reward/failed_batches": 2.0, "reward/unscored": 4.0, "reward/answers": 1.0}
+
+
 class CountingEngine:
     """Token t of a sequence is 100 + (its position); stops with token 0 at position `stop_at`
     of sequences whose prompt starts with 7. Log-prob of a token = -weight_version - 1."""

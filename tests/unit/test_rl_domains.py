@@ -73,6 +73,11 @@ def test_eval_accuracy_per_domain_divides_out_the_scale():
     rollouts = [Rollout(i, [1], [2], [0.0], "stop", 0, reward=r) for i, r in [(0, 1.0), (1, 0.0), (2, 10.0),
                                                                               (3, 10.0)]]
     assert joint.eval_metrics(0, prompts, rollouts) == {"eval/a/accuracy": 0.5, "eval/b/accuracy": 1.0}
+    # prompt 0 right twice, prompt 1 wrong once (its second sample lost): each prompt weighs alike, 0.5, as the
+    # offline evaluation's accuracy (not 2/3 over the samples)
+    lost = Rollout(1, [1], [2], [0.0], "stop", 0, reward=0.0, status="unscored")
+    again = Rollout(0, [1], [2], [0.0], "stop", 0, reward=1.0)
+    assert joint.eval_metrics(1, prompts, [*rollouts, again, lost])["eval/a/accuracy"] == 0.5
 
 
 def test_a_flagged_domain_is_paused_loudly_but_never_the_last_one(caplog):
