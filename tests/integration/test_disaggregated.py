@@ -472,6 +472,8 @@ def test_agent_episodes_come_from_the_generator(tmp_path):
         assert r["agent/env/attempts"] == pytest.approx(r["agent/turns_mean"])
         assert r["agent/env/solved"] == pytest.approx(r["reward/mean"])
         assert r["async/staleness_max"] <= 1 and r["buffer/dropped_stale"] == 0
+        # the generator's environment judged every episode of the step's one request (the trainer's none)
+        assert (r["reward/verifier_calls"], r["reward/verifier_errors"]) == (16, 0), r
     assert max(r["agent/turns_mean"] for r in rows) > 1  # episodes of several turns went through the buffer
     assert rows[0]["async/staleness_max"] == 0 and rows[0]["rollout/logprob_mismatch"] <= 1e-4
     # later steps train on episodes of older weights: the truncated-IS weight corrects their turns

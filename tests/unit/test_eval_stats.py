@@ -222,3 +222,23 @@ def test_summarize_and_compare_records():
     assert diff["accuracy"]["method"] == "sign-flip exact" and 0 <= diff["accuracy"]["p_value"] <= 1
     with pytest.raises(ValueError, match="different prompts"):
         compare(s0, s0[:2], [1])
+
+
+def test_the_lenient_accuracy_averages_prompts_as_the_strict_one():
+    """eval/accuracy_last_number and eval/unformatted beside eval/accuracy: prompt 0 answered 7 twice in no asked
+    format (right when read by its last number), prompt 1 a wrong \\boxed{3} once and a lost sample. Each prompt
+    weighs alike, as in the strict accuracy: 0.5 and 0.5 (over the samples they would be 2/3 and 2/3)."""
+    import types
+
+    from megatron_rl.rl.evaluate import lenient_accuracy
+
+    texts = {1: "so the answer is 7", 2: "\\boxed{3}"}
+    task = types.SimpleNamespace(reward_kind="math", cfg=types.SimpleNamespace(answer_extraction="strict",
+                                                                              reward_tolerance=1e-6))
+    run = types.SimpleNamespace(task=task, generation=types.SimpleNamespace(decode=lambda ids: texts[ids[0]]),
+                                eval=[_P(), _P()])
+    run.eval[0].meta, run.eval[1].meta = {"answer": "7"}, {"answer": "4"}
+    rollouts = [_R(0, 0.0), _R(0, 0.0), _R(1, 0.0), _R(1, 0.0, "unscored")]
+    for r, first in zip(rollouts, (1, 1, 2, 2)):
+        r.output_ids = [first]
+    assert lenient_accuracy(run, rollouts) == {"eval/accuracy_last_number": 0.5, "eval/unformatted": 0.5}
