@@ -74,20 +74,16 @@ class JointDomains:
             self.monitor.record_train(step + 1, unscaled)
         return metrics
 
-    def eval_metrics(self, step: int, prompts: Sequence[Any], rollouts: Sequence[Any]) -> dict[str, float]:
-        """Held-out accuracy per domain after `step` steps; pauses the domains the monitor flags."""
-        from megatron_rl.rollout.collect import is_scored
+    def eval_metrics(self, step: int, records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """Held-out accuracy per domain after `step` steps, from the evaluation's records
+        (`evaluation.records.records_from_rollouts`: rewards on the 0-1 scale, lost samples marked) by the
+        evaluation's own definition; pauses the domains the monitor flags."""
+        from megatron_rl.evaluation.records import eval_metrics, scored
+        from megatron_rl.evaluation.stats import group_by
 
-        per_prompt: dict[int, list[float]] = {}
-        for r in rollouts:
-            if not is_scored(r):  # no verdict (a sandbox or verifier failure): no evidence about the domain
-                continue
-            meta = prompts[r.prompt_index].meta
-            per_prompt.setdefault(r.prompt_index, []).append(r.reward / self.task.reward_scale_of(meta))
-        totals: dict[str, list[float]] = {}  # each prompt's mean, as evaluation/records.py's accuracy
-        for p, rewards in per_prompt.items():
-            totals.setdefault(prompts[p].meta["domain"], []).append(sum(rewards) / len(rewards))
-        accuracy = {d: sum(v) / len(v) for d, v in totals.items()}
+        # a domain with no verdict at all (its sandbox down) is no evidence about it: left out
+        accuracy = {d: eval_metrics(rows, [])["accuracy"]
+                    for d, rows in group_by(records, lambda r: r["domain"]).items() if scored(rows)}
         for d in self.monitor.record_eval(step, accuracy) if self.monitor is not None else []:
             self._pause(d, self.monitor.flagged[d])
         return {f"eval/{d}/accuracy": a for d, a in accuracy.items()}

@@ -321,11 +321,10 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
             hf.pop("lm_head.weight", None)  # transformers re-ties it on load
         eos = getattr(tokenizer, "eos_token_id", None) or 0
         config = hf_config(arch, eos)
-        source = _source_checkpoint(arch, getattr(tokenizer, "eos_token_id", None))
-        if source is not None:  # its special tokens as they were (Llama 3.1's three end ids, a bos apart from eos)
-            for key, value in read_config(source).items():
-                if key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-                    setattr(config, key, value)
+        source, source_config = _source_checkpoint(arch, getattr(tokenizer, "eos_token_id", None))
+        for key, value in source_config.items():  # its special tokens as they were (Llama 3.1's three end ids, ...)
+            if key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                setattr(config, key, value)
         keep = fp32_tensors(config)  # not rounded to `dtype`: transformers holds them in fp32
         hf = {k: (v.to(dtype) if dtype and not kept_in_fp32(k, keep) else v).contiguous() for k, v in hf.items()}
         tmp = _staging_dir(out_dir)
@@ -350,24 +349,25 @@ def export_hf(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path,
     return out_dir
 
 
-def _source_checkpoint(arch: Any, eos: Optional[int]) -> Optional[Path]:
-    """The HF checkpoint directory the model was loaded from (model.path), whose special token ids and
-    generation_config.json the export keeps; None (the tokenizer's eos then) when there is none, or when the
-    run's tokenizer (`eos`) is not the checkpoint's (its eos is none of the checkpoint's end ids)."""
+def _source_checkpoint(arch: Any, eos: Optional[int]) -> tuple[Optional[Path], dict[str, Any]]:
+    """(the HF checkpoint directory the model was loaded from (model.path), its config.json), whose special token
+    ids and generation_config.json the export keeps; (None, {}) (the tokenizer's eos then) when there is none, or
+    when the run's tokenizer (`eos`) is not the checkpoint's (its eos is none of the checkpoint's end ids)."""
     path = getattr(arch, "path", None)
     if not path:
-        return None
+        return None, {}
     if not (Path(path) / "config.json").is_file():
         logger.warning("model.path=%s has no config.json from here: the export's special tokens are the tokenizer's "
                        "eos alone, and no generation_config.json is written", path)
-        return None
-    ends = read_config(path).get("eos_token_id")
+        return None, {}
+    config = read_config(path)
+    ends = config.get("eos_token_id")
     ends = ends if isinstance(ends, list) else [ends]
     if eos is not None and eos not in ends:
         logger.warning("the tokenizer's eos id %s is none of %s's end ids %s: the export takes the tokenizer's",
                        eos, path, ends)
-        return None
-    return Path(path)
+        return None, {}
+    return Path(path), config
 
 
 def export_peft_adapter(model: torch.nn.Module, groups, arch: Any, out_dir: str | Path, base_model: Optional[str],

@@ -282,6 +282,7 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
     turns keep theirs: `Episode.turn_versions`); otherwise updates wait for the whole request.
     Also returns the scheduler's statistics (`scheduler_stats`), its engine-busy fraction
     counting generation only: the updates ran inside its engine calls."""
+    from megatron_rl.envs.agent_program import AgentProgramHost
     from megatron_rl.observability.timeline import Timeline
     from megatron_rl.rollout.multiturn import (EpisodeLimits, TurnFormat, run_episodes, scheduler_stats,
                                                task_system_prompt)
@@ -307,8 +308,6 @@ def _play(cfg: Any, request: Request, positions: list[int], task_cfg: Any, engin
     wall = stats["sched/wall_s"]
     busy = max(stats["sched/engine_busy"] * wall - turns.before_s, 0.0)
     stats["sched/engine_busy"] = busy / max(wall, 1e-9)
-    from megatron_rl.envs.agent_program import AgentProgramHost
-
     if not isinstance(host, AgentProgramHost):  # as colocated mode counts episodes (rollout/episodes.py)
         host.calls += len(episodes)
         host.errors += sum(e.status == "dropped" for e in episodes)

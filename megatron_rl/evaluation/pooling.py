@@ -102,13 +102,10 @@ def welch(baseline: Sequence[float], candidate: Sequence[float], confidence: flo
             result = stats.ttest_ind(candidate, baseline, equal_var=False)
         ci = result.confidence_interval(confidence)
         p_value, low, high, df = float(result.pvalue), float(ci.low), float(ci.high), float(result.df)
-    def number(x: float) -> Optional[float]:  # JSON has no nan: None, as the intervals write it
-        return None if math.isnan(x) else x
-
-    return {"difference": number(difference), "low": number(low), "high": number(high),
-            "p_value": number(p_value), "df": number(df), "significant": bool(p_value < 1 - confidence),
-            "no_spread": len(set(baseline)) == 1 and len(set(candidate)) == 1,
-            "alpha": 1 - confidence, "method": "welch-t"}
+    return json_safe({"difference": difference, "low": low, "high": high, "p_value": p_value, "df": df,
+                      "significant": bool(p_value < 1 - confidence),
+                      "no_spread": len(set(baseline)) == 1 and len(set(candidate)) == 1,
+                      "alpha": 1 - confidence, "method": "welch-t"})  # nan (no test) as None, as intervals write it
 
 
 def pool_runs(groups: dict[str, Sequence[str | Path]], ks: Optional[Sequence[int]] = None,
@@ -169,8 +166,8 @@ def pooled_markdown(result: dict[str, Any]) -> str:
                   "|---|---:|---|" + "---:|" * len(entry["runs"])]
         for metric, ci in entry["pooled"].items():
             interval = "-" if ci["low"] is None else f"[{ci['low']:.3f}, {ci['high']:.3f}]"
-            values = " | ".join("-" if r["metrics"][metric] is None or math.isnan(r["metrics"][metric])
-                                else f"{r['metrics'][metric]:.3f}" for r in entry["runs"])
+            values = " | ".join("-" if math.isnan(r["metrics"][metric]) else f"{r['metrics'][metric]:.3f}"
+                                for r in entry["runs"])
             mean = "-" if ci["mean"] is None else f"{ci['mean']:.3f}"
             lines.append(f"| {metric} | {mean} | {interval} | {values} |")
         runs = ", ".join(f"{r['eval_dir']} ({r['checkpoint']}, step {r['step']})" for r in entry["runs"])

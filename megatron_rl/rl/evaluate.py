@@ -49,7 +49,7 @@ def evaluate(rt, run: Any, step: int) -> dict[str, float]:
     found = eval_metrics(records, [k])
     accuracy, pass_k = found["accuracy"], found[f"pass@{k}"]
     logger.info("eval at step %d: accuracy %.3f, pass@%d %.3f (%d prompts)", step, accuracy, k, pass_k, len(prompts))
-    per_domain = run.domains.eval_metrics(step, prompts, rollouts) if run.domains else {}
+    per_domain = run.domains.eval_metrics(step, records) if run.domains else {}
     lost = sum(bool(r["lost"]) for r in records)
     if lost:
         over, _ = pass_at_k_prompts(records, k)

@@ -67,27 +67,32 @@ def test_rollouts_without_a_domain_are_refused():
         _joint(domain_calibration="running").advantage_rewards(torch.tensor([1.0]), _rollouts([""], [1.0]))
 
 
+def _records(joint, rollouts):
+    """The evaluation's records of `rollouts` (rl/evaluate.py builds them so)."""
+    from megatron_rl.evaluation.records import records_from_rollouts
+
+    return records_from_rollouts(joint.task.prompts("eval"), rollouts, joint.task.reward_scale_of)
+
+
 def test_eval_accuracy_per_domain_divides_out_the_scale():
-    joint = _joint()
-    prompts = joint.task.prompts("eval")  # a, a, b, b
+    joint = _joint()  # held-out prompts of domains a, a, b, b
     rollouts = [Rollout(i, [1], [2], [0.0], "stop", 0, reward=r) for i, r in [(0, 1.0), (1, 0.0), (2, 10.0),
                                                                               (3, 10.0)]]
-    assert joint.eval_metrics(0, prompts, rollouts) == {"eval/a/accuracy": 0.5, "eval/b/accuracy": 1.0}
+    assert joint.eval_metrics(0, _records(joint, rollouts)) == {"eval/a/accuracy": 0.5, "eval/b/accuracy": 1.0}
     # prompt 0 right twice, prompt 1 wrong once (its second sample lost): each prompt weighs alike, 0.5, as the
     # offline evaluation's accuracy (not 2/3 over the samples)
     lost = Rollout(1, [1], [2], [0.0], "stop", 0, reward=0.0, status="unscored")
     again = Rollout(0, [1], [2], [0.0], "stop", 0, reward=1.0)
-    assert joint.eval_metrics(1, prompts, [*rollouts, again, lost])["eval/a/accuracy"] == 0.5
+    assert joint.eval_metrics(1, _records(joint, [*rollouts, again, lost]))["eval/a/accuracy"] == 0.5
 
 
 def test_a_flagged_domain_is_paused_loudly_but_never_the_last_one(caplog):
     joint = _joint(domain_pause_window=2, domain_pause_min_reward_gain=0.2, domain_pause_max_eval_gain=0.02)
-    prompts = joint.task.prompts("eval")
 
     def evaluate(step, acc_a, acc_b):
         rollouts = [Rollout(i, [1], [2], [0.0], "stop", 0, reward=r)
                     for i, r in enumerate([acc_a, acc_a, 10.0 * acc_b, 10.0 * acc_b])]
-        return joint.eval_metrics(step, prompts, rollouts)
+        return joint.eval_metrics(step, _records(joint, rollouts))
 
     evaluate(0, 0.5, 0.5)
     # a's training reward climbs 0.2 -> 0.9 (b's: 2 -> 9 on its scale of 10, the same climb); at step 2
