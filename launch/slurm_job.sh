@@ -7,8 +7,9 @@
 # Environment knobs:
 #   MEGATRON_RL_HOME       the checkout (default: $SLURM_SUBMIT_DIR, i.e. submit from the repo root)
 #   PYTHON                 interpreter (default: $MEGATRON_RL_HOME/.venv/bin/python)
-#   MEGATRON_RL_RUN_ROOT   where run directories go (default: $SLURM_SUBMIT_DIR/runs); each job
-#                          gets <root>/<job name>-<job id> unless run_dir=... is an override
+#   MEGATRON_RL_RUN_ROOT   where run directories go (default: $SLURM_SUBMIT_DIR/runs; a relative one is taken
+#                          from $SLURM_SUBMIT_DIR); each job gets <root>/<job name>-<job id> unless run_dir=...
+#                          is an override (relative paths in overrides are the submit directory's too)
 #   MEGATRON_RL_SANDBOX    none = start no sandbox servers (none start anyway for a task whose rewards run no
 #                          code, or with sandbox.address)
 #   SANDBOX_SERVER_ARGS    extra arguments for each sandbox server, e.g. "--max-sessions=64" (images: the
@@ -35,7 +36,11 @@ if [[ "${1:-}" == --tool ]]; then  # slurm/eval.sh, slurm/export.sh: one srun st
   exec srun --kill-on-bad-exit=1 --label --mem=0 --job-name="$tool" ${cpus[@]+"${cpus[@]}"} \
     "$PY" -m "megatron_rl.$tool" "$@"
 fi
-cd "$HOME_DIR"
+# The batch step and the ranks run in the submit directory, so that relative paths in the overrides
+# (run_dir=runs/..., task.path=data/...) mean what they mean in a local run there; the checkout stays first on
+# sys.path (as the working directory was), so MEGATRON_RL_HOME's code runs whatever the venv has installed.
+cd "${SLURM_SUBMIT_DIR:-$PWD}"
+export PYTHONPATH="$HOME_DIR${PYTHONPATH:+:$PYTHONPATH}"
 args=()
 [[ "${MEGATRON_RL_SANDBOX:-}" == none ]] && args+=(--no-sandbox)
 read -r -a extra <<< "${SANDBOX_SERVER_ARGS:-}"  # split on spaces, no glob expansion

@@ -120,13 +120,16 @@ def job_layout(environ: Mapping[str, str] = os.environ) -> JobLayout:
 
 def run_dir_for(overrides: Sequence[str], layout: JobLayout, environ: Mapping[str, str] = os.environ) -> Path:
     """`run_dir=` from the overrides, else `<MEGATRON_RL_RUN_ROOT or $SLURM_SUBMIT_DIR/runs>/<name>-<job id>`:
-    the same directory on every start of a requeued job."""
+    the same directory on every start of a requeued job. A relative path is the submitter's, as in a local run
+    (`run_dir=runs/megatron-rl-41` to resume a run made by a job submitted from the same directory): it is taken
+    from $SLURM_SUBMIT_DIR, whatever this process's working directory is."""
+    submit_dir = Path(environ.get("SLURM_SUBMIT_DIR") or ".")
     for override in reversed(overrides):
         if override.startswith("run_dir="):
-            return Path(override.split("=", 1)[1]).resolve()
-    root = environ.get("MEGATRON_RL_RUN_ROOT") or str(Path(environ.get("SLURM_SUBMIT_DIR", ".")) / "runs")
+            return (submit_dir / Path(override.split("=", 1)[1]).expanduser()).resolve()
+    root = Path(environ.get("MEGATRON_RL_RUN_ROOT") or "runs").expanduser()
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", layout.job_name)
-    return Path(root).resolve() / f"{name}-{layout.job_id}"
+    return (submit_dir / root).resolve() / f"{name}-{layout.job_id}"
 
 
 def _job_fields(job_id: str) -> dict[str, str]:

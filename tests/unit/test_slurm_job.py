@@ -80,6 +80,20 @@ def test_run_dir_is_keyed_by_job_id_so_a_requeued_job_finds_it(tmp_path):
     assert run_dir_for(["task=arithmetic", f"run_dir={tmp_path}/x"], layout) == tmp_path / "x"
 
 
+def test_a_relative_run_dir_is_the_submitters_not_the_batch_steps_working_directory(tmp_path, monkeypatch):
+    """The docs' resume line, `sbatch slurm/run.sh ... run_dir=runs/megatron-rl-41`, from the directory the first
+    job was submitted from: the batch step runs elsewhere (it ran in the checkout), and a path taken from its
+    working directory was a new, empty run directory, so the "resumed" job silently started again at step 0."""
+    submit = tmp_path / "project"
+    (submit / "runs" / "megatron-rl-41").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # the batch step's working directory is not the submit directory
+    env = dict(HET_BATCH, SLURM_SUBMIT_DIR=str(submit))
+    layout = job_layout(env)
+    assert run_dir_for(["run_dir=runs/megatron-rl-41"], layout, env) == submit / "runs" / "megatron-rl-41"
+    assert run_dir_for([], layout, dict(env, MEGATRON_RL_RUN_ROOT="scratch")) == submit / "scratch" / "megatron-rl-42"
+    assert run_dir_for([], layout, env) == submit / "runs" / "megatron-rl-42"
+
+
 def test_first_failure_is_the_first_task_srun_names():
     lines = ["0: step 3 | reward 0.1\n",
              "srun: error: c1: task 1: Killed\n",
