@@ -71,12 +71,20 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+# Where a Slurm job's rendezvous port lies: below Linux's default ephemeral range (32768-60999), whose ports any
+# process's outgoing connection may hold on rank 0's node (EADDRINUSE when the store binds: `free_port`), and
+# below SGLang's default ports (30000 and up).
+SLURM_PORT_RANGE = (20000, 30000)
+
+
 def _slurm_port(environ: Mapping[str, str]) -> int:
     if "MASTER_PORT" in environ:
         return int(environ["MASTER_PORT"])
-    # Several jobs may share a node: derive the port from the job id, away from well-known ports.
+    # Every rank computes it alone, so it comes from the job id (several jobs may share a node: theirs differ);
+    # the same on every start of a requeued job.
     job_id = int(environ.get("SLURM_JOB_ID", "0"))
-    return DEFAULT_PORT_BASE + 1000 + job_id % 20000
+    lo, hi = SLURM_PORT_RANGE
+    return lo + job_id % (hi - lo)
 
 
 def dist_env_from(environ: Mapping[str, str] = os.environ) -> DistEnv:

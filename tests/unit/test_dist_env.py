@@ -37,8 +37,19 @@ def test_slurm_variables_use_first_node_of_the_step():
                          "SLURM_JOB_ID": "4242"})
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 2)
     assert env.master_addr == "gpu03"
-    assert env.master_port == 29500 + 1000 + 4242
+    assert env.master_port == 20000 + 4242
     assert env.source == "slurm"
+
+
+def test_the_slurm_port_is_outside_the_ephemeral_range_for_every_job_id():
+    """The port was 30500 + id % 20000, inside Linux's default ephemeral range (32768-60999) for ~89% of job
+    ids: an outgoing connection of any process on rank 0's node could hold it when the store binds it (the
+    EADDRINUSE that `free_port` avoids). Ranks compute it alone, so it must not depend on the node either."""
+    lo = 32768  # Linux default: net.ipv4.ip_local_port_range = 32768 60999
+    ports = {dist._slurm_port({"SLURM_JOB_ID": str(job_id)}) for job_id in range(0, 200000, 7)}
+    assert all(10000 <= port < lo and not 30000 <= port < 31000 for port in ports), (min(ports), max(ports))
+    assert len(ports) > 9000  # jobs sharing a node still get different ports
+    assert dist._slurm_port({"SLURM_JOB_ID": "7", "MASTER_PORT": "40000"}) == 40000
 
 
 def test_torchrun_variables_win_over_slurm():
