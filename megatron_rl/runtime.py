@@ -34,7 +34,7 @@ class Runtime:
     """What an entry point gets after start-up (every rank has one)."""
 
     def __init__(self, cfg, env, groups, run_dir: Path, writer, device=None) -> None:
-        from megatron_rl.preemption import Preemption
+        from megatron_rl.preemption import JobDeadline, Preemption, slurm_job_end
 
         self.cfg = cfg
         self.env = env
@@ -42,7 +42,8 @@ class Runtime:
         self.run_dir = run_dir
         self.writer = writer
         self.device = device
-        self.preemption = Preemption(run_dir, env.rank == 0, device).install()
+        deadline = JobDeadline(slurm_job_end) if cfg.checkpoint.stop_before_time_limit else None
+        self.preemption = Preemption(run_dir, env.rank == 0, device, deadline).install()
 
     @property
     def is_main(self) -> bool:

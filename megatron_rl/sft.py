@@ -116,7 +116,7 @@ def run_sft(rt: runtime.Runtime) -> dict[str, float]:
             if step == 1 or step % cfg.logging.log_every == 0 or step == cfg.num_steps:
                 logger.info(format_step_summary(step, metrics, SUMMARY_KEYS))
             checkpoints.after_step(step, state, metrics)
-            if rt.preemption.stop_agreed(step, cfg.num_steps):
+            if rt.preemption.stop_agreed(step, cfg.num_steps, save_seconds=checkpoints.longest_save_s):
                 rt.preemption.save_and_mark(checkpoints, step, state, metrics)
                 stopped = True
                 break

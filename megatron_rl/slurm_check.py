@@ -10,6 +10,7 @@ script's), asks `sinfo` and `scontrol show partition` what the partitions hold, 
 condition that cannot be met. Exit status 0: every component can run; 1: some cannot; 2: the check could
 not ask Slurm. Written by hand: Slurm itself offers no dry run that judges a request against node sizes
 (`sbatch --test-only` only estimates a start time, and accepts requests no node satisfies).
+Also the readers of Slurm's answers the running job uses (`minutes`, `job_fields`).
 """
 
 from __future__ import annotations
@@ -129,6 +130,16 @@ def minutes(text: str) -> Optional[float]:
     if len(parts) == 2:
         return parts[0] + parts[1] / 60
     return parts[0] * 60 + parts[1] + parts[2] / 60
+
+
+def job_fields(job_id: str) -> dict[str, str]:
+    """`scontrol show job`'s fields of the job (its first component); {} if scontrol does not answer."""
+    try:
+        out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
+                             timeout=2).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(f.split("=", 1) for f in (out[0] if out else "").split() if "=" in f)
 
 
 def gpu_count(gres: str) -> int:

@@ -7,7 +7,7 @@
 `run` validates the config once, makes the run directory (keyed by the job id, so that a
 requeued job finds its checkpoints), starts one sandbox server per node of the CPU component
 of a heterogeneous job (`--het-group=1`), or, without one, per GPU node as an `--overlap` step
-on the spare cores; waits until each has written its discovery file under
+sharing the job's CPUs there; waits until each has written its discovery file under
 `<run_dir>/sandbox/`; with `rollout.mode=disaggregated rollout.generator_nodes=N` it starts the
 generator step on the last N nodes of the GPU component (rollout.num_generators / N tasks per
 node; they connect to trainer rank 0 through `<run_dir>/disagg/hub.json`) and trains on the
@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from megatron_rl.parallel.dist import expand_nodelist, free_port
-from megatron_rl.preemption import MARKER, describe_stop, read_marker
+from megatron_rl.preemption import MARKER, TIME_LIMIT, describe_stop, read_marker
 from megatron_rl.runtime import log_tail
+from megatron_rl.slurm_check import job_fields, minutes
 
 logger = logging.getLogger("megatron_rl.slurm_job")
 STOP_FILE = "STOP"  # under <run_dir>/sandbox/: asks the sandbox step to drain and exit (srun would SIGKILL it)
@@ -101,6 +102,17 @@ def count_tasks(tasks_per_node: str) -> int:
     return total
 
 
+def fewest_cpus_per_node(cpus_per_node: str) -> int:
+    """The smallest count of a Slurm per-node string (SLURM_JOB_CPUS_PER_NODE): `80(x2),40` -> 40."""
+    counts = []
+    for part in cpus_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x\d+\))?", part.strip())
+        if match is None:
+            raise ValueError(f"cannot parse Slurm CPUs per node {cpus_per_node!r}")
+        counts.append(int(match.group(1)))
+    return min(counts)
+
+
 def job_layout(environ: Mapping[str, str] = os.environ) -> JobLayout:
     """Read the allocation from the batch step's environment (no scontrol calls)."""
     if "SLURM_JOB_ID" not in environ:
@@ -132,16 +144,6 @@ def run_dir_for(overrides: Sequence[str], layout: JobLayout, environ: Mapping[st
     return (submit_dir / root).resolve() / f"{name}-{layout.job_id}"
 
 
-def _job_fields(job_id: str) -> dict[str, str]:
-    """`scontrol show job`'s fields of the job (its first component); {} if scontrol does not answer."""
-    try:
-        out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
-                             timeout=2).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return dict(f.split("=", 1) for f in (out[0] if out else "").split() if "=" in f)
-
-
 def _why_terminated(fields: Mapping[str, str]) -> str:
     """Why Slurm sent SIGTERM, from the job's fields: at that moment the state is mostly COMPLETING, so a time
     limit is told by the run time having reached it (within Slurm's one-minute timer), anything else is a
@@ -150,8 +152,6 @@ def _why_terminated(fields: Mapping[str, str]) -> str:
     if state in ("TIMEOUT", "PREEMPTED", "CANCELLED"):
         return {"TIMEOUT": "reached its time limit", "PREEMPTED": "was preempted",
                 "CANCELLED": "was cancelled (scancel)"}[state]
-    from megatron_rl.slurm_check import minutes
-
     run, limit = (minutes(fields.get(k, "")) for k in ("RunTime", "TimeLimit"))
     if run is not None and limit is not None and run >= limit - 1:
         return "reached its time limit"
@@ -239,9 +239,12 @@ class BatchStep:
         if self.layout.het:
             where = ["--het-group=1", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", *_cpus_per_task(1)]
             capacity = int(os.environ.get("SLURM_CPUS_PER_TASK_HET_GROUP_1", sb.num_workers))
-        else:  # spare cores of the GPU nodes; no GPUs, no memory reservation of its own
+        else:  # on the GPU nodes: no GPUs, no memory reservation of its own, and (--overlap) every CPU the job
+            # has on the node, shared with the ranks; with --cpus-per-task=1 a cluster that binds steps to their
+            # CPUs (task/affinity, task/cgroup) ran all of a node's sandbox executions on one core
+            cpus = fewest_cpus_per_node(os.environ.get("SLURM_JOB_CPUS_PER_NODE") or "1")
             where = ["--overlap", "--gpus-per-node=0", "--mem=0", f"--nodes={n}", f"--ntasks={n}",
-                     "--ntasks-per-node=1", "--cpus-per-task=1"]
+                     "--ntasks-per-node=1", f"--cpus-per-task={cpus}"]
             capacity = sb.num_workers
         cmd = ["srun", *where, "--label", "--job-name=sandbox", sys.executable, "-m", "megatron_rl.slurm_job",
                "sandbox", "--run-dir", str(self.run_dir), "--runtime", sb.runtime, "--capacity", str(capacity)]
@@ -455,8 +458,9 @@ class BatchStep:
         if marker is None:
             logger.info("training finished; run directory %s", self.run_dir)
             return 0
-        if marker["signal"] == "SIGUSR1" and not self.terminating:
-            return self._requeue(f"stopped after {describe_stop(marker)} on SIGUSR1")
+        if marker["signal"] in ("SIGUSR1", TIME_LIMIT) and not self.terminating:
+            return self._requeue(f"stopped after {describe_stop(marker)} "
+                                 f"{'before the time limit' if marker['signal'] == TIME_LIMIT else 'on SIGUSR1'}")
         if not self.said_stop:
             self._say_stopped(marker)
         return 0
@@ -467,7 +471,7 @@ class BatchStep:
         on disk, so that the line is there even when the ranks' own
         stop (their checkpoint, the line after it) does not finish in time."""
         self.said_term = True
-        why = _why_terminated(_job_fields(self.layout.job_id))
+        why = _why_terminated(job_fields(self.layout.job_id))
         latest = self.run_dir / "checkpoints" / "latest"
         saved = latest.read_text().strip() if latest.is_file() else "none yet"
         logger.warning("job %s %s after RL step %s (the last one logged); last complete checkpoint: %s; the ranks "
@@ -476,8 +480,9 @@ class BatchStep:
 
     def _say_stopped(self, marker: dict) -> None:
         self.said_stop = True
-        logger.warning("stopped after %s on %s; the next start of this job (same run directory) resumes",
-                       describe_stop(marker), marker["signal"])
+        on = "before the time limit" if marker["signal"] == TIME_LIMIT else f"on {marker['signal']}"
+        logger.warning("stopped after %s %s; the next start of this job (same run directory) resumes",
+                       describe_stop(marker), on)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

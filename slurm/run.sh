@@ -4,9 +4,10 @@
 # servers that compute code rewards. Copy it, edit the #SBATCH lines for your cluster
 # (docs/cluster.md), and submit (from any directory) with Hydra overrides:
 #   sbatch slurm/run.sh +experiment=qwen3_8b_code model.path=/ckpt/Qwen3-8B task.path=/data/code.jsonl
-# No CPU partition? Use slurm/run_gpu_only.sh (sandboxes on the GPU nodes' spare cores).
-# The run directory is runs/<job name>-<job id> (MEGATRON_RL_RUN_ROOT moves it); ~3 min before the
-# time limit the job checkpoints, requeues itself and resumes there.
+# No CPU partition? Use slurm/run_gpu_only.sh (sandboxes on the GPU nodes' CPUs).
+# The run directory is runs/<job name>-<job id> (MEGATRON_RL_RUN_ROOT moves it); before the time
+# limit (after the last step that leaves time for another and its checkpoint; USR1 below is the backstop) the
+# job checkpoints, requeues itself and resumes there.
 #
 # Before submitting: `python -m megatron_rl.slurm_check --script slurm/run.sh [sbatch options]` says whether
 # this cluster's nodes can ever run the request (Slurm may leave an impossible one pending for ever).

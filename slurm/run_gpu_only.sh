@@ -1,10 +1,11 @@
 #!/bin/bash
 # megatron-rl on GPU nodes only: like slurm/run.sh, but the sandbox servers run as a second
-# srun step (--overlap, no GPUs) on the spare cores of the GPU nodes, one per node. Use it where
+# srun step (--overlap, no GPUs) on the job's CPUs of the GPU nodes, one per node. Use it where
 # there is no CPU partition, or for tasks whose rewards need little CPU. Submit (from any directory) with
 # Hydra overrides:
 #   sbatch slurm/run_gpu_only.sh model=qwen2_5_0_5b task=countdown
-# Leave cores for the sandboxes: --cpus-per-task times --ntasks-per-node below the node's cores.
+# The sandboxes share the job's CPUs on each node with the ranks (cores the job was not given are not its to
+# use): ask for more --cpus-per-task than the ranks need, or --exclusive, to give them cores of their own.
 # Before submitting: `python -m megatron_rl.slurm_check --script slurm/run_gpu_only.sh [sbatch options]` says whether
 # this cluster's nodes can ever run the request (Slurm may leave an impossible one pending for ever).
 #SBATCH --job-name=megatron-rl

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -31,6 +32,7 @@ class CheckpointManager:
         self.critic: Any = None  # an RL run's value model (algorithm.critic), saved and resumed with the policy
         self._looked = False  # find_intact reads every file of the checkpoint: asked once
         self._chosen: Optional[Path] = None
+        self.longest_save_s: Optional[float] = None  # the longest `save` of this process so far (the stop's estimate)
 
     def _to_load(self) -> Optional[Path]:
         """The checkpoint `resume()` loads: the newest intact one (every rank calls this: collective)."""
@@ -65,9 +67,13 @@ class CheckpointManager:
         False leaves the critic out (one not trained yet)."""
         cfg = self.cfg
         keep_best = KeepBest(cfg.keep_best, cfg.best_metric, cfg.best_mode) if cfg.keep_best else None
-        return save_checkpoint(self.trainer, self.root, steps_done, extra, self.run_config, keep_last=cfg.keep_last,
+        start = time.perf_counter()
+        path = save_checkpoint(self.trainer, self.root, steps_done, extra, self.run_config, keep_last=cfg.keep_last,
                                keep_every=cfg.keep_every, keep_best=keep_best, metrics=metrics,
                                critic=self.critic if with_critic else None, meta=meta)
+        seconds = time.perf_counter() - start
+        self.longest_save_s = max(self.longest_save_s or 0.0, seconds)
+        return path
 
     def after_step(self, steps_done: int, extra: Callable[[], dict[str, Any]],
                    metrics: Optional[dict[str, float]] = None) -> None:

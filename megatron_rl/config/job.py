@@ -142,6 +142,11 @@ class CheckpointConfig:
     """keep_best: max (higher is better) or min."""
     resume: bool = True
     """Resume from run_dir/checkpoints when it holds a complete checkpoint."""
+    stop_before_time_limit: bool = True
+    """In a Slurm job with a time limit: stop after the last step that leaves time for one more step and its
+    checkpoint (the longest step and save this run measured, plus a minute), checkpoint, and requeue the job,
+    which resumes; a job killed at its limit is not requeued and loses the steps since its last checkpoint.
+    Rank 0 asks `scontrol show job` for the end every 5 minutes. false: only `--signal=B:USR1@N` stops early."""
     hf_export_every: int = 0
     """Optimizer steps between HF safetensors exports; 0 never exports periodically."""
     hf_export_at_end: bool = False

@@ -57,7 +57,7 @@ def run_rl(rt) -> dict[str, float]:
                 logger.info(format_step_summary(step, metrics, SUMMARY))
             state = functools.partial(run.state_dict, step)  # made only when a checkpoint is written
             run.checkpoints.after_step(step, state, metrics)
-            if rt.preemption.stop_agreed(step, cfg.num_steps):
+            if rt.preemption.stop_agreed(step, cfg.num_steps, save_seconds=run.checkpoints.longest_save_s):
                 rt.preemption.save_and_mark(run.checkpoints, step, state, metrics)
                 break
     finish(rt, run)

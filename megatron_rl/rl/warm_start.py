@@ -57,7 +57,8 @@ def warm_start(rt, run: Any, stopped_at: Optional[dict] = None) -> bool:
         metrics = trainer.train_step([samples[i] for i in index])
         if step % 50 == 0 or step == total - 1:
             logger.info("warm start %d/%d: loss %.3f", step + 1, total, metrics["loss"])
-        if rt.preemption.stop_agreed(step + 1, total, what="warm-start step"):
+        if rt.preemption.stop_agreed(step + 1, total, what="warm-start step",
+                                     save_seconds=run.checkpoints.longest_save_s):
             state = {"steps_done": step + 1, "batches": generator.get_state().numpy().tobytes()}
             run.checkpoints.save(0, {"warm_start": state}, meta={"warm_start": step + 1}, with_critic=False)
             rt.preemption.mark(0, run.checkpoints.root, warm_start_steps=step + 1)

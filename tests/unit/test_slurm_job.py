@@ -4,6 +4,7 @@ stop flag of `megatron_rl.preemption` in one process, and how helper processes t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.parallel.dist import dist_env_from
-from megatron_rl.preemption import STOP_SIGNALS, Preemption, children_block_stop_signals
+from megatron_rl.preemption import (MARKER, STOP_SIGNALS, TIME_LIMIT, JobDeadline, Preemption,
+                                    children_block_stop_signals, slurm_job_end)
 from megatron_rl.slurm_job import count_tasks, first_failure, job_layout, run_dir_for
 from tests.integration.jobs import shielded_signals
 
@@ -132,6 +134,111 @@ def test_a_watched_stop_signal_is_a_request_not_an_exit(tmp_path):
             signal.signal(sig, handler)
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_deadline_stops_when_one_more_step_and_its_checkpoint_would_pass_the_time_limit():
+    """Hand-derived, the job ending at t=1400: start-up with step 1 takes 200 s (the first interval, which counts
+    only until a second exists), later steps 30-40 s; one more step and its checkpoint need the longest step, the
+    longest save (before one was measured: the longest step again) and 60 s of slack."""
+    clock = _Clock()
+    deadline = JobDeadline(lambda: 1400.0, clock=clock, slack_s=60.0)
+    deadline.start()
+    clock.now = 1200.0
+    assert deadline.near() and (deadline.needed, deadline.left) == (200 + 200 + 60, 200)
+    clock.now = 1230.0
+    assert not deadline.near() and (deadline.needed, deadline.left) == (30 + 30 + 60, 170)
+    clock.now = 1260.0
+    assert not deadline.near(save_seconds=10.0) and (deadline.needed, deadline.left) == (30 + 10 + 60, 140)
+    clock.now = 1300.0
+    assert deadline.near(save_seconds=10.0) and (deadline.needed, deadline.left) == (40 + 10 + 60, 100)
+
+
+def test_the_deadline_asks_for_the_end_again_after_refresh_s_and_none_never_stops():
+    clock, ends, asked = _Clock(), [1025.0, 5000.0], []
+
+    def end() -> float:
+        asked.append(clock.now)
+        return ends[len(asked) - 1]
+
+    deadline = JobDeadline(end, clock=clock, slack_s=0.0, refresh_s=300.0)
+    deadline.start()
+    for now in (1010.0, 1020.0):
+        clock.now = now
+        assert deadline.near(), now  # 15 s, then 5 s left, 10 + 10 needed: the end it read first
+    clock.now = 1310.0  # the limit was raised (`scontrol update`): read again 300 s after the first reading
+    assert not deadline.near() and asked == [1010.0, 1310.0] and deadline.left == 5000.0 - 1310.0
+    unlimited = JobDeadline(lambda: None, clock=clock)
+    unlimited.start()
+    clock.now += 10**6
+    assert not unlimited.near() and not unlimited.near()
+
+
+def test_the_time_limit_stop_is_rank_zeros_and_named(tmp_path):
+    clock = _Clock()
+    stop = Preemption(tmp_path, is_main=True, deadline=JobDeadline(lambda: 1100.0, clock=clock)).install()
+    other = Preemption(tmp_path, is_main=False, deadline=JobDeadline(lambda: 1100.0, clock=clock))
+    assert other.deadline is None  # one clock decides for every rank (their flags are summed)
+    stop.watch()
+    clock.now = 1010.0  # 10 s a step, 90 s left: 10 + 10 + 60 fits
+    assert not stop.stop_agreed(1, 10)
+    clock.now = 1030.0  # 20 s a step, 70 s left: 20 + 5 + 60 does not
+    assert stop.stop_agreed(2, 10, save_seconds=5.0) and stop.reason == TIME_LIMIT
+    stop.save_and_mark(type("Checkpoints", (), {"root": tmp_path / "ckpt", "save": lambda *a: None})(), 2,
+                       lambda: {})
+    assert json.loads((tmp_path / MARKER).read_text())["signal"] == TIME_LIMIT
+
+
+def test_a_stop_before_the_time_limit_requeues_the_job(tmp_path, monkeypatch):
+    """Slurm requeues no job that reached its time limit: the ranks stop before it (TIME_LIMIT in
+    preempted.json), and the batch step requeues, as after USR1; a SIGTERM stop is not requeued."""
+    from megatron_rl.config import load_config
+    from megatron_rl.slurm_job import BatchStep
+
+    cfg = load_config(["cluster=slurm", "rollout.backend=hf", "sandbox=bwrap"], world_size=16)
+    for reason, requeued in ((TIME_LIMIT, True), ("SIGUSR1", True), ("SIGTERM", False)):
+        step = BatchStep(job_layout(HET_BATCH), tmp_path, [], cfg, sandbox=False, sandbox_wait_s=1)
+        asked: list[str] = []
+
+        def ranks(reason: str = reason) -> int:
+            (tmp_path / MARKER).write_text(json.dumps({"signal": reason, "steps_done": 4}))
+            return 0
+
+        monkeypatch.setattr(step, "_run_training", ranks)
+        monkeypatch.setattr(step, "_requeue", lambda why: asked.append(why) or 0)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+        try:
+            assert step.run() == 0
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        assert asked == ([f"stopped after step 4 {'before the time limit' if reason == TIME_LIMIT else 'on SIGUSR1'}"]
+                         if requeued else []), reason
+
+
+def test_slurm_job_end_reads_scontrols_end_time_then_slurms_variable(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    answer = tmp_path / "answer"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\ncat {answer}\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    answer.write_text("JobId=7 JobName=megatron-rl JobState=RUNNING TimeLimit=00:02:00 "
+                      "StartTime=2026-12-08T03:00:00 EndTime=2026-12-08T03:02:00 Partition=debug\n")
+    expected = time.mktime((2026, 12, 8, 3, 2, 0, 0, 0, -1))  # this node's local time, as scontrol prints it
+    assert slurm_job_end({"SLURM_JOB_ID": "7"}) == expected
+    answer.write_text("JobId=7 JobState=RUNNING TimeLimit=UNLIMITED EndTime=Unknown\n")
+    assert slurm_job_end({"SLURM_JOB_ID": "7"}) is None
+    assert slurm_job_end({"SLURM_JOB_ID": "7", "SLURM_JOB_END_TIME": "1765000000"}) == 1765000000.0
+    assert slurm_job_end({"SLURM_JOB_END_TIME": "1765000000"}) is None  # not in a Slurm job
+
+
 def test_the_steps_pass_the_allocations_cpus_per_task_on(tmp_path, monkeypatch):
     """srun of Slurm 22.05 to 23.02 does not inherit --cpus-per-task: the training and sandbox steps of a
     het job pass each component's own, and nothing when the allocation set none."""
@@ -147,6 +254,24 @@ def test_the_steps_pass_the_allocations_cpus_per_task_on(tmp_path, monkeypatch):
     assert {"--runtime", "apptainer", f"--server-arg=--image=python={tmp_path}"} <= set(step._srun_sandbox())
     monkeypatch.delenv("SLURM_CPUS_PER_TASK_HET_GROUP_0")
     assert not any(a.startswith("--cpus-per-task") for a in step._srun_train())
+
+
+def test_the_gpu_only_sandbox_step_shares_every_cpu_the_job_has_on_a_node(tmp_path, monkeypatch):
+    """slurm/run_gpu_only.sh: the sandbox step (--overlap) asks for the job's CPUs on a node (the fewest of any
+    node), not one, which a cluster binding steps to their CPUs gave all of a node's executions."""
+    from megatron_rl.config import load_config
+    from megatron_rl.slurm_job import BatchStep, fewest_cpus_per_node
+
+    assert fewest_cpus_per_node("80(x2),40") == 40 and fewest_cpus_per_node("16") == 16
+    with pytest.raises(ValueError, match="CPUs per node"):
+        fewest_cpus_per_node("all")
+    env = {"SLURM_JOB_ID": "43", "SLURM_JOB_NAME": "megatron-rl", "SLURM_JOB_NODELIST": "gpu[01-02]",
+           "SLURM_NTASKS": "16", "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_SUBMIT_DIR": str(tmp_path)}
+    cfg = load_config(["cluster=slurm", "rollout.backend=hf", "sandbox=bwrap"], world_size=16)
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "80(x2)")
+    step = BatchStep(job_layout(env), tmp_path, [], cfg, sandbox=True, sandbox_wait_s=1)
+    srun = step._srun_sandbox()
+    assert {"--overlap", "--cpus-per-task=80", "--ntasks-per-node=1", "--nodes=2"} <= set(srun), srun
 
 
 def test_after_sigterm_the_stop_is_said_once_the_checkpoint_is_marked_not_when_the_ranks_exit(

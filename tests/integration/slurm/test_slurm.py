@@ -1,6 +1,7 @@
 """`sbatch slurm/run.sh <overrides>` on a real (single-host) Slurm cluster: a short RL run
 of the small model with 2 training ranks (gloo on CPU) and a het-job CPU component serving the
-sandbox rewards; a USR1 warning that makes the job checkpoint, requeue itself and resume; `scancel`
+sandbox rewards; a USR1 warning that makes the job checkpoint, requeue itself and resume (and its time limit,
+without a signal); `scancel`
 (SIGTERM to every step) that the ranks answer with a checkpoint within KillWait, resumed by a new job
 in the same run directory; and a killed rank that brings the job down quickly with the rank named."""
 
@@ -229,6 +230,30 @@ def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_en
     assert (job.run_dir / "logs" / "job.log").read_text().count(f"job {job.job_id} start ") == 2
     server_log = (job.run_dir / "logs" / "sandbox-server-c2.log").read_text()
     assert server_log.count("=== sandbox server starting at") == 2 and "job restart 1" in server_log
+
+
+def test_a_job_near_its_time_limit_checkpoints_and_requeues_itself(slurm_env, tmp_path):
+    """A job of 3 minutes (Slurm never requeues one that reaches its limit): rank 0 reads the end from
+    `scontrol show job` and, once one more step and its checkpoint may not fit (checkpoint.stop_before_time_limit;
+    here after the first step, which carries the start-up), the ranks checkpoint and the batch step requeues
+    the job, well before Slurm's time limit would kill it."""
+    gpu = [a for a in GPU_COMPONENT if not a.startswith("--time=")] + ["--time=3"]
+    job = Job(slurm_env, tmp_path, "slurm/run.sh", [*gpu, ":", *CPU_COMPONENT],
+              [*TINY, "num_steps=50", "checkpoint.save_every=100"])
+    deadline = time.monotonic() + 240
+    while "requeueing job" not in job.log():
+        assert not job.finished(), job.log()[-6000:]
+        assert time.monotonic() < deadline, job.log()[-6000:]
+        time.sleep(0.5)
+    subprocess.run(["scancel", job.job_id], env=slurm_env, check=True)  # its next start is not this test's
+    log = job.log()
+    stopped = int(re.search(r"stopped after step (\d+) before the time limit: requeueing job", log).group(1))
+    assert 1 <= stopped < 50
+    rank0 = (job.run_dir / "logs" / "rank0.log").read_text()
+    assert re.search(r"the job's time limit is \d+s away and one more step with its checkpoint may take \d+s: "
+                     rf"stopping after step {stopped} of 50", rank0), rank0[-4000:]
+    assert (job.run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert json.loads((job.run_dir / "preempted.json").read_text())["signal"] == "TIME_LIMIT"
 
 
 @pytest.mark.serial  # bounds a wall-clock wait (KillWait): in the parallel pass, under the other tests' load, the
