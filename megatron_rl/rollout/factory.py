@@ -68,10 +68,12 @@ def _python() -> str:
 
 
 def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str], base_gpu_id: int,
-                         random_seed: int, tokenizer_path: Optional[str] = None) -> Any:
+                         random_seed: int, tokenizer_path: Optional[str] = None,
+                         eos_token_id: Optional[int] = None) -> Any:
     """The `SGLangEngineConfig` of one block's engine (offline with `model_path`, else attach). With stop
     strings (rollout.stop) the engine loads a tokenizer (from `tokenizer_path`, else the model's): SGLang
-    matches them on the text; an attached server must have been started with one."""
+    matches them on the text; an attached server must have been started with one. `eos_token_id`: the run's
+    tokenizer's (`SGLangEngineConfig.eos_token_ids`)."""
     from megatron_rl.rollout.sglang_engine import SGLangEngineConfig
 
     r = cfg.rollout
@@ -109,13 +111,16 @@ def sglang_engine_config(cfg: Any, *, device_type: str, model_path: Optional[str
         server_args.update(enable_lora=True, max_lora_rank=cfg.model.lora_rank, max_loras_per_batch=2,
                            lora_target_modules=sorted({m for t in cfg.model.lora_targets for m in LORA_HF_MODULES[t]}))
     server_args.update(dict(r.server_args))
+    eos = () if eos_token_id is None else (int(eos_token_id),)
     if r.base_url is not None:  # an attached server must have been started with enable_return_routed_experts
         return SGLangEngineConfig(base_url=r.base_url, device=device_type, tp_size=r.tp,
-                                  skip_tokenizer_init=not r.stop, routing_layout=layout, head_copy=_head_copy(cfg))
+                                  skip_tokenizer_init=not r.stop, routing_layout=layout, head_copy=_head_copy(cfg),
+                                  eos_token_ids=eos)
     return SGLangEngineConfig(
         model_path=model_path, device=device_type, tp_size=r.tp, base_gpu_id=base_gpu_id, dtype=cfg.model.dtype,
         mem_fraction_static=r.mem_fraction_static, random_seed=random_seed, log_level=r.log_level,
-        skip_tokenizer_init=not r.stop, server_args=server_args, routing_layout=layout, head_copy=_head_copy(cfg))
+        skip_tokenizer_init=not r.stop, server_args=server_args, routing_layout=layout, head_copy=_head_copy(cfg),
+        eos_token_ids=eos)
 
 
 def _head_copy(cfg: Any) -> bool:
@@ -174,7 +179,7 @@ def _leader_engine(cfg: Any, groups: Any, tokenizer: Any, block: Any, work_dir: 
     model_path, tokenizer_path = _engine_dirs(cfg, tokenizer, work_dir, f"rollout_model_rank{groups.rank}")
     config = sglang_engine_config(cfg, device_type=groups.device.type, model_path=model_path,
                                   base_gpu_id=groups.device.index or 0, random_seed=cfg.seed + groups.rank,
-                                  tokenizer_path=tokenizer_path)
+                                  tokenizer_path=tokenizer_path, eos_token_id=tokenizer.eos_token_id)
     engine = SGLangEngine(config)
     tp_size = engine.health()["tp_size"]
     if tp_size != block.size:
@@ -201,7 +206,7 @@ def make_standalone_engine(cfg: Any, tokenizer: Any, *, device: Any, index: int,
     model_path, tokenizer_path = _engine_dirs(cfg, tokenizer, work_dir, f"generator{index}")
     return SGLangEngine(sglang_engine_config(cfg, device_type=device.type, model_path=model_path,
                                              base_gpu_id=device.index or 0, random_seed=cfg.seed + 7919 * (index + 1),
-                                             tokenizer_path=tokenizer_path))
+                                             tokenizer_path=tokenizer_path, eos_token_id=tokenizer.eos_token_id))
 
 
 def _engine_dirs(cfg: Any, tokenizer: Any, work_dir: Path, name: str) -> tuple[Optional[str], Optional[str]]:

@@ -133,6 +133,9 @@ class SGLangEngineConfig:
     head_copy: bool = False
     """Weight updates send the embedding as `lm_head.weight` too (`needs_head_copy`: a tied model whose
     SGLang class keeps a head of its own)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The end-of-sequence ids the engine stops at (the run's tokenizer's eos), besides a request's
+    stop_token_ids: a sample whose last allowed token is one of them finished, though SGLang says "length"."""
 
     DEVICES: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
 
@@ -308,7 +311,8 @@ class SGLangEngine:
                                            lora=self._lora)
         if len(outputs) != len(input_ids):
             raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(input_ids)} requests")
-        generations = [self._to_generation(out, idx) for out, idx in zip(outputs, prompt_index)]
+        stops = frozenset(params.stop_token_ids) | frozenset(self.config.eos_token_ids)
+        generations = [self._to_generation(out, idx, stops) for out, idx in zip(outputs, prompt_index)]
         if params.return_routing:
             for gen, out, ids in zip(generations, outputs, input_ids):
                 gen.routing = routing_from_meta(out["meta_info"], len(ids) + len(gen.output_ids) - 1,
@@ -330,7 +334,7 @@ class SGLangEngine:
             sp["sampling_seed"] = ((params.seed * _SEED_STRIDE + prompt) * _SEED_STRIDE + sample) % (2 ** 63)
         return sp
 
-    def _to_generation(self, out: dict[str, Any], prompt_index: int) -> Generation:
+    def _to_generation(self, out: dict[str, Any], prompt_index: int, stops: frozenset[int]) -> Generation:
         meta = out["meta_info"]
         reason = (meta.get("finish_reason") or {"type": "abort"})["type"]
         if reason not in _FINISH_REASONS:
@@ -346,6 +350,11 @@ class SGLangEngine:
         if [int(e[1]) for e in entries] != output_ids:
             raise RuntimeError(f"SGLang log-probs do not line up with the output tokens "
                                f"(request {meta.get('id')}): {len(entries)} log-probs, {len(output_ids)} tokens")
+        if reason == "length" and output_ids and output_ids[-1] in stops:
+            # SGLang checks max_new_tokens before the stop tokens (Req.check_finished in managers/schedule_batch.py):
+            # a sample whose eos is its last allowed token ended, as the hf engine reports it; called "length", it
+            # would be continued past its eos by partial rollouts and dropped as truncated by the overlong filter
+            reason = "stop"
         version = _parse_version(meta.get("weight_version"), default=self.weight_version)
         return Generation(prompt_index, output_ids, [float(e[0]) for e in entries], reason, version)
 
