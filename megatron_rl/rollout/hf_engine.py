@@ -146,6 +146,23 @@ class _Sampler:
         return torch.stack(self.logprobs, dim=1).cpu() if self.logprobs else torch.zeros(rows, 0)
 
 
+class _ResponseStopStrings:
+    """A stopping criterion of `generate`: a row ends once its response's text holds one of `stops`. Not
+    transformers' `stop_strings`, whose StopStringCriteria matches the end of the whole sequence, prompt included:
+    a stop string begun by the prompt's last characters would end the row at a response that holds none (then
+    padded with tokens the model never sampled), where SGLang, which matches the response's text, goes on. Only the
+    response's last tokens are decoded: one a character at least, so a string just completed lies in them."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str], width: int) -> None:
+        self.tokenizer, self.stops, self.width = tokenizer, tuple(stops), width
+        self.window = 2 * max(len(s) for s in stops) + 8  # tokens; slack for tokens decoding to nothing
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        tails = input_ids[:, self.width:][:, -self.window:].tolist()
+        return torch.tensor([any(s in self.tokenizer.decode(tail, skip_special_tokens=False) for s in self.stops)
+                             for tail in tails], dtype=torch.bool, device=input_ids.device)
+
+
 class HFEngine:
     def __init__(self, model_cfg: Any, *, device: str | torch.device = "cpu", eos_token_id: int = 0,
                  pad_token_id: int = 0, max_batch_size: int = 256, tokenizer: Any = None) -> None:
@@ -403,8 +420,10 @@ class HFEngine:
             mask[row, width - len(prompt):] = 1
         stop = sorted(set(params.stop_token_ids) | {self.eos_token_id})
         start = time.perf_counter()
-        strings = dict(stop_strings=list(params.stop), tokenizer=self.tokenizer) if params.stop else {}
-        from transformers import LogitsProcessorList
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
+        strings = dict(stopping_criteria=StoppingCriteriaList([_ResponseStopStrings(self.tokenizer, params.stop, width)])
+                       ) if params.stop else {}
 
         sampler = _Sampler(params)
         with _RoutingCapture(self.model, len(jobs)) if params.return_routing else contextlib.nullcontext() as capture:

@@ -419,6 +419,36 @@ def test_hf_engine_stops_at_a_stop_string():
         HFEngine(cfg.model).generate([prompt], dataclasses.replace(greedy, stop=("x",)))
 
 
+def test_hf_engine_matches_stop_strings_on_the_response_alone():
+    """A stop string that the prompt's last character begins and the response's first completes is no stop (as in
+    SGLang, which matches the response's text): the response is what it is without the string, or ends where the
+    string first occurs in the response's own text. transformers' stop_strings matched the whole sequence and
+    ended the row after its first token, padding it with tokens the model never sampled."""
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.models.hf import build_hf_model, hub_state_dict
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    cfg = rl_config()
+    tokenizer = load_tokenizer("builtin:char")
+    engine = HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                      tokenizer=tokenizer)
+    engine.update_weights(hub_state_dict(build_hf_model(cfg.model, seed=7)).items(), version=1)
+    prompt = tokenizer("3+4=", add_special_tokens=False)["input_ids"]
+    greedy = SamplingParams(top_k=1, max_new_tokens=16, seed=0)
+    free = engine.generate([prompt, prompt[:-1]], greedy)[0]
+    text = tokenizer.decode(free.output_ids, skip_special_tokens=False)
+    assert free.finish_reason == "length" and len(text) == 16
+    stop = "=" + text[0]  # the prompt's "=" and the response's first character
+    got = engine.generate([prompt, prompt[:-1]], dataclasses.replace(greedy, stop=(stop,)))[0]
+    if stop in text:
+        end = text.find(stop) + len(stop)
+        assert got.output_ids == free.output_ids[:end] and got.finish_reason == "stop"
+    else:
+        assert got.output_ids == free.output_ids and got.finish_reason == "length"
+    assert got.logprobs == free.logprobs[:len(got.output_ids)]
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_hf_engine_returns_the_routing_of_every_token_it_fed(family):
     """SamplingParams(return_routing=True): each generation's routing [prompt + response - 1, MoE layers, k]
