@@ -422,8 +422,8 @@ class HFEngine:
         start = time.perf_counter()
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
-        strings = dict(stopping_criteria=StoppingCriteriaList([_ResponseStopStrings(self.tokenizer, params.stop, width)])
-                       ) if params.stop else {}
+        criteria = [_ResponseStopStrings(self.tokenizer, params.stop, width)] if params.stop else []
+        strings = dict(stopping_criteria=StoppingCriteriaList(criteria)) if criteria else {}
 
         sampler = _Sampler(params)
         with _RoutingCapture(self.model, len(jobs)) if params.return_routing else contextlib.nullcontext() as capture:
