@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 from typing import Any, Optional, Sequence
 
 from megatron_rl.rewards.shaping import group_verdicts
@@ -277,6 +278,11 @@ class ColocatedSource(ControllerVersion):
                 if cfg.rollout.oversample:
                     timing["sched/groups_cut"] = timing.get("sched/groups_cut", 0.0) + sum(cut)
                 groups = [group for group, was_cut in zip(groups, cut) if not was_cut]
+                if algo.dynamic_sampling:
+                    # the round that fills the batch has its surplus cut from the end of its kept groups; in prompt
+                    # order that end is the last domains' (a joint run draws domain after domain), so the trained
+                    # mixture would lean to the first. In a seeded order (alike on every rank) no domain is last.
+                    random.Random(params.seed).shuffle(groups)
                 rounds.add_round(groups, [group_verdicts(group) for group in groups])
             return {**combine_rounds(per_round), **timing}
 

@@ -190,3 +190,38 @@ def test_for_prompts_needs_contiguous_domains(tokenizer):
         MixtureSampler.for_prompts(prompts + prompts[:1], {"a": 1.0, "b": 1.0}, seed=0)
     with pytest.raises(ValueError, match="domains c have no training prompts"):
         MixtureSampler.for_prompts(prompts, {"a": 1.0, "b": 1.0, "c": 1.0}, seed=0)
+
+
+def test_dynamic_sampling_keeps_the_mixture_of_the_groups_it_trains_on():
+    """Two domains of weight 1 whose groups carry a signal alike (3 of every 4 prompts, by index): the groups a
+    colocated step with dynamic sampling trains on are half of each. The round that fills the batch has a
+    surplus, and cutting it from the end of the prompt order (domain after domain) took it from b alone."""
+    import types
+    from collections import Counter
+
+    from megatron_rl.rollout.collect import Rollout
+    from megatron_rl.rollout.colocated import ColocatedSource
+
+    sizes, n = {"a": 400, "b": 400}, 2
+    sampler = MixtureSampler(sizes, {"a": 1.0, "b": 1.0}, seed=0)
+    prompts = [types.SimpleNamespace(meta={"domain": d}, index=i)
+               for d in sizes for i in range(sizes[d])]
+
+    def generate(batch, params, training=False):  # a group varies (rewards 1, 0) unless its row index is 0 mod 4
+        return [Rollout(i, [1], [2], [0.0], "stop", 0, reward=float(k == 0 and p.index % 4 != 0),
+                        domain=p.meta["domain"]) for i, p in enumerate(batch) for k in range(n)], {}
+
+    controller = types.SimpleNamespace(rollout=lambda run: run(), metrics=lambda: {}, timeline=None)
+    cfg = types.SimpleNamespace(algorithm=types.SimpleNamespace(dynamic_sampling=True, dynamic_sampling_max_rounds=4),
+                                rollout=types.SimpleNamespace(n_samples_per_prompt=n, oversample=0.0),
+                                global_batch_size=8 * n, seed=0)
+    generation = types.SimpleNamespace(cfg=cfg, controller=controller, generate=generate,
+                                       sampling=lambda n, seed: types.SimpleNamespace(n=n, seed=seed))
+    source = ColocatedSource(generation, sampler, prompts)
+    trained = Counter()
+    for step in range(300):
+        rollouts, _ = source.rollouts(step, None)
+        assert len(rollouts) == 8 * n
+        trained.update(r.domain for r in rollouts)
+    share_a = trained["a"] / sum(trained.values())
+    assert abs(share_a - 0.5) < 0.03, share_a  # 0.60 when the surplus came from b alone
