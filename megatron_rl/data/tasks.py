@@ -273,6 +273,9 @@ class Task:
         where = f"task {c.name} ({split} row {index})"
         if c.prompt_key not in row:
             raise ValueError(f"{where} has no {c.prompt_key!r} column (task.prompt_key); columns: {sorted(row)}")
+        if not isinstance(row[c.prompt_key], (str, list)):
+            raise ValueError(f"{where}: its {c.prompt_key!r} (task.prompt_key) is {type(row[c.prompt_key]).__name__} "
+                             f"{row[c.prompt_key]!r}; a prompt is a string or a list of chat messages")
         if self.reward_kind == "custom":  # the user's function gets the whole row
             meta = dict(row)
             answer = row.get(c.answer_key)
@@ -288,13 +291,16 @@ class Task:
             if answer is None and c.rule_check is not None:
                 raise ValueError(f"{where} has no {c.answer_key!r} column (task.answer_key) for "
                                  f"task.rule_check={c.rule_check}")
+            if answer is not None and c.rule_check is not None:
+                answer = _reference_answer(answer, c.rule_check, f"{where}: its {c.answer_key!r} (task.answer_key)")
             meta = {"question": row[c.prompt_key], **({} if answer is None else {"answer": str(answer)})}
             reference = row.get(c.response_key) or ("" if answer is None else f"\\boxed{{{answer}}}")
         else:
             if row.get(c.answer_key) is None:
                 raise ValueError(f"{where} has no {c.answer_key!r} column (task.answer_key) "
                                  f"for reward={self.reward_kind}")
-            answer = str(row[c.answer_key])
+            answer = _reference_answer(row[c.answer_key], self.reward_kind, f"{where}: its {c.answer_key!r} "
+                                       "(task.answer_key)")
             meta = {"answer": answer}
             reference = row.get(c.response_key) or (answer if self.reward_kind == "exact" else f"\\boxed{{{answer}}}")
         return self._prompt(row[c.prompt_key], meta, reference)
@@ -362,6 +368,21 @@ class Task:
             client = SandboxClient(sandbox_addresses, deadline_s=60)
             return CountdownVerifier(client) if kind == "countdown" else TestsVerifier(client)
         return build
+
+
+def _reference_answer(value: Any, kind: str, what: str) -> str:
+    """A row's reference answer as the rule verifier `kind` (math or exact) compares it. Refused: a list or mapping
+    (its str() would be compared, which no response states), not-a-number, and one that normalises to nothing
+    (an empty reference matches an empty `\\boxed{$}` or `#### .`, so the row would reward a non-answer)."""
+    from megatron_rl.rewards.rule import normalize
+
+    if isinstance(value, (list, tuple, dict)) or (isinstance(value, float) and value != value):
+        raise ValueError(f"{what} is {type(value).__name__} {value!r}; a reference answer is a string or a number")
+    answer = str(value)
+    if not (normalize(answer) if kind == "math" else answer.strip()):
+        raise ValueError(f"{what} is {answer!r}, which states no answer (empty after reward={kind}'s "
+                         "normalisation): every response would be compared with nothing; fix or drop the row")
+    return answer
 
 
 class AwaitingModel:

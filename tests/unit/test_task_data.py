@@ -250,3 +250,25 @@ def test_answer_settings_are_checked():
     for key, value in [("answer_extraction", "lenient"), ("answer_format", "latex"), ("math_steps", 0)]:
         with pytest.raises(ValueError, match=f"task.{key}"):
             TaskConfig(chat_template=False, type="arithmetic", **{key: value})
+
+
+@pytest.mark.parametrize("answer, reward, why", [
+    ("", "math", "is '', which states no answer"), (" $ ", "math", r"is ' \$ ', which states no answer"),
+    ("", "exact", "is '', which states no answer"),
+    (["7"], "math", "is list"), (float("nan"), "math", "is float nan")])
+def test_a_reference_answer_that_no_response_can_state_is_refused_naming_the_row(tmp_path, tokenizer, answer, reward,
+                                                                                 why):
+    """An empty reference matched `\\boxed{$}` and `#### .` (reward 1 for stating nothing); a list's str()
+    ("['7']") matched nothing; both used to load silently."""
+    rows = [{"prompt": "p", "answer": "1"}] * 3 + [{"prompt": "q", "answer": answer}]
+    with pytest.raises(ValueError, match=rf"train row 1\): its 'answer' \(task.answer_key\) {why}"):
+        _task(tmp_path, tokenizer, rows=rows, reward=reward).prompts("train")
+    assert [p.meta["answer"] for p in _task(tmp_path, tokenizer, rows=rows[:3] + [{"prompt": "q", "answer": 0}],
+                                            reward=reward).prompts("train")] == ["1", "0"]
+
+
+def test_a_prompt_of_another_type_is_named_as_such(tmp_path, tokenizer):
+    rows = [{"prompt": "p", "answer": "1"}] * 2 + [{"prompt": 5, "answer": "1"}]
+    with pytest.raises(ValueError, match=r"train row 0\): its 'prompt' \(task.prompt_key\) is int 5; a prompt is a "
+                                         r"string or a list of chat messages"):
+        _task(tmp_path, tokenizer, rows=rows).prompts("train")
