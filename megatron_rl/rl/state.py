@@ -184,9 +184,17 @@ def critic_optimizer(cfg):
 
 
 def check_sample_budget(cfg, prompts) -> None:
-    """The longest single-turn prompt plus a full response must fit one micro-batch row: found now,
-    before any generation, rather than when the first batch is packed (ValueError with the fix)."""
+    """The longest single-turn prompt plus a full response must fit one micro-batch row and the model's positions
+    (model.max_position_embeddings, the longest sequence it is built for: past it nothing fails, RoPE runs on
+    positions never trained): found now, before any generation, rather than when the first batch is packed
+    (ValueError with the fix)."""
     longest = max((len(p.tokens) for p in prompts), default=0)  # agent prompts carry no tokens here
+    positions = cfg.model.max_position_embeddings
+    if longest and longest + cfg.rollout.max_new_tokens > positions:
+        raise ValueError(f"the longest training prompt has {longest} tokens; with rollout.max_new_tokens="
+                         f"{cfg.rollout.max_new_tokens} a sample can reach {longest + cfg.rollout.max_new_tokens} "
+                         f"tokens, more than model.max_position_embeddings={positions}: lower rollout.max_new_tokens "
+                         "or leave long prompts out (task.max_prompt_tokens)")
     if longest and longest + cfg.rollout.max_new_tokens > cfg.micro_batch_tokens:
         raise ValueError(f"the longest training prompt has {longest} tokens; with rollout.max_new_tokens="
                          f"{cfg.rollout.max_new_tokens} a sample can reach {longest + cfg.rollout.max_new_tokens} "

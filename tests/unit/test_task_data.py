@@ -207,11 +207,16 @@ def test_a_prompt_that_cannot_fit_a_micro_batch_with_its_response_is_refused_bef
 
     rows = [{"prompt": "x" * n, "answer": "1"} for n in (3, 9, 5, 40)]
     prompts = _task(tmp_path, tokenizer, rows=rows).prompts("train")
-    cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(max_new_tokens=16), micro_batch_tokens=64)
-    check_sample_budget(cfg, prompts)  # 40 + 16 <= 64
+    cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(max_new_tokens=16), micro_batch_tokens=64,
+                                model=types.SimpleNamespace(max_position_embeddings=56))
+    check_sample_budget(cfg, prompts)  # 40 + 16 <= 64, <= 56
     cfg.micro_batch_tokens = 50
     with pytest.raises(ValueError, match=r"longest training prompt has 40 tokens.*56 tokens, more than "
                                          r"micro_batch_tokens=50"):
+        check_sample_budget(cfg, prompts)
+    cfg.micro_batch_tokens, cfg.model.max_position_embeddings = 64, 55  # fits a micro-batch, not the model
+    with pytest.raises(ValueError, match=r"longest training prompt has 40 tokens.*56 tokens, more than "
+                                         r"model.max_position_embeddings=55"):
         check_sample_budget(cfg, prompts)
 
 
