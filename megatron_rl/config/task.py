@@ -301,6 +301,10 @@ class TaskConfig:
                            "(null means every row of task.path)")
         if self.max_prompt_tokens is not None:
             _check_min("task.max_prompt_tokens", self.max_prompt_tokens, 1)
+        if self.system_prompt and self.chat_template is False and self.type != "agent":
+            raise _invalid("task.system_prompt", self.system_prompt, "a system message goes through the chat template, "
+                           "and task.chat_template=false renders plain text (it would be left out): set "
+                           "task.chat_template=true, or put the instruction in the prompts")
         _check_min("task.num_eval", self.num_eval, 0)
         _check_min("task.seed", self.seed, 0)
 

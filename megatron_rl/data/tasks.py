@@ -184,6 +184,10 @@ class Task:
         self.chat = (task_cfg.chat_template if task_cfg.chat_template is not None
                      else bool(getattr(tokenizer, "chat_template", None)))
         self.end_of_turn = end_of_turn(tokenizer) if self.chat else ""
+        if task_cfg.system_prompt and not self.chat and not self.is_agent:
+            raise ValueError(f"task.system_prompt is set but task {task_cfg.name}'s prompts are plain text (the tokenizer "
+                             "has no chat template), which has no system turn: it would be left out; use a tokenizer "
+                             "with a chat template, or put the instruction in the prompts")
         self._rows: dict[str, list[dict[str, Any]]] = {}
 
     def _encode(self, text: str) -> list[int]:

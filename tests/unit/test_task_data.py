@@ -277,3 +277,19 @@ def test_a_prompt_of_another_type_is_named_as_such(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"train row 0\): its 'prompt' \(task.prompt_key\) is int 5; a prompt is a "
                                          r"string or a list of chat messages"):
         _task(tmp_path, tokenizer, rows=rows).prompts("train")
+
+
+def test_a_system_prompt_without_a_chat_template_is_refused(tokenizer):
+    """Plain-text prompts have no system turn: task.system_prompt used to be dropped without a word."""
+    import copy
+
+    from megatron_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"task.system_prompt=Be terse. is invalid: .*task.chat_template=false"):
+        TaskConfig(type="arithmetic", chat_template=False, system_prompt="Be terse.")
+    plain = copy.copy(tokenizer)
+    plain.chat_template = None  # task.chat_template=null follows the tokenizer: plain text here
+    with pytest.raises(ValueError, match="task.system_prompt is set but task t's prompts are plain text"):
+        Task(TaskConfig(name="t", type="arithmetic", system_prompt="Be terse."), plain)
+    templated = Task(TaskConfig(name="t", type="arithmetic", system_prompt="Be terse."), tokenizer)
+    assert templated.prompts("train")[0].text.startswith("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\n")
