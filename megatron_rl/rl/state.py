@@ -189,14 +189,11 @@ def check_sample_budget(cfg, prompts) -> None:
     positions never trained): found now, before any generation, rather than when the first batch is packed
     (ValueError with the fix)."""
     longest = max((len(p.tokens) for p in prompts), default=0)  # agent prompts carry no tokens here
-    positions = cfg.model.max_position_embeddings
-    if longest and longest + cfg.rollout.max_new_tokens > positions:
-        raise ValueError(f"the longest training prompt has {longest} tokens; with rollout.max_new_tokens="
-                         f"{cfg.rollout.max_new_tokens} a sample can reach {longest + cfg.rollout.max_new_tokens} "
-                         f"tokens, more than model.max_position_embeddings={positions}: lower rollout.max_new_tokens "
-                         "or leave long prompts out (task.max_prompt_tokens)")
-    if longest and longest + cfg.rollout.max_new_tokens > cfg.micro_batch_tokens:
-        raise ValueError(f"the longest training prompt has {longest} tokens; with rollout.max_new_tokens="
-                         f"{cfg.rollout.max_new_tokens} a sample can reach {longest + cfg.rollout.max_new_tokens} "
-                         f"tokens, more than micro_batch_tokens={cfg.micro_batch_tokens}: raise micro_batch_tokens "
-                         "or leave long prompts out (task.max_prompt_tokens)")
+    reach = longest + cfg.rollout.max_new_tokens
+    for key, limit, fix in (("model.max_position_embeddings", cfg.model.max_position_embeddings,
+                             "lower rollout.max_new_tokens"),
+                            ("micro_batch_tokens", cfg.micro_batch_tokens, "raise micro_batch_tokens")):
+        if longest and reach > limit:
+            raise ValueError(f"the longest training prompt has {longest} tokens; with rollout.max_new_tokens="
+                             f"{cfg.rollout.max_new_tokens} a sample can reach {reach} tokens, more than {key}={limit}: "
+                             f"{fix} or leave long prompts out (task.max_prompt_tokens)")
