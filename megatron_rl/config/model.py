@@ -354,6 +354,17 @@ class ModelConfig:
         """Whether RoPE is scaled with YaRN when rope_scaling_factor is set (rope_scaling_type, or the family's)."""
         return self.rope_scaling_type == "yarn" or (self.rope_scaling_type is None and self.spec.default_yarn)
 
+    @property
+    def context_length(self) -> int:
+        """The longest sequence (prompt and response) the model is meant to run: max_position_embeddings, or with
+        YaRN the scaled pre-training context (original_max_position_embeddings x factor) where that is longer, as
+        vLLM and SGLang derive it: Qwen's YaRN recipe adds rope_scaling to config.json and leaves
+        max_position_embeddings at the pre-training 32768."""
+        if self.rope_scaling_factor and self.yarn:
+            scaled = int(self.rope_scaling_original_max_position_embeddings * self.rope_scaling_factor)
+            return max(self.max_position_embeddings, scaled)
+        return self.max_position_embeddings
+
     def local_spec_gpu_problem(self, sequence_parallel: bool) -> Optional[str]:
         """Why model.transformer_impl=local cannot run this model on a GPU, or None: Megatron-core's local paths
         assume Transformer Engine for the MoE router's fp32 GEMM and its all-to-all dispatcher, multi-latent

@@ -185,13 +185,13 @@ def critic_optimizer(cfg):
 
 def check_sample_budget(cfg, prompts) -> None:
     """The longest single-turn prompt plus a full response must fit one micro-batch row and the model's positions
-    (model.max_position_embeddings, the longest sequence it is built for: past it nothing fails, RoPE runs on
+    (`ModelConfig.context_length`, the longest sequence it is built for: past it nothing fails, RoPE runs on
     positions never trained): found now, before any generation, rather than when the first batch is packed
     (ValueError with the fix)."""
     longest = max((len(p.tokens) for p in prompts), default=0)  # agent prompts carry no tokens here
     reach = longest + cfg.rollout.max_new_tokens
-    for key, limit, fix in (("model.max_position_embeddings", cfg.model.max_position_embeddings,
-                             "lower rollout.max_new_tokens"),
+    for key, limit, fix in (("the model's context (model.max_position_embeddings, or YaRN's scaled one)",
+                             cfg.model.context_length, "lower rollout.max_new_tokens"),
                             ("micro_batch_tokens", cfg.micro_batch_tokens, "raise micro_batch_tokens")):
         if longest and reach > limit:
             raise ValueError(f"the longest training prompt has {longest} tokens; with rollout.max_new_tokens="

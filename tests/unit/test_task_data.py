@@ -208,15 +208,15 @@ def test_a_prompt_that_cannot_fit_a_micro_batch_with_its_response_is_refused_bef
     rows = [{"prompt": "x" * n, "answer": "1"} for n in (3, 9, 5, 40)]
     prompts = _task(tmp_path, tokenizer, rows=rows).prompts("train")
     cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(max_new_tokens=16), micro_batch_tokens=64,
-                                model=types.SimpleNamespace(max_position_embeddings=56))
+                                model=types.SimpleNamespace(context_length=56))
     check_sample_budget(cfg, prompts)  # 40 + 16 <= 64, <= 56
     cfg.micro_batch_tokens = 50
     with pytest.raises(ValueError, match=r"longest training prompt has 40 tokens.*56 tokens, more than "
                                          r"micro_batch_tokens=50"):
         check_sample_budget(cfg, prompts)
-    cfg.micro_batch_tokens, cfg.model.max_position_embeddings = 64, 55  # fits a micro-batch, not the model
+    cfg.micro_batch_tokens, cfg.model.context_length = 64, 55  # fits a micro-batch, not the model
     with pytest.raises(ValueError, match=r"longest training prompt has 40 tokens.*56 tokens, more than "
-                                         r"model.max_position_embeddings=55"):
+                                         r"the model's context \(model.max_position_embeddings, or YaRN's scaled one\)=55"):
         check_sample_budget(cfg, prompts)
 
 
@@ -293,3 +293,18 @@ def test_a_system_prompt_without_a_chat_template_is_refused(tokenizer):
         Task(TaskConfig(name="t", type="arithmetic", system_prompt="Be terse."), plain)
     templated = Task(TaskConfig(name="t", type="arithmetic", system_prompt="Be terse."), tokenizer)
     assert templated.prompts("train")[0].text.startswith("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\n")
+
+
+def test_the_models_context_is_yarns_scaled_one_where_config_json_leaves_max_position_embeddings_short():
+    """As vLLM and SGLang derive it: Qwen's YaRN recipe (rope_scaling factor 4 over 32768, max_position_embeddings
+    left at 32768) runs 131072 tokens; DeepSeek-V3 states its scaled context (4096 x 40 = 163840) itself; Llama 3.1's
+    llama3 scaling and an unscaled model keep max_position_embeddings."""
+    from megatron_rl.config.model import ModelConfig
+
+    qwen = ModelConfig(family="qwen2", max_position_embeddings=32768, rope_scaling_type="yarn",
+                       rope_scaling_factor=4.0, rope_scaling_original_max_position_embeddings=32768)
+    assert qwen.context_length == 131072
+    llama = ModelConfig(family="llama", max_position_embeddings=131072, rope_scaling_factor=8.0,
+                        rope_scaling_original_max_position_embeddings=8192)
+    assert not llama.yarn and llama.context_length == 131072
+    assert ModelConfig(max_position_embeddings=512).context_length == 512

@@ -78,9 +78,9 @@ def check_run(cfg) -> None:
     agents = {"task": cfg.task} if cfg.task.type == "agent" and not cfg.domains else {}
     agents.update({f"domains.{name}.task": d.task for name, d in cfg.domains.items() if d.task.type == "agent"})
     for where, task in agents.items():
-        if task.max_episode_tokens > cfg.model.max_position_embeddings:
-            raise ConfigError(f"{where}.max_episode_tokens={task.max_episode_tokens} must be <= "
-                              f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+        if task.max_episode_tokens > cfg.model.context_length:
+            raise ConfigError(f"{where}.max_episode_tokens={task.max_episode_tokens} must be <= the model's context "
+                              f"({cfg.model.context_length}: model.max_position_embeddings, or YaRN's scaled one)")
         if task.max_episode_tokens > cfg.micro_batch_tokens:  # an episode is one packed sample
             raise ConfigError(f"{where}.max_episode_tokens={task.max_episode_tokens} must be <= "
                               f"micro_batch_tokens={cfg.micro_batch_tokens} (a whole episode is packed in one "
@@ -195,16 +195,17 @@ def _check_lengths_and_groups(cfg) -> None:
             "need >= 2 samples per prompt (all advantages would be 0)"
         )
     eval_tokens = cfg.task.eval_max_new_tokens
-    if eval_tokens is not None and eval_tokens >= cfg.model.max_position_embeddings:
-        raise ConfigError(f"task.eval_max_new_tokens={eval_tokens} is invalid: must be < model.max_position_embeddings="
-                          f"{cfg.model.max_position_embeddings} to leave room for the prompt")
+    context = cfg.model.context_length  # max_position_embeddings, or YaRN's scaled context
+    if eval_tokens is not None and eval_tokens >= context:
+        raise ConfigError(f"task.eval_max_new_tokens={eval_tokens} is invalid: must be < the model's context "
+                          f"({context}: model.max_position_embeddings, or YaRN's scaled one) to leave room for the prompt")
     if rollout.n_samples_per_prompt == 1 and (algo.filter_zero_variance or algo.dynamic_sampling):
         which = "filter_zero_variance" if algo.filter_zero_variance else "dynamic_sampling"
         raise ConfigError(f"algorithm.{which}=true with rollout.n_samples_per_prompt=1: every group of one sample "
                           "has no reward variance, so every sample would be dropped; sample >= 2 per prompt or "
                           f"set algorithm.{which}=false")
-    if rollout.max_new_tokens >= cfg.model.max_position_embeddings:
+    if rollout.max_new_tokens >= context:
         raise ConfigError(
-            f"rollout.max_new_tokens={rollout.max_new_tokens} is invalid: must be < "
-            f"model.max_position_embeddings={cfg.model.max_position_embeddings} to leave room for the prompt"
+            f"rollout.max_new_tokens={rollout.max_new_tokens} is invalid: must be < the model's context ({context}: "
+            "model.max_position_embeddings, or YaRN's scaled one) to leave room for the prompt"
         )
