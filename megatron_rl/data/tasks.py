@@ -185,9 +185,9 @@ class Task:
                      else bool(getattr(tokenizer, "chat_template", None)))
         self.end_of_turn = end_of_turn(tokenizer) if self.chat else ""
         if task_cfg.system_prompt and not self.chat and not self.is_agent:
-            raise ValueError(f"task.system_prompt is set but task {task_cfg.name}'s prompts are plain text (the tokenizer "
-                             "has no chat template), which has no system turn: it would be left out; use a tokenizer "
-                             "with a chat template, or put the instruction in the prompts")
+            raise ValueError(f"task.system_prompt is set but task {task_cfg.name}'s prompts are plain text (the "
+                             "tokenizer has no chat template), which has no system turn: it would be left out; use a "
+                             "tokenizer with a chat template, or put the instruction in the prompts")
         self._rows: dict[str, list[dict[str, Any]]] = {}
 
     def _encode(self, text: str) -> list[int]:
@@ -323,13 +323,16 @@ class Task:
     def needs_sandbox(self) -> bool:
         return needs_sandbox_of(self.cfg)
 
-    @property
+    @functools.cached_property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Token ids that end a response besides eos (the chat template's end-of-turn token)."""
-        if not self.end_of_turn:
-            return ()
-        ids = self._encode(self.end_of_turn)
-        return (ids[0],) if len(ids) == 1 else ()
+        """Token ids that end a response besides the tokenizer's eos: the chat template's end-of-turn token, and
+        the checkpoint's other end-of-sequence ids (`end_of_sequence_ids`: generation_config.json's), at which
+        SGLang stops too."""
+        from megatron_rl.data.tokenizer import end_of_sequence_ids
+
+        eot = self._encode(self.end_of_turn) if self.end_of_turn else []
+        ids = set(eot[:1] if len(eot) == 1 else []) | set(end_of_sequence_ids(self.tokenizer))
+        return tuple(sorted(ids - {self.tokenizer.eos_token_id}))
 
     def reward_scale_of(self, meta: dict[str, Any]) -> float:
         """What the verifier multiplied this prompt's rewards by (task.reward_scale)."""

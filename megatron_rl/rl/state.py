@@ -195,5 +195,6 @@ def check_sample_budget(cfg, prompts) -> None:
                             ("micro_batch_tokens", cfg.micro_batch_tokens, "raise micro_batch_tokens")):
         if longest and reach > limit:
             raise ValueError(f"the longest training prompt has {longest} tokens; with rollout.max_new_tokens="
-                             f"{cfg.rollout.max_new_tokens} a sample can reach {reach} tokens, more than {key}={limit}: "
+                             f"{cfg.rollout.max_new_tokens} a sample can reach {reach} tokens, more than "
+                             f"{key}={limit}: "
                              f"{fix} or leave long prompts out (task.max_prompt_tokens)")

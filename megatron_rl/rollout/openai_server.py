@@ -108,11 +108,15 @@ class OpenAIServer:
     def __init__(self, tokenizer: Any, host: str = "127.0.0.1", port: int = 0, wait_s: float = 30.0,
                  max_batch: int = 64) -> None:
         from megatron_rl.data.tasks import end_of_turn
+        from megatron_rl.data.tokenizer import end_of_sequence_ids
 
         self.tokenizer, self.wait_s, self.max_batch = tokenizer, wait_s, max_batch
         eot = end_of_turn(tokenizer) if getattr(tokenizer, "chat_template", None) else ""
         ids = self._encode(eot) if eot else []
-        self.chat_stop_ids = tuple(ids) if len(ids) == 1 else ()  # the template's end-of-turn token ends a reply
+        # the checkpoint's other end-of-sequence ids end any reply (`end_of_sequence_ids`), and a chat reply also
+        # the template's end-of-turn token
+        self.end_ids = tuple(sorted(set(end_of_sequence_ids(tokenizer)) - {tokenizer.eos_token_id}))
+        self.chat_stop_ids = tuple(sorted(set(ids if len(ids) == 1 else ()) | set(self.end_ids)))
         self._cond = threading.Condition()
         self._batcher: Any = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -325,7 +329,7 @@ class OpenAIServer:
             raise APIError(400, f"seed={seed!r} must be an integer", param="seed", code="invalid_value")
         return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=settings.top_k,
                               max_new_tokens=max_tokens, stop=tuple(stop), seed=seed,
-                              stop_token_ids=self.chat_stop_ids if route == "chat" else ())
+                              stop_token_ids=self.chat_stop_ids if route == "chat" else self.end_ids)
 
     def _response(self, route: str, call: Call, settings: ServeSettings, stop: list[str], episode_id: str) -> dict:
         choices = []

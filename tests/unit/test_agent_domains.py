@@ -39,7 +39,8 @@ def test_oversampled_groups_are_shared_out_in_proportion(sizes, total, expected)
 
 
 @pytest.mark.parametrize("overrides, tokens, message", [
-    ([], 100_000, r"domains.code.task.max_episode_tokens=100000 must be <= model.max_position_embeddings"),
+    ([], 100_000, r"domains.code.task.max_episode_tokens=100000 must be <= the model's context "
+                  r"\(\d+: model.max_position_embeddings"),
     (["micro_batch_tokens=256"], 400, r"domains.code.task.max_episode_tokens=400 must be <= micro_batch_tokens=256"),
 ])
 def test_what_an_agent_domain_cannot_run_with_is_refused(overrides, tokens, message):

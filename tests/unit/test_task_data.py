@@ -216,7 +216,8 @@ def test_a_prompt_that_cannot_fit_a_micro_batch_with_its_response_is_refused_bef
         check_sample_budget(cfg, prompts)
     cfg.micro_batch_tokens, cfg.model.context_length = 64, 55  # fits a micro-batch, not the model
     with pytest.raises(ValueError, match=r"longest training prompt has 40 tokens.*56 tokens, more than "
-                                         r"the model's context \(model.max_position_embeddings, or YaRN's scaled one\)=55"):
+                                         r"the model's context \(model.max_position_embeddings, or YaRN's "
+                                         r"scaled one\)=55"):
         check_sample_budget(cfg, prompts)
 
 
@@ -308,3 +309,32 @@ def test_the_models_context_is_yarns_scaled_one_where_config_json_leaves_max_pos
                         rope_scaling_original_max_position_embeddings=8192)
     assert not llama.yarn and llama.context_length == 131072
     assert ModelConfig(max_position_embeddings=512).context_length == 512
+
+
+def test_a_checkpoints_other_end_of_sequence_ids_end_responses_and_agent_turns(tmp_path, tokenizer):
+    """generation_config.json may list more end ids than the tokenizer's eos (Llama-3.1-Instruct: <|end_of_text|>,
+    <|eom_id|>, <|eot_id|>), which SGLang stops at: the task's and an agent turn's stop ids carry them (so the hf
+    engine stops there too, and a turn ended by one counts as closed); here id 3 ("\\n") stands in for one."""
+    from megatron_rl.data.tokenizer import end_of_sequence_ids
+    from megatron_rl.rollout.multiturn import TurnFormat
+    from megatron_rl.rollout.openai_server import OpenAIServer
+
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 3]}))
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"eos_token_id": 0}))
+    reloaded = load_tokenizer(str(tmp_path / "ckpt"))
+    assert reloaded.eos_token_id == 0 and end_of_sequence_ids(reloaded) == (0, 3)
+    assert end_of_sequence_ids(tokenizer) == (0,)  # the shipped assets: the tokenizer's eos alone
+    eot = 2  # <|im_end|>, the chat template's end of turn
+    assert _task(tmp_path, reloaded, chat_template=True).stop_token_ids == (eot, 3)
+    assert _task(tmp_path, reloaded, chat_template=False).stop_token_ids == (3,)
+    assert _task(tmp_path, tokenizer, chat_template=True).stop_token_ids == (eot,)
+    assert TurnFormat(reloaded, "s").stop_token_ids == (eot, 3)
+    endpoint = OpenAIServer(reloaded).start()
+    try:
+        assert (endpoint.chat_stop_ids, endpoint.end_ids) == ((eot, 3), (3,))
+    finally:
+        endpoint.shutdown()
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 500]}))
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id \[0, 500\] is not a list of ids"):
+        end_of_sequence_ids(load_tokenizer(str(tmp_path / "ckpt")))

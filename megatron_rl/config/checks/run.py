@@ -198,7 +198,8 @@ def _check_lengths_and_groups(cfg) -> None:
     context = cfg.model.context_length  # max_position_embeddings, or YaRN's scaled context
     if eval_tokens is not None and eval_tokens >= context:
         raise ConfigError(f"task.eval_max_new_tokens={eval_tokens} is invalid: must be < the model's context "
-                          f"({context}: model.max_position_embeddings, or YaRN's scaled one) to leave room for the prompt")
+                          f"({context}: model.max_position_embeddings, or YaRN's scaled one) to leave room for the "
+                          "prompt")
     if rollout.n_samples_per_prompt == 1 and (algo.filter_zero_variance or algo.dynamic_sampling):
         which = "filter_zero_variance" if algo.filter_zero_variance else "dynamic_sampling"
         raise ConfigError(f"algorithm.{which}=true with rollout.n_samples_per_prompt=1: every group of one sample "
