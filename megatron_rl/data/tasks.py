@@ -184,6 +184,10 @@ class Task:
         self.chat = (task_cfg.chat_template if task_cfg.chat_template is not None
                      else bool(getattr(tokenizer, "chat_template", None)))
         self.end_of_turn = end_of_turn(tokenizer) if self.chat else ""
+        from megatron_rl.data.tokenizer import plain_text_prefix
+
+        # plain text starts as transformers' tokenizer(text) starts it (a BOS for Llama-like tokenizers)
+        self.plain_prefix = "" if self.chat else plain_text_prefix(tokenizer)
         if task_cfg.system_prompt and not self.chat and not self.is_agent:
             raise ValueError(f"task.system_prompt is set but task {task_cfg.name}'s prompts are plain text (the "
                              "tokenizer has no chat template), which has no system turn: it would be left out; use a "
@@ -209,7 +213,7 @@ class Task:
         if not self.chat:
             if not isinstance(prompt, str):
                 raise ValueError(f"task {self.cfg.name}: a prompt given as chat messages needs task.chat_template=true")
-            return prompt
+            return self.plain_prefix + prompt
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if self.cfg.system_prompt:
             messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages

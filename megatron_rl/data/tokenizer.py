@@ -171,6 +171,19 @@ def end_of_sequence_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def plain_text_prefix(tokenizer: Any) -> str:
+    """The text of what the tokenizer puts before a plain text of its own accord (`tokenizer(text)`, as
+    transformers and vLLM's completions encode a prompt): its BOS for Llama, Mistral and Gemma tokenizers, "" for
+    Qwen's, SmolLM2's and the shipped one. The project encodes rendered text without special tokens (a chat
+    template writes its own BOS), so a plain-text prompt starts with this text instead; encoded, it is the BOS id."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or tokenizer.bos_token_id is None:
+        return ""
+    added = tokenizer("a")["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return bos if added[:1] == [tokenizer.bos_token_id] and plain[:1] != [tokenizer.bos_token_id] else ""
+
+
 def _declares_remote_code(path: Path) -> bool:
     config = path / "tokenizer_config.json"
     if not config.is_file():

@@ -338,3 +338,29 @@ def test_a_checkpoints_other_end_of_sequence_ids_end_responses_and_agent_turns(t
     (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 500]}))
     with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id \[0, 500\] is not a list of ids"):
         end_of_sequence_ids(load_tokenizer(str(tmp_path / "ckpt")))
+
+
+def test_plain_text_prompts_start_with_the_bos_a_tokenizer_adds_of_its_own(tmp_path, tokenizer):
+    """transformers' tokenizer(text) (and vLLM's completions) put a Llama-like tokenizer's BOS before a plain text;
+    the project encodes rendered text without special tokens, so a plain-text prompt carries the BOS as text: its
+    ids are tokenizer(text)'s, and every later encoding of Prompt.text (the warm start's) gets the same. Here the
+    shipped tokenizer, given a post-processor that adds <|im_start|> (id 1) as its BOS."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from megatron_rl.data.tokenizer import plain_text_prefix
+    from megatron_rl.sft import prompt_response_sample
+
+    bos_adding = copy.deepcopy(tokenizer)
+    bos_adding.bos_token = "<|im_start|>"
+    bos_adding.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", pair="<|im_start|> $A $B", special_tokens=[("<|im_start|>", 1)])
+    expected = bos_adding("What is 0 + 1?")["input_ids"]
+    assert expected[0] == 1 and expected[1:] == tokenizer("What is 0 + 1?", add_special_tokens=False)["input_ids"]
+    assert (plain_text_prefix(bos_adding), plain_text_prefix(tokenizer)) == ("<|im_start|>", "")
+    prompt = _task(tmp_path, bos_adding, chat_template=False).prompts("eval")[0]
+    assert prompt.tokens == expected and prompt.text == "<|im_start|>What is 0 + 1?"
+    sample = prompt_response_sample(bos_adding, prompt.text, "1")
+    assert sample.tokens.tolist()[:len(expected)] == expected
+    assert _task(tmp_path, tokenizer, chat_template=False).prompts("eval")[0].tokens == expected[1:]
