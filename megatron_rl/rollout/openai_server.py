@@ -108,7 +108,7 @@ class OpenAIServer:
     def __init__(self, tokenizer: Any, host: str = "127.0.0.1", port: int = 0, wait_s: float = 30.0,
                  max_batch: int = 64) -> None:
         from megatron_rl.data.tasks import end_of_turn
-        from megatron_rl.data.tokenizer import end_of_sequence_ids
+        from megatron_rl.data.tokenizer import end_of_sequence_ids, plain_text_prefix
 
         self.tokenizer, self.wait_s, self.max_batch = tokenizer, wait_s, max_batch
         eot = end_of_turn(tokenizer) if getattr(tokenizer, "chat_template", None) else ""
@@ -116,6 +116,7 @@ class OpenAIServer:
         # the checkpoint's other end-of-sequence ids end any reply (`end_of_sequence_ids`), and a chat reply also
         # the template's end-of-turn token
         self.end_ids = tuple(sorted(set(end_of_sequence_ids(tokenizer)) - {tokenizer.eos_token_id}))
+        self.plain_prefix = plain_text_prefix(tokenizer)
         self.chat_stop_ids = tuple(sorted(set(ids if len(ids) == 1 else ()) | set(self.end_ids)))
         self._cond = threading.Condition()
         self._batcher: Any = None
@@ -290,8 +291,8 @@ class OpenAIServer:
 
     def _completion_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
-        if isinstance(prompt, str) and prompt:
-            return self._encode(prompt)
+        if isinstance(prompt, str) and prompt:  # as vLLM's completions: with the BOS the tokenizer adds itself
+            return self._encode(self.plain_prefix + prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                        for t in prompt):
             return list(prompt)  # token ids, taken as they are
