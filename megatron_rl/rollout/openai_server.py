@@ -381,10 +381,23 @@ def parse_tool_calls(text: str, id_prefix: str) -> tuple[Optional[str], list[dic
 
 def _for_template(message: dict) -> dict:
     """An OpenAI message as chat templates take it: tool-call arguments as a dict (the API sends a JSON string),
-    content None as ""."""
+    content None as "", content given as a list of text parts as their texts joined by newlines (as vLLM does for
+    text-only templates). Templates are written for string content: given the list, Qwen3's renders an empty turn
+    and a plain `{{ content }}` the list's Python repr, so the model would be trained on a prompt the agent never
+    wrote. Parts other than text (images, audio) are refused: the served model reads text only."""
     out = dict(message)
     if out.get("content") is None:
         out["content"] = ""
+    elif isinstance(out["content"], list):
+        texts = []
+        for part in out["content"]:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "refusal") or not isinstance(part.get(kind), str):
+                raise APIError(400, f"message content part {part!r} is not supported: this endpoint serves a "
+                                    "text-only model; send text parts ({'type': 'text', 'text': ...}) or a string",
+                               param="messages", code="unsupported_content")
+            texts.append(part[kind])
+        out["content"] = "\n".join(texts)
     if isinstance(out.get("tool_calls"), list):
         calls = []
         for call in out["tool_calls"]:

@@ -182,6 +182,24 @@ def test_a_template_that_rewrites_the_history_is_a_mismatch_not_trained_on(model
         == "sampling_mismatch"
 
 
+def test_content_given_as_text_parts_is_rendered_as_the_text(model_and_engine, server):
+    """The OpenAI API lets content be a list of parts; the model must read their text, not the list's repr (a
+    `{{ content }}` template) nor nothing (Qwen3's template renders non-string content as '')."""
+    _, engine, tokenizer = model_and_engine
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "2 3"}, {"type": "text", "text": "-> 5"}]}]
+    as_text = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 3\n-> 5"}]
+    server.register(["p1"])
+    with server.serving(engine, SETTINGS):
+        _client(server, "p1").chat.completions.create(model="policy", messages=parts, max_tokens=3, seed=1)
+        with pytest.raises(openai.BadRequestError, match="text-only"):
+            _client(server, "p1").chat.completions.create(model="policy", max_tokens=3, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    [call] = server.take("p1")
+    assert call.prompt_ids == _encode(tokenizer, tokenizer.apply_chat_template(as_text, tokenize=False,
+                                                                               add_generation_prompt=True))
+
+
 def test_bad_requests_get_openai_errors(model_and_engine, server):
     _, engine, tokenizer = model_and_engine
     server.register(["x1"])
