@@ -36,8 +36,9 @@ class JudgeConfig:
     """Give the judge the row's reference answer (task.answer_key); false: the judge sees prompt and response only."""
     verdict: str = "score"
     """How the judge's reply is read: score (the last `score: X`, 0 <= X <= max_score; reward X / max_score) or
-    yes_no (the last `yes` or `no`; reward 1 or 0). A reply without one is no verdict: the sample is left
-    unscored and counted in reward/judge_parse_failures."""
+    yes_no (the last word when it is yes or no, else the yes or no the reply says when all agree; reward 1 or
+    0). A reply without one is no verdict: the sample is left unscored and counted in
+    reward/judge_parse_failures."""
     max_score: float = 10.0
     """verdict=score: the top of the judge's scale."""
     max_new_tokens: int = 64

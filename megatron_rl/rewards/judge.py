@@ -8,7 +8,9 @@ braces stay as written).
 
 Verdicts (`task.judge.verdict`):
 - score: the last `score: X` (or `score = X`, any case) in the reply, 0 <= X <= max_score; reward X / max_score;
-- yes_no: the last word `yes` or `no` (any case); reward 1 or 0.
+- yes_no: the reply's last word when it is `yes` or `no` (any case; the template asks to end with it), else the
+  `yes` or `no` the reply says when all of them agree; reward 1 or 0. A reply that says both and does not end
+  with one ("Yes, there is no error.") is no verdict, not the last one it happens to say.
 A reply with no verdict, or a score outside the scale, is no verdict (`parse_verdict` returns None): the
 sample is left unscored and counted, never scored 0 as if the judge had said so.
 """
@@ -28,6 +30,7 @@ REFERENCE_PART = "Reference answer:\n{reference}\n\n"
 
 _SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+_LAST_WORD = re.compile(r"([A-Za-z]+)[^A-Za-z0-9]*\Z")
 
 
 def check_template(template: Optional[str], show_reference: bool) -> None:
@@ -66,7 +69,10 @@ def parse_verdict(judge: Any, reply: str) -> Optional[float]:
         if not (math.isfinite(value) and 0 <= value <= judge.max_score):
             return None
         return value / judge.max_score
-    found = _YES_NO.findall(reply)
-    if not found:
+    last = _LAST_WORD.search(reply)
+    if last is not None and last.group(1).lower() in ("yes", "no"):
+        return 1.0 if last.group(1).lower() == "yes" else 0.0
+    said = {word.lower() for word in _YES_NO.findall(reply)}
+    if len(said) != 1:  # neither, or both ("Yes, no errors."): which one is the verdict cannot be told
         return None
-    return 1.0 if found[-1].lower() == "yes" else 0.0
+    return 1.0 if said == {"yes"} else 0.0

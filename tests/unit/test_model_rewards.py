@@ -36,6 +36,10 @@ ONE_PROCESS = types.SimpleNamespace(dp_size=1, dp_rank=0, is_first_model_paralle
     ("yes_no", "No, wait. Yes", 1.0),
     ("yes_no", "The answer is wrong: no", 0.0),
     ("yes_no", "nobody knows", None),  # `no` inside a word is not a verdict
+    ("yes_no", "**Yes**.", 1.0),
+    ("yes_no", "Yes, the response is correct.", 1.0),  # not at the end, but the only one it says
+    ("yes_no", "Yes, the response is correct and has no errors.", None),  # not the last `no` it happens to say
+    ("yes_no", "Answer: No. It says yes but 2+3 is 5.", None),
 ])
 def test_verdicts(verdict, reply, expected):
     assert parse_verdict(JudgeConfig(verdict=verdict), reply) == expected
