@@ -118,6 +118,7 @@ class OpenAIServer:
         self.end_ids = tuple(sorted(set(end_of_sequence_ids(tokenizer)) - {tokenizer.eos_token_id}))
         self.plain_prefix = plain_text_prefix(tokenizer)
         self.chat_stop_ids = tuple(sorted(set(ids if len(ids) == 1 else ()) | set(self.end_ids)))
+        self._said_seed = False  # the warning about seeded requests is given once
         self._cond = threading.Condition()
         self._batcher: Any = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -328,6 +329,11 @@ class OpenAIServer:
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise APIError(400, f"seed={seed!r} must be an integer", param="seed", code="invalid_value")
+        if seed is not None and not self._said_seed:
+            self._said_seed = True
+            logger.warning("an agent's request carries seed=%d: the episodes of a group that send the same prompt "
+                           "with the same seed get the same completion, so the group has no spread to learn from "
+                           "(all advantages 0); leave the seed out of a training agent's calls", seed)
         return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=settings.top_k,
                               max_new_tokens=max_tokens, stop=tuple(stop), seed=seed,
                               stop_token_ids=self.chat_stop_ids if route == "chat" else self.end_ids)

@@ -330,3 +330,22 @@ def test_a_tool_call_round_trip_through_the_client_is_one_trainable_episode():
     observation = episode.output_ids[len(c1):len(episode.output_ids) - len(c2)]
     assert tokenizer.decode(observation) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
     assert episode.model_mask == [1] * len(c1) + [0] * len(observation) + [1] * len(c2)
+
+
+def test_a_seeded_request_is_warned_about_once(caplog):
+    """A fixed seed from the agent makes every episode of a group sample the same completion (no spread for the
+    group's advantages): said at the first seeded request, once."""
+    import logging
+
+    server = OpenAIServer(load_tokenizer("builtin:char")).start()
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    settings = ServeSettings(model="policy", temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4,
+                             max_context_tokens=64)
+    caplog.set_level(logging.WARNING, logger="megatron_rl.rollout.openai_server")
+    server._sampling(body, settings, 5, [], "chat")
+    assert not [r for r in caplog.records if "seed" in r.getMessage()]
+    for seed in (42, 43):
+        server._sampling(dict(body, seed=seed), settings, 5, [], "chat")
+    said = [r.getMessage() for r in caplog.records if "carries seed=" in r.getMessage()]
+    server.shutdown()
+    assert said and len(said) == 1 and "seed=42" in said[0] and "no spread" in said[0]
