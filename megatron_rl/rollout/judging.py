@@ -5,7 +5,9 @@ weight sync), so dynamic sampling and evaluation see the judge's rewards like an
 
 A reply with no verdict leaves its sample unscored (`status="unscored"`: out of baselines and the loss, as a
 failed verifier's) and is counted in `reward/judge_parse_failures` (and, by the caller, in `reward/unscored`);
-each step with failures logs a warning with the first such reply. Every data-parallel rank judges its share of
+each step with failures logs a warning with the first such reply. A reply cut at `task.judge.max_new_tokens`
+is no verdict either (also counted in `reward/judge_cut`): the verdict comes last, so one read from a cut reply
+is from its middle. Every data-parallel rank judges its share of
 the responses (model-parallel ranks alike, as in `collect`), and the verdicts are gathered so that every rank
 holds all of them.
 """
@@ -50,13 +52,16 @@ def judge_rollouts(engine: Any, groups: Any, task: Any, prompts: Sequence[Any], 
     by_task: dict[int, list[Rollout]] = {}
     for r in judged:
         by_task.setdefault(id(task_of(task, prompts[r.prompt_index].meta)), []).append(r)
-    failures, first_failure = 0, None
+    failures, cut, first_failure = 0, 0, None
     for members in by_task.values():
         own = task_of(task, prompts[members[0].prompt_index].meta)
         replies = _generate(engine, groups, own, [_judge_tokens(own, prompts[r.prompt_index].meta, decode(r.output_ids))
                                                   for r in members], decode)
-        for r, reply in zip(members, replies):
-            verdict = parse_verdict(own.cfg.judge, reply)
+        for r, (reply, was_cut) in zip(members, replies):
+            # a reply cut at judge.max_new_tokens never reached its verdict (the template asks for it last): a
+            # `score: X` in it is from the middle, e.g. the judged response's own text quoted back
+            verdict = None if was_cut else parse_verdict(own.cfg.judge, reply)
+            cut += was_cut
             if own.cfg.rule_check is not None:
                 r.checks["rule_reward"] = r.reward
             if verdict is None:
@@ -69,9 +74,10 @@ def judge_rollouts(engine: Any, groups: Any, task: Any, prompts: Sequence[Any], 
             r.checks["model_passes"] = verdict > own.cfg.rule_check_threshold
     if failures:
         logger.warning("the judge gave no verdict for %d of %d responses (left unscored, counted in "
-                       "reward/judge_parse_failures); the first reply: %r", failures, len(judged), first_failure[:500])
+                       "reward/judge_parse_failures; %d of them cut at task.judge.max_new_tokens before the end of the "
+                       "reply); the first reply: %r", failures, len(judged), cut, first_failure[:500])
     return {"reward/judge_calls": float(len(judged)), "reward/judge_parse_failures": float(failures),
-            "time/judge": time.perf_counter() - start}
+            "reward/judge_cut": float(cut), "time/judge": time.perf_counter() - start}
 
 
 def _judge_tokens(task: Any, meta: dict, response: str) -> list[int]:
@@ -82,13 +88,14 @@ def _judge_tokens(task: Any, meta: dict, response: str) -> list[int]:
 
 
 def _generate(engine: Any, groups: Any, task: Any, token_lists: list[list[int]],
-              decode: Callable[[list[int]], str]) -> list[str]:
-    """The engine's greedy replies to every prompt, on every rank (each data-parallel rank generates its share)."""
+              decode: Callable[[list[int]], str]) -> list[tuple[str, bool]]:
+    """The engine's greedy replies to every prompt, each with whether it was cut at max_new_tokens, on every rank
+    (each data-parallel rank generates its share)."""
     mine = _share(len(token_lists), groups.dp_size, groups.dp_rank)
     params = SamplingParams(temperature=0.0, max_new_tokens=task.cfg.judge.max_new_tokens, n=1, seed=0,
                             stop_token_ids=task.stop_token_ids)
     gens = engine.generate([token_lists[i] for i in mine], params) if len(mine) else []
-    local = {mine[g.prompt_index]: decode(g.output_ids) for g in gens}
+    local = {mine[g.prompt_index]: (decode(g.output_ids), g.finish_reason == "length") for g in gens}
     everything = [local if groups.is_first_model_parallel_rank else {}]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everything = [None] * dist.get_world_size()

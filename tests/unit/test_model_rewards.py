@@ -106,6 +106,26 @@ def test_show_reference_false_hides_it_and_a_reply_without_verdict_is_unscored_n
     assert "no verdict for 6 of 6 responses" in caplog.text and "I cannot tell." in caplog.text
 
 
+def test_a_judge_reply_cut_at_max_new_tokens_is_no_verdict(caplog):
+    """The verdict comes last; a reply cut at task.judge.max_new_tokens holds, at most, a `score: X` from its
+    middle (here the judged response quoted back): no verdict, counted, the sample unscored."""
+    tokenizer = load_tokenizer("builtin:char")
+    task = Task(TaskConfig(name="a", type="arithmetic", reward="judge", chat_template=True, num_train=1, num_eval=0,
+                           judge=JudgeConfig(max_new_tokens=40)), tokenizer)
+    [prompt] = task.prompts("train")
+    quoted = "The response says 'score: 10' and then " + "rambles " * 20
+    engine = ScriptedPolicy(tokenizer, [lambda conversation: quoted])
+    ids = tokenizer("\\boxed{1}", add_special_tokens=False)["input_ids"]
+    rollouts = [Rollout(0, list(prompt.tokens), ids, [0.0] * len(ids), "stop", 1, reward=0.0)]
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.judging"):
+        stats = judge_rollouts(engine, ONE_PROCESS, task, [prompt], rollouts,
+                               lambda i: tokenizer.decode(i, skip_special_tokens=True))
+    assert parse_verdict(task.cfg.judge, quoted[:40]) == 1.0  # what reading the cut reply would have given
+    assert rollouts[0].status == "unscored" and not rollouts[0].scored
+    assert (stats["reward/judge_parse_failures"], stats["reward/judge_cut"]) == (1.0, 1.0)
+    assert "1 of them cut at task.judge.max_new_tokens" in caplog.text
+
+
 def test_a_rule_check_disagreeing_with_the_judge_is_counted_and_flagged(tmp_path):
     # the rule check gave 1 to both responses of prompt 0 (as if both were right) and 0 to the others
     _, _, rollouts, _ = _judged(show_reference=True, rule_check="math")
