@@ -42,7 +42,8 @@ class JudgeConfig:
     max_score: float = 10.0
     """verdict=score: the top of the judge's scale."""
     max_new_tokens: int = 64
-    """Length limit of the judge's reply (greedy)."""
+    """Length limit of the judge's reply (greedy). A reply cut at it is no verdict (counted in reward/judge_cut):
+    the verdict comes last, so give the judge room for its reasoning."""
 
     VERDICTS: ClassVar[tuple[str, ...]] = ("score", "yes_no")
 
