@@ -147,7 +147,7 @@ def build_run(rt, evaluation: bool = False) -> RunState:
     controller.log_memory_plan()
     addresses = runtime.sandbox_addresses(rt) if task.needs_sandbox else []
     rewards = RewardService(task.verifier_factory(addresses))
-    check_sample_budget(cfg, train_prompts)
+    check_sample_budget(cfg, train_prompts, teacher.model_cfg.context_length if teacher is not None else None)
     sampler = make_sampler(task, train_prompts, cfg.seed)
     generation = Generation(cfg, rt.groups, engine, task, tokenizer, rewards, controller)
     source: Any
@@ -183,17 +183,20 @@ def critic_optimizer(cfg):
                                min_lr=min(cfg.optimizer.min_lr, cfg.algorithm.critic_lr))
 
 
-def check_sample_budget(cfg, prompts) -> None:
+def check_sample_budget(cfg, prompts, teacher_context: Optional[int] = None) -> None:
     """The longest single-turn prompt plus a full response must fit one micro-batch row and the model's positions
     (`ModelConfig.context_length`, the longest sequence it is built for: past it nothing fails, RoPE runs on
-    positions never trained): found now, before any generation, rather than when the first batch is packed
-    (ValueError with the fix)."""
+    positions never trained), and a distillation teacher's (`teacher_context`, its context_length: it scores every
+    sample): found now, before any generation, rather than when the first batch is packed (ValueError with the
+    fix)."""
     longest = max((len(p.tokens) for p in prompts), default=0)  # agent prompts carry no tokens here
     reach = longest + cfg.rollout.max_new_tokens
     for key, limit, fix in (("the model's context (model.max_position_embeddings, or YaRN's scaled one)",
                              cfg.model.context_length, "lower rollout.max_new_tokens"),
-                            ("micro_batch_tokens", cfg.micro_batch_tokens, "raise micro_batch_tokens")):
-        if longest and reach > limit:
+                            ("micro_batch_tokens", cfg.micro_batch_tokens, "raise micro_batch_tokens"),
+                            ("the distillation teacher's context (its max_position_embeddings, or YaRN's scaled one)",
+                             teacher_context, "lower rollout.max_new_tokens")):
+        if longest and limit is not None and reach > limit:
             raise ValueError(f"the longest training prompt has {longest} tokens; with rollout.max_new_tokens="
                              f"{cfg.rollout.max_new_tokens} a sample can reach {reach} tokens, more than "
                              f"{key}={limit}: "

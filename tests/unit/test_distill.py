@@ -406,3 +406,27 @@ def test_the_kl_in_the_reward_reads_the_models_tokens_only():
     found, metrics = reward_kl(cfg, run, [episode])
     assert found[0]["penalty"].tolist() == pytest.approx([0.1 * 0.5, 0.0, 0.1 * 1.0])
     assert metrics["kl_reward/kl"] == pytest.approx((0.5 + 1.0) / 2) and seen == [(pytest.approx(0.75), 1)]
+
+
+def test_a_teacher_whose_context_the_samples_outrun_is_refused(tmp_path):
+    """The teacher scores every position of every sample: a response as long as its context (32 positions in its
+    config.json) would put its RoPE on positions it never trained on, silently; the student's context is 512."""
+    import dataclasses
+    import types
+
+    from megatron_rl.rl.state import check_sample_budget
+
+    short = save_teacher(tmp_path / "short", arch=dataclasses.replace(TEACHER_ARCH, max_position_embeddings=32))
+    with pytest.raises(ConfigError, match=rf"algorithm.distill.teacher={short}: rollout.max_new_tokens=32 does not "
+                                          r"fit the teacher's context \(32\)"):
+        _load(f"algorithm.distill.teacher={short}", "rollout.max_new_tokens=32")
+    assert _load(f"algorithm.distill.teacher={short}", "rollout.max_new_tokens=31").rollout.max_new_tokens == 31
+    # the prompts' lengths are known once they are read: 20 + 16 > 32
+    prompts = [types.SimpleNamespace(tokens=[1] * n) for n in (5, 20)]
+    cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(max_new_tokens=16), micro_batch_tokens=64,
+                                model=types.SimpleNamespace(context_length=512))
+    check_sample_budget(cfg, prompts)
+    check_sample_budget(cfg, prompts, teacher_context=36)
+    with pytest.raises(ValueError, match=r"longest training prompt has 20 tokens.*36 tokens, more than the "
+                                         r"distillation teacher's context .*=32"):
+        check_sample_budget(cfg, prompts, teacher_context=32)

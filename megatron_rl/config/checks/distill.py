@@ -79,6 +79,7 @@ def _check_teacher_files(cfg, where: str) -> None:
         if value % size:
             raise ConfigError(f"{where}: its {key}={value} does not split over parallel.{name}={size} (the teacher "
                               "runs in the student's parallel layout): pick a parallel layout that divides both")
+    _check_teacher_context(cfg, where, teacher.context_length)
     spec = cfg.algorithm.distill
     if spec.estimator == "topk" and spec.topk > teacher.vocab_size:
         raise ConfigError(f"algorithm.distill.topk={spec.topk} is more tokens than the teacher's vocabulary "
@@ -104,3 +105,21 @@ def _check_teacher_files(cfg, where: str) -> None:
     if size > teacher.vocab_size:
         raise ConfigError(f"{where}: the tokenizer has {size} tokens, more than the teacher's vocab_size="
                           f"{teacher.vocab_size} (its config.json): ids >= {teacher.vocab_size} have no logit")
+
+
+def _check_teacher_context(cfg, where: str, context: int) -> None:
+    """The teacher scores every position of every sample, so a sample must fit its context as the student's must
+    (checks/run.py): past it nothing fails, its RoPE runs on positions it never trained on, and its log-probs there
+    are no teacher's. `context`: the teacher's ModelConfig.context_length (the prompts' lengths are checked when
+    they are read: rl/state.py check_sample_budget)."""
+    fix = (f"distil from a teacher with a longer context, or shorten the samples to the teacher's {context} "
+           "tokens (its config.json's max_position_embeddings, or YaRN's scaled one)")
+    if cfg.rollout.max_new_tokens >= context:
+        raise ConfigError(f"{where}: rollout.max_new_tokens={cfg.rollout.max_new_tokens} does not fit the teacher's "
+                          f"context ({context}) with a prompt: {fix}")
+    agents = {"task": cfg.task} if cfg.task.type == "agent" and not cfg.domains else {}
+    agents.update({f"domains.{name}.task": d.task for name, d in cfg.domains.items() if d.task.type == "agent"})
+    for key, task in agents.items():
+        if task.max_episode_tokens > context:
+            raise ConfigError(f"{where}: {key}.max_episode_tokens={task.max_episode_tokens} is more than the "
+                              f"teacher's context ({context}): {fix}")
