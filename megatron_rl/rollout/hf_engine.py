@@ -194,6 +194,10 @@ class HFEngine:
         # parameters no update has written since they were last allocated (random init, or
         # uninitialised memory after release_memory / resume_memory): a flush leaving any is an error
         self._unwritten = {name for name, _ in self.model.named_parameters()}
+        # of those, the ones held fused (`hf_memory_slot`: transformers' stacked experts) that updates have written in
+        # part: {parameter: {hub name: elements of its slice}}; a parameter counts as written once its slices
+        # (disjoint: one per hub tensor) cover all its elements, so an update that skips one expert is refused too
+        self._partly_written: dict[str, dict[str, int]] = {}
         # views of the weights, made once per allocation (`_slot`, `weight_targets`)
         self._held: dict[str, torch.Tensor] = {}
         self._slots: dict[str, tuple[str, torch.Tensor]] = {}
@@ -242,7 +246,12 @@ class HFEngine:
                 raise ValueError(f"weight update {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the engine expects {tuple(target.shape)}")
             target.copy_(tensor)  # converts the dtype as it copies
-            self._unwritten.discard(held)
+            if held in self._unwritten:
+                parts = self._partly_written.setdefault(held, {})
+                parts[name] = target.numel()
+                if sum(parts.values()) >= self._held[held].numel():
+                    self._unwritten.discard(held)
+                    del self._partly_written[held]
         if flush:
             if self._unwritten:
                 missing = sorted(self._unwritten)
@@ -286,6 +295,7 @@ class HFEngine:
             raise EngineStateError(f"weights_written({version}): the weights were reallocated since the plan's "
                                    "weight_targets (release / resume), so its copies did not reach them")
         self._unwritten.clear()
+        self._partly_written.clear()
         self._loaded(version)
 
     def _loaded(self, version: int) -> None:
@@ -352,6 +362,7 @@ class HFEngine:
             self.model.tie_weights()
             self._forget_slots()
             self._unwritten = {name for name, _ in self.model.named_parameters()}
+            self._partly_written = {}
             with torch.no_grad():
                 for name, buf in self.model.named_buffers():
                     buf.copy_(self._buffers[name])

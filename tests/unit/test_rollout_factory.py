@@ -347,6 +347,36 @@ def test_hf_engine_refuses_an_update_that_leaves_weights_unwritten():
     assert all(torch.equal(held[k], v) for k, v in sent.items()) and engine.weight_version == 2
 
 
+
+def test_hf_engine_refuses_an_update_that_skips_one_expert_of_a_fused_tensor():
+    """transformers holds a mixture of experts' experts fused (mlp.experts.gate_up_proj [E, 2I, H]); weight sync
+    sends them one hub tensor each, a slice of that parameter. An update that skips one slice (one expert's
+    up_proj) leaves it uninitialised after a release / resume: refused at the flush like a whole missing weight,
+    and taken once the slice arrives."""
+    import torch
+
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.models.hf import build_hf_model, hub_state_dict
+    from megatron_rl.rollout.base import EngineStateError
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    cfg = ModelConfig(family="qwen3_moe", num_experts=4, moe_ffn_hidden_size=48, head_dim=48,
+                      tie_word_embeddings=False)
+    engine = HFEngine(cfg)
+    sent = hub_state_dict(build_hf_model(cfg, seed=7))
+    skipped = "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert skipped in sent
+    partial = [(k, v) for k, v in sent.items() if k != skipped]
+    engine.update_weights(sent.items(), version=1)
+    engine.release_memory()
+    engine.resume_memory()
+    with pytest.raises(EngineStateError, match=r"left 1 engine parameters unwritten .*layers.1.mlp.experts.gate_up_proj"):
+        engine.update_weights(partial, version=2)
+    assert engine.weight_version == 1
+    engine.update_weights([(skipped, sent[skipped])], version=2)  # the missing slice completes it
+    held = engine.hf_state_dict()
+    assert all(torch.equal(held[k], v) for k, v in sent.items()) and engine.weight_version == 2
+
 def test_hf_engine_keeps_a_tied_lm_head_tied_after_a_release():
     """A tied lm_head is the embedding (weight sync sends it once): after release / resume it still is, one
     tensor, written by the embedding's update; an untied one is written by its own."""
