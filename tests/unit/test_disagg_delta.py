@@ -204,3 +204,20 @@ def test_a_generator_that_never_answers_is_found_by_the_liveness_check_not_the_s
     sink = BroadcastSink(Channel().end(0), store, KEY, answer_timeout_s=0.2)
     with pytest.raises(RuntimeError, match=r"generator 0 has not answered 'v5/b0/a0/g1' within 0.2s"):
         in_thread(lambda: sink.update_weights(_version(1)[0], 5)).result(timeout=20)
+
+
+@pytest.mark.parametrize("change", ["name", "shape", "dtype"])
+def test_a_bucket_whose_bytes_stay_but_whose_tensors_change_is_sent(store, change):
+    """The digest covers a bucket's bytes only: a bucket of the same bytes under another name, shape or dtype (bucket
+    boundaries moved, a layout change) is not 'unchanged' to delta sync, and the engine ends holding the new
+    tensors, not the old ones."""
+    first = _version(0)
+    name, tensor = first[1][0]  # l1.w, 20 float32
+    other = {"name": ("l1.v", tensor), "shape": (name, tensor.reshape(4, 5)),
+             "dtype": (name, tensor.view(torch.int32))}[change]
+    second = [first[0], [other], first[2]]
+    assert pack_bucket(second[1])[1].equal(pack_bucket(first[1])[1])  # the very same bytes
+    engine, sink, channel = _sync(store, [first, second], delta=True)
+    assert channel.sent == SIZES + [SIZES[1]]  # version 1: bucket 1 alone
+    held = engine.weights[other[0]]
+    assert (held.shape, held.dtype) == (other[1].shape, other[1].dtype) and torch.equal(held, other[1])
