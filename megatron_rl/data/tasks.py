@@ -184,7 +184,7 @@ class Task:
         self.chat = (task_cfg.chat_template if task_cfg.chat_template is not None
                      else bool(getattr(tokenizer, "chat_template", None)))
         self.end_of_turn = end_of_turn(tokenizer) if self.chat else ""
-        from megatron_rl.data.tokenizer import plain_text_prefix
+        from megatron_rl.data.special_tokens import plain_text_prefix
 
         # plain text starts as transformers' tokenizer(text) starts it (a BOS for Llama-like tokenizers)
         self.plain_prefix = "" if self.chat else plain_text_prefix(tokenizer)
@@ -332,7 +332,7 @@ class Task:
         """Token ids that end a response besides the tokenizer's eos: the chat template's end-of-turn token, and
         the checkpoint's other end-of-sequence ids (`end_of_sequence_ids`: generation_config.json's), at which
         SGLang stops too."""
-        from megatron_rl.data.tokenizer import end_of_sequence_ids
+        from megatron_rl.data.special_tokens import end_of_sequence_ids
 
         eot = self._encode(self.end_of_turn) if self.end_of_turn else []
         ids = set(eot[:1] if len(eot) == 1 else []) | set(end_of_sequence_ids(self.tokenizer))

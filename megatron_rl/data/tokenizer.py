@@ -28,7 +28,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -148,40 +148,6 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False) -> PreTrainedToke
         raise ValueError(f"tokenizer {str(path)!r} is code of its own (tokenizer_config.json auto_map), which runs "
                          "only with model.trust_remote_code=true: set it if you trust that directory")
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
-
-
-def end_of_sequence_ids(tokenizer: Any) -> tuple[int, ...]:
-    """Every id that ends a sequence of this model: the tokenizer's eos and, when the tokenizer was loaded from
-    an HF checkpoint directory, the `eos_token_id` (a number or a list) of its generation_config.json and
-    config.json, which is what transformers' generate, SGLang and vLLM stop at. Several models list more than
-    the tokenizer's one: Llama-3.1-Instruct <|end_of_text|>, <|eom_id|> (a tool call's end) and <|eot_id|>;
-    Qwen2.5-Instruct <|im_end|> and <|endoftext|>. Ids outside the tokenizer's vocabulary are refused."""
-    ids = set() if tokenizer.eos_token_id is None else {int(tokenizer.eos_token_id)}
-    where = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
-    for name in ("generation_config.json", "config.json"):
-        try:
-            value = json.loads((where / name).read_text()).get("eos_token_id") if where.parts else None
-        except (OSError, ValueError):
-            continue
-        for token in value if isinstance(value, list) else [] if value is None else [value]:
-            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < len(tokenizer):
-                raise ValueError(f"{where / name}: eos_token_id {value!r} is not a list of ids of the tokenizer "
-                                 f"({len(tokenizer)} tokens)")
-            ids.add(token)
-    return tuple(sorted(ids))
-
-
-def plain_text_prefix(tokenizer: Any) -> str:
-    """The text of what the tokenizer puts before a plain text of its own accord (`tokenizer(text)`, as
-    transformers and vLLM's completions encode a prompt): its BOS for Llama, Mistral and Gemma tokenizers, "" for
-    Qwen's, SmolLM2's and the shipped one. The project encodes rendered text without special tokens (a chat
-    template writes its own BOS), so a plain-text prompt starts with this text instead; encoded, it is the BOS id."""
-    bos = getattr(tokenizer, "bos_token", None)
-    if not bos or tokenizer.bos_token_id is None:
-        return ""
-    added = tokenizer("a")["input_ids"]
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    return bos if added[:1] == [tokenizer.bos_token_id] and plain[:1] != [tokenizer.bos_token_id] else ""
 
 
 def _declares_remote_code(path: Path) -> bool:

@@ -89,7 +89,7 @@ class TurnFormat:
 
     def __init__(self, tokenizer: Any, system_prompt: str, observation_role: str = "tool") -> None:
         from megatron_rl.data.tasks import end_of_turn
-        from megatron_rl.data.tokenizer import end_of_sequence_ids
+        from megatron_rl.data.special_tokens import end_of_sequence_ids
 
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt

@@ -108,7 +108,7 @@ class OpenAIServer:
     def __init__(self, tokenizer: Any, host: str = "127.0.0.1", port: int = 0, wait_s: float = 30.0,
                  max_batch: int = 64) -> None:
         from megatron_rl.data.tasks import end_of_turn
-        from megatron_rl.data.tokenizer import end_of_sequence_ids, plain_text_prefix
+        from megatron_rl.data.special_tokens import end_of_sequence_ids, plain_text_prefix
 
         self.tokenizer, self.wait_s, self.max_batch = tokenizer, wait_s, max_batch
         eot = end_of_turn(tokenizer) if getattr(tokenizer, "chat_template", None) else ""

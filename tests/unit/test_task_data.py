@@ -315,7 +315,7 @@ def test_a_checkpoints_other_end_of_sequence_ids_end_responses_and_agent_turns(t
     """generation_config.json may list more end ids than the tokenizer's eos (Llama-3.1-Instruct: <|end_of_text|>,
     <|eom_id|>, <|eot_id|>), which SGLang stops at: the task's and an agent turn's stop ids carry them (so the hf
     engine stops there too, and a turn ended by one counts as closed); here id 3 ("\\n") stands in for one."""
-    from megatron_rl.data.tokenizer import end_of_sequence_ids
+    from megatron_rl.data.special_tokens import end_of_sequence_ids
     from megatron_rl.rollout.multiturn import TurnFormat
     from megatron_rl.rollout.openai_server import OpenAIServer
 
@@ -349,7 +349,7 @@ def test_plain_text_prompts_start_with_the_bos_a_tokenizer_adds_of_its_own(tmp_p
 
     from tokenizers.processors import TemplateProcessing
 
-    from megatron_rl.data.tokenizer import plain_text_prefix
+    from megatron_rl.data.special_tokens import plain_text_prefix
     from megatron_rl.sft import prompt_response_sample
 
     bos_adding = copy.deepcopy(tokenizer)
