@@ -5,6 +5,11 @@ on an asyncio gRPC server with its reaper, signals and discovery file.
   to `drain_s`), then the server exits and removes its discovery file. With `--ignore-sigterm`
   only SIGINT does: for a server that a training job stops itself (Slurm sends SIGTERM to every
   process at a job's end, while the trainer may still need rewards for the step it finishes).
+- Every command inherits the server's session keyring, and keys are not confined by namespaces: under
+  a login's keyring (pam_keyinit, systemd's per-service one) sandboxed code could read the keys held
+  there (Kerberos tickets, say) and leave keys for later runs. The server first swaps it for an empty
+  one that nobody, its holders included, may use (`_seal_session_keyring`); a run that wants a
+  keyring makes its own.
 - With `--run-dir`, the address is written to `<run-dir>/sandbox/<name>.json` so that the
   job's ranks find the servers of their allocation.
 
@@ -19,7 +24,9 @@ import dataclasses
 import faulthandler
 import json
 import logging
+import ctypes
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -210,9 +217,30 @@ def _write_discovery(run_dir: str, name: str, address: str, runtime: str) -> Pat
     return path
 
 
+_KEYCTL = {"x86_64": 250, "aarch64": 219}  # the keyctl(2) syscall number
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_SETPERM = 1, 5
+
+
+def _seal_session_keyring() -> None:
+    """Give this process (and so every command it starts) a new, empty session keyring with no
+    permission for anyone: possession grants a key's possessor rights, and each command possesses
+    its parent's session keyring. Must run before any other thread starts: the keyring is per thread."""
+    number = _KEYCTL.get(platform.machine())
+    if number is None:
+        logger.warning("cannot seal the session keyring on %s: sandboxed code can use this server's session "
+                       "keyring (the keys of the login that started it)", platform.machine())
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    keyring = libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None)
+    if keyring < 0 or libc.syscall(number, _KEYCTL_SETPERM, keyring, 0) != 0:
+        err = ctypes.get_errno()
+        raise SystemExit(f"sandbox server: cannot seal the session keyring: {os.strerror(err)}")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
+    _seal_session_keyring()
     try:
         asyncio.run(serve(args))
     except RuntimeError as exc:

@@ -380,3 +380,49 @@ def test_the_requests_environment_never_reaches_the_root_part_of_a_start(tmp_pat
         srv.stop()
     uids = [int(x) for x in r.stdout.split()]
     assert uids and 0 not in uids, (uids, r.stderr)
+
+
+# -- 8. kernel state that namespaces do not confine -------------------------------------------------
+KEYCTL = {"x86_64": 250, "aarch64": 219}
+KEYRING = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+NR = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+def key(description):  # KEYCTL_SEARCH the session keyring, then KEYCTL_READ
+    found = libc.syscall(NR[1], 10, -3, b"user", description, 0)
+    buf = ctypes.create_string_buffer(64)
+    size = libc.syscall(NR[1], 11, found, buf, 64) if found > 0 else 0
+    return buf.raw[:max(size, 0)]
+libc.syscall(NR[0], b"user", b"planted", b"from-an-earlier-run", 19, -3)  # add_key to @s
+print(key(b"login-secret"), key(b"planted"))
+"""
+SERVER_UNDER_A_LOGIN_KEYRING = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+add_key, keyctl = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+assert libc.syscall(keyctl, 1, b"login-session") > 0  # KEYCTL_JOIN_SESSION_KEYRING, as pam_keyinit does
+assert libc.syscall(add_key, b"user", b"login-secret", b"hunter2", 7, -3) > 0
+os.execv(sys.executable, [sys.executable, "-m", "megatron_rl_sandbox.server", *sys.argv[1:]])
+"""
+
+
+@pytest.mark.skipif(os.uname().machine not in KEYCTL, reason=f"keyctl numbers known for {sorted(KEYCTL)} only")
+def test_a_run_cannot_use_the_session_keyring_of_the_login_that_started_the_server(tmp_path):
+    """Keys are not confined by namespaces: every command possessed the server's session keyring (a login's,
+    from pam_keyinit; a systemd service's own), so it read the keys held there ("hunter2") and left keys
+    that later runs read ("from-an-earlier-run")."""
+    from megatron_rl_sandbox.spawn import stop_server
+
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_UNDER_A_LOGIN_KEYRING, "--address", "127.0.0.1:0",
+                             *runtime_args("bwrap"), "--capacity", "1", "--prewarm", "1"], stdout=subprocess.PIPE,
+                            stderr=open(tmp_path / "server.log", "w"), text=True,
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("{"), (tmp_path / "server.log").read_text()
+        srv = type("Server", (), {"address": __import__("json").loads(line)["address"]})()
+        first, second = _python(srv, KEYRING), _python(srv, KEYRING)
+    finally:
+        stop_server(proc, timeout_s=30)
+    assert first.exit_code == 0 and second.exit_code == 0, (first, second)
+    assert second.stdout == b"b'' b''\n", second.stdout
