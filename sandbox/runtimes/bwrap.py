@@ -1,8 +1,13 @@
 """bubblewrap runtime: new user, PID, network, IPC, UTS and mount namespaces; the image
 read-only at /, the workspace read-write at /workspace, a private /tmp of at most the disk
 limit, no capabilities, an unprivileged uid inside (and outside: a root server starts bwrap
-as --sandbox-uid, executor.py), the kernel knobs under /proc (`PROC_KNOBS`) read-only, and the
-whole namespace killed with its parent.
+as --sandbox-uid, executor.py), no further user namespaces (`--disable-userns`), the kernel knobs
+under /proc (`PROC_KNOBS`) read-only, and the whole namespace killed with its parent.
+
+A user namespace of its own would give the code every capability again inside it (CAP_NET_ADMIN,
+CAP_SYS_ADMIN over namespaces it makes): nf_tables, mounts of its own and the rest of the kernel
+surface that unprivileged local-root exploits go through. `--disable-userns` (bubblewrap >= 0.8)
+closes it; an older bubblewrap runs without it and the server logs a WARNING.
 
 The command is PID 1 of its PID namespace (`--as-pid-1`): bubblewrap's own reaper would
 otherwise be PID 1 there, a process of the same user, dumpable, that holds the command's
@@ -20,7 +25,9 @@ further images are root filesystem directories registered by name (`name=/path/t
 
 from __future__ import annotations
 
+import logging
 import shutil
+import subprocess
 from pathlib import Path
 
 from megatron_rl_sandbox.limits import Limits
@@ -30,6 +37,8 @@ from megatron_rl_sandbox.runtimes.base import BASE_ENV, WORKSPACE, Command, Runt
 # when the sandbox's user could write them (it tests access(W_OK) as that user), so a server whose uid maps
 # to host root with no capability left got them writable: /proc/sys/kernel/core_pattern is run as root.
 PROC_KNOBS = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+
+logger = logging.getLogger(__name__)
 
 _HOST_LINKS = {"bin": "usr/bin", "lib": "usr/lib", "lib64": "usr/lib64", "sbin": "usr/sbin"}
 
@@ -45,6 +54,10 @@ class BwrapRuntime(Runtime):
                                "apt-get install bubblewrap")
         self.bwrap = path
         self.uid = uid
+        self.disable_userns = _supports(path, "--disable-userns")
+        if not self.disable_userns:
+            logger.warning("%s has no --disable-userns (bubblewrap < 0.8): sandboxed code can make user namespaces "
+                           "of its own and regain capabilities inside them (kernel attack surface)", path)
         self._images: dict[str, Path | None] = {"host": None}
         for name, root in (images or {}).items():
             if not Path(root).is_dir():
@@ -71,6 +84,8 @@ class BwrapRuntime(Runtime):
         self._check_command_in_root(argv[0], root, image)
         args = [self.bwrap, "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session",
                 "--unshare-user", "--uid", str(self.uid), "--gid", str(self.uid), "--cap-drop", "ALL"]
+        if self.disable_userns:
+            args.append("--disable-userns")
         if limits.network:
             args.append("--share-net")
         args += root_args
@@ -82,3 +97,12 @@ class BwrapRuntime(Runtime):
         for key, value in {**BASE_ENV, **env}.items():
             args += ["--setenv", key, value]
         return Command(argv=[*args, "--", *argv], env={}, cwd="/", signal_from_exit_code=True, pid_1=True)
+
+
+def _supports(bwrap: str, option: str) -> bool:
+    """Whether this bubblewrap knows `option` (its --help lists it)."""
+    try:
+        done = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return option in done.stdout + done.stderr

@@ -426,3 +426,12 @@ def test_a_run_cannot_use_the_session_keyring_of_the_login_that_started_the_serv
         stop_server(proc, timeout_s=30)
     assert first.exit_code == 0 and second.exit_code == 0, (first, second)
     assert second.stdout == b"b'' b''\n", second.stdout
+
+
+def test_a_run_cannot_make_a_user_namespace_of_its_own(bwrap_server):
+    """Inside a user namespace of its own, code has every capability again (CAP_NET_ADMIN for nf_tables,
+    CAP_SYS_ADMIN for mounts): the surface that unprivileged local-root exploits go through."""
+    r = _python(bwrap_server, "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                              "print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))")  # CLONE_NEWUSER
+    assert r.exit_code == 0, r
+    assert r.stdout.split()[0] == b"-1", r.stdout
