@@ -5,7 +5,9 @@ with the request's files, so every task starts from the same state: nothing a ru
 directory itself (extended attributes, mode, times, ownership, inode flags) can reach the next
 one, because a used workspace is never emptied and reused but unmounted and removed. As root
 the directory is its own tmpfs of `disk_bytes`: a hard quota the sandboxed code cannot exceed
-(writes fail with ENOSPC); it and every file the server writes into it belong to the
+(writes fail with ENOSPC), files included: a tmpfs counts no blocks for an empty file, so its number
+of inodes is bounded too (`inodes_for`), or a session could keep millions of empty files, about a
+KiB of unswappable kernel memory each, under any quota; it and every file the server writes into it belong to the
 unprivileged user the server runs code as (`owner`). Without root it is a plain directory and
 the disk limit is enforced per file (RLIMIT_FSIZE). A pool of fresh workspaces of the default
 size is kept ready so that a request does not wait for a mount.
@@ -49,6 +51,15 @@ class WorkspaceStateError(WorkspaceError):
 
 
 FULL_BELOW_BYTES = 64 * 2**10  # a tmpfs workspace with less room left than this is full
+BYTES_PER_INODE = 2**10  # a tmpfs workspace holds one file or directory per KiB of its quota (at least MIN_INODES)
+MIN_INODES = 4096
+FULL_BELOW_INODES = 16  # and one with fewer free inodes than this is full
+
+
+def inodes_for(disk_bytes: int) -> int:
+    """The files and directories a tmpfs workspace of `disk_bytes` may hold: their kernel memory (about a KiB
+    each) stays of the order of the quota itself."""
+    return max(MIN_INODES, disk_bytes // BYTES_PER_INODE)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _MNT_DETACH = 2
@@ -88,11 +99,14 @@ class Workspace:
         return _tree_bytes(self.path)
 
     def full(self) -> bool:
-        """Whether a run filled the workspace: less than FULL_BELOW_BYTES left of the quota, or a
-        file at the per-file limit (RLIMIT_FSIZE = the disk limit). Measured, never read from output."""
+        """Whether a run filled the workspace: less than FULL_BELOW_BYTES left of the quota (or fewer
+        than FULL_BELOW_INODES files left), or a file at the per-file limit (RLIMIT_FSIZE = the disk
+        limit). Measured, never read from output."""
         if self.tmpfs:
             st = os.statvfs(self.path)
             if st.f_bavail * st.f_frsize < min(FULL_BELOW_BYTES, self.disk_bytes // 16):
+                return True
+            if st.f_favail < FULL_BELOW_INODES:
                 return True
         elif self.usage() >= self.disk_bytes:
             return True
@@ -380,7 +394,7 @@ class WorkspacePool:
         if self.use_tmpfs:
             owner = f",uid={self.owner[0]},gid={self.owner[1]}" if self.owner is not None else ""
             try:
-                _mount_tmpfs(path, f"size={disk_bytes},mode=0755{owner}")
+                _mount_tmpfs(path, f"size={disk_bytes},nr_inodes={inodes_for(disk_bytes)},mode=0755{owner}")
             except OSError:
                 path.rmdir()
                 raise

@@ -435,3 +435,17 @@ def test_a_run_cannot_make_a_user_namespace_of_its_own(bwrap_server):
                               "print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))")  # CLONE_NEWUSER
     assert r.exit_code == 0, r
     assert r.stdout.split()[0] == b"-1", r.stdout
+
+
+@root_only
+def test_empty_files_count_against_the_workspace(bwrap_server):
+    """A tmpfs counts no blocks for an empty file: a session with a disk limit of 1 MiB held 150,000 of them
+    (about 1 KiB of unswappable kernel memory each, kept between its calls), up to 3 million per workspace
+    on this 24 GiB machine. Their number is now bounded by the quota, and filling it is DISK_LIMIT."""
+    from megatron_rl_sandbox.client import pb2
+    from megatron_rl_sandbox.workspace import inodes_for
+
+    r = _python(bwrap_server, "import os\ntry:\n    for i in range(20000):\n        open(f'f{i}', 'w').close()\n"
+                              "finally:\n    print(len(os.listdir('.')))", disk_bytes=2**20)
+    assert int(r.stdout) <= inodes_for(2**20) < 20000, r
+    assert r.termination == pb2.DISK_LIMIT, r
