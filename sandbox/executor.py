@@ -247,13 +247,16 @@ def _classify(timed_out: bool, overflowed: bool, oom: bool, sig: int, code: int,
         return OUTPUT_LIMIT, f"killed after {limits.output_bytes} bytes on one output stream"
     if oom:
         return MEMORY_LIMIT, f"killed at the memory limit of {limits.memory_bytes} bytes"
-    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= 0.95 * limits.cpu_time_s):
+    # A runtime reports a signal as exit status 128 + N, which the code can also exit with (153 read as SIGXFSZ,
+    # 152 as SIGXCPU): a signal is a limit's only where the measurement agrees (the CPU time used, a full
+    # workspace: `disk_full` sees a file at RLIMIT_FSIZE), or, without cgroups, where nothing was measured.
+    if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu_s >= 0.95 * limits.cpu_time_s:
+        return CPU_LIMIT, f"killed at the CPU-time limit of {limits.cpu_time_s:g}s"
+    if sig == signal.SIGXCPU and limiter == "rlimit" and not pid_1:
         return CPU_LIMIT, f"killed at the CPU-time limit of {limits.cpu_time_s:g}s"
     if sig == signal.SIGKILL and limiter == "rlimit" and pid_1:
         return CPU_LIMIT, (f"killed by SIGKILL, presumably at the CPU-time limit of {limits.cpu_time_s:g}s "
                            "(inferred: CPU time is not measured without cgroups)")
-    if sig == signal.SIGXFSZ:
-        return DISK_LIMIT, f"a file exceeded the disk limit of {limits.disk_bytes} bytes"
     if disk_full:  # ENOSPC from the workspace quota, or a file at RLIMIT_FSIZE (EFBIG: Python ignores SIGXFSZ)
         return DISK_LIMIT, f"the run filled its workspace (disk limit {limits.disk_bytes} bytes)"
     if sig:

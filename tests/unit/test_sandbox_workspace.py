@@ -213,3 +213,24 @@ def test_without_cgroups_a_sigkill_is_read_as_the_cpu_limit_only_for_a_pid_1_com
     assert classify(0.0, "rlimit", False)[0] == SIGNALED
     assert classify(0.3, "cgroup-v1", True)[0] == SIGNALED
     assert classify(2.0, "cgroup-v1", True) == (CPU_LIMIT, "killed at the CPU-time limit of 2s")
+
+
+def test_an_exit_status_that_reads_as_a_limits_signal_is_not_that_limit():
+    """bwrap reports a signal as exit status 128 + N, and the code can exit with it: `os._exit(153)` was
+    DISK_LIMIT ("a file exceeded the disk limit") and `os._exit(152)` CPU_LIMIT after 0.02 s of CPU. The
+    measurement decides: the CPU time used, a full workspace (`disk_full`)."""
+    import signal
+
+    from megatron_rl_sandbox.executor import CPU_LIMIT, DISK_LIMIT, SIGNALED, _classify
+
+    limits = Limits(cpu_time_s=2)
+
+    def classify(sig, cpu_s=0.02, limiter="cgroup-v1", pid_1=True, disk_full=False):
+        return _classify(False, False, False, sig, 128 + sig, cpu_s, limits, limiter, pid_1, disk_full)[0]
+
+    assert classify(signal.SIGXFSZ) == SIGNALED
+    assert classify(signal.SIGXCPU) == SIGNALED
+    assert classify(signal.SIGXCPU, limiter="rlimit") == SIGNALED  # PID 1: the kernel drops a real one
+    assert classify(signal.SIGXFSZ, disk_full=True) == DISK_LIMIT
+    assert classify(signal.SIGXCPU, cpu_s=2.0) == CPU_LIMIT
+    assert classify(signal.SIGXCPU, limiter="rlimit", pid_1=False) == CPU_LIMIT  # nothing measured: trusted
