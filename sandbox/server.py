@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import ctypes
+import errno
 import faulthandler
 import json
 import logging
-import ctypes
 import os
 import platform
 import shutil
@@ -232,6 +233,12 @@ def _seal_session_keyring() -> None:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     keyring = libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None)
+    if keyring < 0 and ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+        # keyctl is filtered here (a seccomp profile: Docker's default refuses it), and the filter holds for every
+        # command this server starts as well: there is no keyring for them to reach
+        logger.info("keyctl is unavailable to this server (%s), and so to the code it runs: no keyring to seal",
+                    os.strerror(ctypes.get_errno()))
+        return
     if keyring < 0 or libc.syscall(number, _KEYCTL_SETPERM, keyring, 0) != 0:
         err = ctypes.get_errno()
         raise SystemExit(f"sandbox server: cannot seal the session keyring: {os.strerror(err)}")
