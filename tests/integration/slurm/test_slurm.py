@@ -233,13 +233,14 @@ def test_usr1_checkpoints_requeues_and_resumes_without_repeating_a_step(slurm_en
 
 
 def test_a_job_near_its_time_limit_checkpoints_and_requeues_itself(slurm_env, tmp_path):
-    """A job of 3 minutes (Slurm never requeues one that reaches its limit): rank 0 reads the end from
-    `scontrol show job` and, once one more step and its checkpoint may not fit (checkpoint.stop_before_time_limit;
-    here after the first step, which carries the start-up), the ranks checkpoint and the batch step requeues
-    the job, well before Slurm's time limit would kill it."""
-    gpu = [a for a in GPU_COMPONENT if not a.startswith("--time=")] + ["--time=3"]
+    """A job of 2 minutes with more steps than fit (Slurm never requeues one that reaches its limit): rank 0 reads
+    the end from `scontrol show job` and, once one more step and its checkpoint may not fit with the minute of
+    slack (checkpoint.stop_before_time_limit), the ranks checkpoint and the batch step requeues the job, before
+    Slurm's time limit would kill it."""
+    # no USR1 warning (the script's @180 would come at once): SIGURG, which the batch step ignores, replaces it
+    gpu = [a for a in GPU_COMPONENT if not a.startswith("--time=")] + ["--time=2", "--signal=B:URG@1"]
     job = Job(slurm_env, tmp_path, "slurm/run.sh", [*gpu, ":", *CPU_COMPONENT],
-              [*TINY, "num_steps=50", "checkpoint.save_every=100"])
+              [*TINY, "num_steps=5000", "checkpoint.save_every=10000"])
     deadline = time.monotonic() + 240
     while "requeueing job" not in job.log():
         assert not job.finished(), job.log()[-6000:]
@@ -248,10 +249,10 @@ def test_a_job_near_its_time_limit_checkpoints_and_requeues_itself(slurm_env, tm
     subprocess.run(["scancel", job.job_id], env=slurm_env, check=True)  # its next start is not this test's
     log = job.log()
     stopped = int(re.search(r"stopped after step (\d+) before the time limit: requeueing job", log).group(1))
-    assert 1 <= stopped < 50
+    assert 1 <= stopped < 5000
     rank0 = (job.run_dir / "logs" / "rank0.log").read_text()
     assert re.search(r"the job's time limit is \d+s away and one more step with its checkpoint may take \d+s: "
-                     rf"stopping after step {stopped} of 50", rank0), rank0[-4000:]
+                     rf"stopping after step {stopped} of 5000", rank0), rank0[-4000:]
     assert (job.run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
     assert json.loads((job.run_dir / "preempted.json").read_text())["signal"] == "TIME_LIMIT"
 
