@@ -102,6 +102,24 @@ def count_tasks(tasks_per_node: str) -> int:
     return total
 
 
+def idle_gpus(layout: JobLayout, cfg, environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """Why GPUs of the allocation would sit idle, or None: colocated, every rank takes one GPU of its node, so
+    `--gpus-per-node=8 --ntasks-per-node=4` leaves four GPUs per node unused without a word (the reverse
+    mismatch fails at once, two ranks on one GPU). Disaggregated runs give spare GPUs to local generators."""
+    if cfg.rollout.mode == "disaggregated" or not layout.train_nodes:
+        return None
+    gpus = environ.get("SLURM_GPUS_PER_NODE" + ("_HET_GROUP_0" if layout.het else ""), "")
+    match = re.fullmatch(r"(?:[^:,]+:)?(\d+)", gpus.strip())
+    nodes = len(layout.train_nodes)
+    if match is None or layout.num_train_tasks % nodes:
+        return None
+    per_node, tasks = int(match.group(1)), layout.num_train_tasks // nodes
+    if per_node <= tasks:
+        return None
+    return (f"the job has {per_node} GPUs per node but {tasks} training task(s) per node, one GPU each: "
+            f"{per_node - tasks} GPU(s) per node stay idle; ask for --ntasks-per-node={per_node}")
+
+
 def fewest_cpus_per_node(cpus_per_node: str) -> int:
     """The smallest count of a Slurm per-node string (SLURM_JOB_CPUS_PER_NODE): `80(x2),40` -> 40."""
     counts = []
@@ -435,6 +453,8 @@ class BatchStep:
         logger.info("job %s start %d: run directory %s; nodes %s", lay.job_id, lay.restart_count + 1, self.run_dir,
                     ", ".join(f"{n}={'+'.join(r)}" for n, r in lay.roles().items()))
         (self.run_dir / MARKER).unlink(missing_ok=True)
+        if (why := idle_gpus(lay, self.cfg)) is not None:
+            logger.warning("%s", why)
         try:
             if self.use_sandbox and not self._start_sandboxes():
                 return 1

@@ -274,6 +274,27 @@ def test_the_gpu_only_sandbox_step_shares_every_cpu_the_job_has_on_a_node(tmp_pa
     assert {"--overlap", "--cpus-per-task=80", "--ntasks-per-node=1", "--nodes=2"} <= set(srun), srun
 
 
+def test_fewer_training_tasks_than_gpus_per_node_is_said():
+    """Colocated, each rank takes one GPU: 8 GPUs and 4 tasks per node leave 4 idle (said); as many tasks as GPUs,
+    or a disaggregated run (local generators take the spare GPUs), say nothing."""
+    from megatron_rl.config import load_config
+    from megatron_rl.slurm_job import idle_gpus
+
+    cfg = load_config(["cluster=slurm", "rollout.backend=hf", "sandbox=bwrap"], world_size=8)
+    env = {"SLURM_JOB_ID": "44", "SLURM_JOB_NAME": "megatron-rl", "SLURM_JOB_NODELIST": "gpu[01-02]",
+           "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_GPUS_PER_NODE": "h100:8"}
+    why = idle_gpus(job_layout(env), cfg, env)
+    assert why is not None and "8 GPUs per node but 4 training task(s)" in why and "--ntasks-per-node=8" in why
+    assert idle_gpus(job_layout(env), cfg, dict(env, SLURM_GPUS_PER_NODE="4")) is None
+    assert idle_gpus(job_layout(env), cfg, {k: v for k, v in env.items() if k != "SLURM_GPUS_PER_NODE"}) is None
+    disagg = load_config(["cluster=slurm", "rollout.backend=hf", "sandbox=bwrap", "rollout.mode=disaggregated"],
+                         world_size=8)
+    assert idle_gpus(job_layout(env), disagg, env) is None
+    het = dict(HET_BATCH, SLURM_GPUS_PER_NODE_HET_GROUP_0="8")  # 16 tasks on 2 nodes: 8 each
+    assert idle_gpus(job_layout(het), load_config(["cluster=slurm", "rollout.backend=hf", "sandbox=bwrap"],
+                                                  world_size=16), het) is None
+
+
 def test_after_sigterm_the_stop_is_said_once_the_checkpoint_is_marked_not_when_the_ranks_exit(
         tmp_path, monkeypatch, caplog):
     """Under `scancel` Slurm SIGKILLs every step KillWait seconds after its SIGTERM; ranks whose exit (plots,
