@@ -299,6 +299,11 @@ class Task:
             if answer is None and c.rule_check is not None:
                 raise ValueError(f"{where} has no {c.answer_key!r} column (task.answer_key) for "
                                  f"task.rule_check={c.rule_check}")
+            if answer is None and self.reward_kind == "judge" and c.judge.show_reference \
+                    and "{reference}" in (c.judge.template or ""):
+                raise ValueError(f"{where} has no {c.answer_key!r} column (task.answer_key), which task.judge.template "
+                                 "shows the judge as {reference}: it would grade against an empty reference; give "
+                                 "every row its answer, or leave {reference} out of the template")
             if answer is not None and c.rule_check is not None:
                 answer = _reference_answer(answer, c.rule_check, f"{where}: its {c.answer_key!r} (task.answer_key)")
             meta = {"question": row[c.prompt_key], **({} if answer is None else {"answer": str(answer)})}

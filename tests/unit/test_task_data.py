@@ -364,3 +364,20 @@ def test_plain_text_prompts_start_with_the_bos_a_tokenizer_adds_of_its_own(tmp_p
     sample = prompt_response_sample(bos_adding, prompt.text, "1")
     assert sample.tokens.tolist()[:len(expected)] == expected
     assert _task(tmp_path, tokenizer, chat_template=False).prompts("eval")[0].tokens == expected[1:]
+
+
+def test_a_judge_template_that_shows_the_reference_needs_every_rows_answer(tmp_path, tokenizer):
+    """A custom judge template with {reference} would grade a row without an answer against ''; refused naming the
+    row. Without {reference} in the template such rows are fine."""
+    from megatron_rl.config.task import JudgeConfig
+
+    rows = [{"prompt": "What is 1 + 1?", "answer": 2}, {"prompt": "Write a poem."}]
+
+    def task(template: str) -> Task:
+        cfg = TaskConfig(name="t", type="dataset", path=str(_jsonl(tmp_path / "rows.jsonl", rows)), num_eval=0,
+                         chat_template=False, reward="judge", judge=JudgeConfig(template=template))
+        return Task(cfg, tokenizer)
+
+    with pytest.raises(ValueError, match=r"train row 1\) has no 'answer' column .*shows the judge as \{reference\}"):
+        task("Q: {prompt}\nA: {response}\nGold: {reference}\nscore:").prompts("train")
+    assert len(task("Q: {prompt}\nA: {response}\nscore:").prompts("train")) == 2
