@@ -381,3 +381,12 @@ def test_a_judge_template_that_shows_the_reference_needs_every_rows_answer(tmp_p
     with pytest.raises(ValueError, match=r"train row 1\) has no 'answer' column .*shows the judge as \{reference\}"):
         task("Q: {prompt}\nA: {response}\nGold: {reference}\nscore:").prompts("train")
     assert len(task("Q: {prompt}\nA: {response}\nscore:").prompts("train")) == 2
+
+
+def test_a_row_with_its_own_system_message_and_task_system_prompt_is_refused(tmp_path, tokenizer):
+    rows = [{"prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "1 + 1?"}],
+             "answer": 2}] * 3
+    with pytest.raises(ValueError, match=r"system message of its own and task.system_prompt is set"):
+        _task(tmp_path, tokenizer, rows=rows, chat_template=True, system_prompt="Think.").prompts("train")
+    [prompt] = _task(tmp_path, tokenizer, rows=rows, chat_template=True).prompts("train")
+    assert prompt.text.count("<|im_start|>system") == 1
