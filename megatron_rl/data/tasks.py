@@ -219,7 +219,8 @@ class Task:
             if any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
                 raise ValueError(f"task {self.cfg.name}: a prompt has a system message of its own and "
                                  "task.system_prompt is set, which would give it two system turns: unset "
-                                 f"task.system_prompt or drop the rows' system messages (the prompt: {messages!r:.200})")
+                                 "task.system_prompt or drop the rows' system messages "
+                                 f"(the prompt: {messages!r:.200})")
             messages = [{"role": "system", "content": self.cfg.system_prompt}] + messages
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
