@@ -45,6 +45,9 @@ from megatron_rl_sandbox.scheduler import CLASSES, DEFAULT_CLASS, check_class
 pb2, pb2_grpc = load_proto()
 logger = logging.getLogger(__name__)
 
+# How long a replaced channel (`_Server.reconnect`) stays open for the calls still on it; it refuses connections,
+# so they end at once, unless the server came back under them.
+RETIRE_GRACE_S = 120.0
 # The codes that prove the call did not run: refused at admission, or not served at all.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 # Final, and not the request's fault: reported in band (no verdict) by execute / verify.
@@ -175,6 +178,7 @@ class _Server:
         self.unreachable_since: Optional[float] = None  # refusing connections since then (None: reachable)
 
     def _connect(self) -> None:
+        self.retiring: set[asyncio.Task] = getattr(self, "retiring", set())  # old channels closing (`reconnect`)
         self.channel = grpc.aio.insecure_channel(self.address, options=[
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
@@ -185,10 +189,14 @@ class _Server:
     async def reconnect(self) -> None:
         """A fresh channel: a server back on this address (a restarted sandbox step) is used at the next call.
         The old channel, after refused connections, waits out gRPC's reconnect backoff (growing to minutes),
-        and every call on it fails at once meanwhile."""
+        and every call on it fails at once meanwhile. It is closed in the background once the calls still on it
+        have ended (`RETIRE_GRACE_S` at most): closed at once, it cancelled them, and a concurrent call of
+        another coroutine raised CancelledError instead of failing over (CI saw a verification batch crash)."""
         old = self.channel
         self._connect()
-        await old.close()
+        task = asyncio.get_running_loop().create_task(old.close(grace=RETIRE_GRACE_S))
+        self.retiring.add(task)
+        task.add_done_callback(self.retiring.discard)
 
     def reachable(self, yes: bool) -> None:
         if yes:
@@ -230,6 +238,8 @@ class SandboxClient:
     async def close(self) -> None:
         for server in self.servers:
             await server.channel.close()
+            if server.retiring:  # old channels: their calls have ended with this client's use
+                await asyncio.gather(*server.retiring, return_exceptions=True)
 
     async def __aenter__(self) -> "SandboxClient":
         return self
@@ -304,6 +314,14 @@ class SandboxClient:
                     server.healthy = True
                     server.reachable(True)
                     return result, server
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is None or task.cancelling():
+                        raise  # this task is being cancelled: not the call's to swallow
+                    # the call was cancelled under it (its channel closed): as a server that did not answer
+                    server.healthy = False
+                    logger.debug("%s on %s was cancelled locally; trying the next server", method, server.address)
+                    continue
                 except grpc.aio.AioRpcError as exc:
                     last_error = exc
                     code = exc.code()

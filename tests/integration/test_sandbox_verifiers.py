@@ -149,3 +149,25 @@ def test_a_server_back_on_its_address_is_used_again_within_seconds():
     result, took = asyncio.run(go())
     assert result.exit_code == 0 and result.server, result
     assert took < 5, f"the client needed {took:.1f}s to use the server again"
+
+
+def test_a_fresh_channel_leaves_the_calls_on_the_old_one_to_end():
+    """The health check replaces the channel of a server that refused connections (`_Server.reconnect`); a call
+    another coroutine still had on the old channel was cancelled by its close, and CancelledError, not a failover,
+    reached the verifier (CI saw a verification batch crash). The old channel now closes once its calls end."""
+    from megatron_rl_sandbox.client import SandboxClient
+
+    server = start_server(RUNTIME, "--capacity", "1")
+
+    async def go():
+        async with SandboxClient([server.address], deadline_s=30) as client:
+            call = asyncio.ensure_future(client.execute(["sleep", "1"]))
+            await asyncio.sleep(0.5)  # the call is running on the server, on the channel about to be replaced
+            await client.servers[0].reconnect()
+            result = await call
+            return result, await client.execute(["true"])
+    try:
+        slept, after = asyncio.run(go())
+    finally:
+        server.stop()
+    assert slept.exit_code == 0 and after.exit_code == 0, (slept, after)
