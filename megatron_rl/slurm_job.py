@@ -91,15 +91,20 @@ class JobLayout:
                                    sandbox_nodes=sandbox, num_train_tasks=per_node * (len(nodes) - num))
 
 
-def count_tasks(tasks_per_node: str) -> int:
-    """Total of a Slurm tasks-per-node string: `2(x3),1` -> 7."""
-    total = 0
-    for part in tasks_per_node.split(","):
+def _per_node(counts: str, what: str) -> list[tuple[int, int]]:
+    """A Slurm per-node string (`2(x3),1`) as (count, nodes) pairs; ValueError naming `what` otherwise."""
+    pairs = []
+    for part in counts.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if match is None:
-            raise ValueError(f"cannot parse Slurm tasks-per-node {tasks_per_node!r}")
-        total += int(match.group(1)) * int(match.group(2) or 1)
-    return total
+            raise ValueError(f"cannot parse Slurm {what} {counts!r}")
+        pairs.append((int(match.group(1)), int(match.group(2) or 1)))
+    return pairs
+
+
+def count_tasks(tasks_per_node: str) -> int:
+    """Total of a Slurm tasks-per-node string: `2(x3),1` -> 7."""
+    return sum(count * nodes for count, nodes in _per_node(tasks_per_node, "tasks-per-node"))
 
 
 def idle_gpus(layout: JobLayout, cfg, environ: Mapping[str, str] = os.environ) -> Optional[str]:
@@ -122,13 +127,7 @@ def idle_gpus(layout: JobLayout, cfg, environ: Mapping[str, str] = os.environ) -
 
 def fewest_cpus_per_node(cpus_per_node: str) -> int:
     """The smallest count of a Slurm per-node string (SLURM_JOB_CPUS_PER_NODE): `80(x2),40` -> 40."""
-    counts = []
-    for part in cpus_per_node.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x\d+\))?", part.strip())
-        if match is None:
-            raise ValueError(f"cannot parse Slurm CPUs per node {cpus_per_node!r}")
-        counts.append(int(match.group(1)))
-    return min(counts)
+    return min(count for count, _ in _per_node(cpus_per_node, "CPUs per node"))
 
 
 def job_layout(environ: Mapping[str, str] = os.environ) -> JobLayout:
