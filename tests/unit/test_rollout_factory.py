@@ -421,13 +421,10 @@ def test_hf_engine_unseeded_requests_draw_new_samples():
     assert draw() != draw()
 
 
-def test_hf_engine_stops_at_a_stop_string():
-    """Greedy decoding (top_k=1) of a fixed model gives a known continuation; with a stop string taken
-    from it, the response ends with the token that completes the string's first occurrence, finish
-    reason stop, log-probs cut alike. The shipped tokenizer has one token per character."""
+def _char_engine():
+    """(config, the shipped tokenizer, an hf engine holding a fixed model of seed 7): stop-string tests' engine."""
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.models.hf import build_hf_model, hub_state_dict
-    from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.hf_engine import HFEngine
 
     cfg = rl_config()
@@ -435,6 +432,17 @@ def test_hf_engine_stops_at_a_stop_string():
     engine = HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                       tokenizer=tokenizer)
     engine.update_weights(hub_state_dict(build_hf_model(cfg.model, seed=7)).items(), version=1)
+    return cfg, tokenizer, engine
+
+
+def test_hf_engine_stops_at_a_stop_string():
+    """Greedy decoding (top_k=1) of a fixed model gives a known continuation; with a stop string taken
+    from it, the response ends with the token that completes the string's first occurrence, finish
+    reason stop, log-probs cut alike. The shipped tokenizer has one token per character."""
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.hf_engine import HFEngine
+
+    cfg, tokenizer, engine = _char_engine()
     prompt = tokenizer("3+4=", add_special_tokens=False)["input_ids"]
     greedy = SamplingParams(top_k=1, max_new_tokens=16, seed=0)
     free = engine.generate([prompt], greedy)[0]
@@ -454,16 +462,9 @@ def test_hf_engine_matches_stop_strings_on_the_response_alone():
     SGLang, which matches the response's text): the response is what it is without the string, or ends where the
     string first occurs in the response's own text. transformers' stop_strings matched the whole sequence and
     ended the row after its first token, padding it with tokens the model never sampled."""
-    from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.models.hf import build_hf_model, hub_state_dict
     from megatron_rl.rollout.base import SamplingParams
-    from megatron_rl.rollout.hf_engine import HFEngine
 
-    cfg = rl_config()
-    tokenizer = load_tokenizer("builtin:char")
-    engine = HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                      tokenizer=tokenizer)
-    engine.update_weights(hub_state_dict(build_hf_model(cfg.model, seed=7)).items(), version=1)
+    _, tokenizer, engine = _char_engine()
     prompt = tokenizer("3+4=", add_special_tokens=False)["input_ids"]
     greedy = SamplingParams(top_k=1, max_new_tokens=16, seed=0)
     free = engine.generate([prompt, prompt[:-1]], greedy)[0]
