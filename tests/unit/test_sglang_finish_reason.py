@@ -5,13 +5,12 @@ process), and through partial rollouts, which would otherwise continue such a sa
 
 from __future__ import annotations
 
-import threading
-
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.factory import sglang_engine_config
 from megatron_rl.rollout.partial import generate_partial
 from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from tests.unit.test_rollout_factory import rl_config
+from tests.unit.test_sglang_routing import offline_engine
 
 EOS, STOP = 2, 9
 
@@ -43,12 +42,7 @@ class _Transport:
 
 
 def _engine(script: list[list[int]], eos: tuple[int, ...] = (EOS,)) -> SGLangEngine:
-    engine = SGLangEngine.__new__(SGLangEngine)  # no engine process: generate's bookkeeping and parsing run
-    engine.config = SGLangEngineConfig(model_path="unused", eos_token_ids=eos)
-    engine._transport, engine._released, engine._paused = _Transport(script), set(), False
-    engine._deterministic, engine._warned, engine.weight_version, engine._lora = True, set(), 1, None
-    engine._idle, engine._in_flight = threading.Condition(), 0
-    return engine
+    return offline_engine(SGLangEngineConfig(model_path="unused", eos_token_ids=eos), _Transport(script), 1)
 
 
 def test_eos_or_stop_token_at_the_length_limit_is_a_stop():

@@ -7,6 +7,7 @@ transport (no SGLang process); the factory refuses R3 with SGLang on CPU and set
 from __future__ import annotations
 
 import base64
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,15 +39,21 @@ class _Transport:
         return self.outputs
 
 
-def _engine(outputs: list[dict], layout=(LAYERS, SPARSE, TOPK)) -> SGLangEngine:
-    engine = SGLangEngine.__new__(SGLangEngine)  # no engine process: generate's bookkeeping and parsing run
-    engine.config = SGLangEngineConfig(model_path="unused", routing_layout=layout)
-    engine._transport, engine._released, engine._paused = _Transport(outputs), set(), False
-    engine._deterministic, engine._warned, engine.weight_version, engine._lora = True, set(), 3, None
+def offline_engine(config: SGLangEngineConfig, transport: Any, weight_version: int) -> SGLangEngine:
+    """An SGLangEngine without an engine process, answering through `transport`: generate's bookkeeping and
+    parsing run (also test_sglang_finish_reason.py's)."""
     import threading
 
+    engine = SGLangEngine.__new__(SGLangEngine)
+    engine.config = config
+    engine._transport, engine._released, engine._paused = transport, set(), False
+    engine._deterministic, engine._warned, engine.weight_version, engine._lora = True, set(), weight_version, None
     engine._idle, engine._in_flight = threading.Condition(), 0
     return engine
+
+
+def _engine(outputs: list[dict], layout=(LAYERS, SPARSE, TOPK)) -> SGLangEngine:
+    return offline_engine(SGLangEngineConfig(model_path="unused", routing_layout=layout), _Transport(outputs), 3)
 
 
 def _output(output_ids: list[int], routed: np.ndarray, reason: str = "stop") -> dict:
