@@ -31,6 +31,14 @@ def end_of_sequence_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def stop_ids(tokenizer: Any, end_of_turn_ids: list[int]) -> tuple[int, ...]:
+    """The ids that end a response besides the tokenizer's eos (which engines stop at anyway): the chat template's
+    end-of-turn token (`end_of_turn_ids`, the encoded end of turn; used when it is one token) and the checkpoint's
+    other end-of-sequence ids (`end_of_sequence_ids`)."""
+    ends = set(end_of_turn_ids if len(end_of_turn_ids) == 1 else []) | set(end_of_sequence_ids(tokenizer))
+    return tuple(sorted(ends - {tokenizer.eos_token_id}))
+
+
 def plain_text_prefix(tokenizer: Any) -> str:
     """The text of what the tokenizer puts before a plain text of its own accord (`tokenizer(text)`, as
     transformers and vLLM's completions encode a prompt): its BOS for Llama, Mistral and Gemma tokenizers, "" for

@@ -342,11 +342,9 @@ class Task:
         """Token ids that end a response besides the tokenizer's eos: the chat template's end-of-turn token, and
         the checkpoint's other end-of-sequence ids (`end_of_sequence_ids`: generation_config.json's), at which
         SGLang stops too."""
-        from megatron_rl.data.special_tokens import end_of_sequence_ids
+        from megatron_rl.data.special_tokens import stop_ids
 
-        eot = self._encode(self.end_of_turn) if self.end_of_turn else []
-        ids = set(eot[:1] if len(eot) == 1 else []) | set(end_of_sequence_ids(self.tokenizer))
-        return tuple(sorted(ids - {self.tokenizer.eos_token_id}))
+        return stop_ids(self.tokenizer, self._encode(self.end_of_turn) if self.end_of_turn else [])
 
     def reward_scale_of(self, meta: dict[str, Any]) -> float:
         """What the verifier multiplied this prompt's rewards by (task.reward_scale)."""

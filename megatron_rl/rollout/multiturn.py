@@ -89,15 +89,13 @@ class TurnFormat:
 
     def __init__(self, tokenizer: Any, system_prompt: str, observation_role: str = "tool") -> None:
         from megatron_rl.data.tasks import end_of_turn
-        from megatron_rl.data.special_tokens import end_of_sequence_ids
+        from megatron_rl.data.special_tokens import stop_ids
 
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.end_of_turn = end_of_turn(tokenizer)
-        eot_ids = self.encode(self.end_of_turn) if self.end_of_turn else []
         # ids that end a model turn besides eos: the template's end-of-turn, the checkpoint's other eos ids
-        ends = set(eot_ids[:1] if len(eot_ids) == 1 else []) | set(end_of_sequence_ids(tokenizer))
-        self.stop_token_ids = tuple(sorted(ends - {tokenizer.eos_token_id}))
+        self.stop_token_ids = stop_ids(tokenizer, self.encode(self.end_of_turn) if self.end_of_turn else [])
         base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                 {"role": "assistant", "content": "a"}]
         before = self.render(base)

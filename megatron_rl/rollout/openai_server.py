@@ -108,16 +108,16 @@ class OpenAIServer:
     def __init__(self, tokenizer: Any, host: str = "127.0.0.1", port: int = 0, wait_s: float = 30.0,
                  max_batch: int = 64) -> None:
         from megatron_rl.data.tasks import end_of_turn
-        from megatron_rl.data.special_tokens import end_of_sequence_ids, plain_text_prefix
+        from megatron_rl.data.special_tokens import plain_text_prefix, stop_ids
 
         self.tokenizer, self.wait_s, self.max_batch = tokenizer, wait_s, max_batch
         eot = end_of_turn(tokenizer) if getattr(tokenizer, "chat_template", None) else ""
         ids = self._encode(eot) if eot else []
         # the checkpoint's other end-of-sequence ids end any reply (`end_of_sequence_ids`), and a chat reply also
         # the template's end-of-turn token
-        self.end_ids = tuple(sorted(set(end_of_sequence_ids(tokenizer)) - {tokenizer.eos_token_id}))
+        self.end_ids = stop_ids(tokenizer, [])
         self.plain_prefix = plain_text_prefix(tokenizer)
-        self.chat_stop_ids = tuple(sorted(set(ids if len(ids) == 1 else ()) | set(self.end_ids)))
+        self.chat_stop_ids = stop_ids(tokenizer, ids)
         self._said_seed = False  # the warning about seeded requests is given once
         self._cond = threading.Condition()
         self._batcher: Any = None
